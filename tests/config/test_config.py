@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vltrain.config import ConfigError, dump_config, load_config
+from vltrain.config.core import all_keys, describe
+from vltrain.config.schema import Config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_yaml_and_overrides_merge_in_order(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("optim:\n  lr: 1.0e-3\ndata:\n  batch_size: 8\n")
+    cfg = load_config(f, ["optim.lr=3e-4"])
+    assert cfg.optim.lr == pytest.approx(3e-4)  # override beats YAML
+    assert cfg.data.batch_size == 8  # YAML beats default
+    assert cfg.optim.weight_decay == Config().optim.weight_decay  # default kept
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("optim.lrr=1e-3", "unknown config key 'optim.lrr'; did you mean optim.lr?"),
+        ("trian.max_steps=3", "did you mean train?"),
+        ("data.batch_sise=3", "did you mean data.batch_size?"),
+    ],
+)
+def test_unknown_key_names_closest_valid_key(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected.replace("?", r"\?").replace(".", r"\.")):
+        load_config(None, [override])
+
+
+@pytest.mark.parametrize(
+    "override, key, what",
+    [
+        ("data.batch_size=abc", "data.batch_size", "expects int"),
+        ("data.batch_size=2.5", "data.batch_size", "expects int"),
+        ("run.deterministic=3", "run.deterministic", "expects bool"),
+        ("optim.betas=0.9", "optim.betas", "expects a list"),
+        ("data.batch_size=0", "data.batch_size", "must be >= 1"),
+        ("optim.lr=-1", "optim.lr", "must be > 0"),
+        ("run.precision=bf61", "run.precision", "did you mean 'bf16'"),
+    ],
+)
+def test_wrong_type_or_range_names_key_and_expectation(override: str, key: str,
+                                                       what: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert key in str(e.value) and what in str(e.value)
+
+
+def test_cross_field_rules() -> None:
+    with pytest.raises(ConfigError, match="warmup_steps"):
+        load_config(None, ["train.max_steps=10", "optim.warmup_steps=20"])
+
+
+def test_yaml_scientific_notation_without_dot_is_a_float() -> None:
+    assert load_config(None, ["optim.lr=5e-4"]).optim.lr == pytest.approx(5e-4)
+
+
+def test_resolved_config_round_trips(tmp_path: Path) -> None:
+    cfg = load_config(None, ["optim.lr=3e-4", "optim.lr_scale={vision: 0.1}"])
+    dump_config(cfg, tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert again == cfg
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["optim"]["lr_scale"] == {
+        "vision": 0.1}
+
+
+def test_unsafe_yaml_is_refused(tmp_path: Path) -> None:
+    f = tmp_path / "evil.yaml"
+    f.write_text("run: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(f)
+
+
+def test_every_field_is_documented() -> None:
+    rows = describe(Config)
+    assert len(rows) > 30
+    assert all(doc.strip() for _, _, _, doc in rows)
+    assert "optim.lr" in all_keys(Config)
+
+
+@pytest.mark.parametrize("preset", sorted((REPO / "configs").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_preset_loads(preset: Path) -> None:
+    cfg = load_config(preset)
+    assert cfg.train.max_steps >= 1

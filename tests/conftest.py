@@ -1,0 +1,34 @@
+"""Shared fixtures: a small synthetic dataset and a tiny-run config builder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def shapes_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small synthetic shapes dataset (train 128 / val 32 / test 32), written once."""
+    from vltrain.data.synth import synth_command
+
+    out = tmp_path_factory.mktemp("shapes")
+    synth_command(str(out), 128, 32, 32, 0)
+    return out
+
+
+def tiny_overrides(data: Path, out: Path, **extra: object) -> list[str]:
+    """Overrides for a few-second CPU run of the CLIP stage on `data`."""
+    base = {
+        "run.out_dir": out, "data.train": data / "train.jsonl", "data.eval": data / "val.jsonl",
+        "data.batch_size": 16, "data.num_workers": 0, "data.tokenizer_vocab": 400,
+        "train.max_steps": 6, "train.eval_every": 0, "train.save_every": 0,
+        "train.log_every": 1, "optim.warmup_steps": 2, "log.progress": False,
+        "log.tensorboard": False,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]

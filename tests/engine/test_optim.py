@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+from torch import nn
+
+from vltrain.config import ConfigError, load_config
+from vltrain.engine.optim import build_optimizer, lr_factor, param_groups
+
+
+def _cfg(*overrides: str):
+    return load_config(None, ["train.max_steps=100", *overrides]).optim
+
+
+@pytest.mark.parametrize(
+    "schedule, step, expected",
+    [
+        ("cosine", 0, 0.1), ("cosine", 9, 1.0), ("cosine", 10, 1.0),
+        ("cosine", 10 + 89 // 2, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (44 / 89)))),
+        ("cosine", 99, 0.1), ("linear", 99, 0.1), ("linear", 10, 1.0),
+        ("linear", 54, 0.1 + 0.9 * (1 - 44 / 89)), ("constant", 99, 1.0), ("constant", 4, 0.5),
+    ],
+)
+def test_schedule_values_at_key_steps(schedule: str, step: int, expected: float) -> None:
+    cfg = _cfg("optim.warmup_steps=10", f"optim.schedule={schedule}", "optim.min_lr_ratio=0.1")
+    assert lr_factor(step, 100, cfg) == pytest.approx(expected)
+
+
+def test_cosine_is_monotone_after_warmup() -> None:
+    cfg = _cfg("optim.warmup_steps=10")
+    vals = [lr_factor(s, 100, cfg) for s in range(10, 100)]
+    assert all(a >= b for a, b in zip(vals, vals[1:], strict=False))
+
+
+class _Toy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.vision = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        self.text = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 2)
+        self.logit_scale = nn.Parameter(nn.init.zeros_(nn.Parameter(nn.Linear(1, 1).weight)))
+
+    def no_weight_decay(self) -> list[str]:
+        return ["logit_scale"]
+
+
+def test_param_groups_exclude_bias_norm_embedding_and_temperature_from_decay() -> None:
+    groups = param_groups(_Toy(), _cfg("optim.weight_decay=0.1"))
+    decay = {n for g in groups if g["weight_decay"] > 0 for n in g["names"]}
+    no_decay = {n for g in groups if g["weight_decay"] == 0 for n in g["names"]}
+    assert decay == {"vision.0.weight", "head.weight"}
+    assert no_decay == {"vision.0.bias", "vision.1.weight", "vision.1.bias", "text.weight",
+                        "head.bias", "logit_scale"}
+
+
+def test_lr_scale_multiplies_module_lr_and_unknown_module_fails() -> None:
+    opt = build_optimizer(_Toy(), _cfg("optim.lr=1e-3", "optim.lr_scale={vision: 0.1}"))
+    by_name = {n: g["lr"] for g in opt.param_groups for n in g["names"]}
+    assert by_name["vision.0.weight"] == pytest.approx(1e-4)
+    assert by_name["head.weight"] == pytest.approx(1e-3)
+    with pytest.raises(ConfigError, match="visoin"):
+        build_optimizer(_Toy(), _cfg("optim.lr_scale={visoin: 0.1}"))
+
+
+def test_frozen_parameters_are_not_optimized() -> None:
+    m = _Toy()
+    m.vision.requires_grad_(False)
+    names = {n for g in param_groups(m, _cfg()) for n in g["names"]}
+    assert not any(n.startswith("vision") for n in names)

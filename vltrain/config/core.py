@@ -1,0 +1,236 @@
+"""Typed config machinery: documented dataclass fields, YAML + dotted overrides, validation.
+
+A config is a tree of dataclasses. Every field is declared with `option(default, doc, ...)`
+so that its type, documentation, range and choices live where it is declared. Loading merges
+defaults -> YAML -> dotted overrides once, then validates every key and value before any
+compute, naming the offending key and the closest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or override; the message says what to change."""
+
+
+def option(
+    default: Any,
+    doc: str,
+    *,
+    ge: float | None = None,
+    le: float | None = None,
+    gt: float | None = None,
+    choices: tuple | None = None,
+) -> Any:
+    """Declare a config field with its documentation and constraints."""
+    meta = {"doc": doc, "ge": ge, "le": le, "gt": gt, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def section(cls: type, doc: str) -> Any:
+    """Declare a nested config section."""
+    return dataclasses.field(default_factory=cls, metadata={"doc": doc, "section": True})
+
+
+def all_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key (leaves and sections) a config class accepts."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        keys.append(key)
+        sub = _hints(cls)[f.name]
+        if dataclasses.is_dataclass(sub):
+            keys.extend(all_keys(sub, key + "."))
+    return keys
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unknown_key(key: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]}?" if close else " (see docs/config.md for every key)"
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def set_dotted(tree: dict, key: str, value: Any) -> None:
+    """Set `a.b.c = value` in a nested dict, creating sections as needed."""
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set '{key}': '{p}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """Turn `["optim.lr=3e-4", "data.batch_size=32"]` into a nested dict (YAML-typed values)."""
+    tree: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. optim.lr=3e-4)")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        set_dotted(tree, key.strip(), value)
+    return tree
+
+
+def deep_merge(base: dict, update: dict) -> dict:
+    """Recursively merge `update` into a copy of `base`."""
+    out = dict(base)
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check `value` against the annotation `tp`, converting only lossless cases (int->float)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(key, value, a)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"'{key}' expects {_type_name(tp)}, got {value!r}")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"'{key}' expects a list of {_type_name(item_tp)}, got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if origin is dict:
+        k_tp, v_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"'{key}' expects a mapping, got {value!r}")
+        return {_coerce(key, k, k_tp): _coerce(f"{key}.{k}", v, v_tp) for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(
+        f"'{key}' expects {_type_name(tp)}, got {value!r} ({type(value).__name__})"
+    )
+
+
+def _check_range(key: str, value: Any, meta: dict) -> None:
+    if meta.get("choices") is not None and value not in meta["choices"]:
+        close = difflib.get_close_matches(str(value), [str(c) for c in meta["choices"]], n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"'{key}' must be one of {list(meta['choices'])}, got {value!r}{hint}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    for bound, ok, word in (
+        ("ge", lambda v, b: v >= b, ">="),
+        ("le", lambda v, b: v <= b, "<="),
+        ("gt", lambda v, b: v > b, ">"),
+    ):
+        b = meta.get(bound)
+        if b is not None and not ok(value, b):
+            raise ConfigError(f"'{key}' must be {word} {b}, got {value!r}")
+
+
+def build(cls: type, tree: dict | None, prefix: str = "", root: type | None = None) -> Any:
+    """Build and validate a config dataclass from a nested dict of user values."""
+    root = root or cls
+    tree = tree or {}
+    if not isinstance(tree, dict):
+        raise ConfigError(f"'{prefix.rstrip('.') or 'config'}' must be a section (mapping)")
+    hints = _hints(cls)
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    for key in tree:
+        if key not in names:
+            raise _unknown_key(prefix + str(key), all_keys(root))
+    kwargs = {}
+    for name, f in names.items():
+        key = prefix + name
+        if name not in tree:
+            continue
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = build(tp, tree[name], key + ".", root)
+        else:
+            value = _coerce(key, tree[name], tp)
+            _check_range(key, value, dict(f.metadata))
+            kwargs[name] = value
+    obj = cls(**kwargs)
+    for name, f in names.items():  # defaults must satisfy their own constraints too
+        if name not in kwargs and not dataclasses.is_dataclass(hints[name]):
+            _check_range(prefix + name, getattr(obj, name), dict(f.metadata))
+    return obj
+
+
+def to_dict(cfg: Any) -> dict:
+    """A plain nested dict (safe to dump as YAML)."""
+    return dataclasses.asdict(cfg)
+
+
+def load_yaml(path: str | Path) -> dict:
+    """Read a YAML file with the safe loader; a clear error if it is missing or malformed."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p} must hold a mapping of config sections, got {type(data).__name__}")
+    return data
+
+
+def describe(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """(key, type, default, doc) for every leaf: the reference documentation of a config."""
+    rows = []
+    inst = cls()
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows.extend(describe(tp, prefix + f.name + "."))
+        else:
+            rows.append((prefix + f.name, _type_name(tp), getattr(inst, f.name), f.metadata["doc"]))
+    return rows

@@ -1,0 +1,166 @@
+"""The vltrain config schema: every key, its type, default and meaning, declared in one place.
+
+`docs/config.md` is generated from these declarations (`vltrain config-docs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from vltrain.config.core import (
+    ConfigError,
+    build,
+    deep_merge,
+    load_yaml,
+    option,
+    parse_overrides,
+    section,
+    to_dict,
+)
+
+
+@dataclass
+class RunConfig:
+    out_dir: str = option("runs/default", "Run directory: config, metrics, checkpoints, report.")
+    seed: int = option(0, "Seed for model init, shuffling, sampling and augmentation.", ge=0)
+    device: str = option("auto", "'auto' (cuda if available), 'cpu' or 'cuda'.",
+                         choices=("auto", "cpu", "cuda"))
+    precision: str = option("fp32", "Compute precision: fp32, or bf16 autocast (CPU and CUDA).",
+                            choices=("fp32", "bf16"))
+    deterministic: bool = option(
+        False,
+        "Deterministic kernels (torch.use_deterministic_algorithms, cuDNN deterministic, "
+        "no TF32). Costs speed on GPU (often 10-30%); no effect on results on CPU fp32.",
+    )
+    threads: int = option(0, "torch intra-op threads per process (0: leave torch's default).", ge=0)
+
+
+@dataclass
+class DataConfig:
+    train: str = option("", "Training records: JSONL (or COCO captions .json).")
+    eval: str = option("", "Evaluation records (val split); empty disables evaluation.")
+    test: str = option("", "Optional held-out test records, evaluated at the end of training.")
+    batch_size: int = option(32, "Batch size per process (global batch = this x world size).",
+                             ge=1)
+    eval_batch_size: int = option(0, "Per-process eval batch size (0: same as batch_size).", ge=0)
+    num_workers: int = option(2, "DataLoader worker processes per rank (0: load in-process).",
+                              ge=0)
+    image_size: int = option(64, "Square image side fed to the built-in vision tower.", ge=8)
+    max_text_len: int = option(32, "Max text tokens (incl. bos/eos); longer texts are cut.",
+                               ge=4)
+    tokenizer_vocab: int = option(2000, "Vocabulary size of the BPE tokenizer trained on the "
+                                  "training captions (built-in text towers).", ge=300)
+    max_bad_fraction: float = option(
+        0.01, "Abort when more than this fraction of samples seen is undecodable.", ge=0.0,
+        le=1.0)
+
+
+@dataclass
+class ModelConfig:
+    kind: str = option("dual_encoder", "Model registry key.", choices=("dual_encoder",))
+    vision: str = option("tiny", "Vision tower size preset (tiny, small, base).",
+                         choices=("tiny", "small", "base"))
+    text: str = option("tiny", "Text tower size preset (tiny, small, base).",
+                       choices=("tiny", "small", "base"))
+    embed_dim: int = option(128, "Shared embedding dimension of the dual encoder.", ge=8)
+    dropout: float = option(0.0, "Dropout in both towers.", ge=0.0, le=0.9)
+
+
+@dataclass
+class ObjectiveConfig:
+    loss: str = option("infonce", "Loss registry key.", choices=("infonce",))
+    temperature: float = option(0.07, "Initial softmax temperature.", gt=0.0)
+    learn_temperature: bool = option(True, "Learn the temperature (as a log logit scale).")
+    max_logit_scale: float = option(100.0, "Clamp on 1/temperature (CLIP uses 100).", gt=0.0)
+    symmetric: bool = option(True, "Average image->text and text->image InfoNCE.")
+    label_smoothing: float = option(0.0, "Label smoothing of the InfoNCE targets.", ge=0.0,
+                                    le=0.5)
+    gather: bool = option(True, "Gather features across ranks (negatives from all ranks). "
+                          "Turning it off changes the loss with world size.")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = option(5e-4, "Peak learning rate.", gt=0.0)
+    min_lr_ratio: float = option(0.1, "Cosine/linear decay floor as a fraction of lr.", ge=0.0,
+                                 le=1.0)
+    schedule: str = option("cosine", "LR schedule after warmup.",
+                           choices=("cosine", "linear", "constant"))
+    warmup_steps: int = option(100, "Linear warmup steps.", ge=0)
+    weight_decay: float = option(0.1, "AdamW weight decay (not on biases, norms, embeddings, "
+                                 "temperature).", ge=0.0)
+    betas: list[float] = option([0.9, 0.98], "AdamW betas.")
+    eps: float = option(1e-6, "AdamW epsilon.", gt=0.0)
+    grad_clip: float = option(1.0, "Clip the global grad norm to this (0: no clipping; the "
+                              "pre-clip norm is logged either way).", ge=0.0)
+    accum_steps: int = option(1, "Micro-batches accumulated per optimizer step.", ge=1)
+    lr_scale: dict[str, float] = option(
+        {}, "Per-module LR multipliers by parameter-name prefix, e.g. {vision: 0.1}.")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = option(1000, "Optimizer steps to train.", ge=1)
+    eval_every: int = option(200, "Evaluate every N steps (0: only at the end).", ge=0)
+    save_every: int = option(500, "Checkpoint every N steps (0: only at the end).", ge=0)
+    keep_last: int = option(3, "Keep this many newest step checkpoints.", ge=1)
+    best_metric: str = option("", "Eval metric that picks checkpoints/best ('' = stage default).")
+    best_mode: str = option("", "'max' or 'min' for best_metric ('' = stage default).",
+                            choices=("", "max", "min"))
+    resume: bool = option(False, "Continue from the newest complete checkpoint in run.out_dir.")
+    log_every: int = option(10, "Log train metrics every N steps.", ge=1)
+    max_consecutive_skips: int = option(
+        5, "Abort after this many consecutive steps skipped for non-finite loss/grads.", ge=1)
+
+
+@dataclass
+class LogConfig:
+    progress: bool = option(True, "Show a progress bar on rank 0.")
+    tensorboard: bool = option(True, "Write TensorBoard events (if tensorboard is installed).")
+    wandb: bool = option(False, "Log to Weights & Biases (WANDB_MODE=offline works offline).")
+    wandb_project: str = option("vltrain", "W&B project name.")
+
+
+@dataclass
+class Config:
+    stage: str = option("contrastive", "Stage registry key.", choices=("contrastive",))
+    run: RunConfig = section(RunConfig, "Run directory, seed, device and precision.")
+    data: DataConfig = section(DataConfig, "Records, batching and decoding.")
+    model: ModelConfig = section(ModelConfig, "Model architecture.")
+    objective: ObjectiveConfig = section(ObjectiveConfig, "Loss.")
+    optim: OptimConfig = section(OptimConfig, "Optimizer and learning-rate schedule.")
+    train: TrainConfig = section(TrainConfig, "Loop length, evaluation, checkpoints, resume.")
+    log: LogConfig = section(LogConfig, "Progress bar, TensorBoard, W&B.")
+
+
+def validate_cross_fields(cfg: Config) -> None:
+    """Rules that involve more than one field."""
+    if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
+        raise ConfigError(f"'optim.betas' must be two numbers in [0, 1), got {cfg.optim.betas}")
+    if cfg.optim.warmup_steps > cfg.train.max_steps:
+        raise ConfigError(
+            f"'optim.warmup_steps' ({cfg.optim.warmup_steps}) exceeds 'train.max_steps' "
+            f"({cfg.train.max_steps}); lower the warmup"
+        )
+    if cfg.train.best_metric and not cfg.data.eval:
+        raise ConfigError("'train.best_metric' is set but 'data.eval' is empty: nothing to rank")
+    for key, scale in cfg.optim.lr_scale.items():
+        if scale < 0:
+            raise ConfigError(f"'optim.lr_scale.{key}' must be >= 0, got {scale}")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Defaults -> YAML file -> dotted overrides, merged once and validated."""
+    tree = load_yaml(path) if path else {}
+    tree = deep_merge(tree, parse_overrides(overrides or []))
+    cfg = build(Config, tree)
+    validate_cross_fields(cfg)
+    return cfg
+
+
+def dump_config(cfg: Config, path: str | Path) -> None:
+    """Write the resolved config; loading it back reproduces the run."""
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

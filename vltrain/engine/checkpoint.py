@@ -1,0 +1,180 @@
+"""Atomic checkpoints: weights in safetensors, trainer state loadable with weights_only=True.
+
+Layout: `<out>/checkpoints/step_<N>/{model.safetensors, trainer_state.pt, COMPLETE}` and
+`<out>/checkpoints/best/` (a copy, with `best.json`). A checkpoint is written into a temp
+folder, fsynced, then renamed into place, so a kill at any moment leaves every previously
+complete checkpoint intact; the loader only considers folders holding the COMPLETE marker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_model, save_model
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+MARKER = "COMPLETE"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(path)
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, numpy and torch RNG states as tensors/ints (weights_only-loadable)."""
+    version, py_state, gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state = {
+        "py_version": version,
+        "py_state": torch.tensor(py_state, dtype=torch.int64),
+        "py_gauss": gauss,
+        "np_name": np_name,
+        "np_keys": torch.from_numpy(np_keys.astype(np.int64)),
+        "np_pos": int(np_pos),
+        "np_has_gauss": int(np_has_gauss),
+        "np_gauss": float(np_gauss),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of `rng_state`."""
+    py = tuple(int(v) for v in state["py_state"].tolist())
+    random.setstate((state["py_version"], py, state["py_gauss"]))
+    keys = state["np_keys"].numpy().astype(np.uint32)
+    np.random.set_state(
+        (state["np_name"], keys, state["np_pos"], state["np_has_gauss"], state["np_gauss"])
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def write_checkpoint(
+    ckpt_root: Path, step: int, model: torch.nn.Module, trainer_state: dict[str, Any],
+    extra_files: dict[str, Path] | None = None,
+) -> Path:
+    """Write `step_<step>` atomically and return its path. Rank 0 only."""
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / f"step_{step}"
+    tmp = ckpt_root / f".tmp_step_{step}_{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_model(model, str(tmp / "model.safetensors"))
+    torch.save(trainer_state, tmp / "trainer_state.pt")
+    for name, src in (extra_files or {}).items():
+        if src.is_dir():
+            shutil.copytree(src, tmp / name)
+        else:
+            shutil.copy2(src, tmp / name)
+    (tmp / MARKER).write_text(json.dumps({"step": step}))
+    _fsync_tree(tmp)
+    if final.exists():  # a re-save of the same step (e.g. final save == periodic save)
+        old = ckpt_root / f".old_step_{step}_{os.getpid()}"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+    _fsync_dir(ckpt_root)
+    return final
+
+
+def complete_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete step checkpoint, oldest first."""
+    if not ckpt_root.is_dir():
+        return []
+    found = []
+    for p in ckpt_root.iterdir():
+        m = STEP_DIR.match(p.name)
+        if m and (p / MARKER).is_file() and (p / "model.safetensors").is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    """The newest complete checkpoint, or None."""
+    found = complete_checkpoints(ckpt_root)
+    return found[-1][1] if found else None
+
+
+def prune(ckpt_root: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` step checkpoints and any stale temp folders."""
+    for _, p in complete_checkpoints(ckpt_root)[:-keep_last]:
+        shutil.rmtree(p, ignore_errors=True)
+    for p in ckpt_root.glob(".tmp_step_*"):
+        if not p.name.endswith(f"_{os.getpid()}"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def update_best(ckpt_root: Path, src: Path, metric: str, value: float, step: int) -> None:
+    """Replace `checkpoints/best` with a copy of `src`, atomically."""
+    tmp = ckpt_root / f".tmp_best_{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(src, tmp)
+    (tmp / "best.json").write_text(json.dumps({"metric": metric, "value": value, "step": step}))
+    _fsync_tree(tmp)
+    best = ckpt_root / "best"
+    if best.exists():
+        old = ckpt_root / f".old_best_{os.getpid()}"
+        best.rename(old)
+        tmp.rename(best)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(best)
+    _fsync_dir(ckpt_root)
+
+
+def load_weights(model: torch.nn.Module, ckpt: Path, strict: bool = True) -> None:
+    """Load `model.safetensors` from a checkpoint folder into `model`."""
+    missing, unexpected = load_model(model, str(ckpt / "model.safetensors"), strict=strict)
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"{ckpt}: missing keys {missing}, unexpected keys {unexpected}")
+
+
+def load_trainer_state(ckpt: Path) -> dict[str, Any]:
+    """Trainer state; refuses arbitrary pickle (weights_only=True)."""
+    return torch.load(ckpt / "trainer_state.pt", weights_only=True, map_location="cpu")
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """Accept a run dir, a checkpoints dir, or a checkpoint folder; return the folder."""
+    p = Path(path)
+    if (p / "model.safetensors").is_file():
+        return p
+    for root in (p / "checkpoints", p):
+        best = root / "best"
+        if (best / "model.safetensors").is_file():
+            return best
+        latest = latest_checkpoint(root)
+        if latest is not None:
+            return latest
+    raise FileNotFoundError(
+        f"no checkpoint found at {p}: pass a run dir, its checkpoints/ folder, or a "
+        "checkpoints/step_<N> folder holding model.safetensors"
+    )

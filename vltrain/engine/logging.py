@@ -1,0 +1,128 @@
+"""Rank-0 logging: metrics.jsonl, progress bar, TensorBoard and Weights & Biases."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from vltrain.config.schema import Config
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe scalars (NaN/inf become strings so the file stays valid JSON)."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop lines logged after `last_step` (a resumed run rewrites that part of history)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= last_step:
+                kept.append(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill
+    path.write_text("".join(k + "\n" for k in kept))
+
+
+class RunLogger:
+    """Writes metrics on rank 0 and is a no-op elsewhere."""
+
+    def __init__(self, cfg: Config, out_dir: Path, enabled: bool, start_step: int) -> None:
+        self.enabled = enabled
+        self.path = out_dir / "metrics.jsonl"
+        self.tb = None
+        self.wandb = None
+        self.bar = None
+        self.t0 = time.time()
+        if not enabled:
+            return
+        truncate_metrics(self.path, start_step)
+        self.file = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        if cfg.log.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=start_step)
+            except ImportError:
+                print("vltrain: tensorboard not installed; skipping TensorBoard logs",
+                      file=sys.stderr)
+        if cfg.log.wandb:
+            import wandb
+
+            self.wandb = wandb.init(project=cfg.log.wandb_project, dir=str(out_dir),
+                                    config=_flat_config(cfg), resume="allow")
+        if cfg.log.progress:
+            self._make_bar(cfg.train.max_steps, start_step)
+
+    def _make_bar(self, total: int, start: int) -> None:
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        self.bar = tqdm(total=total, initial=start, dynamic_ncols=True, file=sys.stderr,
+                        desc="train", unit="step", smoothing=0.1)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Append one JSON line (with `step`) and mirror it to TensorBoard/W&B."""
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(row) + "\n")
+        numeric = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+        if self.tb is not None:
+            for k, v in numeric.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(numeric, step=step)
+
+    def progress(self, step: int, loss: float, lr: float, samples_per_s: float) -> None:
+        """Advance the bar to `step` and show loss, lr and throughput."""
+        if self.bar is None:
+            return
+        self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", sps=f"{samples_per_s:.0f}",
+                             refresh=False)
+        self.bar.update(step - self.bar.n)
+
+    def message(self, text: str) -> None:
+        """Print a line without breaking the progress bar."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _flat_config(cfg: Config) -> dict[str, Any]:
+    """`section.key -> value` for every config leaf (what W&B shows as the run config)."""
+    from vltrain.config.core import to_dict
+
+    out: dict[str, Any] = {}
+    for name, value in to_dict(cfg).items():
+        if isinstance(value, dict):
+            out.update({f"{name}.{k}": v for k, v in value.items()})
+        else:
+            out[name] = value
+    return out

@@ -1,0 +1,96 @@
+"""Process setup: device, seeds, determinism, precision contexts, DataLoader workers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vltrain.config.schema import Config
+from vltrain.engine import distributed as D
+
+
+@dataclass
+class RunContext:
+    """Where this process runs: passed to stages so they never ask torch.distributed."""
+
+    device: torch.device
+    rank: int
+    world_size: int
+    precision: str
+    seed: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast when configured (CPU and CUDA), else a no-op."""
+        if self.precision == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def set_deterministic(enabled: bool) -> None:
+    """Deterministic kernels. On GPU this disables cuDNN autotuning and TF32 (slower)."""
+    if not enabled:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def setup(cfg: Config) -> RunContext:
+    """Pick the device, join the process group, seed and configure this process."""
+    want = cfg.run.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("run.device=cuda but no CUDA device is visible; use run.device=cpu")
+    D.init_from_env(want)
+    device = torch.device(f"cuda:{D.local_rank()}" if want == "cuda" else "cpu")
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    seed_everything(cfg.run.seed)
+    set_deterministic(cfg.run.deterministic)
+    return RunContext(device=device, rank=D.rank(), world_size=D.world_size(),
+                      precision=cfg.run.precision, seed=cfg.run.seed)
+
+
+def worker_init(worker_id: int) -> None:
+    """Seed numpy/python in a DataLoader worker from torch's per-worker seed.
+
+    vltrain's own per-sample randomness does not use these (it derives from seed, epoch and
+    index), but user transforms might.
+    """
+    s = torch.initial_seed() % (2**32)
+    np.random.seed(s)
+    random.seed(s)
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """no_grad + eval(), restoring train mode and leaving the training RNG stream untouched."""
+    was_training = model.training
+    model.eval()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        try:
+            yield
+        finally:
+            model.train(was_training)

@@ -1,0 +1,404 @@
+"""Exact retrieval evaluation at corpus scale (inner-product search, chunked, on CPU or GPU).
+
+Every result here is exact under one total order of documents per query:
+
+    doc a ranks above doc b  <=>  score(a) > score(b), or score(a) == score(b) and a < b
+
+i.e. higher inner product first, ties broken by the LOWER doc index. `topk_similarity`,
+`rank_of_positives` (default `ties="index"`) and the metrics all use this order, so R@k computed
+from ranks always agrees with the top-k lists. Scores are computed blockwise with `torch.mm` on
+(query chunk x doc chunk) blocks; the full (Q, N) score matrix is never held in memory. A score
+block's values can depend (by float rounding) on the block shape, so functions that must agree
+with each other (top-k lists and ranks in `evaluate_retrieval`) read the same blocks.
+
+Metrics (COCO protocol: a query is a hit at k if ANY of its positives is in its top k):
+    R@k      fraction of queries whose best-ranked positive has rank <= k
+    MRR@10   mean of 1/rank of the best-ranked positive, 0 when rank > 10
+    nDCG@10  binary relevance, DCG = sum over positives at 1-based position i <= 10 of
+             1/log2(i + 1); ideal DCG uses min(#positives, 10) positives at the top.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+# Bytes allowed for one score block; a (512, 36_430) fp32 block is ~71 MiB.
+_BLOCK_BYTES = 96 * 2**20
+_MAX_QUERY_CHUNK = 512
+_TOP_LIST = 10  # length of the top list that nDCG@10 / MRR@10 / ranks_path use
+
+
+def _check_embeddings(queries: Tensor, docs: Tensor) -> tuple[Tensor, Tensor]:
+    """Validate shapes/values; returns fp32 (or fp64) contiguous views on the same device."""
+    for name, x in (("queries", queries), ("docs", docs)):
+        if not isinstance(x, Tensor) or x.dim() != 2:
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be a 2-D tensor (rows, dim); got {got}.")
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be a float tensor; got {x.dtype}. Cast with .float().")
+        if x.shape[0] == 0:
+            raise ValueError(f"{name} is empty (0 rows); nothing to retrieve.")
+    if queries.shape[1] != docs.shape[1]:
+        raise ValueError(
+            f"queries dim {queries.shape[1]} != docs dim {docs.shape[1]}; embed both sides "
+            "with the same model/projection."
+        )
+    if queries.device != docs.device:
+        raise ValueError(f"queries on {queries.device} but docs on {docs.device}; move one.")
+    dtype = torch.float64 if torch.float64 in (queries.dtype, docs.dtype) else torch.float32
+    # bf16/fp16 inputs are upcast: the exact-order guarantees are stated for fp32 scores.
+    queries, docs = queries.to(dtype).contiguous(), docs.to(dtype).contiguous()
+    for name, x in (("queries", queries), ("docs", docs)):
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{name} contains NaN or inf; fix the embedding model/inputs first.")
+    return queries, docs
+
+
+def _chunk_sizes(
+    n_q: int, n_docs: int, chunk_size: int | None, doc_chunk_size: int | None
+) -> tuple[int, int]:
+    """(query chunk, doc chunk). Default: whole doc rows, as many queries as fit the budget."""
+    for name, v in (("chunk_size", chunk_size), ("doc_chunk_size", doc_chunk_size)):
+        if v is not None and v < 1:
+            raise ValueError(f"{name} must be >= 1 or None (auto); got {v}.")
+    if doc_chunk_size is None:
+        min_rows = min(n_q, 64) if chunk_size is None else min(n_q, chunk_size)
+        fits = min_rows * n_docs * 4 <= _BLOCK_BYTES
+        doc_chunk_size = n_docs if fits else max(1, _BLOCK_BYTES // (4 * max(min_rows, 1)))
+    doc_chunk_size = min(doc_chunk_size, n_docs)
+    if chunk_size is None:
+        chunk_size = max(1, min(_MAX_QUERY_CHUNK, _BLOCK_BYTES // (4 * doc_chunk_size)))
+    return min(chunk_size, n_q), doc_chunk_size
+
+
+def _sort_total_order(vals: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
+    """Sort each row by (score desc, doc index asc)."""
+    idx_sorted, perm = idx.sort(dim=1)  # (R, M)
+    vals_by_idx = vals.gather(1, perm)  # (R, M)
+    vals_out, perm2 = vals_by_idx.sort(dim=1, descending=True, stable=True)  # (R, M)
+    return vals_out, idx_sorted.gather(1, perm2)
+
+
+def _block_topk(scores: Tensor, k: int, col_offset: int) -> tuple[Tensor, Tensor]:
+    """Exact top-min(k, M) of a (R, M) block under the total order; indices are global."""
+    n_cols = scores.shape[1]
+    if n_cols <= k:
+        idx = torch.arange(n_cols, device=scores.device).expand_as(scores)  # (R, M)
+        return _sort_total_order(scores, idx + col_offset)
+    vals, idx = scores.topk(k + 1, dim=1)  # (R, k+1), sorted by value
+    # torch.topk picks an arbitrary subset of docs tied at the k-th value. Rows where the k-th
+    # and (k+1)-th values are equal are re-selected so the lowest-index tied docs win.
+    tie = (vals[:, k - 1] == vals[:, k]).nonzero().squeeze(1)  # (T,)
+    vals, idx = vals[:, :k], idx[:, :k]
+    if tie.numel():
+        sub = scores[tie]  # (T, M)
+        kth = vals[tie, k - 1 :]  # (T, 1)
+        need = k - (vals[tie] > kth).sum(1, keepdim=True)  # (T, 1) tied slots to fill
+        eq = sub == kth  # (T, M)
+        drop = eq & (eq.cumsum(1) > need)  # ties beyond the lowest `need` indices
+        vals[tie], idx[tie] = sub.masked_fill(drop, -math.inf).topk(k, dim=1)
+    return _sort_total_order(vals, idx + col_offset)
+
+
+def _merge_topk(a: tuple[Tensor, Tensor] | None, b: tuple[Tensor, Tensor], k: int):
+    """Exact top-k of the union of two candidate sets (each already exact for its docs)."""
+    if a is None:
+        return b
+    vals, idx = _sort_total_order(torch.cat([a[0], b[0]], 1), torch.cat([a[1], b[1]], 1))
+    return vals[:, :k], idx[:, :k]
+
+
+def topk_similarity(
+    queries: Tensor,
+    docs: Tensor,
+    k: int,
+    chunk_size: int | None = None,
+    doc_chunk_size: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Exact inner-product top-k of every query over all docs.
+
+    Args:
+        queries: (Q, D) float embeddings (normalize them first for cosine similarity).
+        docs: (N, D) float embeddings.
+        k: results per query; 1 <= k <= N (k > N raises: there are not k docs to return).
+        chunk_size: queries per block (None: auto, from a ~96 MiB block budget).
+        doc_chunk_size: docs per block (None: all docs when a block of whole rows fits the
+            budget); partial top-ks of doc blocks are merged exactly.
+
+    Returns:
+        scores (Q, k) and long doc indices (Q, k), sorted by score descending; equal scores are
+        ordered by lower doc index first, and the SET is exact too (a doc tied with the k-th
+        score is included only if its index is lower than the other tied docs').
+    """
+    queries, docs = _check_embeddings(queries, docs)
+    n_docs = docs.shape[0]
+    if not 1 <= k <= n_docs:
+        raise ValueError(f"k={k} must be in [1, N={n_docs}] (the number of docs); lower k.")
+    qc, dc = _chunk_sizes(queries.shape[0], n_docs, chunk_size, doc_chunk_size)
+    vals, idx, _ = _scan(queries, docs, k, None, qc, dc)
+    return vals, idx
+
+
+def _score_block(q: Tensor, d: Tensor, buf: Tensor) -> Tensor:
+    """q @ d.T into a reused buffer (fresh 50+ MiB allocations cost page faults per chunk)."""
+    out = buf[: q.shape[0], : d.shape[0]]
+    if not out.is_contiguous():
+        out = torch.empty(q.shape[0], d.shape[0], dtype=buf.dtype, device=buf.device)
+    return torch.mm(q, d.T, out=out)  # (R, M)
+
+
+def _positive_table(
+    positives: Sequence[Sequence[int]], n_q: int, n_docs: int, device: torch.device
+) -> Tensor:
+    """(Q, P) long table of deduplicated positive doc ids, padded with -1."""
+    if len(positives) != n_q:
+        raise ValueError(f"positives has {len(positives)} entries but there are {n_q} queries.")
+    rows = []
+    for i, pos in enumerate(positives):
+        ids = sorted({int(p) for p in pos})
+        if not ids:
+            raise ValueError(f"query {i} has no positives; drop it or give it a relevant doc.")
+        if ids[0] < 0 or ids[-1] >= n_docs:
+            raise ValueError(f"query {i} has positive {ids} outside [0, N={n_docs}).")
+        rows.append(ids)
+    width = max(len(r) for r in rows)
+    table = torch.full((n_q, width), -1, dtype=torch.long)
+    for i, ids in enumerate(rows):
+        table[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return table.to(device)
+
+
+def _best_positive(
+    scores: Tensor, pos: Tensor, col_offset: int, best: tuple[Tensor, Tensor] | None
+) -> tuple[Tensor, Tensor]:
+    """Fold a (R, M) block into the running (score, doc id) of each row's first positive."""
+    local = pos - col_offset  # (R, P)
+    inside = (local >= 0) & (local < scores.shape[1])  # (R, P)
+    s = scores.gather(1, local.clamp(0, scores.shape[1] - 1))  # (R, P)
+    s = s.masked_fill(~inside, -math.inf)
+    if best is not None:
+        s = torch.cat([best[0][:, None], s], 1)  # (R, 1+P)
+        ids = torch.cat([best[1][:, None], pos], 1)
+    else:
+        ids = pos
+    top = s.max(1, keepdim=True).values  # (R, 1)
+    big = torch.iinfo(torch.long).max
+    # padding (-1) never wins: its score is -inf, and every row has a positive somewhere.
+    first = ids.masked_fill((s != top) | (ids < 0), big).min(1).values  # (R,)
+    return top.squeeze(1), first
+
+
+def _count_above(
+    scores: Tensor, col_offset: int, s: Tensor, p: Tensor, ties: str, buf: Tensor
+) -> Tensor:
+    """Per row: docs in this block ranked above doc p (score s) under the chosen tie rule."""
+    gt = torch.gt(scores, s[:, None], out=buf[: scores.shape[0], : scores.shape[1]])
+    count = gt.sum(1, dtype=torch.int32).long()  # (R,)
+    if ties == "optimistic":
+        return count
+    ge = torch.ge(scores, s[:, None], out=buf[: scores.shape[0], : scores.shape[1]])
+    n_eq = ge.sum(1, dtype=torch.int32).long() - count  # (R,)
+    own = ((p >= col_offset) & (p < col_offset + scores.shape[1])).long()  # p itself is equal
+    rows = (n_eq > own).nonzero().squeeze(1)  # rows with another doc tied with p
+    if rows.numel():
+        cols = torch.arange(scores.shape[1], device=scores.device) + col_offset  # (M,)
+        lower = (scores[rows] == s[rows, None]) & (cols[None, :] < p[rows, None])  # (T, M)
+        count[rows] += lower.sum(1)
+    return count
+
+
+def _scan(
+    queries: Tensor,
+    docs: Tensor,
+    k: int,
+    pos_table: Tensor | None,
+    qc: int,
+    dc: int,
+    ties: str = "index",
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """One pass over score blocks: top-k (if k > 0) and ranks (if pos_table is given)."""
+    n_docs = docs.shape[0]
+    buf = torch.empty(qc, dc, dtype=queries.dtype, device=queries.device)
+    mask_buf = torch.empty(qc if pos_table is not None else 0, dc, dtype=torch.bool)
+    mask_buf = mask_buf.to(queries.device)
+    vals_out, idx_out, ranks_out = [], [], []
+    for q0 in range(0, queries.shape[0], qc):
+        q = queries[q0 : q0 + qc]  # (R, D)
+        pos = pos_table[q0 : q0 + qc] if pos_table is not None else None
+        best_pos = None
+        if pos is not None and dc < n_docs:
+            # Pass 1 (doc-chunked only): best positive score from the SAME blocks as pass 2.
+            for d0 in range(0, n_docs, dc):
+                if bool(((pos >= d0) & (pos < d0 + dc)).any()):
+                    scores = _score_block(q, docs[d0 : d0 + dc], buf)
+                    best_pos = _best_positive(scores, pos, d0, best_pos)
+        top, count = None, None
+        for d0 in range(0, n_docs, dc):
+            scores = _score_block(q, docs[d0 : d0 + dc], buf)  # (R, M)
+            if k > 0:
+                top = _merge_topk(top, _block_topk(scores, k, d0), k)
+            if pos is not None:
+                if dc >= n_docs:
+                    best_pos = _best_positive(scores, pos, 0, None)
+                c = _count_above(scores, d0, best_pos[0], best_pos[1], ties, mask_buf)
+                count = c if count is None else count + c
+        if top is not None:
+            vals_out.append(top[0])
+            idx_out.append(top[1])
+        if count is not None:
+            ranks_out.append(count + 1)
+    return (
+        torch.cat(vals_out) if vals_out else None,
+        torch.cat(idx_out) if idx_out else None,
+        torch.cat(ranks_out) if ranks_out else None,
+    )
+
+
+def rank_of_positives(
+    queries: Tensor,
+    docs: Tensor,
+    positives: Sequence[Sequence[int]],
+    chunk_size: int | None = None,
+    doc_chunk_size: int | None = None,
+    ties: str = "index",
+) -> Tensor:
+    """Exact 1-based rank over the whole corpus of each query's best-ranked positive.
+
+    Args:
+        queries: (Q, D); docs: (N, D); positives: for each query, its relevant doc ids (>= 1).
+        ties: "index" (default): rank under the module's total order, i.e.
+            1 + #{docs with a strictly higher score} + #{docs with an equal score and a lower
+            index than the best positive}; agrees exactly with `topk_similarity` lists.
+            "optimistic": 1 + #{docs with a strictly higher score} (ties count in your favour).
+
+    Returns:
+        (Q,) long ranks in [1, N].
+    """
+    if ties not in ("index", "optimistic"):
+        raise ValueError(f"ties must be 'index' or 'optimistic'; got {ties!r}.")
+    queries, docs = _check_embeddings(queries, docs)
+    table = _positive_table(positives, queries.shape[0], docs.shape[0], queries.device)
+    qc, dc = _chunk_sizes(queries.shape[0], docs.shape[0], chunk_size, doc_chunk_size)
+    return _scan(queries, docs, 0, table, qc, dc, ties)[2]
+
+
+def per_query_metrics(
+    ranks: Tensor, top_ids: Tensor, positives: Sequence[Sequence[int]] | Tensor, ks: Sequence[int]
+) -> dict[str, Tensor]:
+    """Per-query metric values (float64, shape (Q,)); their means are the reported metrics.
+
+    `ranks` (Q,) come from `rank_of_positives` (ties="index") and `top_ids` (Q, L) from
+    `topk_similarity` with L = min(10, N), both from the same scores. `positives` is a list of
+    doc-id lists or a (Q, P) long table padded with -1. Per-query values let sharded evaluation
+    all-reduce sums and counts instead of gathering embeddings.
+    """
+    ranks = ranks.double().cpu()
+    if isinstance(positives, Tensor):
+        table = positives.long().cpu()
+    else:
+        n_docs = 1 + max((max(p) for p in positives if len(p)), default=0)
+        table = _positive_table(positives, len(positives), n_docs, torch.device("cpu"))
+    if not ranks.shape[0] == top_ids.shape[0] == table.shape[0]:
+        raise ValueError(
+            f"ranks ({ranks.shape[0]}), top_ids ({top_ids.shape[0]}) and positives "
+            f"({table.shape[0]}) must describe the same queries."
+        )
+    out = {f"R@{k}": (ranks <= k).double() for k in ks}
+    out["MRR@10"] = torch.where(ranks <= 10, 1.0 / ranks, torch.zeros_like(ranks))
+    ids = top_ids[:, :_TOP_LIST].cpu()  # (Q, L)
+    rel = (ids[:, :, None] == table[:, None, :]).any(-1).double()  # (Q, L); pads (-1) never match
+    discount = 1.0 / torch.log2(torch.arange(2, _TOP_LIST + 2, dtype=torch.float64))  # (10,)
+    n_rel = (table >= 0).sum(1).clamp(max=_TOP_LIST)  # (Q,)
+    ideal = torch.cat([torch.zeros(1, dtype=torch.float64), discount.cumsum(0)])[n_rel]  # (Q,)
+    out["nDCG@10"] = (rel * discount[: rel.shape[1]]).sum(1) / ideal
+    return out
+
+
+def evaluate_retrieval(
+    query_emb: Tensor,
+    doc_emb: Tensor,
+    positives: Sequence[Sequence[int]],
+    ks: Sequence[int] = (1, 5, 10),
+    max_queries: int | None = None,
+    chunk_size: int | None = None,
+    ranks_path: str | Path | None = None,
+) -> dict[str, float]:
+    """Exact retrieval metrics: R@k for each k, MRR@10, nDCG@10, mean/median rank, n_queries.
+
+    One pass over the score blocks computes both the top-10 list and the exact rank of each
+    query's best positive (total order: score desc, lower doc index first). `max_queries` keeps
+    the FIRST n queries (deterministic). R@k is exact for any k, also k > 10 or k >= N (then 1).
+    If `ranks_path` is given, writes one JSON line per query:
+    {"query": i, "rank": r, "top10": [doc ids]} (fewer than 10 ids when N < 10).
+    """
+    if any(int(k) < 1 for k in ks):
+        raise ValueError(f"every k in ks must be >= 1; got {tuple(ks)}.")
+    if max_queries is not None:
+        if max_queries < 1:
+            raise ValueError(f"max_queries must be >= 1 or None; got {max_queries}.")
+        query_emb, positives = query_emb[:max_queries], list(positives)[:max_queries]
+    queries, docs = _check_embeddings(query_emb, doc_emb)
+    table = _positive_table(positives, queries.shape[0], docs.shape[0], queries.device)
+    qc, dc = _chunk_sizes(queries.shape[0], docs.shape[0], chunk_size, None)
+    n_top = min(_TOP_LIST, docs.shape[0])
+    _, top_ids, ranks = _scan(queries, docs, n_top, table, qc, dc)
+    per_query = per_query_metrics(ranks, top_ids, table, ks)
+    metrics = {name: float(v.mean()) for name, v in per_query.items()}
+    metrics["mean_rank"] = float(ranks.double().mean())
+    metrics["median_rank"] = float(ranks.double().median())
+    metrics["n_queries"] = float(queries.shape[0])
+    if ranks_path is not None:
+        _write_ranks(Path(ranks_path), ranks, top_ids)
+    return metrics
+
+
+def _write_ranks(path: Path, ranks: Tensor, top_ids: Tensor) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for i, (r, ids) in enumerate(zip(ranks.tolist(), top_ids.tolist(), strict=True)):
+            f.write(json.dumps({"query": i, "rank": r, "top10": ids}) + "\n")
+
+
+def image_text_retrieval(
+    image_emb: Tensor,
+    text_emb: Tensor,
+    text_to_image: Tensor,
+    ks: Sequence[int] = (1, 5, 10),
+    chunk_size: int | None = None,
+) -> dict[str, float]:
+    """COCO-protocol image<->text retrieval: keys `i2t_R@k`, `t2i_R@k`, `*_MRR@10`, `*_nDCG@10`.
+
+    image_emb (I, D), text_emb (T, D), text_to_image (T,) long: the image each caption
+    describes. i2t: an image is a hit at k if ANY of its captions is in its top k (nDCG uses all
+    of its captions as relevant). t2i: each caption has exactly one relevant image. Every image
+    needs at least one caption. Also returns `*_mean_rank`, `*_median_rank`, `*_n_queries`.
+    """
+    t2i = torch.as_tensor(text_to_image).long().cpu()
+    n_img = image_emb.shape[0]
+    if t2i.dim() != 1 or t2i.numel() != text_emb.shape[0]:
+        raise ValueError(
+            f"text_to_image must be (T,)=({text_emb.shape[0]},); got {tuple(t2i.shape)}."
+        )
+    if t2i.numel() and (int(t2i.min()) < 0 or int(t2i.max()) >= n_img):
+        raise ValueError(f"text_to_image has ids outside [0, I={n_img}).")
+    captions: list[list[int]] = [[] for _ in range(n_img)]
+    for t, i in enumerate(t2i.tolist()):
+        captions[i].append(t)
+    missing = [i for i, c in enumerate(captions) if not c]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} images have no caption (first: {missing[:5]}); drop them from "
+            "image_emb or add their captions."
+        )
+    i2t = evaluate_retrieval(image_emb, text_emb, captions, ks, chunk_size=chunk_size)
+    single = [[i] for i in t2i.tolist()]
+    t2i_m = evaluate_retrieval(text_emb, image_emb, single, ks, chunk_size=chunk_size)
+    out = {f"i2t_{k}": v for k, v in i2t.items()}
+    out.update({f"t2i_{k}": v for k, v in t2i_m.items()})
+    return out

@@ -1,0 +1,47 @@
+"""Named model sizes as data. Architecture code never looks at these names.
+
+``tiny`` trains on a 2-core CPU in seconds; ``small`` is about twice as wide and deep;
+``base`` matches CLIP ViT-B/16 (vision) and CLIP's 12-layer 512-wide text transformer.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from vltrain.models.text import TextTowerConfig
+from vltrain.models.vit import VisionTowerConfig
+
+VISION_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {"image_size": 64, "patch_size": 8, "width": 128, "layers": 2, "heads": 4},
+    "small": {"image_size": 96, "patch_size": 8, "width": 256, "layers": 4, "heads": 4},
+    "base": {"image_size": 224, "patch_size": 16, "width": 768, "layers": 12, "heads": 12},
+}
+
+TEXT_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {"context_length": 32, "width": 128, "layers": 2, "heads": 4},
+    "small": {"context_length": 64, "width": 256, "layers": 4, "heads": 4},
+    "base": {"context_length": 77, "width": 512, "layers": 12, "heads": 8},
+}
+
+# Projection size a dual encoder of this text preset usually uses.
+EMBED_DIMS: dict[str, int] = {"tiny": 128, "small": 256, "base": 512}
+
+
+def _lookup(table: dict[str, dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    if name not in table:
+        close = difflib.get_close_matches(name, list(table), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown {kind} preset {name!r}; choose one of {sorted(table)}.{hint}")
+    return dict(table[name])
+
+
+def vision_config(name: str, **overrides: Any) -> VisionTowerConfig:
+    """The ``VisionTowerConfig`` of preset ``name`` with ``overrides`` applied."""
+    return VisionTowerConfig(**{**_lookup(VISION_PRESETS, "vision", name), **overrides})
+
+
+def text_config(name: str, vocab_size: int, **overrides: Any) -> TextTowerConfig:
+    """The ``TextTowerConfig`` of preset ``name`` for a tokenizer with ``vocab_size`` ids."""
+    dims = {**_lookup(TEXT_PRESETS, "text", name), **overrides}
+    return TextTowerConfig(vocab_size=vocab_size, **dims)

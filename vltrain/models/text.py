@@ -1,0 +1,199 @@
+"""Text towers: a bidirectional encoder (for dual encoders) and a causal LM decoder.
+
+Positions are derived from the attention mask (``cumsum(mask) - 1``), so a left-padded row gets
+the same positions, and the same outputs at its real tokens, as the unpadded sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from vltrain.models.layers import (
+    KVCache,
+    build_attention_mask,
+    check_dims,
+    init_weights,
+    make_blocks,
+)
+
+
+@dataclass
+class TextTowerConfig:
+    """Dimensions of a text transformer (encoder or decoder)."""
+
+    vocab_size: int
+    """Number of token ids (the tokenizer's vocab_size)."""
+    context_length: int
+    """Maximum number of positions (for the decoder: prefix tokens + text tokens)."""
+    width: int
+    """Hidden size of every token."""
+    layers: int
+    """Number of transformer blocks."""
+    heads: int
+    """Attention heads; must divide width."""
+    mlp_ratio: float = 4.0
+    """MLP hidden size as a multiple of width."""
+    dropout: float = 0.0
+    """Dropout on attention weights and residual branches."""
+
+    def __post_init__(self) -> None:
+        check_dims("TextTowerConfig", self.width, self.heads, self.layers, self.mlp_ratio)
+        if self.vocab_size <= 0 or self.context_length <= 0:
+            raise ValueError(
+                f"TextTowerConfig: vocab_size ({self.vocab_size}) and context_length "
+                f"({self.context_length}) must be positive"
+            )
+
+
+def mask_positions(mask: Tensor, offset: Tensor | None = None) -> Tensor:
+    """Position ids (B, T) from a (B, T) 0/1 mask: real tokens count up from ``offset`` (B,)."""
+    pos = mask.long().cumsum(dim=1) - 1  # (B, T)
+    if offset is not None:
+        pos = pos + offset[:, None]
+    return pos.clamp(min=0)
+
+
+class _TextBase(nn.Module):
+    """Token + position embeddings, blocks and final LayerNorm, shared by both towers."""
+
+    def __init__(self, cfg: TextTowerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.width = cfg.width
+        self.token_embed = nn.Embedding(cfg.vocab_size, cfg.width)
+        self.pos_embed = nn.Parameter(torch.zeros(cfg.context_length, cfg.width))
+        self.blocks = make_blocks(cfg.width, cfg.layers, cfg.heads, cfg.mlp_ratio, cfg.dropout)
+        self.norm = nn.LayerNorm(cfg.width)
+
+    def reset_parameters(self) -> None:
+        """Normal(0, 0.02) weights, zero biases, unit LayerNorms."""
+        self.apply(init_weights)
+        nn.init.normal_(self.pos_embed, std=0.02)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        """The token embedding module: ``embed_tokens(input_ids) -> (B, T, W)``."""
+        return self.token_embed
+
+    def _check_length(self, n: int) -> None:
+        if n > self.cfg.context_length:
+            raise ValueError(
+                f"sequence of {n} positions exceeds context_length {self.cfg.context_length}; "
+                "truncate the input (tokenizer max_len) or build the model with a larger "
+                "context_length"
+            )
+
+
+class TextTower(_TextBase):
+    """Bidirectional text encoder: ``forward(input_ids, attention_mask) -> (B, T, W)``."""
+
+    def __init__(self, cfg: TextTowerConfig) -> None:
+        super().__init__(cfg)
+        self.reset_parameters()
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Hidden states (B, T, W); padding (mask 0) is never attended to by real tokens."""
+        b, t = input_ids.shape
+        self._check_length(t)
+        if attention_mask is None:
+            pos = torch.arange(t, device=input_ids.device).expand(b, t)  # (B, T)
+        else:
+            pos = mask_positions(attention_mask)  # (B, T)
+        x = self.token_embed(input_ids) + F.embedding(pos, self.pos_embed)  # (B, T, W)
+        attn_mask, _ = build_attention_mask(attention_mask, t, causal=False)
+        for block in self.blocks:
+            x, _ = block(x, attn_mask)
+        return self.norm(x)
+
+    def pooled(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Hidden state at the last real token of each row (B, W); left or right padding."""
+        h = self.forward(input_ids, attention_mask)  # (B, T, W)
+        if attention_mask is None:
+            return h[:, -1]
+        t = input_ids.shape[1]
+        idx = (attention_mask.bool() * torch.arange(1, t + 1, device=h.device)).argmax(dim=1)
+        return h[torch.arange(h.shape[0], device=h.device), idx]  # (B, W)
+
+
+class CausalDecoder(_TextBase):
+    """GPT-style causal LM with optional prefix embeddings (visual tokens) and a KV cache.
+
+    With ``tie_weights`` the output projection reuses ``token_embed.weight`` (no ``lm_head``
+    key in the state dict, so checkpoints hold no shared tensors).
+    """
+
+    def __init__(self, cfg: TextTowerConfig, tie_weights: bool = True) -> None:
+        super().__init__(cfg)
+        self.tie_weights = tie_weights
+        self.lm_head = None if tie_weights else nn.Linear(cfg.width, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Project hidden states (B, T, W) to vocabulary logits (B, T, V)."""
+        if self.lm_head is None:
+            return F.linear(hidden, self.token_embed.weight)
+        return self.lm_head(hidden)
+
+    def hidden_states(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        prefix_embeds: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        use_cache: bool = False,
+    ) -> tuple[Tensor, KVCache | None]:
+        """Final-LN hidden states (B, P + T, W) for ``[prefix_embeds, tokens]`` and the cache."""
+        b, t = input_ids.shape
+        x = self.token_embed(input_ids)  # (B, T, W)
+        masked = attention_mask is not None
+        if attention_mask is None:
+            attention_mask = torch.ones(b, t, dtype=torch.bool, device=x.device)
+        new_mask = attention_mask.bool()  # (B, T)
+        if prefix_embeds is not None:
+            if prefix_embeds.shape[0] != b or prefix_embeds.shape[2] != self.width:
+                raise ValueError(
+                    f"prefix_embeds must be (B={b}, P, W={self.width}), "
+                    f"got {tuple(prefix_embeds.shape)}"
+                )
+            x = torch.cat([prefix_embeds.to(x.dtype), x], dim=1)  # (B, P + T, W)
+            prefix_mask = torch.ones(prefix_embeds.shape[:2], dtype=torch.bool, device=x.device)
+            new_mask = torch.cat([prefix_mask, new_mask], dim=1)  # (B, P + T)
+        past_len = 0 if kv_cache is None else kv_cache.length
+        self._check_length(past_len + x.shape[1])
+        offset = None if kv_cache is None else kv_cache.next_positions()
+        x = x + F.embedding(mask_positions(new_mask, offset), self.pos_embed).to(x.dtype)
+        full_mask = new_mask if kv_cache is None else torch.cat([kv_cache.mask, new_mask], 1)
+        # Without a mask or a cache SDPA's is_causal is exact (and takes the fast kernels).
+        key_mask = None if (kv_cache is None and not masked) else full_mask
+        attn_mask, is_causal = build_attention_mask(key_mask, x.shape[1], True, past_len)
+        new_layers = []
+        for i, block in enumerate(self.blocks):
+            past = None if kv_cache is None else kv_cache.layers[i]
+            x, kv = block(x, attn_mask, is_causal, past)
+            new_layers.append(kv)
+        cache = KVCache(layers=new_layers, mask=full_mask) if use_cache else None
+        return self.norm(x), cache
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        prefix_embeds: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        use_cache: bool = False,
+    ) -> Tensor | tuple[Tensor, KVCache]:
+        """Logits (B, P + T, V); with ``use_cache`` also the updated cache.
+
+        ``attention_mask`` (B, T) covers ``input_ids`` only (prefix tokens are always real);
+        earlier positions' masks live in ``kv_cache``. Positions continue per row from the
+        cache, so incremental decoding equals a full forward at every real position.
+        """
+        h, cache = self.hidden_states(input_ids, attention_mask, prefix_embeds, kv_cache, use_cache)
+        logits = self.logits(h)  # (B, P + T, V)
+        if use_cache:
+            return logits, cache
+        return logits

@@ -1,0 +1,193 @@
+"""The contrastive (CLIP-style) stage: dual encoder + InfoNCE, retrieval evaluation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from vltrain.data.records import ImageTextDataset, read_records, split_bad
+from vltrain.data.samplers import EvalShardSampler, ShardedBatchSampler
+from vltrain.data.tokenizer import TextTokenizer, train_bpe_tokenizer
+from vltrain.engine import distributed as D
+from vltrain.eval.retrieval import image_text_retrieval
+from vltrain.models.dual_encoder import DualEncoder
+from vltrain.objectives.contrastive import Features, build_loss
+from vltrain.stages.base import Stage, register_stage
+
+
+class ContrastiveModel(nn.Module):
+    """Encoder + loss in one module, so DDP sees one forward and the loss's temperature trains."""
+
+    def __init__(self, encoder: nn.Module, loss: nn.Module) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.loss = loss
+
+    def embed(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Unit-norm image (B, E), text (B, E) and hard-negative (M, E) embeddings."""
+        img = self.encoder.encode_image(batch["images"])
+        txt = self.encoder.encode_text(batch["input_ids"], batch["attention_mask"])
+        neg = None
+        if batch.get("neg_ids") is not None:
+            neg = self.encoder.encode_text(batch["neg_ids"], batch["neg_mask"])
+        return img, txt, neg
+
+    def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        return self.loss(*self.embed(batch))
+
+
+class ImageTextCollate:
+    """Stack images and tokenize texts (and hard negatives); picklable for DataLoader workers."""
+
+    def __init__(self, tokenizer: TextTokenizer, max_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_len = max_len
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        ids, mask = self.tokenizer.encode_batch([s["text"] for s in samples], self.max_len)
+        batch: dict[str, Any] = {
+            "images": torch.stack([s["image"] for s in samples]),  # (B, 3, S, S)
+            "input_ids": ids,  # (B, T)
+            "attention_mask": mask,
+            "index": torch.tensor([s["index"] for s in samples]),
+        }
+        negs = [n for s in samples for n in s.get("negatives", [])]
+        if negs:
+            batch["neg_ids"], batch["neg_mask"] = self.tokenizer.encode_batch(negs, self.max_len)
+        return batch
+
+
+@register_stage("contrastive")
+class ContrastiveStage(Stage):
+    """Train a dual encoder contrastively; evaluate loss, accuracy, R@K and hard negatives."""
+
+    best_metric = "eval_R@1_mean"
+    best_mode = "max"
+
+    def prepare(self) -> None:
+        """Train the BPE tokenizer on the training captions once (rank 0), or reuse it."""
+        tok_dir = self.out_dir / "tokenizer"
+        if self.ctx.is_main and not (tok_dir / "tokenizer.json").is_file():
+            texts = [t for r in read_records(self.cfg.data.train) for t in r["text"]]
+            train_bpe_tokenizer(texts, vocab_size=self.cfg.data.tokenizer_vocab).save(tok_dir)
+        D.barrier()
+        self.tokenizer = TextTokenizer.load(tok_dir)
+        self._eval_sets: dict[str, ImageTextDataset] = {}
+
+    def build_model(self) -> nn.Module:
+        m, o = self.cfg.model, self.cfg.objective
+        encoder = DualEncoder.from_preset(
+            m.vision, m.text, m.embed_dim, vocab_size=self.tokenizer.vocab_size,
+            context_length=self.cfg.data.max_text_len, dropout=m.dropout)
+        loss = build_loss(o.loss, temperature=o.temperature, learn_temperature=o.learn_temperature,
+                          max_logit_scale=o.max_logit_scale, symmetric=o.symmetric,
+                          label_smoothing=o.label_smoothing, gather=o.gather)
+        return ContrastiveModel(encoder, loss)
+
+    def train_dataset(self) -> ImageTextDataset:
+        return ImageTextDataset(self.cfg.data.train, self.cfg.data.image_size, self.cfg.run.seed,
+                                train=True)
+
+    def train_sampler(self, dataset: ImageTextDataset,
+                      start: tuple[int, int]) -> ShardedBatchSampler:
+        return ShardedBatchSampler(len(dataset), self.cfg.data.batch_size, self.ctx.rank,
+                                   self.ctx.world_size, self.cfg.run.seed, start=start)
+
+    def collate(self, samples: list[dict]) -> dict[str, Any]:
+        return ImageTextCollate(self.tokenizer, self.cfg.data.max_text_len)(samples)
+
+    def loss(self, model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, dict]:
+        return model(batch)
+
+    def checkpoint_files(self) -> dict[str, Path]:
+        return {"tokenizer": self.out_dir / "tokenizer"}
+
+    # ---- evaluation -------------------------------------------------------------------
+
+    def _eval_set(self, split: str) -> ImageTextDataset:
+        path = self.cfg.data.eval if split == "val" else self.cfg.data.test
+        if split not in self._eval_sets:
+            self._eval_sets[split] = ImageTextDataset(
+                path, self.cfg.data.image_size, self.cfg.run.seed, hard_negatives=10**6,
+                train=False)
+        return self._eval_sets[split]
+
+    def _embed_shard(self, model: ContrastiveModel, ds: ImageTextDataset) -> dict[str, Tensor]:
+        """Embeddings of this rank's contiguous shard of the eval set."""
+        bs = self.cfg.data.eval_batch_size or self.cfg.data.batch_size
+        enc, dev = model.encoder, self.ctx.device
+        out: dict[str, list[Tensor]] = {k: [] for k in
+                                        ("img", "idx", "txt", "owner", "hn_correct", "hn_total")}
+        n_bad = 0
+        for keys in EvalShardSampler(len(ds), bs, self.ctx.rank, self.ctx.world_size):
+            good, bad = split_bad([ds[k] for k in keys])
+            n_bad += len(bad)
+            if not good:
+                continue
+            img = enc.encode_image(torch.stack([s["image"] for s in good]).to(dev))  # (b, E)
+            texts = [t for s in good for t in s["texts"]]
+            owner = torch.tensor([s["index"] for s in good for _ in s["texts"]])
+            txt = self._encode_texts(enc, texts)  # (sum captions, E)
+            out["img"].append(img.float().cpu())
+            out["idx"].append(torch.tensor([s["index"] for s in good]))
+            out["txt"].append(txt.float().cpu())
+            out["owner"].append(owner)
+            c, t = self._hard_negative_hits(enc, img, txt, good)
+            out["hn_correct"].append(c)
+            out["hn_total"].append(t)
+        cat = {k: (torch.cat(v) if v else torch.zeros(0)) for k, v in out.items()}
+        cat["n_bad"] = torch.tensor([n_bad])
+        return cat
+
+    def _encode_texts(self, enc: DualEncoder, texts: list[str]) -> Tensor:
+        ids, mask = self.tokenizer.encode_batch(texts, self.cfg.data.max_text_len)
+        return enc.encode_text(ids.to(self.ctx.device), mask.to(self.ctx.device))
+
+    def _hard_negative_hits(self, enc: DualEncoder, img: Tensor, txt: Tensor,
+                            good: list[dict]) -> tuple[Tensor, Tensor]:
+        """How often the first caption outscores each attribute-swapped negative."""
+        negs = [n for s in good for n in s["negatives"]]
+        if not negs:
+            return torch.zeros(1), torch.zeros(1)
+        neg = self._encode_texts(enc, negs).float()  # (M, E)
+        first = torch.tensor([0] + [len(s["texts"]) for s in good[:-1]]).cumsum(0)
+        owner = torch.tensor([i for i, s in enumerate(good) for _ in s["negatives"]])
+        pos_score = (img.float() * txt[first].float()).sum(-1)  # (b,)
+        neg_score = (img.float()[owner] * neg).sum(-1)  # (M,)
+        correct = (pos_score[owner] > neg_score).sum().float()
+        return correct.reshape(1).cpu(), torch.tensor([float(len(negs))])
+
+    def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
+        """Sharded embedding, gathered once; every rank then computes the same metrics."""
+        shard = self._embed_shard(model, self._eval_set(split))
+        g = {k: D.all_gather_no_grad(v) for k, v in shard.items()}
+        img, idx, txt, owner = g["img"], g["idx"], g["txt"], g["owner"]
+        pos = torch.searchsorted(idx, owner)  # text -> row of its image in `img`
+        metrics = image_text_retrieval(img, txt, pos)
+        metrics["R@1_mean"] = 0.5 * (metrics["i2t_R@1"] + metrics["t2i_R@1"])
+        metrics.update(self._eval_loss(model, img, txt, pos))
+        total = float(g["hn_total"].sum())
+        if total:
+            metrics["hardneg_acc"] = float(g["hn_correct"].sum()) / total
+        metrics["bad_samples"] = float(g["n_bad"].sum())
+        metrics["n_images"] = float(img.shape[0])
+        return metrics
+
+    def _eval_loss(self, model: ContrastiveModel, img: Tensor, txt: Tensor,
+                   pos: Tensor) -> dict[str, float]:
+        """InfoNCE over fixed chunks of the eval set (first caption per image), world-size free."""
+        first = torch.full((img.shape[0],), -1, dtype=torch.long)
+        first.scatter_reduce_(0, pos, torch.arange(len(pos)), reduce="amin", include_self=False)
+        bs = self.cfg.data.eval_batch_size or self.cfg.data.batch_size
+        loss_sum = acc_sum = 0.0
+        for s in range(0, img.shape[0], bs):
+            f = Features(img[s:s + bs].to(self.ctx.device),
+                         txt[first[s:s + bs]].to(self.ctx.device), None)
+            loss, m = model.loss.loss_from_features(f)
+            loss_sum += float(loss) * f.image.shape[0]
+            acc_sum += float(m["acc_i2t"]) * f.image.shape[0]
+        n = max(img.shape[0], 1)
+        return {"loss": loss_sum / n, "acc_i2t": acc_sum / n}
