@@ -23,6 +23,7 @@ import faiss
 import numpy as np
 import torch
 
+import vltrain.eval.retrieval as retrieval
 from vltrain.eval.retrieval import evaluate_retrieval, topk_similarity
 
 Q, N, DIM, K = 4_575, 36_430, 1_024, 10
@@ -56,6 +57,15 @@ def _compare(ours: tuple[torch.Tensor, torch.Tensor], theirs: tuple[np.ndarray, 
     return int((~differ).sum()), int((differ & near).sum()), int((differ & ~near).sum())
 
 
+def _topk_torch_mm(q: torch.Tensor, d: torch.Tensor):
+    """The same function with its CPU numpy-matmul path switched off (torch.mm / MKL)."""
+    saved, retrieval._np = retrieval._np, None
+    try:
+        return topk_similarity(q, d, K)
+    finally:
+        retrieval._np = saved
+
+
 def _machine() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
@@ -86,11 +96,13 @@ def main() -> None:
     q_np, d_np = q.numpy(), d.numpy()
     if args.sweep:
         _sweep(q, d, args.runs)
-    t_ours, t_faiss, t_eval = [], [], []
-    ours = theirs = None
+    t_ours, t_torch, t_faiss, t_eval = [], [], [], []
+    ours = theirs = via_torch = None
     for _ in range(args.runs):
         t, ours = _timed(lambda: topk_similarity(q, d, K))
         t_ours.append(t)
+        t, via_torch = _timed(lambda: _topk_torch_mm(q, d))
+        t_torch.append(t)
         t, theirs = _timed(lambda: _faiss_search(q_np, d_np))
         t_faiss.append(t)
     positives = [[i % N, (7 * i + 3) % N] if i % 3 == 0 else [i % N] for i in range(Q)]
@@ -98,7 +110,10 @@ def main() -> None:
         t, metrics = _timed(lambda: evaluate_retrieval(q, d, positives))
         t_eval.append(t)
     same, tie_only, real = _compare(ours, theirs)
-    m_ours, m_faiss, m_eval = (statistics.median(t) for t in (t_ours, t_faiss, t_eval))
+    same_t, tie_t, real_t = _compare(ours, (via_torch[0].numpy(), via_torch[1].numpy()))
+    m_ours, m_torch, m_faiss, m_eval = (
+        statistics.median(t) for t in (t_ours, t_torch, t_faiss, t_eval)
+    )
     gflop = 2 * Q * N * DIM / 1e9
     lines = [
         f"Exact top-{K} inner product, {Q:,} queries x {N:,} docs, dim {DIM:,}, fp32 "
@@ -108,13 +123,16 @@ def main() -> None:
         "|---|---|---|---|---|",
         f"| vltrain `topk_similarity` | {m_ours:.2f} | {_fmt(t_ours)} | {gflop / m_ours:.0f} "
         f"| {m_faiss / m_ours:.2f}x |",
+        f"| same, torch.mm (MKL) matmul path | {m_torch:.2f} | {_fmt(t_torch)} "
+        f"| {gflop / m_torch:.0f} | {m_faiss / m_torch:.2f}x |",
         f"| faiss `IndexFlatIP` add+search | {m_faiss:.2f} | {_fmt(t_faiss)} "
         f"| {gflop / m_faiss:.0f} | 1.00x |",
         f"| vltrain `evaluate_retrieval` (top-10 + exact ranks + metrics) | {m_eval:.2f} "
         f"| {_fmt(t_eval)} | {gflop / m_eval:.0f} | - |",
         "",
         f"Top-{K} lists vs faiss: {same}/{Q} rows identical, {tie_only} differ only in the order "
-        f"of near-equal scores (|diff| <= 1e-5), {real} really differ.",
+        f"of near-equal scores (|diff| <= 1e-5), {real} really differ. numpy-matmul vs "
+        f"torch.mm path: {same_t} identical, {tie_t} tie order only, {real_t} really differ.",
         f"evaluate_retrieval on random data (sanity): R@10 {metrics['R@10']:.5f}, "
         f"chance {10 / N:.5f}.",
         f"Load average (1 min) before/after: {load0:.1f}/{os.getloadavg()[0]:.1f} "

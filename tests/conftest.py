@@ -24,10 +24,18 @@ def shapes_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_overrides(data: Path, out: Path, **extra: object) -> list[str]:
     """Overrides for a few-second CPU run of the CLIP stage on `data`."""
     base = {
-        "run.out_dir": out, "data.train": data / "train.jsonl", "data.eval": data / "val.jsonl",
-        "data.batch_size": 16, "data.num_workers": 0, "data.tokenizer_vocab": 400,
-        "train.max_steps": 6, "train.eval_every": 0, "train.save_every": 0,
-        "train.log_every": 1, "optim.warmup_steps": 2, "log.progress": False,
+        "run.out_dir": out,
+        "data.train": data / "train.jsonl",
+        "data.eval": data / "val.jsonl",
+        "data.batch_size": 16,
+        "data.num_workers": 0,
+        "data.tokenizer_vocab": 400,
+        "train.max_steps": 6,
+        "train.eval_every": 0,
+        "train.save_every": 0,
+        "train.log_every": 1,
+        "optim.warmup_steps": 2,
+        "log.progress": False,
         "log.tensorboard": False,
     }
     base.update(extra)

@@ -12,22 +12,24 @@ from vltrain.config import load_config
 PRESET = Path(__file__).parent / "configs" / "quickstart.yaml"
 
 ROWS = (
-    ("image->text R@1", "i2t_R@1"), ("image->text R@5", "i2t_R@5"),
-    ("text->image R@1", "t2i_R@1"), ("text->image R@5", "t2i_R@5"),
+    ("image->text R@1", "i2t_R@1"),
+    ("image->text R@5", "i2t_R@5"),
+    ("text->image R@1", "t2i_R@1"),
+    ("text->image R@5", "t2i_R@5"),
     ("hard-negative acc", "hardneg_acc"),
 )
 
 
-def _ensure_data(data_dir: Path, n_train: int, seed: int) -> None:
+def _ensure_data(data_dir: Path, n_train: int, n_eval: int, seed: int) -> None:
     from vltrain.data.synth import synth_command
 
     stamp = data_dir / "quickstart.json"
-    want = {"n_train": n_train, "n_val": 300, "n_test": 300, "seed": seed}
+    want = {"n_train": n_train, "n_val": n_eval, "n_test": n_eval, "seed": seed}
     if stamp.is_file() and json.loads(stamp.read_text()) == want:
         print(f"[1/3] synthetic data already in {data_dir}")
         return
     t = time.time()
-    synth_command(str(data_dir), n_train, 300, 300, seed)
+    synth_command(str(data_dir), n_train, n_eval, n_eval, seed)
     stamp.write_text(json.dumps(want))
     print(f"[1/3] wrote synthetic shapes data to {data_dir} ({time.time() - t:.1f} s)")
 
@@ -47,31 +49,50 @@ def results_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_quickstart(out: str = "runs/quickstart", size: str = "tiny", steps: int = 600,
-                   n_train: int = 4000, batch_size: int = 128, num_workers: int = 1,
-                   extra: list[str] | None = None) -> dict[str, Any]:
+def run_quickstart(
+    out: str = "runs/quickstart",
+    size: str = "tiny",
+    steps: int = 600,
+    n_train: int = 4000,
+    n_eval: int = 300,
+    batch_size: int = 128,
+    num_workers: int = 1,
+    extra: list[str] | None = None,
+) -> dict[str, Any]:
     """Run the whole demo; returns the training summary (val and test metrics)."""
     from vltrain.engine.loop import train
 
     root = Path(out)
     data = root / "data"
     t0 = time.time()
-    _ensure_data(data, n_train, seed=0)
+    _ensure_data(data, n_train, n_eval, seed=0)
     overrides = [
-        f"run.out_dir={root / 'clip'}", f"data.train={data / 'train.jsonl'}",
-        f"data.eval={data / 'val.jsonl'}", f"data.test={data / 'test.jsonl'}",
-        f"model.vision={size}", f"model.text={size}", f"train.max_steps={steps}",
-        f"train.eval_every={max(steps // 3, 1)}", f"train.save_every={max(steps // 3, 1)}",
-        f"data.batch_size={batch_size}", f"data.num_workers={num_workers}",
-        f"optim.warmup_steps={min(50, steps // 5)}", *(extra or []),
+        f"run.out_dir={root / 'clip'}",
+        f"data.train={data / 'train.jsonl'}",
+        f"data.eval={data / 'val.jsonl'}",
+        f"data.test={data / 'test.jsonl'}",
+        f"model.vision={size}",
+        f"model.text={size}",
+        f"train.max_steps={steps}",
+        f"train.eval_every={max(steps // 3, 1)}",
+        f"train.save_every={max(steps // 3, 1)}",
+        f"data.batch_size={batch_size}",
+        f"data.num_workers={num_workers}",
+        f"optim.warmup_steps={min(50, steps // 5)}",
+        *(extra or []),
     ]
     cfg = load_config(PRESET, overrides)
-    print(f"[2/3] training the CLIP stage ({size}, {steps} steps, batch {batch_size}) "
-          f"-> {cfg.run.out_dir}")
+    print(
+        f"[2/3] training the CLIP stage ({size}, {steps} steps, batch {batch_size}) "
+        f"-> {cfg.run.out_dir}"
+    )
     summary = train(cfg)
-    print("[3/3] results (percent; val = same attribute combos as train, test = held-out "
-          "combos):\n")
+    print(
+        "[3/3] results (percent; val = same attribute combos as train, test = held-out combos):\n"
+    )
     print(results_table(summary))
-    print(f"\nrun folder: {cfg.run.out_dir}  (config.yaml, metrics.jsonl, checkpoints/, "
-          f"summary.json)\ntotal time: {time.time() - t0:.0f} s")
+    print(
+        f"\nrun folder: {cfg.run.out_dir}  (config.yaml, metrics.jsonl, checkpoints/, "
+        f"summary.json)\ntotal time: {time.time() - t0:.0f} s"
+    )
     return summary

@@ -46,8 +46,7 @@ def test_unknown_key_names_closest_valid_key(override: str, expected: str) -> No
         ("run.precision=bf61", "run.precision", "did you mean 'bf16'"),
     ],
 )
-def test_wrong_type_or_range_names_key_and_expectation(override: str, key: str,
-                                                       what: str) -> None:
+def test_wrong_type_or_range_names_key_and_expectation(override: str, key: str, what: str) -> None:
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
     assert key in str(e.value) and what in str(e.value)
@@ -68,7 +67,8 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
     again = load_config(tmp_path / "config.yaml")
     assert again == cfg
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["optim"]["lr_scale"] == {
-        "vision": 0.1}
+        "vision": 0.1
+    }
 
 
 def test_unsafe_yaml_is_refused(tmp_path: Path) -> None:
@@ -85,8 +85,7 @@ def test_every_field_is_documented() -> None:
     assert "optim.lr" in all_keys(Config)
 
 
-@pytest.mark.parametrize("preset", sorted((REPO / "configs").glob("*.yaml")),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("preset", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_preset_loads(preset: Path) -> None:
     cfg = load_config(preset)
     assert cfg.train.max_steps >= 1

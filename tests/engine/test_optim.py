@@ -16,10 +16,16 @@ def _cfg(*overrides: str):
 @pytest.mark.parametrize(
     "schedule, step, expected",
     [
-        ("cosine", 0, 0.1), ("cosine", 9, 1.0), ("cosine", 10, 1.0),
+        ("cosine", 0, 0.1),
+        ("cosine", 9, 1.0),
+        ("cosine", 10, 1.0),
         ("cosine", 10 + 89 // 2, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (44 / 89)))),
-        ("cosine", 99, 0.1), ("linear", 99, 0.1), ("linear", 10, 1.0),
-        ("linear", 54, 0.1 + 0.9 * (1 - 44 / 89)), ("constant", 99, 1.0), ("constant", 4, 0.5),
+        ("cosine", 99, 0.1),
+        ("linear", 99, 0.1),
+        ("linear", 10, 1.0),
+        ("linear", 54, 0.1 + 0.9 * (1 - 44 / 89)),
+        ("constant", 99, 1.0),
+        ("constant", 4, 0.5),
     ],
 )
 def test_schedule_values_at_key_steps(schedule: str, step: int, expected: float) -> None:
@@ -50,8 +56,14 @@ def test_param_groups_exclude_bias_norm_embedding_and_temperature_from_decay() -
     decay = {n for g in groups if g["weight_decay"] > 0 for n in g["names"]}
     no_decay = {n for g in groups if g["weight_decay"] == 0 for n in g["names"]}
     assert decay == {"vision.0.weight", "head.weight"}
-    assert no_decay == {"vision.0.bias", "vision.1.weight", "vision.1.bias", "text.weight",
-                        "head.bias", "logit_scale"}
+    assert no_decay == {
+        "vision.0.bias",
+        "vision.1.weight",
+        "vision.1.bias",
+        "text.weight",
+        "head.bias",
+        "logit_scale",
+    }
 
 
 def test_lr_scale_multiplies_module_lr_and_unknown_module_fails() -> None:

@@ -310,3 +310,23 @@ def test_auto_doc_chunking_when_rows_exceed_budget(monkeypatch):
     _, idx = topk_similarity(q, d, 10)
     assert torch.equal(idx, _ref_order(q, d)[1][:, :10])
     assert torch.equal(rank_of_positives(q, d, positives), _ref_ranks(q, d, positives))
+
+
+def test_torch_matmul_path_equals_numpy_path(monkeypatch):
+    import vltrain.eval.retrieval as retrieval
+
+    assert retrieval._np is not None  # the default CPU path is the numpy one
+    q, d = _int_data(30, 45, 5, seed=15)
+    positives = _random_positives(30, 45, seed=16)
+    by_numpy = (topk_similarity(q, d, 10, 7, 11), rank_of_positives(q, d, positives, 7, 11))
+    monkeypatch.setattr(retrieval, "_np", None)
+    by_torch = (topk_similarity(q, d, 10, 7, 11), rank_of_positives(q, d, positives, 7, 11))
+    assert torch.equal(by_torch[0][1], by_numpy[0][1]) and torch.equal(by_torch[1], by_numpy[1])
+    assert torch.equal(by_torch[0][1], _ref_order(q, d)[1][:, :10])
+
+
+def test_float64_and_grad_inputs():
+    q, d = _int_data(6, 20, 3, seed=17)
+    vals, idx = topk_similarity(q.double().requires_grad_(), d, 5)
+    assert vals.dtype == torch.float64 and not vals.requires_grad
+    assert torch.equal(idx, _ref_order(q, d)[1][:, :5])

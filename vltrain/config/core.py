@@ -151,9 +151,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
-    raise ConfigError(
-        f"'{key}' expects {_type_name(tp)}, got {value!r} ({type(value).__name__})"
-    )
+    raise ConfigError(f"'{key}' expects {_type_name(tp)}, got {value!r} ({type(value).__name__})")
 
 
 def _check_range(key: str, value: Any, meta: dict) -> None:

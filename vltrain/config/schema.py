@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -26,10 +27,14 @@ from vltrain.config.core import (
 class RunConfig:
     out_dir: str = option("runs/default", "Run directory: config, metrics, checkpoints, report.")
     seed: int = option(0, "Seed for model init, shuffling, sampling and augmentation.", ge=0)
-    device: str = option("auto", "'auto' (cuda if available), 'cpu' or 'cuda'.",
-                         choices=("auto", "cpu", "cuda"))
-    precision: str = option("fp32", "Compute precision: fp32, or bf16 autocast (CPU and CUDA).",
-                            choices=("fp32", "bf16"))
+    device: str = option(
+        "auto", "'auto' (cuda if available), 'cpu' or 'cuda'.", choices=("auto", "cpu", "cuda")
+    )
+    precision: str = option(
+        "fp32",
+        "Compute precision: fp32, or bf16 autocast (CPU and CUDA).",
+        choices=("fp32", "bf16"),
+    )
     deterministic: bool = option(
         False,
         "Deterministic kernels (torch.use_deterministic_algorithms, cuDNN deterministic, "
@@ -43,62 +48,101 @@ class DataConfig:
     train: str = option("", "Training records: JSONL (or COCO captions .json).")
     eval: str = option("", "Evaluation records (val split); empty disables evaluation.")
     test: str = option("", "Optional held-out test records, evaluated at the end of training.")
-    batch_size: int = option(32, "Batch size per process (global batch = this x world size).",
-                             ge=1)
+    batch_size: int = option(32, "Batch size per process (global batch = this x world size).", ge=1)
+    max_train_samples: int = option(
+        0,
+        "Use only the first N training records (0: all); e.g. a hyperparameter-search budget.",
+        ge=0,
+    )
     eval_batch_size: int = option(0, "Per-process eval batch size (0: same as batch_size).", ge=0)
-    num_workers: int = option(2, "DataLoader worker processes per rank (0: load in-process).",
-                              ge=0)
+    num_workers: int = option(2, "DataLoader worker processes per rank (0: load in-process).", ge=0)
     image_size: int = option(64, "Square image side fed to the built-in vision tower.", ge=8)
-    max_text_len: int = option(32, "Max text tokens (incl. bos/eos); longer texts are cut.",
-                               ge=4)
-    tokenizer_vocab: int = option(2000, "Vocabulary size of the BPE tokenizer trained on the "
-                                  "training captions (built-in text towers).", ge=300)
+    max_text_len: int = option(32, "Max text tokens (incl. bos/eos); longer texts are cut.", ge=4)
+    tokenizer_vocab: int = option(
+        2000,
+        "Vocabulary size of the BPE tokenizer trained on the "
+        "training captions (built-in text towers).",
+        ge=300,
+    )
     max_bad_fraction: float = option(
-        0.01, "Abort when more than this fraction of samples seen is undecodable.", ge=0.0,
-        le=1.0)
+        0.01, "Abort when more than this fraction of samples seen is undecodable.", ge=0.0, le=1.0
+    )
 
 
 @dataclass
 class ModelConfig:
     kind: str = option("dual_encoder", "Model registry key.", choices=("dual_encoder",))
-    vision: str = option("tiny", "Vision tower size preset (tiny, small, base).",
-                         choices=("tiny", "small", "base"))
-    text: str = option("tiny", "Text tower size preset (tiny, small, base).",
-                       choices=("tiny", "small", "base"))
+    vision: str = option(
+        "tiny", "Vision tower size preset (tiny, small, base).", choices=("tiny", "small", "base")
+    )
+    text: str = option(
+        "tiny", "Text tower size preset (tiny, small, base).", choices=("tiny", "small", "base")
+    )
     embed_dim: int = option(128, "Shared embedding dimension of the dual encoder.", ge=8)
     dropout: float = option(0.0, "Dropout in both towers.", ge=0.0, le=0.9)
 
 
 @dataclass
 class ObjectiveConfig:
-    loss: str = option("infonce", "Loss registry key.", choices=("infonce",))
+    loss: str = option(
+        "infonce",
+        "Loss registry key: infonce (CLIP) or siglip (sigmoid).",
+        choices=("infonce", "siglip"),
+    )
     temperature: float = option(0.07, "Initial softmax temperature.", gt=0.0)
     learn_temperature: bool = option(True, "Learn the temperature (as a log logit scale).")
     max_logit_scale: float = option(100.0, "Clamp on 1/temperature (CLIP uses 100).", gt=0.0)
     symmetric: bool = option(True, "Average image->text and text->image InfoNCE.")
-    label_smoothing: float = option(0.0, "Label smoothing of the InfoNCE targets.", ge=0.0,
-                                    le=0.5)
-    gather: bool = option(True, "Gather features across ranks (negatives from all ranks). "
-                          "Turning it off changes the loss with world size.")
+    label_smoothing: float = option(0.0, "Label smoothing of the InfoNCE targets.", ge=0.0, le=0.5)
+    gather: bool = option(
+        True,
+        "Gather features across ranks (negatives from all ranks). "
+        "Turning it off changes the loss with world size.",
+    )
+    hard_negatives: int = option(
+        0,
+        "Hard-negative texts per training record and epoch, drawn "
+        "from its 'negatives' (fewer if it has fewer); they join the "
+        "text side of the logits.",
+        ge=0,
+    )
+    grad_cache_chunk: int = option(
+        0,
+        "GradCache: encode the batch in chunks of this many rows "
+        "(activation memory of one chunk; one extra forward). 0: off.",
+        ge=0,
+    )
+    siglip_init_scale: float = option(
+        10.0, "SigLIP: initial logit scale t (learned as log t when learn_temperature).", gt=0.0
+    )
+    siglip_init_bias: float = option(-10.0, "SigLIP: initial logit bias b (always learned).")
 
 
 @dataclass
 class OptimConfig:
     lr: float = option(5e-4, "Peak learning rate.", gt=0.0)
-    min_lr_ratio: float = option(0.1, "Cosine/linear decay floor as a fraction of lr.", ge=0.0,
-                                 le=1.0)
-    schedule: str = option("cosine", "LR schedule after warmup.",
-                           choices=("cosine", "linear", "constant"))
+    min_lr_ratio: float = option(
+        0.1, "Cosine/linear decay floor as a fraction of lr.", ge=0.0, le=1.0
+    )
+    schedule: str = option(
+        "cosine", "LR schedule after warmup.", choices=("cosine", "linear", "constant")
+    )
     warmup_steps: int = option(100, "Linear warmup steps.", ge=0)
-    weight_decay: float = option(0.1, "AdamW weight decay (not on biases, norms, embeddings, "
-                                 "temperature).", ge=0.0)
+    weight_decay: float = option(
+        0.1, "AdamW weight decay (not on biases, norms, embeddings, temperature).", ge=0.0
+    )
     betas: list[float] = option([0.9, 0.98], "AdamW betas.")
     eps: float = option(1e-6, "AdamW epsilon.", gt=0.0)
-    grad_clip: float = option(1.0, "Clip the global grad norm to this (0: no clipping; the "
-                              "pre-clip norm is logged either way).", ge=0.0)
+    grad_clip: float = option(
+        1.0,
+        "Clip the global grad norm to this (0: no clipping; the "
+        "pre-clip norm is logged either way).",
+        ge=0.0,
+    )
     accum_steps: int = option(1, "Micro-batches accumulated per optimizer step.", ge=1)
     lr_scale: dict[str, float] = option(
-        {}, "Per-module LR multipliers by parameter-name prefix, e.g. {vision: 0.1}.")
+        {}, "Per-module LR multipliers by parameter-name prefix, e.g. {vision: 0.1}."
+    )
 
 
 @dataclass
@@ -108,12 +152,14 @@ class TrainConfig:
     save_every: int = option(500, "Checkpoint every N steps (0: only at the end).", ge=0)
     keep_last: int = option(3, "Keep this many newest step checkpoints.", ge=1)
     best_metric: str = option("", "Eval metric that picks checkpoints/best ('' = stage default).")
-    best_mode: str = option("", "'max' or 'min' for best_metric ('' = stage default).",
-                            choices=("", "max", "min"))
+    best_mode: str = option(
+        "", "'max' or 'min' for best_metric ('' = stage default).", choices=("", "max", "min")
+    )
     resume: bool = option(False, "Continue from the newest complete checkpoint in run.out_dir.")
     log_every: int = option(10, "Log train metrics every N steps.", ge=1)
     max_consecutive_skips: int = option(
-        5, "Abort after this many consecutive steps skipped for non-finite loss/grads.", ge=1)
+        5, "Abort after this many consecutive steps skipped for non-finite loss/grads.", ge=1
+    )
 
 
 @dataclass
@@ -122,6 +168,90 @@ class LogConfig:
     tensorboard: bool = option(True, "Write TensorBoard events (if tensorboard is installed).")
     wandb: bool = option(False, "Log to Weights & Biases (WANDB_MODE=offline works offline).")
     wandb_project: str = option("vltrain", "W&B project name.")
+
+
+@dataclass
+class TuneConfig:
+    space: dict[str, dict[str, Any]] = option(
+        {},
+        "Search space: dotted config key -> {type: float|int|categorical, low, high, log, "
+        "step, choices} (see docs/tuning.md).",
+    )
+    metric: str = option(
+        "",
+        "Eval metric to optimise as logged, e.g. eval_R@1_mean or "
+        "eval_loss ('' = the stage's best metric).",
+    )
+    direction: str = option(
+        "",
+        "'maximize' or 'minimize' ('' = the stage's default; required for any other metric).",
+        choices=("", "maximize", "minimize"),
+    )
+    trials: int = option(
+        10,
+        "Trials to finish (complete or pruned) in the study; failed ones "
+        "do not count. `--trials` overrides.",
+        ge=1,
+    )
+    max_steps: int = option(
+        0, "Optimizer steps per trial (0: tune.epochs, else train.max_steps).", ge=0
+    )
+    epochs: int = option(
+        0,
+        "Epochs per trial over the training subset; then each trial "
+        "evaluates once per epoch and pruner steps count epochs.",
+        ge=0,
+    )
+    eval_every: int = option(
+        0,
+        "With step budgets: evaluate and report to the pruner every N steps (0: train.eval_every).",
+        ge=0,
+    )
+    train_samples: int = option(
+        0, "Train each trial on the first N training records (0: all).", ge=0
+    )
+    pruner: str = option(
+        "median", "'median' (Optuna MedianPruner) or 'none'.", choices=("median", "none")
+    )
+    n_startup_trials: int = option(
+        3, "Median pruner: prune nothing until this many trials have completed.", ge=0
+    )
+    n_warmup_steps: int = option(
+        0, "Median pruner: never prune before this step (epochs when tune.epochs is set).", ge=0
+    )
+    sampler: str = option(
+        "tpe",
+        "Optuna sampler: 'tpe' or 'random' (seeded from run.seed).",
+        choices=("tpe", "random"),
+    )
+    storage: str = option(
+        "",
+        "'' = SQLite file in the study dir; 'journal' or 'journal:PATH' = "
+        "journal file (several workers, one host); a SQLAlchemy URL (many "
+        "machines); 'env:VAR' = the URL in environment variable VAR.",
+    )
+    study: str = option(
+        "",
+        "Study name, a folder under run.out_dir ('' = new name from the "
+        "config file and time); reuse a name to resume.",
+    )
+    enqueue: list[dict[str, Any]] = option(
+        [], "Parameter sets to try first, e.g. [{optim.lr: 1.0e-3}]; missing keys are sampled."
+    )
+    max_failed_trials: int = option(
+        3, "Stop the search after this many failed trials in a row.", ge=1
+    )
+    heartbeat_interval: int = option(
+        60,
+        "SQL storages: running trials beat every N s; one "
+        "silent for 2N s is marked failed (0: off).",
+        ge=0,
+    )
+    plots: bool = option(
+        True,
+        "Save optimisation history, importances and intermediate "
+        "values plots (HTML and PNG) in the study dir.",
+    )
 
 
 @dataclass
@@ -134,6 +264,7 @@ class Config:
     optim: OptimConfig = section(OptimConfig, "Optimizer and learning-rate schedule.")
     train: TrainConfig = section(TrainConfig, "Loop length, evaluation, checkpoints, resume.")
     log: LogConfig = section(LogConfig, "Progress bar, TensorBoard, W&B.")
+    tune: TuneConfig = section(TuneConfig, "Hyperparameter search (`vltrain tune`).")
 
 
 def validate_cross_fields(cfg: Config) -> None:

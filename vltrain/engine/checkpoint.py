@@ -74,7 +74,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def write_checkpoint(
-    ckpt_root: Path, step: int, model: torch.nn.Module, trainer_state: dict[str, Any],
+    ckpt_root: Path,
+    step: int,
+    model: torch.nn.Module,
+    trainer_state: dict[str, Any],
     extra_files: dict[str, Path] | None = None,
 ) -> Path:
     """Write `step_<step>` atomically and return its path. Rank 0 only."""

@@ -55,13 +55,18 @@ class RunLogger:
 
                 self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=start_step)
             except ImportError:
-                print("vltrain: tensorboard not installed; skipping TensorBoard logs",
-                      file=sys.stderr)
+                print(
+                    "vltrain: tensorboard not installed; skipping TensorBoard logs", file=sys.stderr
+                )
         if cfg.log.wandb:
             import wandb
 
-            self.wandb = wandb.init(project=cfg.log.wandb_project, dir=str(out_dir),
-                                    config=_flat_config(cfg), resume="allow")
+            self.wandb = wandb.init(
+                project=cfg.log.wandb_project,
+                dir=str(out_dir),
+                config=_flat_config(cfg),
+                resume="allow",
+            )
         if cfg.log.progress:
             self._make_bar(cfg.train.max_steps, start_step)
 
@@ -70,8 +75,15 @@ class RunLogger:
             from tqdm import tqdm
         except ImportError:
             return
-        self.bar = tqdm(total=total, initial=start, dynamic_ncols=True, file=sys.stderr,
-                        desc="train", unit="step", smoothing=0.1)
+        self.bar = tqdm(
+            total=total,
+            initial=start,
+            dynamic_ncols=True,
+            file=sys.stderr,
+            desc="train",
+            unit="step",
+            smoothing=0.1,
+        )
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Append one JSON line (with `step`) and mirror it to TensorBoard/W&B."""
@@ -90,8 +102,9 @@ class RunLogger:
         """Advance the bar to `step` and show loss, lr and throughput."""
         if self.bar is None:
             return
-        self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", sps=f"{samples_per_s:.0f}",
-                             refresh=False)
+        self.bar.set_postfix(
+            loss=f"{loss:.4f}", lr=f"{lr:.2e}", sps=f"{samples_per_s:.0f}", refresh=False
+        )
         self.bar.update(step - self.bar.n)
 
     def message(self, text: str) -> None:

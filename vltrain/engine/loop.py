@@ -6,7 +6,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,36 +65,63 @@ def _loader(stage: Stage, cfg: Config, start: tuple[int, int]) -> Iterator[dict]
     # iterator at a different moment (resume) leaves the dropout RNG stream untouched.
     gen = torch.Generator().manual_seed(cfg.run.seed)
     loader = DataLoader(
-        dataset, batch_sampler=sampler, collate_fn=_Collate(stage.collate),
-        num_workers=cfg.data.num_workers, worker_init_fn=worker_init, generator=gen,
-        persistent_workers=cfg.data.num_workers > 0, pin_memory=False,
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=_Collate(stage.collate),
+        num_workers=cfg.data.num_workers,
+        worker_init_fn=worker_init,
+        generator=gen,
+        persistent_workers=cfg.data.num_workers > 0,
+        pin_memory=False,
         prefetch_factor=4 if cfg.data.num_workers > 0 else None,
     )
     return sampler, iter(loader)
 
 
-def _trainer_state(state: LoopState, optimizer: torch.optim.Optimizer, stage: Stage,
-                   tracker: BadSampleTracker, world: int) -> dict[str, Any]:
+def _trainer_state(
+    state: LoopState,
+    optimizer: torch.optim.Optimizer,
+    stage: Stage,
+    tracker: BadSampleTracker,
+    world: int,
+) -> dict[str, Any]:
     return {
-        "step": state.step, "epoch": state.position[0], "batch_in_epoch": state.position[1],
-        "skipped_steps": state.skipped_steps, "consecutive_skips": state.consecutive_skips,
-        "best_value": state.best_value, "best_step": state.best_step,
-        "optimizer": optimizer.state_dict(), "rng": C.rng_state(), "stage": stage.state_dict(),
-        "bad_samples": tracker.state_dict(), "world_size": world,
+        "step": state.step,
+        "epoch": state.position[0],
+        "batch_in_epoch": state.position[1],
+        "skipped_steps": state.skipped_steps,
+        "consecutive_skips": state.consecutive_skips,
+        "best_value": state.best_value,
+        "best_step": state.best_step,
+        "optimizer": optimizer.state_dict(),
+        "rng": C.rng_state(),
+        "stage": stage.state_dict(),
+        "bad_samples": tracker.state_dict(),
+        "world_size": world,
     }
 
 
-def _restore(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: Stage,
-             tracker: BadSampleTracker) -> LoopState:
+def _restore(
+    ckpt: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    stage: Stage,
+    tracker: BadSampleTracker,
+) -> LoopState:
     C.load_weights(model, ckpt)
     ts = C.load_trainer_state(ckpt)
     optimizer.load_state_dict(ts["optimizer"])
     stage.load_state_dict(ts["stage"])
     tracker.load_state_dict(ts["bad_samples"])
     C.set_rng_state(ts["rng"])
-    return LoopState(step=ts["step"], position=(ts["epoch"], ts["batch_in_epoch"]),
-                     skipped_steps=ts["skipped_steps"], consecutive_skips=ts["consecutive_skips"],
-                     best_value=ts["best_value"], best_step=ts["best_step"])
+    return LoopState(
+        step=ts["step"],
+        position=(ts["epoch"], ts["batch_in_epoch"]),
+        skipped_steps=ts["skipped_steps"],
+        consecutive_skips=ts["consecutive_skips"],
+        best_value=ts["best_value"],
+        best_step=ts["best_step"],
+    )
 
 
 def _count_bad(batches: list[dict], tracker: BadSampleTracker) -> None:
@@ -115,8 +142,11 @@ def _is_better(value: float, best: float | None, mode: str) -> bool:
 class Trainer:
     """Drives a stage: the loop, evaluation, checkpoints and resume."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, on_eval: Callable[[int, dict], None] | None = None) -> None:
+        """`on_eval(step, metrics)` runs on every rank after each evaluation; it may raise to
+        stop training (e.g. a pruned hyperparameter trial), identically on all ranks."""
         self.cfg = cfg
+        self.on_eval = on_eval
         self.ctx = setup(cfg)
         self.out_dir = Path(cfg.run.out_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
@@ -140,8 +170,10 @@ class Trainer:
         if ckpt is not None:
             state = _restore(ckpt, model, optimizer, stage, tracker)
         elif self.ctx.is_main and C.latest_checkpoint(self.ckpt_root) is not None:
-            print(f"vltrain: {self.ckpt_root} already holds checkpoints; starting over "
-                  "(set train.resume=true to continue)")
+            print(
+                f"vltrain: {self.ckpt_root} already holds checkpoints; starting over "
+                "(set train.resume=true to continue)"
+            )
         ddp = DDP(model) if ctx.world_size > 1 else None
         logger = RunLogger(cfg, self.out_dir, ctx.is_main, state.step)
         if ckpt is not None:
@@ -167,15 +199,17 @@ class Trainer:
             for i, batch in enumerate(micro):
                 sync = ddp is None or i == accum - 1
                 with contextlib.nullcontext() if sync else ddp.no_sync():
-                    b = {k: (v.to(ctx.device) if torch.is_tensor(v) else v)
-                         for k, v in batch.items()}
+                    b = {
+                        k: (v.to(ctx.device) if torch.is_tensor(v) else v) for k, v in batch.items()
+                    }
                     with ctx.autocast():
                         loss, m = stage.backward(ddp or model, b, 1.0 / accum)
                 loss_sum += loss.double().cpu() / accum
                 for k, v in m.items():
                     metrics[k] = metrics.get(k, 0.0) + float(v) / accum
             grad_norm = torch.nn.utils.clip_grad_norm_(
-                model.parameters(), cfg.optim.grad_clip or float("inf"))
+                model.parameters(), cfg.optim.grad_clip or float("inf")
+            )
             bad = (~torch.isfinite(loss_sum)) | (~torch.isfinite(grad_norm.double().cpu()))
             bad_anywhere = bool(D.all_reduce_max(bad.double()).item() > 0)
             lr = set_lr(optimizer, state.step, cfg.train.max_steps, cfg.optim)
@@ -188,7 +222,8 @@ class Trainer:
                         f"{state.consecutive_skips} consecutive steps had a non-finite loss or "
                         f"gradient (last loss {float(loss_sum):.4g}, grad norm "
                         f"{float(grad_norm):.4g}); lower optim.lr, enable optim.grad_clip, or "
-                        "check the data; raise train.max_consecutive_skips to tolerate more")
+                        "check the data; raise train.max_consecutive_skips to tolerate more"
+                    )
             else:
                 optimizer.step()
                 state.consecutive_skips = 0
@@ -206,11 +241,16 @@ class Trainer:
         logger.progress(state.step, float(loss_sum), lr, sps)
         if state.step % cfg.train.log_every and state.step != cfg.train.max_steps:
             return
-        row = {"loss": float(loss_sum), "lr": lr, "grad_norm": float(grad_norm),
-               "samples_per_s": sps, "skipped_steps": state.skipped_steps,
-               "bad_samples": tracker.total_bad,
-               **{f"train_{k}": v for k, v in metrics.items()},
-               **{f"bad_{k}": v for k, v in tracker.counts().items() if v}}
+        row = {
+            "loss": float(loss_sum),
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "samples_per_s": sps,
+            "skipped_steps": state.skipped_steps,
+            "bad_samples": tracker.total_bad,
+            **{f"train_{k}": v for k, v in metrics.items()},
+            **{f"bad_{k}": v for k, v in tracker.counts().items() if v},
+        }
         logger.log(state.step, row)
         window["t"], window["samples"] = now, 0
 
@@ -218,17 +258,22 @@ class Trainer:
         cfg = self.cfg
         last = state.step == cfg.train.max_steps
         do_eval = bool(cfg.data.eval) and (
-            last or (cfg.train.eval_every and state.step % cfg.train.eval_every == 0))
+            last or (cfg.train.eval_every and state.step % cfg.train.eval_every == 0)
+        )
         do_save = last or (cfg.train.save_every and state.step % cfg.train.save_every == 0)
         improved = False
         if do_eval:
             metrics = {f"eval_{k}": v for k, v in self.evaluate(model, "val").items()}
             logger.log(state.step, metrics)
             state.history.append({"step": state.step, **metrics})
+            if self.on_eval is not None:
+                self.on_eval(state.step, metrics)
             value = metrics.get(self.best_metric)
             if value is None:
-                raise KeyError(f"train.best_metric '{self.best_metric}' is not among the eval "
-                               f"metrics {sorted(metrics)}")
+                raise KeyError(
+                    f"train.best_metric '{self.best_metric}' is not among the eval "
+                    f"metrics {sorted(metrics)}"
+                )
             improved = _is_better(value, state.best_value, self.best_mode)
             if improved:
                 state.best_value, state.best_step = value, state.step
@@ -238,11 +283,11 @@ class Trainer:
     def _save(self, model, optimizer, tracker, state: LoopState, improved: bool) -> None:
         if self.ctx.is_main:
             ts = _trainer_state(state, optimizer, self.stage, tracker, self.ctx.world_size)
-            path = C.write_checkpoint(self.ckpt_root, state.step, model, ts,
-                                      self.stage.checkpoint_files())
+            path = C.write_checkpoint(
+                self.ckpt_root, state.step, model, ts, self.stage.checkpoint_files()
+            )
             if improved:
-                C.update_best(self.ckpt_root, path, self.best_metric, state.best_value,
-                              state.step)
+                C.update_best(self.ckpt_root, path, self.best_metric, state.best_value, state.step)
             C.prune(self.ckpt_root, self.cfg.train.keep_last)
         D.barrier()
 
@@ -253,10 +298,14 @@ class Trainer:
 
     def _finish(self, model, optimizer, tracker, state, logger, t_start) -> dict[str, Any]:
         summary: dict[str, Any] = {
-            "out_dir": str(self.out_dir), "steps": state.step,
-            "skipped_steps": state.skipped_steps, "bad_samples": tracker.counts(),
-            "best_metric": self.best_metric, "best_value": state.best_value,
-            "best_step": state.best_step, "train_seconds": round(time.time() - t_start, 1),
+            "out_dir": str(self.out_dir),
+            "steps": state.step,
+            "skipped_steps": state.skipped_steps,
+            "bad_samples": tracker.counts(),
+            "best_metric": self.best_metric,
+            "best_value": state.best_value,
+            "best_step": state.best_step,
+            "train_seconds": round(time.time() - t_start, 1),
         }
         if state.history:
             summary["val"] = state.history[-1]
@@ -274,11 +323,15 @@ class Trainer:
 
 def format_summary(summary: dict[str, Any]) -> str:
     """A short human summary of a finished run."""
-    lines = [f"run finished: {summary['out_dir']}  ({summary['steps']} steps, "
-             f"{summary['train_seconds']} s)"]
+    lines = [
+        f"run finished: {summary['out_dir']}  ({summary['steps']} steps, "
+        f"{summary['train_seconds']} s)"
+    ]
     if summary.get("best_value") is not None:
-        lines.append(f"  best {summary['best_metric']} = {summary['best_value']:.4f} "
-                     f"at step {summary['best_step']}")
+        lines.append(
+            f"  best {summary['best_metric']} = {summary['best_value']:.4f} "
+            f"at step {summary['best_step']}"
+        )
     bad = {k: v for k, v in summary.get("bad_samples", {}).items() if v}
     lines.append(f"  skipped steps: {summary['skipped_steps']}; bad samples: {bad or 'none'}")
     return "\n".join(lines)

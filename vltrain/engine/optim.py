@@ -59,8 +59,12 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
         decay = name not in no_decay
         g = groups.setdefault(
             (scale, decay),
-            {"params": [], "names": [], "lr_scale": scale,
-             "weight_decay": cfg.weight_decay if decay else 0.0},
+            {
+                "params": [],
+                "names": [],
+                "lr_scale": scale,
+                "weight_decay": cfg.weight_decay if decay else 0.0,
+            },
         )
         g["params"].append(p)
         g["names"].append(name)

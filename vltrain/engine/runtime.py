@@ -68,8 +68,13 @@ def setup(cfg: Config) -> RunContext:
         torch.set_num_threads(cfg.run.threads)
     seed_everything(cfg.run.seed)
     set_deterministic(cfg.run.deterministic)
-    return RunContext(device=device, rank=D.rank(), world_size=D.world_size(),
-                      precision=cfg.run.precision, seed=cfg.run.seed)
+    return RunContext(
+        device=device,
+        rank=D.rank(),
+        world_size=D.world_size(),
+        precision=cfg.run.precision,
+        seed=cfg.run.seed,
+    )
 
 
 def worker_init(worker_id: int) -> None:

@@ -6,10 +6,11 @@ Every result here is exact under one total order of documents per query:
 
 i.e. higher inner product first, ties broken by the LOWER doc index. `topk_similarity`,
 `rank_of_positives` (default `ties="index"`) and the metrics all use this order, so R@k computed
-from ranks always agrees with the top-k lists. Scores are computed blockwise with `torch.mm` on
-(query chunk x doc chunk) blocks; the full (Q, N) score matrix is never held in memory. A score
-block's values can depend (by float rounding) on the block shape, so functions that must agree
-with each other (top-k lists and ranks in `evaluate_retrieval`) read the same blocks.
+from ranks always agrees with the top-k lists. Scores are computed blockwise, one matmul per
+(query chunk x doc chunk) block (numpy's BLAS on CPU when available, else `torch.mm`); the full
+(Q, N) score matrix is never held in memory. A score's last bits can depend on the block shape
+and BLAS, so results that must agree (top-k lists and ranks in `evaluate_retrieval`) are derived
+from the same blocks; compare against other libraries with a tolerance for near-equal scores.
 
 Metrics (COCO protocol: a query is a hit at k if ANY of its positives is in its top k):
     R@k      fraction of queries whose best-ranked positive has rank <= k
@@ -27,6 +28,11 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+try:  # optional: faster CPU matmul for this shape (see _score_block)
+    import numpy as _np
+except ImportError:  # pragma: no cover - numpy ships with most torch installs
+    _np = None
 
 # Bytes allowed for one score block; a (512, 36_430) fp32 block is ~71 MiB.
 _BLOCK_BYTES = 96 * 2**20
@@ -53,7 +59,7 @@ def _check_embeddings(queries: Tensor, docs: Tensor) -> tuple[Tensor, Tensor]:
         raise ValueError(f"queries on {queries.device} but docs on {docs.device}; move one.")
     dtype = torch.float64 if torch.float64 in (queries.dtype, docs.dtype) else torch.float32
     # bf16/fp16 inputs are upcast: the exact-order guarantees are stated for fp32 scores.
-    queries, docs = queries.to(dtype).contiguous(), docs.to(dtype).contiguous()
+    queries, docs = (x.detach().to(dtype).contiguous() for x in (queries, docs))
     for name, x in (("queries", queries), ("docs", docs)):
         if not bool(torch.isfinite(x).all()):
             raise ValueError(f"{name} contains NaN or inf; fix the embedding model/inputs first.")
@@ -146,10 +152,19 @@ def topk_similarity(
 
 
 def _score_block(q: Tensor, d: Tensor, buf: Tensor) -> Tensor:
-    """q @ d.T into a reused buffer (fresh 50+ MiB allocations cost page faults per chunk)."""
+    """q @ d.T into a reused buffer (fresh 50+ MiB allocations cost page faults per chunk).
+
+    On CPU the product goes through numpy's BLAS when numpy is installed: for this
+    (512 x 1024) @ (1024 x 36k) shape torch's MKL sgemm measured ~1.3x slower than numpy's
+    OpenBLAS on an AMD EPYC host (bench/bench_retrieval.py). Either way every score is computed
+    once and every result below is derived from these same values.
+    """
     out = buf[: q.shape[0], : d.shape[0]]
     if not out.is_contiguous():
         out = torch.empty(q.shape[0], d.shape[0], dtype=buf.dtype, device=buf.device)
+    if _np is not None and out.device.type == "cpu":
+        _np.matmul(q.numpy(), d.numpy().T, out=out.numpy())  # (R, M), shares memory with out
+        return out
     return torch.mm(q, d.T, out=out)  # (R, M)
 
 
@@ -168,10 +183,8 @@ def _positive_table(
             raise ValueError(f"query {i} has positive {ids} outside [0, N={n_docs}).")
         rows.append(ids)
     width = max(len(r) for r in rows)
-    table = torch.full((n_q, width), -1, dtype=torch.long)
-    for i, ids in enumerate(rows):
-        table[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-    return table.to(device)
+    padded = [r + [-1] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.long, device=device)  # (Q, P)
 
 
 def _best_positive(
@@ -271,7 +284,8 @@ def rank_of_positives(
     """Exact 1-based rank over the whole corpus of each query's best-ranked positive.
 
     Args:
-        queries: (Q, D); docs: (N, D); positives: for each query, its relevant doc ids (>= 1).
+        queries: (Q, D); docs: (N, D); positives: for each query, its relevant doc ids (at
+            least one each; duplicates are ignored).
         ties: "index" (default): rank under the module's total order, i.e.
             1 + #{docs with a strictly higher score} + #{docs with an equal score and a lower
             index than the best positive}; agrees exactly with `topk_similarity` lists.
@@ -279,6 +293,9 @@ def rank_of_positives(
 
     Returns:
         (Q,) long ranks in [1, N].
+
+    Cost: one pass over the score blocks when whole doc rows fit a block (the default up to
+    ~390k docs); with doc chunking the blocks holding positives are scored twice.
     """
     if ties not in ("index", "optimistic"):
         raise ValueError(f"ties must be 'index' or 'optimistic'; got {ties!r}.")

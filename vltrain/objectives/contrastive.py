@@ -3,12 +3,16 @@
 Every rank gathers all ranks' features (with gradient) and computes the loss of the whole
 global batch; `all_gather_with_grad` makes the resulting DDP-averaged gradient equal to the
 single-process gradient of that loss. Hard-negative texts join the text side as extra columns.
+
+Losses are picked by registry key (`LOSSES`): ``infonce`` (CLIP) and ``siglip`` (sigmoid).
+Both compute their logits in fp32 with autocast off: a bf16 logit at scale 100 is off by ~0.5.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,14 +32,29 @@ class Features:
 
 def gather_features(image: Tensor, text: Tensor, negatives: Tensor | None,
                     gather: bool) -> Features:
-    """The one place losses get features from other ranks (with gradient)."""
-    if not gather:
+    """The one place losses get features from other ranks (with gradient).
+
+    Every rank takes part in every gather, also a rank without hard negatives this step (it
+    contributes zero rows, taken from `image` so the gather's backward all-reduce runs on every
+    rank alike); `negatives` comes back None only when no rank has any.
+    """
+    if not gather or not D.is_distributed():
         return Features(image, text, negatives)
-    image, _ = D.all_gather_with_grad(image)
-    text, _ = D.all_gather_with_grad(text)
-    if negatives is not None:
-        negatives, _ = D.all_gather_with_grad(negatives)
-    return Features(image, text, negatives)
+    image_all, _ = D.all_gather_with_grad(image)
+    text_all, _ = D.all_gather_with_grad(text)
+    local_neg = image[:0] if negatives is None else negatives  # (0, E) keeps the graph
+    neg_all, _ = D.all_gather_with_grad(local_neg)
+    return Features(image_all, text_all, neg_all if neg_all.shape[0] else None)
+
+
+def _no_autocast(t: Tensor) -> Any:
+    return torch.autocast(device_type=t.device.type, enabled=False)
+
+
+def _candidates(f: Features) -> Tensor:
+    """Text-side columns: the N positives, then the M hard negatives. (N + M, E) fp32."""
+    cols = f.text if f.negatives is None else torch.cat([f.text, f.negatives.to(f.text.dtype)])
+    return cols.float()
 
 
 class InfoNCELoss(nn.Module):
@@ -59,6 +78,13 @@ class InfoNCELoss(nn.Module):
         self.label_smoothing = label_smoothing
         self.gather = gather
 
+    @classmethod
+    def from_config(cls, o: Any) -> InfoNCELoss:
+        """Build from an `ObjectiveConfig`."""
+        return cls(temperature=o.temperature, learn_temperature=o.learn_temperature,
+                   max_logit_scale=o.max_logit_scale, symmetric=o.symmetric,
+                   label_smoothing=o.label_smoothing, gather=o.gather)
+
     def no_weight_decay(self) -> list[str]:
         return ["logit_scale"]
 
@@ -73,24 +99,87 @@ class InfoNCELoss(nn.Module):
 
     def loss_from_features(self, f: Features) -> tuple[Tensor, dict[str, Tensor]]:
         """The loss of already-gathered features (also used by GradCache)."""
-        scale = self.scale()
-        n = f.image.shape[0]
-        candidates = f.text if f.negatives is None else torch.cat([f.text, f.negatives])
-        logits_i2t = scale * f.image.float() @ candidates.float().t()  # (N, N + M)
-        labels = torch.arange(n, device=logits_i2t.device)
-        loss_i2t = F.cross_entropy(logits_i2t, labels, label_smoothing=self.label_smoothing)
-        metrics = {"acc_i2t": (logits_i2t.argmax(1) == labels).float().mean().detach()}
-        loss = loss_i2t
-        if self.symmetric:
-            logits_t2i = logits_i2t[:, :n].t()  # (N, N)
-            loss_t2i = F.cross_entropy(logits_t2i, labels, label_smoothing=self.label_smoothing)
-            metrics["acc_t2i"] = (logits_t2i.argmax(1) == labels).float().mean().detach()
-            loss = 0.5 * (loss_i2t + loss_t2i)
+        with _no_autocast(f.image):
+            scale = self.scale()
+            n = f.image.shape[0]
+            logits_i2t = scale * f.image.float() @ _candidates(f).t()  # (N, N + M)
+            labels = torch.arange(n, device=logits_i2t.device)
+            loss = F.cross_entropy(logits_i2t, labels, label_smoothing=self.label_smoothing)
+            metrics = {"acc_i2t": (logits_i2t.argmax(1) == labels).float().mean().detach()}
+            if self.symmetric:
+                logits_t2i = logits_i2t[:, :n].t()  # (N, N)
+                loss_t2i = F.cross_entropy(logits_t2i, labels,
+                                           label_smoothing=self.label_smoothing)
+                metrics["acc_t2i"] = (logits_t2i.argmax(1) == labels).float().mean().detach()
+                loss = 0.5 * (loss + loss_t2i)
         metrics["logit_scale"] = scale.detach()
         return loss, metrics
 
 
-LOSSES: dict[str, type[nn.Module]] = {"infonce": InfoNCELoss}
+class SigLIPLoss(nn.Module):
+    """SigLIP's pairwise sigmoid loss (Zhai et al. 2023) with learnable scale t and bias b.
+
+    ``loss = -sum_ij log sigmoid(z_ij * (t * x_i . y_j + b)) / N`` over the global batch (N
+    images, gathered from all ranks), z_ij = +1 on the diagonal and -1 elsewhere. Hard negatives
+    are extra negative pairs: every image against every hard-negative text (z = -1), the same
+    columns InfoNCE adds; the normaliser stays N (the paper's per-image sum). A hard negative of
+    image i is almost surely also a negative of image j, so nothing is lost by pairing it with
+    all images, and no per-sample ownership has to travel with the batch.
+    """
+
+    def __init__(self, init_scale: float = 10.0, init_bias: float = -10.0,
+                 learn_temperature: bool = True, max_logit_scale: float = 100.0,
+                 gather: bool = True) -> None:
+        super().__init__()
+        if init_scale <= 0:
+            raise ValueError(f"SigLIP init_scale must be > 0, got {init_scale}")
+        init = torch.tensor(math.log(init_scale))
+        if learn_temperature:
+            self.logit_scale = nn.Parameter(init)
+        else:
+            self.register_buffer("logit_scale", init)
+        self.logit_bias = nn.Parameter(torch.tensor(float(init_bias)))
+        self.max_log_scale = math.log(max_logit_scale)
+        self.gather = gather
+
+    @classmethod
+    def from_config(cls, o: Any) -> SigLIPLoss:
+        """Build from an `ObjectiveConfig` (temperature/symmetric/label_smoothing unused)."""
+        return cls(init_scale=o.siglip_init_scale, init_bias=o.siglip_init_bias,
+                   learn_temperature=o.learn_temperature, max_logit_scale=o.max_logit_scale,
+                   gather=o.gather)
+
+    def no_weight_decay(self) -> list[str]:
+        return ["logit_scale", "logit_bias"]
+
+    def scale(self) -> Tensor:
+        return self.logit_scale.clamp(max=self.max_log_scale).exp()
+
+    def forward(self, image: Tensor, text: Tensor,
+                negatives: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """Unit-norm embeddings (B, E) per rank -> (loss, metrics) of the global batch."""
+        return self.loss_from_features(gather_features(image, text, negatives, self.gather))
+
+    def loss_from_features(self, f: Features) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss of already-gathered features (also used by GradCache)."""
+        with _no_autocast(f.image):
+            scale, bias = self.scale(), self.logit_bias.float()
+            n = f.image.shape[0]
+            logits = scale * f.image.float() @ _candidates(f).t() + bias  # (N, N + M)
+            z = -torch.ones_like(logits)
+            z[:, :n].fill_diagonal_(1.0)
+            loss = -F.logsigmoid(z * logits).sum() / n
+            labels = torch.arange(n, device=logits.device)
+            metrics = {
+                "acc_i2t": (logits.argmax(1) == labels).float().mean().detach(),
+                "acc_t2i": (logits[:, :n].argmax(0) == labels).float().mean().detach(),
+            }
+        metrics["logit_scale"] = scale.detach()
+        metrics["logit_bias"] = bias.detach()
+        return loss, metrics
+
+
+LOSSES: dict[str, type[nn.Module]] = {"infonce": InfoNCELoss, "siglip": SigLIPLoss}
 
 
 def build_loss(name: str, **kwargs: object) -> nn.Module:
@@ -98,3 +187,10 @@ def build_loss(name: str, **kwargs: object) -> nn.Module:
     if name not in LOSSES:
         raise KeyError(f"unknown contrastive loss '{name}'; known: {sorted(LOSSES)}")
     return LOSSES[name](**kwargs)
+
+
+def build_loss_from_config(objective: Any) -> nn.Module:
+    """The loss `objective.loss` names, with the options of an `ObjectiveConfig` it uses."""
+    if objective.loss not in LOSSES:
+        raise KeyError(f"unknown objective.loss '{objective.loss}'; known: {sorted(LOSSES)}")
+    return LOSSES[objective.loss].from_config(objective)

@@ -61,8 +61,9 @@ class Stage(ABC):
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
         """Metrics on `split` ('val' or 'test'); called on every rank, sharded internally."""
 
-    def backward(self, model: nn.Module, batch: dict[str, Any], scale: float) -> tuple[
-            torch.Tensor, dict]:
+    def backward(
+        self, model: nn.Module, batch: dict[str, Any], scale: float
+    ) -> tuple[torch.Tensor, dict]:
         """Compute the loss and backpropagate `loss * scale`. Stages may override (GradCache)."""
         loss, metrics = self.loss(model, batch)
         (loss * scale).backward()

@@ -8,13 +8,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from vltrain.data.images import BadSample, check_text
 from vltrain.data.records import ImageTextDataset, read_records, split_bad
 from vltrain.data.samplers import EvalShardSampler, ShardedBatchSampler
 from vltrain.data.tokenizer import TextTokenizer, train_bpe_tokenizer
 from vltrain.engine import distributed as D
 from vltrain.eval.retrieval import image_text_retrieval
 from vltrain.models.dual_encoder import DualEncoder
-from vltrain.objectives.contrastive import Features, build_loss
+from vltrain.objectives.contrastive import Features, build_loss_from_config
+from vltrain.objectives.grad_cache import dual_encoder_grad_cache
 from vltrain.stages.base import Stage, register_stage
 
 
@@ -60,6 +62,15 @@ class ImageTextCollate:
         return batch
 
 
+def is_valid_text(text: object) -> bool:
+    """True for a caption the dataset would accept (non-empty, valid UTF-8 string)."""
+    try:
+        check_text(text)
+    except BadSample:
+        return False
+    return True
+
+
 @register_stage("contrastive")
 class ContrastiveStage(Stage):
     """Train a dual encoder contrastively; evaluate loss, accuracy, R@K and hard negatives."""
@@ -71,7 +82,9 @@ class ContrastiveStage(Stage):
         """Train the BPE tokenizer on the training captions once (rank 0), or reuse it."""
         tok_dir = self.out_dir / "tokenizer"
         if self.ctx.is_main and not (tok_dir / "tokenizer.json").is_file():
-            texts = [t for r in read_records(self.cfg.data.train) for t in r["text"]]
+            texts = [
+                t for r in read_records(self.cfg.data.train) for t in r["text"] if is_valid_text(t)
+            ]  # bad records are skipped (and counted) later
             train_bpe_tokenizer(texts, vocab_size=self.cfg.data.tokenizer_vocab).save(tok_dir)
         D.barrier()
         self.tokenizer = TextTokenizer.load(tok_dir)
@@ -80,27 +93,54 @@ class ContrastiveStage(Stage):
     def build_model(self) -> nn.Module:
         m, o = self.cfg.model, self.cfg.objective
         encoder = DualEncoder.from_preset(
-            m.vision, m.text, m.embed_dim, vocab_size=self.tokenizer.vocab_size,
-            context_length=self.cfg.data.max_text_len, dropout=m.dropout)
-        loss = build_loss(o.loss, temperature=o.temperature, learn_temperature=o.learn_temperature,
-                          max_logit_scale=o.max_logit_scale, symmetric=o.symmetric,
-                          label_smoothing=o.label_smoothing, gather=o.gather)
+            m.vision,
+            m.text,
+            m.embed_dim,
+            vocab_size=self.tokenizer.vocab_size,
+            context_length=self.cfg.data.max_text_len,
+            dropout=m.dropout,
+        )
+        loss = build_loss_from_config(o)  # registry: objective.loss (infonce, siglip)
         return ContrastiveModel(encoder, loss)
 
     def train_dataset(self) -> ImageTextDataset:
-        return ImageTextDataset(self.cfg.data.train, self.cfg.data.image_size, self.cfg.run.seed,
-                                train=True)
+        ds = ImageTextDataset(
+            self.cfg.data.train,
+            self.cfg.data.image_size,
+            self.cfg.run.seed,
+            hard_negatives=self.cfg.objective.hard_negatives,
+            train=True,
+        )
+        if self.cfg.data.max_train_samples:
+            ds.records = ds.records[: self.cfg.data.max_train_samples]
+        return ds
 
-    def train_sampler(self, dataset: ImageTextDataset,
-                      start: tuple[int, int]) -> ShardedBatchSampler:
-        return ShardedBatchSampler(len(dataset), self.cfg.data.batch_size, self.ctx.rank,
-                                   self.ctx.world_size, self.cfg.run.seed, start=start)
+    def train_sampler(
+        self, dataset: ImageTextDataset, start: tuple[int, int]
+    ) -> ShardedBatchSampler:
+        return ShardedBatchSampler(
+            len(dataset),
+            self.cfg.data.batch_size,
+            self.ctx.rank,
+            self.ctx.world_size,
+            self.cfg.run.seed,
+            start=start,
+        )
 
     def collate(self, samples: list[dict]) -> dict[str, Any]:
         return ImageTextCollate(self.tokenizer, self.cfg.data.max_text_len)(samples)
 
     def loss(self, model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, dict]:
         return model(batch)
+
+    def backward(
+        self, model: nn.Module, batch: dict[str, Any], scale: float
+    ) -> tuple[Tensor, dict]:
+        """GradCache when objective.grad_cache_chunk > 0 (same gradients, chunk-sized memory)."""
+        chunk = self.cfg.objective.grad_cache_chunk
+        if not chunk:
+            return super().backward(model, batch, scale)
+        return dual_encoder_grad_cache(model, batch, chunk, scale)
 
     def checkpoint_files(self) -> dict[str, Path]:
         return {"tokenizer": self.out_dir / "tokenizer"}
@@ -111,16 +151,17 @@ class ContrastiveStage(Stage):
         path = self.cfg.data.eval if split == "val" else self.cfg.data.test
         if split not in self._eval_sets:
             self._eval_sets[split] = ImageTextDataset(
-                path, self.cfg.data.image_size, self.cfg.run.seed, hard_negatives=10**6,
-                train=False)
+                path, self.cfg.data.image_size, self.cfg.run.seed, hard_negatives=10**6, train=False
+            )
         return self._eval_sets[split]
 
     def _embed_shard(self, model: ContrastiveModel, ds: ImageTextDataset) -> dict[str, Tensor]:
         """Embeddings of this rank's contiguous shard of the eval set."""
         bs = self.cfg.data.eval_batch_size or self.cfg.data.batch_size
         enc, dev = model.encoder, self.ctx.device
-        out: dict[str, list[Tensor]] = {k: [] for k in
-                                        ("img", "idx", "txt", "owner", "hn_correct", "hn_total")}
+        out: dict[str, list[Tensor]] = {
+            k: [] for k in ("img", "idx", "txt", "owner", "hn_correct", "hn_total")
+        }
         n_bad = 0
         for keys in EvalShardSampler(len(ds), bs, self.ctx.rank, self.ctx.world_size):
             good, bad = split_bad([ds[k] for k in keys])
@@ -146,8 +187,9 @@ class ContrastiveStage(Stage):
         ids, mask = self.tokenizer.encode_batch(texts, self.cfg.data.max_text_len)
         return enc.encode_text(ids.to(self.ctx.device), mask.to(self.ctx.device))
 
-    def _hard_negative_hits(self, enc: DualEncoder, img: Tensor, txt: Tensor,
-                            good: list[dict]) -> tuple[Tensor, Tensor]:
+    def _hard_negative_hits(
+        self, enc: DualEncoder, img: Tensor, txt: Tensor, good: list[dict]
+    ) -> tuple[Tensor, Tensor]:
         """How often the first caption outscores each attribute-swapped negative."""
         negs = [n for s in good for n in s["negatives"]]
         if not negs:
@@ -176,16 +218,20 @@ class ContrastiveStage(Stage):
         metrics["n_images"] = float(img.shape[0])
         return metrics
 
-    def _eval_loss(self, model: ContrastiveModel, img: Tensor, txt: Tensor,
-                   pos: Tensor) -> dict[str, float]:
+    def _eval_loss(
+        self, model: ContrastiveModel, img: Tensor, txt: Tensor, pos: Tensor
+    ) -> dict[str, float]:
         """InfoNCE over fixed chunks of the eval set (first caption per image), world-size free."""
         first = torch.full((img.shape[0],), -1, dtype=torch.long)
         first.scatter_reduce_(0, pos, torch.arange(len(pos)), reduce="amin", include_self=False)
         bs = self.cfg.data.eval_batch_size or self.cfg.data.batch_size
         loss_sum = acc_sum = 0.0
         for s in range(0, img.shape[0], bs):
-            f = Features(img[s:s + bs].to(self.ctx.device),
-                         txt[first[s:s + bs]].to(self.ctx.device), None)
+            f = Features(
+                img[s : s + bs].to(self.ctx.device),
+                txt[first[s : s + bs]].to(self.ctx.device),
+                None,
+            )
             loss, m = model.loss.loss_from_features(f)
             loss_sum += float(loss) * f.image.shape[0]
             acc_sum += float(m["acc_i2t"]) * f.image.shape[0]

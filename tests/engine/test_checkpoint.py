@@ -1,0 +1,113 @@
+"""Atomic checkpoints: a kill at any moment leaves the previous checkpoint loadable."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from vltrain.engine import checkpoint as C
+
+CHILD = textwrap.dedent(
+    """
+    import sys, time, torch
+    from pathlib import Path
+    from torch import nn
+    from vltrain.engine import checkpoint as C
+
+    root, stall = Path(sys.argv[1]), sys.argv[2]
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    C.write_checkpoint(root, 1, model, {"step": 1})
+    real = {"save_model": C.save_model, "torch_save": torch.save, "fsync": C._fsync_tree,
+            "rename": Path.rename}
+
+    def stall_forever(*a, **k):
+        print("STALLED", flush=True)
+        time.sleep(600)
+
+    def half_then_stall(*a, **k):  # write part of the weights file, then hang
+        real["save_model"](*a, **k)
+        p = Path(a[1])
+        p.write_bytes(p.read_bytes()[:100])
+        stall_forever()
+
+    if stall == "weights":
+        C.save_model = half_then_stall
+    elif stall == "state":
+        torch.save = lambda *a, **k: stall_forever()
+    elif stall == "fsync":
+        C._fsync_tree = lambda *a, **k: stall_forever()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    C.write_checkpoint(root, 2, model, {"step": 2})
+    print("DONE", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("stall", ["weights", "state", "fsync"])
+def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path: Path, stall: str) -> None:
+    root = tmp_path / "checkpoints"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(root), stall], stdout=subprocess.PIPE, text=True
+    )
+    line = proc.stdout.readline().strip()
+    assert line == "STALLED", f"child did not reach the stall point: {line!r}"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert any(p.name.startswith(".tmp_step_2") for p in root.iterdir())  # the kill hit a save
+    latest = C.latest_checkpoint(root)
+    assert latest is not None and latest.name == "step_1"
+    torch.manual_seed(0)
+    expected = nn.Linear(64, 64)
+    loaded = nn.Linear(64, 64)
+    C.load_weights(loaded, latest)
+    assert torch.equal(loaded.weight, expected.weight)
+    assert C.load_trainer_state(latest) == {"step": 1}
+    C.prune(root, keep_last=3)  # stale temp folders of dead processes are cleaned
+    assert not any(p.name.startswith(".tmp_") for p in root.iterdir())
+
+
+def test_uninterrupted_save_is_found_and_pruned(tmp_path: Path) -> None:
+    model = nn.Linear(4, 4)
+    for step in (2, 4, 6, 8):
+        C.write_checkpoint(tmp_path, step, model, {"step": step})
+    assert C.latest_checkpoint(tmp_path).name == "step_8"
+    C.prune(tmp_path, keep_last=2)
+    assert [s for s, _ in C.complete_checkpoints(tmp_path)] == [6, 8]
+    # a folder without the COMPLETE marker is never picked (negative control on the marker)
+    (tmp_path / "step_10").mkdir()
+    (tmp_path / "step_10" / "model.safetensors").write_bytes(b"garbage")
+    assert C.latest_checkpoint(tmp_path).name == "step_8"
+
+
+def test_trainer_state_refuses_arbitrary_pickle(tmp_path: Path) -> None:
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    ckpt = tmp_path / "step_1"
+    ckpt.mkdir()
+    torch.save({"x": Evil()}, ckpt / "trainer_state.pt")
+    with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):
+        C.load_trainer_state(ckpt)
+
+
+def test_rng_state_round_trips_through_weights_only_load(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+
+    state = C.rng_state()
+    torch.save(state, tmp_path / "rng.pt")
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    C.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == expected

@@ -1,0 +1,97 @@
+"""End-to-end CLI: data synth, train errors, and the quickstart at a tiny size."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from vltrain.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_python_dash_m_and_help_work() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "vltrain", "quickstart", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "--steps" in out and "--size" in out and "--out" in out
+
+
+def test_data_synth_writes_the_three_splits(tmp_path: Path) -> None:
+    assert (
+        main(
+            [
+                "data",
+                "synth",
+                "--out",
+                str(tmp_path),
+                "--n-train",
+                "20",
+                "--n-val",
+                "5",
+                "--n-test",
+                "5",
+                "--seed",
+                "3",
+            ]
+        )
+        == 0
+    )
+    for split, n in (("train", 20), ("val", 5), ("test", 5)):
+        lines = (tmp_path / f"{split}.jsonl").read_text().splitlines()
+        assert len(lines) == n
+        rec = json.loads(lines[0])
+        assert (tmp_path / rec["image"]).is_file() and rec["text"] and rec["negatives"]
+
+
+def test_config_mistakes_exit_2_with_a_hint_and_no_traceback(tmp_path: Path, capsys) -> None:
+    code = main(["train", str(REPO / "configs" / "clip.yaml"), "optim.lrr=1e-3"])
+    err = capsys.readouterr().err
+    assert code == 2 and "did you mean optim.lr" in err and "Traceback" not in err
+    code = main(["train", str(tmp_path / "nope.yaml")])
+    assert code == 2 and "config file not found" in capsys.readouterr().err
+
+
+def test_quickstart_end_to_end_at_a_tiny_size(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "qs"
+    code = main(
+        [
+            "quickstart",
+            "--out",
+            str(out),
+            "--steps",
+            "8",
+            "--n-train",
+            "64",
+            "--n-eval",
+            "24",
+            "--batch-size",
+            "16",
+            "--num-workers",
+            "0",
+            "log.progress=false",
+            "data.tokenizer_vocab=400",
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "| image->text R@1 |" in printed and "hard-negative acc" in printed
+    run = out / "clip"
+    assert (run / "config.yaml").is_file() and (run / "summary.json").is_file()
+    assert (run / "checkpoints" / "step_8" / "model.safetensors").is_file()
+    assert (run / "checkpoints" / "best" / "best.json").is_file()
+    summary = json.loads((run / "summary.json").read_text())
+    assert 0.0 <= summary["test"]["i2t_R@1"] <= 1.0 and summary["test"]["n_images"] == 24
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and steps[-1] == 8
+    # re-running from the dumped config reproduces the run's resolved config
+    again = main(["train", str(run / "config.yaml"), f"run.out_dir={tmp_path / 'again'}"])
+    assert again == 0
+    a = json.loads((run / "summary.json").read_text())["val"]
+    b = json.loads((tmp_path / "again" / "summary.json").read_text())["val"]
+    assert a == b

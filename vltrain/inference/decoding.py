@@ -1,0 +1,382 @@
+"""Batched greedy, beam and sampling decoding with a KV cache, matching HF `generate`.
+
+Every strategy runs against a small adapter (`DecodeModel`): `prefill` consumes the prompt (and
+images) once and returns the next-token logits plus a cache, `step` feeds one token per row, and
+`reorder_cache` selects/repeats rows of the cache. The built-in captioner implements it in
+`vltrain/models/captioner.py`; HF models are wrapped by `vltrain.inference.hf_adapter`.
+
+Semantics follow `transformers` 5.x `GenerationMixin` exactly (tests compare token for token):
+
+- Greedy/sampling: logits -> no-repeat-ngram ban -> min-new-tokens EOS ban -> temperature ->
+  top-k -> top-p -> argmax or multinomial. Finished rows emit `pad_token_id`.
+- Beam search: `log_softmax` then the same bans, `2 * num_beams` candidates per input, a finished
+  hypothesis scores `sum(logprobs) / (generated_len ** length_penalty)` where `generated_len`
+  counts the new tokens including EOS, and `early_stopping` True/False/"never" picks HF's
+  stopping heuristic.
+- `no_repeat_ngram_size` sees the prompt as HF does: the n-grams of `inputs["input_ids"]`
+  (padding and image placeholder tokens included) are banned too.
+
+Log-probabilities returned per token are always under the model's raw policy,
+`log_softmax(logits)` at temperature 1 with no filtering or bans: the `log pi(token)` that RL
+(REINFORCE / PPO ratios) needs, whatever temperature / top-k / top-p drew the token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import Tensor
+
+Strategy = Literal["greedy", "beam", "sample"]
+_NEG = -1.0e9  # HF's "impossible" score for beams; kept identical so tie-breaking matches
+
+
+class DecodeModel(Protocol):
+    """What `generate` needs from a model: prefill once, then one token per row per step."""
+
+    eos_token_id: int
+    pad_token_id: int
+    bos_token_id: int
+
+    def prefill(self, **inputs: Any) -> tuple[Tensor, Any]:
+        """Run the prompt; return last-position logits (B, V) float32 and a cache."""
+        ...
+
+    def step(self, tokens: Tensor, cache: Any) -> tuple[Tensor, Any]:
+        """Feed `tokens` (B,); return next logits (B, V) and the updated cache."""
+        ...
+
+    def reorder_cache(self, cache: Any, index: Tensor) -> Any:
+        """Select / repeat cache rows along the batch dimension: row i <- row index[i]."""
+        ...
+
+
+@dataclass
+class GenerationOutput:
+    """Result of `generate`; rows are grouped per input: input b owns rows [b*n, (b+1)*n).
+
+    sequences: (B*n, L) new tokens only, EOS included, right-padded with `pad_token_id`.
+    lengths: (B*n,) number of real new tokens per row (EOS counted).
+    token_logprobs: (B*n, L) raw-policy log-prob of each token, 0.0 at padding.
+    scores: (B*n,) beam: HF's length-penalised beam score; greedy/sample: sum of token_logprobs.
+    """
+
+    sequences: Tensor
+    lengths: Tensor
+    token_logprobs: Tensor
+    scores: Tensor
+
+
+# ----------------------------------------------------------------------------- logits processing
+
+
+def ban_repeated_ngrams(history: Tensor, scores: Tensor, ngram_size: int) -> Tensor:
+    """Set to -inf every token that would repeat an n-gram already in `history` (N, T).
+
+    Same rule as HF's `NoRepeatNGramLogitsProcessor`: the last `n-1` tokens form a prefix; each
+    earlier window starting with that prefix bans its last token.
+    """
+    cur_len = history.shape[1]
+    if ngram_size <= 0 or cur_len < ngram_size:
+        return scores
+    prefix = history[:, cur_len + 1 - ngram_size :]  # (N, n-1)
+    windows = history.unfold(1, ngram_size, 1)  # (N, W, n)
+    matches = (windows[..., :-1] == prefix.unsqueeze(1)).all(dim=-1)  # (N, W)
+    vocab = scores.shape[-1]
+    banned = scores.new_zeros((scores.shape[0], vocab + 1), dtype=torch.bool)
+    spare = torch.full_like(windows[..., -1], vocab)
+    banned.scatter_(1, torch.where(matches, windows[..., -1].clamp(max=vocab), spare), True)
+    return scores.masked_fill(banned[:, :vocab], -float("inf"))
+
+
+def top_k_filter(scores: Tensor, top_k: int) -> Tensor:
+    """Keep the `top_k` highest scores per row (ties with the k-th kept), the rest -> -inf."""
+    if top_k <= 0:
+        return scores
+    k = min(top_k, scores.shape[-1])
+    kth = torch.topk(scores, k)[0][..., -1, None]  # (N, 1)
+    return scores.masked_fill(scores < kth, -float("inf"))
+
+
+def top_p_filter(scores: Tensor, top_p: float, min_tokens_to_keep: int = 1) -> Tensor:
+    """Nucleus filter: keep the smallest top set whose probability reaches `top_p`.
+
+    HF's rule: sort ascending, drop tokens whose cumulative probability is <= 1 - top_p, always
+    keep the `min_tokens_to_keep` most likely.
+    """
+    if top_p >= 1.0:
+        return scores
+    sorted_scores, order = torch.sort(scores, descending=False)
+    cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = cum <= (1 - top_p)
+    drop_sorted[..., -min_tokens_to_keep:] = False
+    drop = drop_sorted.scatter(1, order, drop_sorted)
+    return scores.masked_fill(drop, -float("inf"))
+
+
+def _ban_eos(scores: Tensor, eos: int, step: int, min_new_tokens: int) -> Tensor:
+    if step < min_new_tokens:
+        scores = scores.clone()
+        scores[:, eos] = -float("inf")
+    return scores
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def generate(
+    model: DecodeModel,
+    inputs: dict[str, Any],
+    strategy: Strategy = "greedy",
+    max_new_tokens: int = 20,
+    min_new_tokens: int = 0,
+    num_beams: int = 5,
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = False,
+    no_repeat_ngram_size: int = 0,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    num_return_sequences: int = 1,
+) -> GenerationOutput:
+    """Decode a batch of inputs with `model` (a `DecodeModel`) by greedy, beam search or sampling.
+
+    `inputs` are passed to `model.prefill` unchanged; `inputs["input_ids"]` (if present) is the
+    prompt history that `no_repeat_ngram_size` sees. Sampling draws from `generator` (the global
+    torch RNG when None, which reproduces HF `generate(do_sample=True)` under the same seed).
+    `num_return_sequences` = samples per input (sample) or best hypotheses per input (beam).
+    """
+    _validate(strategy, max_new_tokens, min_new_tokens, num_beams, early_stopping, temperature,
+              top_k, top_p, num_return_sequences)
+    with torch.no_grad():
+        if strategy == "beam":
+            return _beam_search(model, inputs, max_new_tokens, min_new_tokens, num_beams,
+                                length_penalty, early_stopping, no_repeat_ngram_size,
+                                num_return_sequences)
+        sample = strategy == "sample"
+        return _greedy_or_sample(model, inputs, max_new_tokens, min_new_tokens,
+                                 no_repeat_ngram_size, sample, temperature, top_k, top_p,
+                                 generator, num_return_sequences)  # fmt: skip
+
+
+def _validate(strategy: str, max_new: int, min_new: int, num_beams: int, early: bool | str,
+              temperature: float, top_k: int, top_p: float, n: int) -> None:  # fmt: skip
+    if strategy not in ("greedy", "beam", "sample"):
+        raise ValueError(f"strategy={strategy!r} is unknown; use 'greedy', 'beam' or 'sample'.")
+    if max_new < 1:
+        raise ValueError(f"max_new_tokens={max_new} must be >= 1.")
+    if not 0 <= min_new <= max_new:
+        raise ValueError(f"min_new_tokens={min_new} must be in [0, max_new_tokens={max_new}].")
+    if early not in (True, False, "never"):
+        raise ValueError(f"early_stopping={early!r} must be True, False or 'never' (as in HF).")
+    if strategy == "beam" and not 1 <= n <= num_beams:
+        raise ValueError(f"num_return_sequences={n} must be in [1, num_beams={num_beams}].")
+    if strategy == "beam" and num_beams < 1:
+        raise ValueError(f"num_beams={num_beams} must be >= 1.")
+    if strategy != "beam" and n < 1:
+        raise ValueError(f"num_return_sequences={n} must be >= 1.")
+    if strategy == "greedy" and n != 1:
+        raise ValueError("greedy decoding returns one sequence per input; use strategy='sample' "
+                         "or 'beam' for num_return_sequences > 1.")  # fmt: skip
+    if strategy == "sample" and not (temperature > 0 and top_k >= 0 and 0 < top_p <= 1):
+        raise ValueError(f"need temperature > 0, top_k >= 0, 0 < top_p <= 1; got "
+                         f"temperature={temperature}, top_k={top_k}, top_p={top_p}.")  # fmt: skip
+
+
+def _prompt_history(inputs: dict[str, Any], batch: int, device: torch.device) -> Tensor:
+    ids = inputs.get("input_ids")
+    if isinstance(ids, Tensor) and ids.dim() == 2 and ids.shape[0] == batch:
+        return ids.to(device=device, dtype=torch.long)
+    return torch.zeros((batch, 0), dtype=torch.long, device=device)
+
+
+def _expand(model: DecodeModel, logits: Tensor, cache: Any, hist: Tensor, n: int):
+    """Repeat each input's prefill state n times (rows b*n .. b*n+n-1 belong to input b)."""
+    if n == 1:
+        return logits, cache, hist
+    index = torch.arange(logits.shape[0], device=logits.device).repeat_interleave(n)
+    return logits[index], model.reorder_cache(cache, index), hist[index]
+
+
+# ----------------------------------------------------------------------------- greedy / sample
+
+
+def _greedy_or_sample(model: DecodeModel, inputs: dict[str, Any], max_new: int, min_new: int,
+                      ngram: int, sample: bool, temperature: float, top_k: int, top_p: float,
+                      generator: torch.Generator | None, n: int) -> GenerationOutput:  # fmt: skip
+    logits, cache = model.prefill(**inputs)  # (B, V)
+    hist = _prompt_history(inputs, logits.shape[0], logits.device)
+    logits, cache, hist = _expand(model, logits, cache, hist, n)  # (N, V), N = B*n
+    eos, pad = model.eos_token_id, model.pad_token_id
+    unfinished = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+    toks: list[Tensor] = []
+    lps: list[Tensor] = []
+    for t in range(max_new):
+        if t > 0:
+            logits, cache = model.step(toks[-1], cache)
+        logits = logits.float()
+        scores = ban_repeated_ngrams(hist, logits, ngram) if ngram > 0 else logits
+        scores = _ban_eos(scores, eos, t, min_new)
+        if sample:
+            scores = scores / temperature if temperature != 1.0 else scores
+            scores = top_p_filter(top_k_filter(scores, top_k), top_p)
+            probs = torch.softmax(scores, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (N,)
+        else:
+            nxt = scores.argmax(dim=-1)
+        nxt = torch.where(unfinished, nxt, torch.full_like(nxt, pad))
+        raw_lp = torch.log_softmax(logits, dim=-1).gather(1, nxt[:, None]).squeeze(1)
+        lps.append(torch.where(unfinished, raw_lp, torch.zeros_like(raw_lp)))
+        toks.append(nxt)
+        if ngram > 0:
+            hist = torch.cat([hist, nxt[:, None]], dim=1)
+        unfinished = unfinished & (nxt != eos)
+        if not bool(unfinished.any()):
+            break
+    seqs = torch.stack(toks, dim=1)  # (N, L)
+    token_lp = torch.stack(lps, dim=1)  # (N, L)
+    lengths = _lengths(seqs, eos)
+    return GenerationOutput(seqs, lengths, token_lp, token_lp.sum(dim=1))
+
+
+def _lengths(seqs: Tensor, eos: int) -> Tensor:
+    """Tokens up to and including the first EOS, else the full width."""
+    is_eos = seqs == eos
+    first = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, seqs.shape[1])
+    return first.long()
+
+
+# ----------------------------------------------------------------------------- beam search
+
+
+@dataclass
+class _Beams:
+    """Beam state, all (B, K, ...). `seqs` holds prompt history + new tokens (HF's layout)."""
+
+    seqs: Tensor  # (B, K, P + max_new)
+    tok_lp: Tensor  # (B, K, max_new)
+    scores: Tensor  # (B, K)
+    lengths: Tensor  # (B, K) new tokens so far (only meaningful for finished hypotheses)
+
+
+def _gather(x: Tensor, index: Tensor) -> Tensor:
+    """Gather along dim 1 of (B, K, ...) with index (B, K')."""
+    while index.dim() < x.dim():
+        index = index.unsqueeze(-1)
+    return torch.take_along_dim(x, index, dim=1)
+
+
+def _beam_search(model: DecodeModel, inputs: dict[str, Any], max_new: int, min_new: int,
+                 num_beams: int, length_penalty: float, early_stopping: bool | str, ngram: int,
+                 n_return: int) -> GenerationOutput:  # fmt: skip
+    logits, cache = model.prefill(**inputs)  # (B, V)
+    batch, device, k = logits.shape[0], logits.device, num_beams
+    hist = _prompt_history(inputs, batch, device)
+    logits, cache, hist = _expand(model, logits, cache, hist, k)  # (B*K, V)
+    plen = hist.shape[1]
+    seqs = torch.full((batch, k, plen + max_new), model.pad_token_id, dtype=torch.long,
+                      device=device)  # fmt: skip
+    seqs[:, :, :plen] = hist.view(batch, k, plen)
+    scores = torch.zeros((batch, k), device=device)
+    scores[:, 1:] = _NEG  # only beam 0 expands at step 0, so beams don't duplicate
+    zeros_lp = torch.zeros((batch, k, max_new), device=device)
+    lens = torch.zeros((batch, k), dtype=torch.long, device=device)
+    run = _Beams(seqs, zeros_lp, scores, lens)
+    fin = _Beams(seqs.clone(), zeros_lp.clone(), torch.full_like(scores, _NEG), lens.clone())
+    is_fin = torch.zeros((batch, k), dtype=torch.bool, device=device)
+    improvable = torch.ones((batch, 1), dtype=torch.bool, device=device)
+    for t in range(max_new):
+        if t > 0:
+            logits, cache = model.step(run.seqs[:, :, plen + t - 1].reshape(-1), cache)
+        lp = torch.log_softmax(logits.float(), dim=-1)  # (B*K, V)
+        if ngram > 0:
+            lp = ban_repeated_ngrams(run.seqs[:, :, : plen + t].reshape(batch * k, -1), lp, ngram)
+        lp = _ban_eos(lp, model.eos_token_id, t, min_new)
+        cand, src, hits = _top_candidates(run, lp, t, plen, max_new, model.eos_token_id)
+        run, flat_src = _next_running(cand, src, hits, k)
+        fin, is_fin = _update_finished(fin, is_fin, cand, hits, improvable, t, length_penalty,
+                                       early_stopping)  # fmt: skip
+        cache = model.reorder_cache(cache, flat_src)
+        improvable = _still_improvable(improvable, run.scores, fin.scores, is_fin, t + 1,
+                                       max_new, early_stopping, length_penalty)  # fmt: skip
+        all_full = bool(is_fin.all()) and early_stopping is True
+        if not bool(improvable.any()) or all_full or bool(hits.all()):
+            break
+    return _beam_output(fin, plen, n_return, model.pad_token_id)
+
+
+def _top_candidates(run: _Beams, lp: Tensor, t: int, plen: int, max_new: int, eos: int):
+    """Top 2K continuations over all K beams x V tokens (HF `_get_top_k_continuations`)."""
+    batch, k = run.scores.shape
+    vocab = lp.shape[-1]
+    step_lp = lp.view(batch, k * vocab)  # (B, K*V) this step's log-probs
+    acc = (lp.view(batch, k, vocab) + run.scores[:, :, None]).view(batch, k * vocab)
+    top_scores, top_idx = torch.topk(acc, 2 * k)  # (B, 2K)
+    src = top_idx // vocab  # source beam
+    tok = top_idx % vocab
+    seqs = _gather(run.seqs, src)
+    seqs[:, :, plen + t] = tok
+    tok_lp = _gather(run.tok_lp, src)
+    tok_lp[:, :, t] = step_lp.gather(1, top_idx)
+    lengths = torch.full_like(src, t + 1)
+    hits = (tok == eos) | (t + 1 >= max_new)  # (B, 2K) EOS or max length reached
+    return _Beams(seqs, tok_lp, top_scores, lengths), src, hits
+
+
+def _next_running(cand: _Beams, src: Tensor, hits: Tensor, k: int) -> tuple[_Beams, Tensor]:
+    """Best K unfinished candidates continue; returns them and flat cache rows to gather."""
+    masked = cand.scores + hits.to(torch.float32) * _NEG
+    keep = torch.topk(masked, k=k)[1]  # (B, K)
+    run = _Beams(_gather(cand.seqs, keep), _gather(cand.tok_lp, keep), _gather(masked, keep),
+                 _gather(cand.lengths, keep))  # fmt: skip
+    offset = torch.arange(src.shape[0], device=src.device)[:, None] * k
+    return run, (_gather(src, keep) + offset).reshape(-1)
+
+
+def _update_finished(fin: _Beams, is_fin: Tensor, cand: _Beams, hits: Tensor, improvable: Tensor,
+                     t: int, length_penalty: float, early_stopping: bool | str):  # fmt: skip
+    """Merge newly finished top-K candidates into the K best finished hypotheses (HF rules)."""
+    batch, k = fin.scores.shape
+    top_mask = torch.zeros(cand.scores.shape[1], dtype=torch.bool, device=hits.device)
+    top_mask[:k] = True  # only the top K candidates may finish; the rest are backups
+    just_done = hits & top_mask[None, :]
+    s = cand.scores / ((t + 1) ** length_penalty)
+    full = torch.all(is_fin, dim=-1, keepdim=True) & (early_stopping is True)
+    s = s + full.to(torch.float32) * _NEG
+    s = s + (~improvable).to(torch.float32) * _NEG
+    s = s + (~just_done) * _NEG
+    merged = _Beams(*(torch.cat([a, b], dim=1) for a, b in
+                      ((fin.seqs, cand.seqs), (fin.tok_lp, cand.tok_lp),
+                       (fin.scores, s), (fin.lengths, cand.lengths))))  # fmt: skip
+    best = torch.topk(merged.scores, k=k)[1]
+    new_fin = _Beams(*(_gather(x, best) for x in
+                       (merged.seqs, merged.tok_lp, merged.scores, merged.lengths)))  # fmt: skip
+    return new_fin, _gather(torch.cat([is_fin, just_done], dim=1), best)
+
+
+def _still_improvable(improvable: Tensor, run_scores: Tensor, fin_scores: Tensor, is_fin: Tensor,
+                      gen_len: int, max_new: int, early_stopping: bool | str,
+                      length_penalty: float) -> Tensor:  # fmt: skip
+    """HF `_check_early_stop_heuristic`: can the best running beam still beat the worst finished?"""
+    if early_stopping == "never" and length_penalty > 0.0:
+        best_len = max_new
+    else:
+        best_len = gen_len
+    best_running = run_scores[:, :1] / (best_len**length_penalty)
+    worst_fin = torch.where(is_fin, torch.min(fin_scores, dim=1, keepdim=True)[0], _NEG)
+    return improvable & torch.any(best_running > worst_fin, dim=-1, keepdim=True)
+
+
+def _beam_output(fin: _Beams, plen: int, n: int, pad: int) -> GenerationOutput:
+    batch, k = fin.scores.shape
+    lengths = fin.lengths[:, :n].reshape(-1)  # (B*n,)
+    width = int(lengths.max())
+    seqs = fin.seqs[:, :n, plen : plen + width].reshape(batch * n, width)
+    tok_lp = fin.tok_lp[:, :n, :width].reshape(batch * n, width)
+    valid = torch.arange(width, device=seqs.device)[None, :] < lengths[:, None]
+    seqs = seqs.masked_fill(~valid, pad)
+    tok_lp = tok_lp.masked_fill(~valid, 0.0)
+    return GenerationOutput(seqs, lengths, tok_lp, fin.scores[:, :n].reshape(-1))

@@ -1,0 +1,180 @@
+"""GradCache (Gao et al. 2021): contrastive batches far larger than activation memory allows.
+
+A contrastive loss couples every pair in the batch, so the batch cannot simply be split into
+accumulation steps. GradCache splits the *encoding* instead:
+
+1. encode every chunk without building a graph (saving each chunk's RNG state first);
+2. compute the loss over the whole batch from those embeddings (as leaves) and backpropagate
+   it to them -- this also gives the loss's own parameters (temperature, bias) their gradient,
+   and runs the cross-rank gathers of the loss exactly as the uncached step would;
+3. re-encode each chunk with a graph, RNG replayed so dropout draws the same masks, and
+   backpropagate the cached embedding gradient into the encoder.
+
+Peak activation memory is that of one chunk; the cost is one extra no-grad forward.
+
+Under DDP the chunks run on the *unwrapped* module (a text-only chunk would leave the vision
+tower "unused" in DDP's eyes, and the loss's parameters get their gradient outside any DDP
+forward), and `sync_grads` then all-reduces the accumulated gradients once, only on the step
+where DDP would have synchronised (not inside ``ddp.no_sync()``). That is exactly DDP's
+arithmetic: local gradients summed over micro-steps, averaged over ranks once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from vltrain.engine import distributed as D
+
+LossFn = Callable[[list[Tensor]], tuple[Tensor, dict[str, Any]]]
+
+
+@dataclass
+class RngState:
+    """The CPU and (for CUDA inputs) CUDA generator states before one chunk's forward."""
+
+    cpu: Tensor
+    cuda: list[tuple[int, Tensor]]
+
+    @classmethod
+    def capture(cls, devices: Iterable[int]) -> RngState:
+        return cls(torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in devices])
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        for d, state in self.cuda:
+            torch.cuda.set_rng_state(state, d)
+
+
+def _cuda_devices(x: Any) -> list[int]:
+    """CUDA device indices of the tensors in a (nested) chunk."""
+    if torch.is_tensor(x):
+        return [x.device.index or 0] if x.is_cuda else []
+    items = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else []
+    return sorted({d for item in items for d in _cuda_devices(item)})
+
+
+def split_rows(x: Any, chunk: int) -> list[Any]:
+    """Split a tensor, or a tuple/dict of tensors with the same rows, into row chunks."""
+    if chunk < 1:
+        raise ValueError(f"GradCache chunk size must be >= 1, got {chunk}")
+    if torch.is_tensor(x):
+        return list(x.split(chunk))
+    if isinstance(x, dict):
+        parts = {k: split_rows(v, chunk) for k, v in x.items()}
+        n = len(next(iter(parts.values())))
+        return [{k: v[i] for k, v in parts.items()} for i in range(n)]
+    if isinstance(x, (tuple, list)):
+        return list(zip(*(split_rows(v, chunk) for v in x), strict=True))
+    raise TypeError(f"split_rows: cannot split a {type(x).__name__}; pass tensors, "
+                    "tuples or dicts of tensors")
+
+
+def _call(encode: Callable[..., Tensor], chunk: Any) -> Tensor:
+    return encode(*chunk) if isinstance(chunk, tuple) else encode(chunk)
+
+
+def grad_cache(encoders: Sequence[Callable[..., Tensor]], chunks: Sequence[Sequence[Any]],
+               loss_fn: LossFn, scale: float = 1.0,
+               replay_rng: bool = True) -> tuple[Tensor, dict[str, Any]]:
+    """Backpropagate ``loss_fn(embeddings) * scale`` through chunked encoders; return the loss.
+
+    `encoders[s]` maps one chunk of side `s` (a tensor, a dict, or a tuple unpacked as
+    arguments) to embeddings (rows, E); `chunks[s]` lists side s's chunks in row order.
+    `loss_fn` receives one (rows, E) tensor per side and returns (loss, metrics); it may hold
+    parameters and gather across ranks. Gradients accumulate into ``.grad`` like ``backward``.
+    `replay_rng=False` exists for tests: without it dropout differs between the two passes.
+    """
+    if len(encoders) != len(chunks):
+        raise ValueError(f"grad_cache: {len(encoders)} encoders but {len(chunks)} chunk lists")
+    embs: list[list[Tensor]] = []
+    states: list[list[RngState]] = []
+    with torch.no_grad():
+        for encode, side in zip(encoders, chunks, strict=True):
+            embs.append([])
+            states.append([])
+            for c in side:
+                states[-1].append(RngState.capture(_cuda_devices(c)))
+                embs[-1].append(_call(encode, c))  # (rows, E)
+    leaves = [torch.cat(e).detach().requires_grad_(True) for e in embs]  # (N_s, E) per side
+    sizes = [[e.shape[0] for e in side] for side in embs]
+    del embs
+    with torch.enable_grad():
+        loss, metrics = loss_fn(leaves)
+        (loss * scale).backward()
+    for s, (encode, side) in enumerate(zip(encoders, chunks, strict=True)):
+        if leaves[s].grad is None:
+            raise ValueError(f"grad_cache: loss_fn did not use side {s}'s embeddings; drop "
+                             "that side instead of encoding it for nothing")
+        grads = leaves[s].grad.split(sizes[s])
+        for c, state, g in zip(side, states[s], grads, strict=True):
+            if replay_rng:
+                state.restore()
+            with torch.enable_grad():
+                out = _call(encode, c)  # (rows, E), with graph this time
+                out.backward(g.to(out.dtype))
+    return loss.detach(), metrics
+
+
+def unwrap_ddp(model: nn.Module) -> tuple[nn.Module, bool]:
+    """(the module inside DDP, whether this backward should all-reduce gradients).
+
+    DDP's ``no_sync()`` clears ``require_backward_grad_sync``; the engine uses it on every
+    accumulation micro-step but the last.
+    """
+    if isinstance(model, DistributedDataParallel):
+        return model.module, bool(model.require_backward_grad_sync)
+    return model, False
+
+
+def sync_grads(params: Iterable[nn.Parameter], bucket_elems: int = 1 << 24) -> None:
+    """Average ``.grad`` over ranks in a few flat buckets (what DDP's reducer does).
+
+    Every rank must hold gradients for the same parameters (true for a model whose every
+    parameter is used in each step, which DDP without find_unused_parameters demands too).
+    """
+    if not D.is_distributed():
+        return
+    buckets: dict[tuple[torch.dtype, torch.device], list[list[Tensor]]] = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        lists = buckets.setdefault((p.grad.dtype, p.grad.device), [[]])
+        if sum(g.numel() for g in lists[-1]) + p.grad.numel() > bucket_elems and lists[-1]:
+            lists.append([])
+        lists[-1].append(p.grad)
+    for _, lists in sorted(buckets.items(), key=lambda kv: str(kv[0])):
+        for grads in lists:
+            flat = D.all_reduce_mean(torch.cat([g.reshape(-1) for g in grads]))
+            for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                g.copy_(part.view_as(g))
+
+
+def dual_encoder_grad_cache(model: nn.Module, batch: dict[str, Any], chunk: int,
+                            scale: float) -> tuple[Tensor, dict[str, Any]]:
+    """GradCache step of a contrastive model (``.encoder`` dual encoder + ``.loss``).
+
+    Sides: images, texts, and (when the batch has them) hard-negative texts, each chunked by
+    `chunk` rows. `model` may be DDP-wrapped; gradients are all-reduced once when DDP would.
+    """
+    module, sync = unwrap_ddp(model)
+    enc, loss = module.encoder, module.loss
+    encoders: list[Callable[..., Tensor]] = [enc.encode_image, enc.encode_text]
+    chunks = [split_rows(batch["images"], chunk),
+              split_rows((batch["input_ids"], batch["attention_mask"]), chunk)]
+    if batch.get("neg_ids") is not None:
+        encoders.append(enc.encode_text)
+        chunks.append(split_rows((batch["neg_ids"], batch["neg_mask"]), chunk))
+
+    def loss_fn(e: list[Tensor]) -> tuple[Tensor, dict[str, Any]]:
+        return loss(e[0], e[1], e[2] if len(e) > 2 else None)
+
+    out = grad_cache(encoders, chunks, loss_fn, scale)
+    if sync:
+        sync_grads(module.parameters())
+    return out
