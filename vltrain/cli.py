@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("tiny", "small"),
         help="model size preset (tiny: ~2-3 min on a 2-core CPU)",
     )
-    q.add_argument("--steps", type=int, default=600, help="training steps")
+    q.add_argument("--steps", type=int, default=500, help="training steps")
     q.add_argument("--n-train", type=int, default=4000, help="synthetic training images")
     q.add_argument("--n-eval", type=int, default=300, help="synthetic val and test images each")
     q.add_argument("--batch-size", type=int, default=128, help="batch size")

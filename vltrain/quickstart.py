@@ -52,7 +52,7 @@ def results_table(summary: dict[str, Any]) -> str:
 def run_quickstart(
     out: str = "runs/quickstart",
     size: str = "tiny",
-    steps: int = 600,
+    steps: int = 500,
     n_train: int = 4000,
     n_eval: int = 300,
     batch_size: int = 128,

@@ -247,10 +247,14 @@ def test_top_k_1_equals_greedy(llava) -> None:
 
 
 def test_top_p_filter_matches_manual_reference() -> None:
-    probs = torch.tensor([[0.05, 0.40, 0.10, 0.25, 0.15, 0.05], [0.9, 0.02, 0.02, 0.02, 0.02, 0.02]])
+    probs = torch.tensor([[0.03, 0.40, 0.10, 0.25, 0.15, 0.07],
+                          [0.90, 0.04, 0.03, 0.015, 0.01, 0.005]])  # fmt: skip
     logits = probs.log()
-    # Manual nucleus: descending order, keep tokens until the kept mass reaches top_p.
-    for top_p, keep in [(0.5, [[1, 3], [0]]), (0.7, [[1, 3, 4], [0]]), (0.95, [[1, 3, 4, 2], [0, 1, 2, 3, 4, 5]]), (1.0, [list(range(6))] * 2)]:  # fmt: skip  # noqa: E501
+    # Hand-computed nucleus: sort descending, keep tokens until the kept mass reaches top_p
+    # (row 0 cumulative: .40 .65 .80 .90 .97 1.0; row 1: .90 .94 .97 ...).
+    cases = {0.5: ([1, 3], [0]), 0.7: ([1, 3, 4], [0]), 0.95: ([1, 3, 4, 2, 5], [0, 1, 2]),
+             1.0: (list(range(6)), list(range(6)))}  # fmt: skip
+    for top_p, keep in cases.items():
         kept = torch.isfinite(top_p_filter(logits, top_p))
         for row in range(2):
             assert sorted(kept[row].nonzero().flatten().tolist()) == sorted(keep[row]), (top_p, row)
