@@ -46,6 +46,12 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from vltrain.tuning.command import tune_command
+
+    return tune_command(args)
+
+
 def _cmd_config_docs(args: argparse.Namespace) -> int:
     from vltrain.config.core import describe
     from vltrain.config.schema import Config
@@ -125,6 +131,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra dotted config overrides, e.g. run.precision=bf16 (see configs/quickstart.yaml)",
     )
     q.set_defaults(fn=_cmd_quickstart)
+
+    from vltrain.tuning.command import DESCRIPTION as TUNE_DESCRIPTION
+    from vltrain.tuning.command import add_tune_options
+
+    tu = sub.add_parser("tune", help="hyperparameter search with Optuna (resumable, pruned)",
+                        description=TUNE_DESCRIPTION)
+    add_tune_options(tu)
+    tu.add_argument("config", help="YAML config with a tune section (see configs/tune.yaml)")
+    tu.add_argument("rest", nargs=argparse.REMAINDER, metavar="overrides",
+                    help="dotted key=value overrides (options may also follow the config)")
+    tu.set_defaults(fn=_cmd_tune)
 
     c = sub.add_parser("config-docs", help="print the config reference (markdown)")
     c.add_argument("--out", default="", help="write to this file instead of stdout")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -42,7 +43,7 @@ def _train(out: Path, shapes_dir: Path, nproc: int, batch: int, *extra: str) -> 
             *args,
         ]
     _run(_with_config(cmd), out.parent)
-    return load_file(out / "checkpoints" / "step_5" / "model.safetensors")
+    return {**load_file(out / "checkpoints" / "step_5" / "model.safetensors"), "_dir": out}
 
 
 def _with_config(cmd: list[str]) -> list[str]:
@@ -52,7 +53,7 @@ def _with_config(cmd: list[str]) -> list[str]:
 
 def _max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
+    return max(float((a[k] - b[k]).abs().max()) for k in a if k != "_dir")
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +65,12 @@ def test_two_processes_equal_one_process_with_same_global_batch(
     single: dict, shapes_dir: Path, tmp_path: Path
 ) -> None:
     two = _train(tmp_path / "two", shapes_dir, 2, 8)
+    # sharded evaluation (gathered once) reports what one process computes
+    one_eval = json.loads((single["_dir"] / "summary.json").read_text())["val"]
+    two_eval = json.loads((tmp_path / "two" / "summary.json").read_text())["val"]
+    assert one_eval.keys() == two_eval.keys() and "eval_i2t_R@1" in one_eval
+    for k in one_eval:
+        assert abs(one_eval[k] - two_eval[k]) < 1e-4, k
     initial_gap = _max_diff(single, _train(tmp_path / "zero", shapes_dir, 1, 16, "optim.lr=1e-12"))
     assert initial_gap > 1e-3  # training moved the weights, so the comparison means something
     assert _max_diff(single, two) < 1e-5

@@ -24,7 +24,7 @@ from vltrain.models.hf_embedders import (  # noqa: E402
     build_embedder,
     last_token_pool,
 )
-from vltrain.objectives.contrastive import InfoNCELoss  # noqa: E402
+from vltrain.objectives.contrastive import InfoNCELoss, build_loss  # noqa: E402
 
 SPECIALS = [
     "<|endoftext|>",
@@ -273,11 +273,18 @@ def test_dual_tower_embeddings_match_hf_forward(kind: str, clip_dir: str, siglip
     # parity with transformers' own contrastive head (normalised embeds)
     torch.testing.assert_close(img, F.normalize(ref.image_embeds, dim=-1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(txt, F.normalize(ref.text_embeds, dim=-1), atol=1e-5, rtol=1e-5)
-    init = emb.loss_init()
-    assert init["temperature"] == pytest.approx(1.0 / float(emb.model.logit_scale.detach().exp()))
+    scale = float(emb.model.logit_scale.detach().exp())
+    assert emb.loss_init("infonce")["temperature"] == pytest.approx(1.0 / scale)
     if kind == "hf_siglip":
-        assert init["bias"] == pytest.approx(float(emb.model.logit_bias.detach()))
+        init = emb.loss_init()  # siglip by default: the loss reproduces the model's logits
+        loss = build_loss("siglip", **init, gather=False)
+        assert float(loss.scale()) == pytest.approx(scale, rel=1e-5)
+        assert float(loss.logit_bias) == pytest.approx(float(emb.model.logit_bias.detach()))
         assert batch["input_ids"].shape[1] == 16  # padded to max_length: SigLIP pools the end
+        with torch.no_grad():  # a trained SigLIP's scale (~117) is above the default clamp
+            emb.model.logit_scale.fill_(np.log(117.0))
+        loss = build_loss("siglip", **emb.loss_init(), gather=False)
+        assert float(loss.scale()) == pytest.approx(117.0, rel=1e-5)
     assert batch["visual_tokens"].tolist() == [4, 4, 4]
 
 
@@ -307,6 +314,9 @@ def test_clip_training_reduces_infonce_and_save_round_trip(clip_dir: str, tmp_pa
         opt.step()
         losses.append(float(loss.detach()))
     assert losses[-1] < losses[0] - 0.1
+    unused = [n for n, p in emb.named_parameters() if p.requires_grad and p.grad is None]
+    assert not unused  # DDP would fail on these
+    assert not emb.model.logit_scale.requires_grad  # the loss owns the temperature
     out = emb.save_pretrained(tmp_path / "saved")
     back = HFClipEmbedder(out).eval()
     emb.eval()
@@ -386,6 +396,18 @@ def test_eos_pooling_picks_last_non_pad_token() -> None:
     left = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
     assert last_token_pool(hidden, right).flatten().tolist() == [1.0, 7.0]
     assert last_token_pool(hidden, left).flatten().tolist() == [3.0, 7.0]
+
+
+def test_full_finetune_leaves_no_unused_trainable_parameters(qwen2vl_dir: str) -> None:
+    """DDP fails on trainable parameters without a gradient: every one must get one."""
+    emb = VLMEmbedder(qwen2vl_dir)
+    batch = HFCollate(qwen2vl_dir, "vlm", max_visual_tokens=6)(_samples(2))
+    img, txt = emb(batch["images"], batch["input_ids"], batch["attention_mask"])
+    InfoNCELoss(gather=False)(img, txt)[0].backward()
+    trainable = [n for n, p in emb.named_parameters() if p.requires_grad]
+    assert trainable and all(p.grad is not None for p in emb.parameters() if p.requires_grad)
+    assert not emb.model.lm_head.weight.requires_grad  # frozen: never used by the embedding
+    assert emb.trainable_params < emb.total_params
 
 
 def test_vlm_lora_trains_only_adapters_and_round_trips(qwen2vl_dir: str, tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import math
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -132,12 +133,16 @@ class _HFEmbedder(nn.Module):
                 f"{' or '.join(self.model_types)}; pick the matching kind ({sorted(EMBEDDERS)})."
             )
         model = self._load(self.path, local_files_only=local_files_only, dtype=dtype)
+        self._freeze_unused(model)
         self.lora = dict(lora) if lora else None
         self.model = apply_lora(model, self.lora, self.lora_targets) if self.lora else model
         self.trainable_params, self.total_params = count_parameters(self.model)
 
     def _load(self, path: str, **kw: Any) -> nn.Module:
         raise NotImplementedError
+
+    def _freeze_unused(self, model: nn.Module) -> None:
+        """Freeze parameters the embedding never uses, so DDP sees no unused parameters."""
 
     def base_model(self) -> nn.Module:
         """The transformers model (LoRA layers stay injected in it)."""
@@ -183,17 +188,24 @@ class _HFEmbedder(nn.Module):
 class HFClipEmbedder(_HFEmbedder):
     """A transformers ``CLIPModel``: projected pooled image / text features, unit norm.
 
-    The loss should start from the model's own temperature: ``loss_init()`` gives
-    ``{"temperature": 1 / exp(logit_scale)}`` for `InfoNCELoss(temperature=...)`.
+    The loss should start from the model's own temperature: ``build_loss(name,
+    **emb.loss_init(name), ...)`` (see `loss_init`).
     """
 
     kind = "hf_clip"
     model_types = ("clip",)
+    default_loss = "infonce"
 
     def _load(self, path: str, **kw: Any) -> nn.Module:
         from transformers import CLIPModel
 
         return CLIPModel.from_pretrained(path, **kw)
+
+    def _freeze_unused(self, model: nn.Module) -> None:
+        """The loss owns temperature (and bias): the model's copies get no gradient."""
+        for name in ("logit_scale", "logit_bias"):
+            if isinstance(getattr(model, name, None), nn.Parameter):
+                getattr(model, name).requires_grad_(False)
 
     @property
     def embed_dim(self) -> int:
@@ -229,20 +241,44 @@ class HFClipEmbedder(_HFEmbedder):
         """The model's learned multiplier ``exp(logit_scale)`` (CLIP: about 100 when trained)."""
         return float(self.base_model().logit_scale.detach().float().exp())
 
-    def loss_init(self) -> dict[str, float]:
-        """Loss-constructor kwargs that reproduce the pretrained logits at step 0."""
-        return {"temperature": 1.0 / self.logit_scale()}
+    def logit_bias(self) -> float | None:
+        """The model's sigmoid-loss bias (SigLIP only; CLIP has none)."""
+        return None
+
+    def loss_init(self, loss: str | None = None) -> dict[str, float]:
+        """Kwargs for `build_loss(loss, ...)` that reproduce the pretrained logits at step 0.
+
+        ``infonce``: ``temperature = 1 / exp(logit_scale)``; ``siglip``: ``init_scale`` (and
+        ``init_bias`` when the model has one). ``max_logit_scale`` is raised when the model's
+        scale is above the losses' default clamp of 100 (trained SigLIP sits near 117).
+        Default loss: ``infonce`` for CLIP, ``siglip`` for SigLIP.
+        """
+        loss = loss or self.default_loss
+        scale, bias = self.logit_scale(), self.logit_bias()
+        if loss == "infonce":
+            out = {"temperature": 1.0 / scale}
+        elif loss == "siglip":
+            out = {"init_scale": scale} | ({} if bias is None else {"init_bias": bias})
+        else:
+            raise KeyError(
+                f"loss_init: no initialisation known for loss {loss!r}; "
+                "known: ['infonce', 'siglip']"
+            )
+        if scale > 100.0:
+            out["max_logit_scale"] = float(math.ceil(scale))
+        return out
 
 
 class HFSiglipEmbedder(HFClipEmbedder):
     """A transformers ``SiglipModel``; also exposes the sigmoid loss's ``logit_bias``.
 
     SigLIP's text tower pools the LAST position, so texts must be padded to ``max_length``
-    (the collate does this for this kind); ``loss_init()`` adds ``{"bias": logit_bias}``.
+    (the collate does this for this kind); ``loss_init("siglip")`` carries scale and bias.
     """
 
     kind = "hf_siglip"
     model_types = ("siglip",)
+    default_loss = "siglip"
 
     def _load(self, path: str, **kw: Any) -> nn.Module:
         from transformers import SiglipModel
@@ -257,10 +293,6 @@ class HFSiglipEmbedder(HFClipEmbedder):
     def logit_bias(self) -> float:
         """The model's learned sigmoid-loss bias (about -10 at init for SigLIP)."""
         return float(self.base_model().logit_bias.detach().float())
-
-    def loss_init(self) -> dict[str, float]:
-        """``temperature`` as for CLIP plus the sigmoid loss's ``bias``."""
-        return {"temperature": 1.0 / self.logit_scale(), "bias": self.logit_bias()}
 
 
 def last_token_pool(hidden: Tensor, attention_mask: Tensor) -> Tensor:
@@ -323,6 +355,12 @@ class VLMEmbedder(_HFEmbedder):
         from transformers import AutoModelForImageTextToText
 
         return AutoModelForImageTextToText.from_pretrained(path, **kw)
+
+    def _freeze_unused(self, model: nn.Module) -> None:
+        """The LM head is never run; freeze it unless it is tied to the input embeddings."""
+        head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+        if head is not None and head.weight is not emb.weight:
+            head.requires_grad_(False)
 
     @property
     def embed_dim(self) -> int:

@@ -224,7 +224,8 @@ class ContrastiveStage(Stage):
         """InfoNCE over fixed chunks of the eval set (first caption per image), world-size free."""
         first = torch.full((img.shape[0],), -1, dtype=torch.long)
         first.scatter_reduce_(0, pos, torch.arange(len(pos)), reduce="amin", include_self=False)
-        bs = self.cfg.data.eval_batch_size or self.cfg.data.batch_size
+        # chunks of the global eval batch, so the value does not depend on the world size
+        bs = (self.cfg.data.eval_batch_size or self.cfg.data.batch_size) * self.ctx.world_size
         loss_sum = acc_sum = 0.0
         for s in range(0, img.shape[0], bs):
             f = Features(
