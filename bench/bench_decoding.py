@@ -32,7 +32,7 @@ PAD, BOS, EOS = 0, 1, 2
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results_decoding.md")
 
 
-def build_llava(vocab: int, width: int, layers: int, seed: int = 0) -> Any:
+def build_llava(vocab: int, width: int, layers: int, eos_norm: float, seed: int = 0) -> Any:
     """Random LLaVA: CLIP vision (32px, patch 8 -> 16 image tokens) + Llama decoder."""
     torch.manual_seed(seed)
     vision = transformers.CLIPVisionConfig(
@@ -49,9 +49,9 @@ def build_llava(vocab: int, width: int, layers: int, seed: int = 0) -> Any:
         vision_feature_select_strategy="default", vision_feature_layer=-1,
     )  # fmt: skip
     model = transformers.LlavaForConditionalGeneration(cfg).eval()
-    with torch.no_grad():  # make EOS likely enough that captions end at different lengths
+    with torch.no_grad():  # EOS row norm sets how early captions end (init norm ~0.02*sqrt(width))
         row = model.lm_head.weight[EOS]
-        row.mul_(0.45 / row.norm())
+        row.mul_(eos_norm / row.norm())
     return model
 
 
@@ -122,12 +122,13 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave default)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")
+    ap.add_argument("--eos-norm", type=float, default=1.0, help="EOS lm_head row norm")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = build_llava(args.vocab, args.width, args.layers)
+    model = build_llava(args.vocab, args.width, args.layers, args.eos_norm)
     inputs = make_inputs(args.images, args.vocab)
     adapter = HFDecodeAdapter(model)
     n, k, m = args.images, args.beams, args.max_new

@@ -10,18 +10,27 @@ DESCRIPTION = (
     "with the full engine in its own run dir under run.out_dir/STUDY; a median pruner stops "
     "unpromising trials; results live in SQLite (or --storage) so re-running with --study NAME "
     "resumes a killed search. Writes trials.csv/.md, plots and best.yaml (the base config with "
-    "the best parameters, for `vltrain train`). See docs/tuning.md.")
+    "the best parameters, for `vltrain train`). See docs/tuning.md."
+)
 
 
 def add_tune_options(p: argparse.ArgumentParser) -> None:
     """The options of `vltrain tune` (shared by the CLI parser and the re-parse below)."""
-    p.add_argument("--trials", type=int, default=None,
-                   help="trials to finish in the study (overrides tune.trials)")
-    p.add_argument("--storage", default=None,
-                   help="'journal', 'journal:PATH', a SQLAlchemy URL or env:VAR "
-                   "(default: SQLite in the study dir; overrides tune.storage)")
-    p.add_argument("--study", default=None,
-                   help="study name; reuse it to resume (overrides tune.study)")
+    p.add_argument(
+        "--trials",
+        type=int,
+        default=None,
+        help="trials to finish in the study (overrides tune.trials)",
+    )
+    p.add_argument(
+        "--storage",
+        default=None,
+        help="'journal', 'journal:PATH', a SQLAlchemy URL or env:VAR "
+        "(default: SQLite in the study dir; overrides tune.storage)",
+    )
+    p.add_argument(
+        "--study", default=None, help="study name; reuse it to resume (overrides tune.study)"
+    )
 
 
 def parse_rest(args: argparse.Namespace) -> dict[str, Any]:
@@ -47,6 +56,11 @@ def tune_command(args: argparse.Namespace) -> int:
         from vltrain.config.core import ConfigError
 
         raise ConfigError(f"--trials must be >= 1, got {opts['trials']}")
-    run_search(args.config, opts["overrides"], trials=opts["trials"], storage=opts["storage"],
-               study=opts["study"])
+    run_search(
+        args.config,
+        opts["overrides"],
+        trials=opts["trials"],
+        storage=opts["storage"],
+        study=opts["study"],
+    )
     return 0

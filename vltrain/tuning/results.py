@@ -22,13 +22,18 @@ def trial_rows(study: Any) -> list[dict[str, Any]]:
     for t in study.get_trials(deepcopy=False):
         reason = t.user_attrs.get("prune_reason") or t.user_attrs.get("fail_reason") or ""
         last_step = max(t.intermediate_values) if t.intermediate_values else None
-        rows.append({
-            "number": t.number, "state": t.state.name, "value": t.value,
-            "last_step": last_step,
-            "seconds": round(t.duration.total_seconds(), 1) if t.duration else None,
-            "reason": reason, "run_dir": t.user_attrs.get("run_dir", ""),
-            **{f"params.{k}": v for k, v in t.params.items()},
-        })
+        rows.append(
+            {
+                "number": t.number,
+                "state": t.state.name,
+                "value": t.value,
+                "last_step": last_step,
+                "seconds": round(t.duration.total_seconds(), 1) if t.duration else None,
+                "reason": reason,
+                "run_dir": t.user_attrs.get("run_dir", ""),
+                **{f"params.{k}": v for k, v in t.params.items()},
+            }
+        )
     return rows
 
 
@@ -46,8 +51,14 @@ def format_table(rows: list[dict[str, Any]], metric: str, unit: str) -> str:
     head = ["#", "state", metric, f"last {unit}", "seconds", *(k[7:] for k in keys)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["number"], r["state"], r["value"], r["last_step"], r["seconds"],
-                 *(r.get(k) for k in keys)]
+        cells = [
+            r["number"],
+            r["state"],
+            r["value"],
+            r["last_step"],
+            r["seconds"],
+            *(r.get(k) for k in keys),
+        ]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -66,11 +77,13 @@ def write_best_yaml(search: Search, best: Any) -> Path:
     """`best.yaml`: the base config (full budget) with the best trial's params merged."""
     out = search.study_dir / "best.yaml"
     cfg = search.plan.best_config(best.params, search.study_dir / "best_run")
-    header = (f"# Best configuration of study '{search.name}': trial {best.number}, "
-              f"{search.metric} = {best.value:.6g} ({search.direction}).\n"
-              f"# The base config {search.config_path} with these searched values:\n"
-              + "".join(f"#   {k}: {v!r}\n" for k, v in best.params.items())
-              + f"# Train it as stage 1:  vltrain train {out}\n")
+    header = (
+        f"# Best configuration of study '{search.name}': trial {best.number}, "
+        f"{search.metric} = {best.value:.6g} ({search.direction}).\n"
+        f"# The base config {search.config_path} with these searched values:\n"
+        + "".join(f"#   {k}: {v!r}\n" for k, v in best.params.items())
+        + f"# Train it as stage 1:  vltrain train {out}\n"
+    )
     out.write_text(header + yaml.safe_dump(to_dict(cfg), sort_keys=False))
     return out
 
@@ -125,25 +138,37 @@ def write_results(search: Search, seconds: float) -> dict[str, Any]:
     table = format_table(rows, search.metric, search.plan.unit)
     _write_csv(rows, out / "trials.csv")
     (out / "trials.md").write_text(table + "\n")
-    counts = {s.name: sum(r["state"] == s.name for r in rows)
-              for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL,
-                        TrialState.RUNNING)}
+    counts = {
+        s.name: sum(r["state"] == s.name for r in rows)
+        for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL, TrialState.RUNNING)
+    }
     summary: dict[str, Any] = {
-        "study": search.name, "storage": search.storage_spec.display,
-        "study_dir": str(out), "metric": search.metric, "direction": search.direction,
-        "states": counts, "seconds_this_session": round(seconds, 1), "best": None,
+        "study": search.name,
+        "storage": search.storage_spec.display,
+        "study_dir": str(out),
+        "metric": search.metric,
+        "direction": search.direction,
+        "states": counts,
+        "seconds_this_session": round(seconds, 1),
+        "best": None,
     }
     complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
     lines = [table, ""]
     if complete:
         best = study.best_trial
         path = write_best_yaml(search, best)
-        summary["best"] = {"number": best.number, "value": best.value, "params": best.params,
-                           "run_dir": best.user_attrs.get("run_dir", "")}
+        summary["best"] = {
+            "number": best.number,
+            "value": best.value,
+            "params": best.params,
+            "run_dir": best.user_attrs.get("run_dir", ""),
+        }
         summary["best_yaml"] = str(path)
-        lines += [f"best: trial {best.number}, {search.metric} = {best.value:.4f}",
-                  *(f"  {k}: {v!r}" for k, v in best.params.items()),
-                  f"best config: {path}  (train it: vltrain train {path})"]
+        lines += [
+            f"best: trial {best.number}, {search.metric} = {best.value:.4f}",
+            *(f"  {k}: {v!r}" for k, v in best.params.items()),
+            f"best config: {path}  (train it: vltrain train {path})",
+        ]
     else:
         lines.append("no trial completed: best.yaml not written")
     if search.tune.plots and rows:

@@ -49,14 +49,18 @@ def resolve_objective(cfg: Config) -> tuple[str, str]:
     stage = get_stage(cfg.stage)
     metric = cfg.tune.metric or stage.best_metric
     if not metric.startswith("eval_"):
-        raise ConfigError(f"tune.metric '{metric}' must name a logged eval metric, which start "
-                          f"with 'eval_' (did you mean eval_{metric}?)")
+        raise ConfigError(
+            f"tune.metric '{metric}' must name a logged eval metric, which start "
+            f"with 'eval_' (did you mean eval_{metric}?)"
+        )
     direction = cfg.tune.direction
     if not direction:
         if metric != stage.best_metric:
-            raise ConfigError(f"tune.metric is '{metric}': set tune.direction to 'maximize' or "
-                              "'minimize' (the default only covers the stage's own metric "
-                              f"'{stage.best_metric}')")
+            raise ConfigError(
+                f"tune.metric is '{metric}': set tune.direction to 'maximize' or "
+                "'minimize' (the default only covers the stage's own metric "
+                f"'{stage.best_metric}')"
+            )
         direction = "maximize" if stage.best_mode == "max" else "minimize"
     if not cfg.data.eval:
         raise ConfigError("vltrain tune needs evaluation metrics: set data.eval")
@@ -73,12 +77,18 @@ def _base_tree(config_path: str, overrides: list[str], flags: dict[str, Any]) ->
 class Search:
     """One worker of a study: validates everything, then runs trials until the study is done."""
 
-    def __init__(self, config_path: str, overrides: list[str] | None = None,
-                 trials: int | None = None, storage: str | None = None,
-                 study: str | None = None) -> None:
+    def __init__(
+        self,
+        config_path: str,
+        overrides: list[str] | None = None,
+        trials: int | None = None,
+        storage: str | None = None,
+        study: str | None = None,
+    ) -> None:
         self.config_path = config_path
-        self.tree = _base_tree(config_path, overrides or [],
-                               {"trials": trials, "storage": storage, "study": study})
+        self.tree = _base_tree(
+            config_path, overrides or [], {"trials": trials, "storage": storage, "study": study}
+        )
         self.base = config_from_tree(self.tree)
         self.tune = self.base.tune
         self.specs: list[ParamSpec] = parse_space(self.tune.space)
@@ -93,8 +103,9 @@ class Search:
         name = self.tune.study or f"{Path(self.config_path).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         name = D.broadcast_object(name)  # every rank uses rank 0's (timestamped) name
         if not _NAME.match(name):
-            raise ConfigError(f"study name {name!r} must be letters, digits, '.', '_' or '-' "
-                              "(it names a folder)")
+            raise ConfigError(
+                f"study name {name!r} must be letters, digits, '.', '_' or '-' (it names a folder)"
+            )
         return name
 
     def _prepare(self) -> None:
@@ -104,8 +115,14 @@ class Search:
         self.name = self._study_name()
         self.study_dir = (Path(self.base.run.out_dir) / self.name).resolve()
         self.storage_spec: StorageSpec = resolve_storage(self.tune.storage, self.study_dir)
-        self.plan = TrialPlan(self.tree, self.base, self.ctx.world_size,
-                              self.storage_spec.display, self.metric, self.direction)
+        self.plan = TrialPlan(
+            self.tree,
+            self.base,
+            self.ctx.world_size,
+            self.storage_spec.display,
+            self.metric,
+            self.direction,
+        )
         self.n_checked = self.plan.check_space(self.specs, self.tune.enqueue, self.study_dir)
 
     def _sampler(self, n_existing: int) -> Any:
@@ -124,8 +141,9 @@ class Search:
 
         if self.tune.pruner == "none":
             return optuna.pruners.NopPruner()
-        return optuna.pruners.MedianPruner(n_startup_trials=self.tune.n_startup_trials,
-                                           n_warmup_steps=self.tune.n_warmup_steps)
+        return optuna.pruners.MedianPruner(
+            n_startup_trials=self.tune.n_startup_trials, n_warmup_steps=self.tune.n_warmup_steps
+        )
 
     def _open_study(self) -> None:
         import optuna
@@ -133,13 +151,17 @@ class Search:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.storage = open_storage(self.storage_spec, self.tune.heartbeat_interval)
         try:
-            n_existing = len(optuna.load_study(study_name=self.name,
-                                               storage=self.storage).trials)
+            n_existing = len(optuna.load_study(study_name=self.name, storage=self.storage).trials)
         except KeyError:
             n_existing = 0
         self.study = optuna.create_study(
-            storage=self.storage, study_name=self.name, direction=self.direction,
-            load_if_exists=True, sampler=self._sampler(n_existing), pruner=self._pruner())
+            storage=self.storage,
+            study_name=self.name,
+            direction=self.direction,
+            load_if_exists=True,
+            sampler=self._sampler(n_existing),
+            pruner=self._pruner(),
+        )
         self._check_compatible()
         self.dead = fail_dead_trials(self.study, self.storage)
         if n_existing == 0:
@@ -148,24 +170,30 @@ class Search:
 
     def _check_compatible(self) -> None:
         """A resumed study must search the same space for the same objective."""
-        want = {"space": {s.key: s.describe() for s in self.specs}, "metric": self.metric,
-                "direction": self.direction}
+        want = {
+            "space": {s.key: s.describe() for s in self.specs},
+            "metric": self.metric,
+            "direction": self.direction,
+        }
         have = self.study.user_attrs.get("vltrain")
         if have is None:
             self.study.set_user_attr("vltrain", want)
         elif have != want:
             diff = sorted(k for k in want if want[k] != have.get(k))
-            raise TuneError(f"study '{self.name}' was created with a different {', '.join(diff)} "
-                            f"({have}); use a new --study name, or restore the original "
-                            "tune section to resume it")
+            raise TuneError(
+                f"study '{self.name}' was created with a different {', '.join(diff)} "
+                f"({have}); use a new --study name, or restore the original "
+                "tune section to resume it"
+            )
 
     # ---- trials ------------------------------------------------------------------------
 
     def _finished(self) -> int:
         from optuna.trial import TrialState
 
-        return len(self.study.get_trials(deepcopy=False,
-                                         states=(TrialState.COMPLETE, TrialState.PRUNED)))
+        return len(
+            self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+        )
 
     def _prune_reason(self, step: int, value: float) -> str:
         """Why the median pruner stopped a trial, with the median it compared against."""
@@ -173,12 +201,17 @@ class Search:
 
         from optuna.trial import TrialState
 
-        others = [t.intermediate_values[step] for t in self.study.get_trials(
-            deepcopy=False, states=(TrialState.COMPLETE,)) if step in t.intermediate_values]
+        others = [
+            t.intermediate_values[step]
+            for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if step in t.intermediate_values
+        ]
         median = f"{statistics.median(others):.4g}" if others else "n/a"
-        return (f"pruned by the median pruner at {self.plan.unit} {step}: {self.metric} "
-                f"{value:.4g} is worse than the median {median} of {len(others)} completed "
-                "trials there")
+        return (
+            f"pruned by the median pruner at {self.plan.unit} {step}: {self.metric} "
+            f"{value:.4g} is worse than the median {median} of {len(others)} completed "
+            "trials there"
+        )
 
     def _decide_main(self, trial: Any) -> Any:
         def decide(step: int, value: float, metrics: dict[str, float], final: bool) -> Any:
@@ -236,8 +269,11 @@ class Search:
         t = self.study.trials[number]
         params = " ".join(f"{k}={_fmt(v)}" for k, v in t.params.items())
         value = "-" if out.value is None else f"{out.value:.4f}"
-        print(f"trial {number:3d} {out.state.upper():8s} {self.metric}={value} at "
-              f"{self.plan.unit} {out.step}  {out.seconds:6.1f} s  {params}", flush=True)
+        print(
+            f"trial {number:3d} {out.state.upper():8s} {self.metric}={value} at "
+            f"{self.plan.unit} {out.step}  {out.seconds:6.1f} s  {params}",
+            flush=True,
+        )
         if out.reason:
             print(f"          {out.reason}", flush=True)
 
@@ -258,7 +294,8 @@ class Search:
                     self.fatal = TuneError(
                         f"{fails_in_row} trials in a row failed (last: {last}); see trial.json "
                         f"and error.txt in {self.study_dir}, fix the cause, then resume with "
-                        f"--study {self.name}")
+                        f"--study {self.name}"
+                    )
         finally:
             D.broadcast_object(None)  # release the other ranks
 
@@ -299,9 +336,12 @@ class Search:
         else:
             budget = f"{tune.max_steps or self.base.train.max_steps} steps"
         subset = f" on {tune.train_samples} samples" if tune.train_samples else ""
-        pruner = ("none" if tune.pruner == "none" else
-                  f"median (after {tune.n_startup_trials} completed trials, from "
-                  f"{self.plan.unit} {tune.n_warmup_steps})")
+        pruner = (
+            "none"
+            if tune.pruner == "none"
+            else f"median (after {tune.n_startup_trials} completed trials, from "
+            f"{self.plan.unit} {tune.n_warmup_steps})"
+        )
         lines = [
             f"vltrain tune: study '{self.name}' in {self.storage_spec.display}",
             f"  objective: {self.direction} {self.metric}; {tune.trials} trials of {budget}"
@@ -320,8 +360,13 @@ def _fmt(v: Any) -> str:
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
-def run_search(config_path: str, overrides: list[str] | None = None, trials: int | None = None,
-               storage: str | None = None, study: str | None = None) -> dict[str, Any]:
+def run_search(
+    config_path: str,
+    overrides: list[str] | None = None,
+    trials: int | None = None,
+    storage: str | None = None,
+    study: str | None = None,
+) -> dict[str, Any]:
     """Run `vltrain tune`; returns the results summary on rank 0 ({} on other ranks)."""
     try:
         return Search(config_path, overrides, trials, storage, study).run()

@@ -50,8 +50,9 @@ class ParamSpec:
         if self.type == "categorical":
             return trial.suggest_categorical(self.key, list(self.choices))
         if self.type == "int":
-            return trial.suggest_int(self.key, self.low, self.high, step=self.step or 1,
-                                     log=self.log)
+            return trial.suggest_int(
+                self.key, self.low, self.high, step=self.step or 1, log=self.log
+            )
         return trial.suggest_float(self.key, self.low, self.high, step=self.step, log=self.log)
 
     def extremes(self) -> list[Any]:
@@ -83,8 +84,12 @@ def _flatten(space: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, spec in space.items():
         full = f"{prefix}{key}"
-        if isinstance(spec, dict) and "type" not in spec and spec and all(
-                isinstance(v, dict) for v in spec.values()):
+        if (
+            isinstance(spec, dict)
+            and "type" not in spec
+            and spec
+            and all(isinstance(v, dict) for v in spec.values())
+        ):
             flat.update(_flatten(spec, full + "."))
         else:
             flat[full] = spec
@@ -101,8 +106,9 @@ def _number(key: str, field: str, value: Any, integer: bool) -> float | int:
         raise ConfigError(f"tune.space['{key}'].{field} must be a number, got {value!r}") from None
     if integer:
         if num != int(num):
-            raise ConfigError(f"tune.space['{key}'].{field} must be an integer for type int, "
-                              f"got {value!r}")
+            raise ConfigError(
+                f"tune.space['{key}'].{field} must be an integer for type int, got {value!r}"
+            )
         return int(num)
     return num
 
@@ -110,8 +116,10 @@ def _number(key: str, field: str, value: Any, integer: bool) -> float | int:
 def _parse_one(key: str, spec: Any) -> ParamSpec:
     where = f"tune.space['{key}']"
     if not isinstance(spec, dict):
-        raise ConfigError(f"{where} must be a mapping like {{type: float, low: 1.0e-5, "
-                          f"high: 1.0e-3, log: true}}, got {spec!r}")
+        raise ConfigError(
+            f"{where} must be a mapping like {{type: float, low: 1.0e-5, "
+            f"high: 1.0e-3, log: true}}, got {spec!r}"
+        )
     for field in spec:
         if field not in SPEC_FIELDS:
             close = difflib.get_close_matches(str(field), SPEC_FIELDS, n=1)
@@ -147,8 +155,7 @@ def _parse_one(key: str, spec: Any) -> ParamSpec:
     if log and low <= 0:
         raise ConfigError(f"{where}: log scale needs low > 0, got {low}")
     if log and step is not None:
-        raise ConfigError(f"{where}: use either log or step, not both (Optuna cannot combine "
-                          "them)")
+        raise ConfigError(f"{where}: use either log or step, not both (Optuna cannot combine them)")
     if step is not None and step <= 0:
         raise ConfigError(f"{where}.step must be > 0, got {step}")
     return ParamSpec(key, kind, low, high, log, step)
@@ -157,15 +164,18 @@ def _parse_one(key: str, spec: Any) -> ParamSpec:
 def parse_space(space: dict[str, Any]) -> list[ParamSpec]:
     """Check every key against the schema (with a did-you-mean) and every spec's fields."""
     if not space:
-        raise ConfigError("tune.space is empty: declare at least one searched key, e.g. "
-                          "tune.space: {optim.lr: {type: float, low: 1.0e-5, high: 5.0e-4, "
-                          "log: true}}")
+        raise ConfigError(
+            "tune.space is empty: declare at least one searched key, e.g. "
+            "tune.space: {optim.lr: {type: float, low: 1.0e-5, high: 5.0e-4, "
+            "log: true}}"
+        )
     leaves = _leaf_keys()
     specs = []
     for key, spec in _flatten(space).items():
         if key.startswith("tune."):
-            raise ConfigError(f"tune.space cannot search '{key}': the tuner's own settings are "
-                              "fixed for a study")
+            raise ConfigError(
+                f"tune.space cannot search '{key}': the tuner's own settings are fixed for a study"
+            )
         if key in RESERVED:
             raise ConfigError(f"tune.space cannot search '{key}': {RESERVED[key]}")
         if key not in leaves:
@@ -196,8 +206,10 @@ def corner_params(specs: list[ParamSpec], limit: int = 4096) -> list[dict[str, A
     for v in values:
         n *= len(v)
     if n <= limit:
-        return [dict(zip([s.key for s in specs], combo, strict=True))
-                for combo in itertools.product(*values)]
+        return [
+            dict(zip([s.key for s in specs], combo, strict=True))
+            for combo in itertools.product(*values)
+        ]
     base = {s.key: v[0] for s, v in zip(specs, values, strict=True)}
     out = [base, {s.key: v[-1] for s, v in zip(specs, values, strict=True)}]
     for s, v in zip(specs, values, strict=True):
@@ -214,12 +226,15 @@ def check_enqueued(specs: list[ParamSpec], enqueue: list[dict[str, Any]]) -> Non
             if spec is None:
                 close = difflib.get_close_matches(key, list(by_key), n=1)
                 hint = f"; did you mean {close[0]}?" if close else ""
-                raise ConfigError(f"tune.enqueue[{i}] sets '{key}', which is not in tune.space"
-                                  f"{hint}")
+                raise ConfigError(
+                    f"tune.enqueue[{i}] sets '{key}', which is not in tune.space{hint}"
+                )
             if spec.type == "categorical":
                 if value not in spec.choices:
-                    raise ConfigError(f"tune.enqueue[{i}]['{key}'] = {value!r} is not one of "
-                                      f"{list(spec.choices)}")
+                    raise ConfigError(
+                        f"tune.enqueue[{i}]['{key}'] = {value!r} is not one of {list(spec.choices)}"
+                    )
             elif not isinstance(value, (int, float)) or not spec.low <= value <= spec.high:
-                raise ConfigError(f"tune.enqueue[{i}]['{key}'] = {value!r} is outside "
-                                  f"[{spec.low}, {spec.high}]")
+                raise ConfigError(
+                    f"tune.enqueue[{i}]['{key}'] = {value!r} is outside [{spec.low}, {spec.high}]"
+                )

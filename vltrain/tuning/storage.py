@@ -16,6 +16,7 @@ import json
 import os
 import re
 import socket
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,8 +81,10 @@ def resolve_storage(value: str, study_dir: Path) -> StorageSpec:
     if value.startswith("env:"):
         var = value[4:]
         if not os.environ.get(var):
-            raise TuneError(f"tune.storage is {value!r} but environment variable {var} is unset "
-                            "or empty; export it with the storage URL")
+            raise TuneError(
+                f"tune.storage is {value!r} but environment variable {var} is unset "
+                "or empty; export it with the storage URL"
+            )
         value = os.environ[var].strip()
     if not value:
         return StorageSpec("sqlite", f"sqlite:///{(study_dir / 'study.db').resolve()}")
@@ -91,9 +94,11 @@ def resolve_storage(value: str, study_dir: Path) -> StorageSpec:
     if "://" in value:
         kind = "sqlite" if value.startswith("sqlite") else "rdb"
         return StorageSpec(kind, value, url_secrets(value))
-    raise TuneError(f"tune.storage {redact(value)!r} is not understood; use '' (SQLite in the "
-                    "study dir), 'journal', 'journal:PATH', a SQLAlchemy URL such as "
-                    "postgresql://user@host/db, or env:VAR")
+    raise TuneError(
+        f"tune.storage {redact(value)!r} is not understood; use '' (SQLite in the "
+        "study dir), 'journal', 'journal:PATH', a SQLAlchemy URL such as "
+        "postgresql://user@host/db, or env:VAR"
+    )
 
 
 def open_storage(spec: StorageSpec, heartbeat_interval: int) -> Any:
@@ -112,14 +117,22 @@ def open_storage(spec: StorageSpec, heartbeat_interval: int) -> Any:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
         hb = heartbeat_interval or None
         kwargs = {"connect_args": {"timeout": 60}} if spec.kind == "sqlite" else None
-        return optuna.storages.RDBStorage(spec.target, engine_kwargs=kwargs,
-                                          heartbeat_interval=hb,
-                                          grace_period=2 * hb if hb else None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.storages.RDBStorage(
+                spec.target,
+                engine_kwargs=kwargs,
+                heartbeat_interval=hb,
+                grace_period=2 * hb if hb else None,
+            )
     except Exception as e:  # noqa: BLE001 - any driver error becomes one clear, scrubbed message
         detail = scrub(f"{type(e).__name__}: {e}", spec.secrets)
-        hint = ("install its database driver (e.g. pip install psycopg2-binary for "
-                "postgresql://) and check that the server is reachable" if spec.kind == "rdb"
-                else "check that the folder is writable")
+        hint = (
+            "install its database driver (e.g. pip install psycopg2-binary for "
+            "postgresql://) and check that the server is reachable"
+            if spec.kind == "rdb"
+            else "check that the folder is writable"
+        )
         raise TuneError(f"cannot open study storage {spec.display}: {detail}; {hint}") from None
 
 
@@ -132,7 +145,7 @@ def _proc_stat(pid: int) -> tuple[str, str] | None:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = text[text.rindex(")") + 2:].split()  # the command name may contain spaces
+    fields = text[text.rindex(")") + 2 :].split()  # the command name may contain spaces
     return fields[0], fields[19]
 
 
@@ -172,8 +185,10 @@ def fail_dead_trials(study: Any, storage: Any) -> list[int]:
         worker = t.user_attrs.get("worker")
         if not worker or worker_alive(worker):
             continue
-        reason = (f"its worker (pid {worker['pid']} on {worker['host']}) died while it was "
-                  "running; marked failed when the search was resumed")
+        reason = (
+            f"its worker (pid {worker['pid']} on {worker['host']}) died while it was "
+            "running; marked failed when the search was resumed"
+        )
         trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, t.number)
         try:
             storage.set_trial_user_attr(trial_id, "fail_reason", reason)
@@ -182,8 +197,7 @@ def fail_dead_trials(study: Any, storage: Any) -> list[int]:
             continue
         run_dir = t.user_attrs.get("run_dir")
         if run_dir and Path(run_dir).is_dir():
-            status = {"number": t.number, "state": "FAIL", "reason": reason,
-                      "params": t.params}
+            status = {"number": t.number, "state": "FAIL", "reason": reason, "params": t.params}
             (Path(run_dir) / "trial.json").write_text(json.dumps(status, indent=2))
         failed.append(t.number)
     return failed

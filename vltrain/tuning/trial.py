@@ -58,8 +58,15 @@ def config_from_tree(tree: dict) -> Config:
 class TrialPlan:
     """Turns a parameter set into a trial's config, and checks a whole space up front."""
 
-    def __init__(self, base_tree: dict, base: Config, world_size: int, storage_display: str,
-                 metric: str, direction: str) -> None:
+    def __init__(
+        self,
+        base_tree: dict,
+        base: Config,
+        world_size: int,
+        storage_display: str,
+        metric: str,
+        direction: str,
+    ) -> None:
         self.base_tree = base_tree
         self.tune: TuneConfig = base.tune
         self.world_size = world_size
@@ -89,7 +96,8 @@ class TrialPlan:
                 f"tune.epochs needs at least one full batch per epoch, but the training subset "
                 f"has {n} records and a global batch holds {global_batch} (data.batch_size "
                 f"{cfg.data.batch_size} x {self.world_size} processes x optim.accum_steps "
-                f"{cfg.optim.accum_steps}); raise tune.train_samples or search smaller batches")
+                f"{cfg.optim.accum_steps}); raise tune.train_samples or search smaller batches"
+            )
         return n // global_batch
 
     def _budget(self, cfg: Config) -> tuple[int, int]:
@@ -106,9 +114,13 @@ class TrialPlan:
         max_steps, eval_every = self._budget(build(Config, tree))
         budget = {
             "run": {"out_dir": str(run_dir)},
-            "train": {"max_steps": max_steps, "eval_every": eval_every, "resume": False,
-                      "best_metric": self.metric,
-                      "best_mode": "max" if self.direction == "maximize" else "min"},
+            "train": {
+                "max_steps": max_steps,
+                "eval_every": eval_every,
+                "resume": False,
+                "best_metric": self.metric,
+                "best_mode": "max" if self.direction == "maximize" else "min",
+            },
             "data": {"max_train_samples": self.tune.train_samples},
             "tune": {"storage": self.storage_display},
         }
@@ -125,20 +137,25 @@ class TrialPlan:
         """The step Optuna sees: the optimizer step, or the epoch for epoch budgets."""
         return step // self.steps_per_epoch(cfg) if self.tune.epochs else step
 
-    def check_space(self, specs: list[ParamSpec], enqueue: list[dict[str, Any]],
-                    study_dir: Path) -> int:
+    def check_space(
+        self, specs: list[ParamSpec], enqueue: list[dict[str, Any]], study_dir: Path
+    ) -> int:
         """Validate the config of every corner of the space (and enqueued sets) before any
         trial runs; returns how many parameter sets were checked."""
         sets = corner_params(specs) + [dict(e) for e in enqueue]
         for params in sets:
-            for what, make in (("trial", lambda p: self.config(p, study_dir / "check")),
-                               ("best.yaml", lambda p: self.best_config(p, study_dir))):
+            for what, make in (
+                ("trial", lambda p: self.config(p, study_dir / "check")),
+                ("best.yaml", lambda p: self.best_config(p, study_dir)),
+            ):
                 try:
                     make(params)
                 except ConfigError as e:
-                    raise ConfigError(f"tune.space allows a {what} config that is invalid: "
-                                      f"with {params}: {e}. Narrow tune.space or change the "
-                                      "base config") from None
+                    raise ConfigError(
+                        f"tune.space allows a {what} config that is invalid: "
+                        f"with {params}: {e}. Narrow tune.space or change the "
+                        "base config"
+                    ) from None
         return len(sets)
 
 
@@ -152,8 +169,13 @@ def nonfinite_reason(metric: str, value: float, metrics: dict[str, float]) -> st
     return None
 
 
-def run_trial(cfg: Config, plan: TrialPlan, decide: Decide, is_main: bool,
-              extra_status: dict[str, Any] | None = None) -> Outcome:
+def run_trial(
+    cfg: Config,
+    plan: TrialPlan,
+    decide: Decide,
+    is_main: bool,
+    extra_status: dict[str, Any] | None = None,
+) -> Outcome:
     """Train one trial with the engine; never raises for a trial's own failure.
 
     A TuneError (e.g. the objective metric is not logged) and KeyboardInterrupt propagate:
@@ -170,8 +192,9 @@ def run_trial(cfg: Config, plan: TrialPlan, decide: Decide, is_main: bool,
 
             close = difflib.get_close_matches(plan.metric, list(metrics), n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
-            raise TuneError(f"tune.metric '{plan.metric}' is not among the eval metrics "
-                            f"{sorted(metrics)}{hint}")
+            raise TuneError(
+                f"tune.metric '{plan.metric}' is not among the eval metrics {sorted(metrics)}{hint}"
+            )
         value = float(metrics[plan.metric])
         last["step"], last["value"] = plan.report_step(cfg, step), value
         verdict = decide(last["step"], value, metrics, step >= cfg.train.max_steps)
@@ -204,4 +227,3 @@ def write_status(run_dir: Path, status: dict[str, Any]) -> None:
     """`trial.json` in the trial's run dir: how it ended and why."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "trial.json").write_text(json.dumps(status, indent=2, default=str))
-

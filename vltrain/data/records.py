@@ -1,0 +1,372 @@
+"""Image-text records (JSONL or COCO captions JSON), the dataset over them, bad-sample accounting.
+
+Record (one JSON object per JSONL line)::
+
+    {"image": "images/0001.png", "text": "..." or [...], "negatives": [...], "id": "..."}
+
+`read_records` normalises every record to ``{"image": str, "text": list, "negatives": list,
+"id": str, ...extra keys kept}``. Structural mistakes (invalid JSON, a line that is not an
+object, no ``image``/``text`` key, wrong types for ``image``/``negatives``) raise `DataError`
+naming ``file:line``. Content problems (a missing or broken image, an empty caption, an image
+path that escapes the data folder) are not errors: `ImageTextDataset` returns a marker dict
+``{"bad": reason, ...}`` that collate drops and `BadSampleTracker` counts.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from vltrain.data.images import DEFAULT_MAX_PIXELS, REASONS, BadSample, check_text, load_image
+from vltrain.data.rng import sample_generator
+
+SampleKey = tuple[int, int, int]  # (epoch, batch_in_epoch, index)
+
+
+class DataError(ValueError):
+    """A data file is malformed; the message names the file, the line and the fix."""
+
+
+class DataQualityError(RuntimeError):
+    """Too many bad samples: the run stops rather than train on a broken data set."""
+
+
+def _normalise(obj: object, where: str, default_id: str) -> dict[str, Any]:
+    """Check one record's structure and normalise `text`/`negatives`/`id`."""
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}.")
+    if "image" not in obj or "text" not in obj:
+        missing = [k for k in ("image", "text") if k not in obj]
+        raise DataError(
+            f"{where}: record has no {' or '.join(repr(k) for k in missing)} key (keys: "
+            f'{sorted(obj)}). Each line needs {{"image": "rel/path.png", "text": ...}}.'
+        )
+    if not isinstance(obj["image"], str):
+        raise DataError(f"{where}: 'image' must be a path string, got {obj['image']!r}.")
+    text = obj["text"]
+    texts = list(text) if isinstance(text, list) else [text]  # bad items -> bad_text later
+    negatives = obj.get("negatives", [])
+    if not isinstance(negatives, list):
+        raise DataError(f"{where}: 'negatives' must be a list of strings, got {negatives!r}.")
+    rec = dict(obj)
+    rec["text"] = texts
+    rec["negatives"] = list(negatives)
+    rec["id"] = str(obj["id"]) if obj.get("id") is not None else default_id
+    return rec
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Read a JSONL file of records (see module docstring); blank lines are skipped.
+
+    Invalid UTF-8 inside a caption does not fail the file: it is read with surrogateescape and
+    `check_text` later marks that sample `bad_text`.
+    """
+    records: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{where}: not valid JSON ({e.msg} at column {e.colno}). Each line must be "
+                    "one JSON object; fix or delete this line."
+                ) from None
+            records.append(_normalise(obj, where, default_id=str(lineno)))
+    return records
+
+
+def read_coco_captions(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Read a COCO captions JSON into records, one per image, captions in annotation order.
+
+    Image rule: ``file_name`` is taken relative to the JSON's folder; if no file exists there
+    but ``<json folder>/images/<file_name>`` does, that is used instead. Images without any
+    caption are kept (they count as ``bad_text``), so nothing disappears silently.
+    """
+    root = Path(path).parent
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg}).") from None
+    if not isinstance(data, dict) or "images" not in data or "annotations" not in data:
+        raise DataError(
+            f"{path}: expected a COCO captions object with 'images' and 'annotations' lists; "
+            "for one-record-per-line data use a .jsonl file."
+        )
+    captions: dict[Any, list[Any]] = {}
+    by_id: dict[Any, dict[str, Any]] = {}
+    for i, im in enumerate(data["images"]):
+        if not isinstance(im, dict) or "id" not in im or not isinstance(im.get("file_name"), str):
+            raise DataError(f"{path}: images[{i}] needs 'id' and a string 'file_name': {im!r}")
+        by_id[im["id"]] = im
+        captions[im["id"]] = []
+    for i, ann in enumerate(data["annotations"]):
+        if not isinstance(ann, dict) or "image_id" not in ann or "caption" not in ann:
+            raise DataError(f"{path}: annotations[{i}] needs 'image_id' and 'caption': {ann!r}")
+        if ann["image_id"] not in captions:
+            raise DataError(
+                f"{path}: annotations[{i}] refers to image_id {ann['image_id']!r}, which is not "
+                "in 'images'. Is this the matching annotation file?"
+            )
+        captions[ann["image_id"]].append(ann["caption"])
+    records = []
+    for image_id, im in by_id.items():
+        rel = im["file_name"]
+        if not (root / rel).exists() and (root / "images" / rel).exists():
+            rel = f"images/{rel}"
+        records.append(
+            {"image": rel, "text": captions[image_id], "negatives": [], "id": str(image_id)}
+        )
+    return records
+
+
+def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Read records from a ``.jsonl`` file or a COCO captions ``.json`` file."""
+    suffix = Path(path).suffix.lower()
+    if not Path(path).is_file():
+        raise DataError(f"data file {path} does not exist; check data.train / data.eval.")
+    if suffix == ".jsonl":
+        return read_jsonl(path)
+    if suffix == ".json":
+        return read_coco_captions(path)
+    raise DataError(
+        f"{path}: unsupported data file suffix {suffix!r}; use .jsonl (one record per line) "
+        "or .json (COCO captions)."
+    )
+
+
+def resolve_image_path(jsonl_path: str | os.PathLike[str], rel: str) -> Path:
+    """Resolve a record's image path against the data file's folder.
+
+    Raises BadSample("path_escape") for absolute paths and paths that leave the folder. The check
+    is lexical: a symlink placed inside the folder is trusted, a ``..`` in the record is not.
+    """
+    root = Path(os.path.abspath(Path(jsonl_path).parent))
+    if not rel or "\x00" in rel:
+        raise BadSample("path_escape", rel, "image path is empty or contains NUL")
+    if os.path.isabs(rel) or Path(rel).drive:
+        raise BadSample("path_escape", rel, f"absolute image path; make it relative to {root}")
+    full = Path(os.path.normpath(root / rel))
+    if full != root and root not in full.parents:
+        raise BadSample("path_escape", rel, f"image path leaves the data folder {root}")
+    return full
+
+
+def _as_key(key: object) -> SampleKey:
+    """Accept (epoch, batch_in_epoch, index) or a bare index; numpy/torch integers are fine."""
+    try:
+        if isinstance(key, (tuple, list)) and len(key) == 3:
+            return (operator.index(key[0]), operator.index(key[1]), operator.index(key[2]))
+        return (0, 0, operator.index(key))  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            "dataset key must be an int index or an (epoch, batch_in_epoch, index) tuple, "
+            f"got {key!r}"
+        ) from None
+
+
+class ImageTextDataset(Dataset):
+    """Image-text pairs; `__getitem__` never raises for bad data, it returns a marker dict.
+
+    Caption choice (train) and hard-negative choice come from
+    ``sample_generator(seed, epoch, index)`` only. In eval mode (``train=False``) the sample has
+    the first caption as ``text``, all captions as ``texts``, and the first ``hard_negatives``
+    negatives in file order.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        image_size: int,
+        seed: int,
+        hard_negatives: int = 0,
+        train: bool = True,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
+    ) -> None:
+        if hard_negatives < 0:
+            raise ValueError(f"hard_negatives must be >= 0, got {hard_negatives}")
+        self.path = Path(path)
+        self.image_size = image_size
+        self.seed = seed
+        self.hard_negatives = hard_negatives
+        self.train = train
+        self.max_pixels = max_pixels
+        self.records = read_records(path)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, key: SampleKey | int) -> dict[str, Any]:
+        epoch, _, index = _as_key(key)
+        if not 0 <= index < len(self.records):
+            raise IndexError(f"index {index} out of range for {len(self.records)} records")
+        rec = self.records[index]
+        try:
+            return self._sample(rec, epoch, index, key)
+        except BadSample as e:
+            where = e.path or rec["image"]
+            return {"bad": e.reason, "path": where, "detail": e.detail, "key": key, "index": index}
+
+    def _sample(self, rec: dict[str, Any], epoch: int, index: int, key: Any) -> dict[str, Any]:
+        label = f"{self.path}:id={rec['id']}"
+        if not rec["text"]:
+            raise BadSample("bad_text", label, "record has no captions")
+        texts = [check_text(t, label) for t in rec["text"]]
+        negs = rec["negatives"]
+        if self.hard_negatives and negs:
+            negs = [check_text(t, label) for t in negs]
+        image = load_image(
+            resolve_image_path(self.path, rec["image"]), self.image_size, self.max_pixels
+        )  # (3, S, S)
+        out: dict[str, Any] = {"image": image, "index": index, "key": key}
+        if self.train:
+            g = sample_generator(self.seed, epoch, index, salt="caption")
+            out["text"] = texts[int(torch.randint(len(texts), (1,), generator=g))]
+            out["negatives"] = self._pick_negatives(negs, epoch, index)
+        else:
+            out["text"] = texts[0]
+            out["texts"] = texts
+            out["negatives"] = list(negs[: self.hard_negatives])
+        return out
+
+    def _pick_negatives(self, negs: list[str], epoch: int, index: int) -> list[str]:
+        """Up to `hard_negatives` texts, no replacement, deterministic in (seed, epoch, index)."""
+        k = min(self.hard_negatives, len(negs))
+        if k == 0:
+            return []
+        g = sample_generator(self.seed, epoch, index, salt="negatives")
+        order = torch.randperm(len(negs), generator=g)[:k]
+        return [negs[int(i)] for i in order]
+
+
+def split_bad(samples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    """Separate good samples from bad markers; bad ones come back as (reason, path) pairs."""
+    good = [s for s in samples if "bad" not in s]
+    bad = [(str(s["bad"]), str(s.get("path", ""))) for s in samples if "bad" in s]
+    return good, bad
+
+
+class BadSampleTracker:
+    """Counts bad samples by reason and stops the run when too many are bad.
+
+    Single process: ``update(n_seen, bad)`` then ``check()``. Several ranks: each rank builds
+    ``step_vector(n_seen, bad)``, the engine all-reduces (sums) it, and every rank calls
+    ``merge_counts(summed, examples=local_bad)``; all ranks then hold the same counts, so
+    ``check()`` raises on every rank at the same step (no rank is left waiting at a collective).
+    """
+
+    max_examples = 3
+
+    def __init__(self, max_bad_fraction: float, min_seen: int = 50) -> None:
+        if not 0.0 <= max_bad_fraction <= 1.0:
+            raise ValueError(f"data.max_bad_fraction must be in [0, 1], got {max_bad_fraction}")
+        if min_seen < 0:
+            raise ValueError(f"min_seen must be >= 0, got {min_seen}")
+        self.max_bad_fraction = float(max_bad_fraction)
+        self.min_seen = int(min_seen)
+        self.seen = 0
+        self._counts: dict[str, int] = {}
+        self._examples: dict[str, list[str]] = {}
+
+    @property
+    def total_bad(self) -> int:
+        """All bad samples counted so far."""
+        return sum(self._counts.values())
+
+    def counts(self) -> dict[str, int]:
+        """Bad-sample counts by reason (only reasons seen at least once)."""
+        return dict(self._counts)
+
+    def _note_examples(self, bad: Sequence[tuple[str, str]]) -> None:
+        for reason, path in bad:
+            ex = self._examples.setdefault(reason, [])
+            if len(ex) < self.max_examples and path not in ex:
+                ex.append(path)
+
+    def update(self, n_seen: int, bad: Sequence[tuple[str, str]]) -> None:
+        """Add `n_seen` samples looked at (good and bad); `bad` holds their (reason, path) pairs."""
+        if n_seen < len(bad):
+            raise ValueError(f"n_seen={n_seen} is smaller than the {len(bad)} bad samples given")
+        self.seen += int(n_seen)
+        for reason, _ in bad:
+            self._counts[reason] = self._counts.get(reason, 0) + 1
+        self._note_examples(bad)
+
+    @staticmethod
+    def step_vector(
+        n_seen: int, bad: Sequence[tuple[str, str]], reasons: Sequence[str] = REASONS
+    ) -> list[int]:
+        """``[n_seen, count(reasons[0]), ...]`` for one step, ready to all-reduce as a sum."""
+        index = {r: i for i, r in enumerate(reasons)}
+        vec = [int(n_seen)] + [0] * len(reasons)
+        for reason, _ in bad:
+            if reason not in index:
+                raise ValueError(f"bad-sample reason {reason!r} is not one of {tuple(reasons)}")
+            vec[1 + index[reason]] += 1
+        return vec
+
+    def merge_counts(
+        self,
+        vector: Sequence[int],
+        examples: Sequence[tuple[str, str]] = (),
+        reasons: Sequence[str] = REASONS,
+    ) -> None:
+        """Add a (summed) `step_vector`; `examples` only feed the example paths in the error."""
+        if len(vector) != len(reasons) + 1:
+            raise ValueError(f"vector has {len(vector)} entries, expected {len(reasons) + 1}")
+        self.seen += int(vector[0])
+        for reason, n in zip(reasons, vector[1:], strict=True):
+            if int(n):
+                self._counts[reason] = self._counts.get(reason, 0) + int(n)
+        self._note_examples(examples)
+
+    def vector(self, reasons: Sequence[str] = REASONS) -> list[int]:
+        """Cumulative ``[seen, count(reasons[0]), ...]``."""
+        return [self.seen] + [self._counts.get(r, 0) for r in reasons]
+
+    def check(self) -> None:
+        """Raise DataQualityError if at least `min_seen` were seen and too many were bad."""
+        if self.seen < self.min_seen or self.seen == 0:
+            return
+        frac = self.total_bad / self.seen
+        if frac <= self.max_bad_fraction:
+            return
+        lines = []
+        for reason, n in sorted(self._counts.items(), key=lambda kv: -kv[1]):
+            ex = ", ".join(self._examples.get(reason, [])) or "no local example"
+            lines.append(f"  {reason}: {n} (e.g. {ex})")
+        raise DataQualityError(
+            f"{self.total_bad} of {self.seen} samples were bad ({frac:.1%}), above "
+            f"data.max_bad_fraction={self.max_bad_fraction:g} ({self.max_bad_fraction:.1%}).\n"
+            "Bad samples by reason:\n" + "\n".join(lines) + "\n"
+            "Fix or remove these records, or, if this rate is expected, raise the limit with "
+            f"data.max_bad_fraction=<value> (now {self.max_bad_fraction:g})."
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain ints and strings, safe for ``torch.load(weights_only=True)``."""
+        return {
+            "seen": self.seen,
+            "counts": dict(self._counts),
+            "examples": {r: list(p) for r, p in self._examples.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore counts saved by `state_dict` (thresholds come from the current config)."""
+        try:
+            self.seen = int(state["seen"])
+            self._counts = {str(r): int(n) for r, n in state["counts"].items()}
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ValueError(f"not a BadSampleTracker state dict ({e!r}): {state!r}") from None
+        examples = state.get("examples", {})
+        self._examples = {str(r): [str(p) for p in ps] for r, ps in examples.items()}

@@ -1,0 +1,133 @@
+"""Byte-level BPE tokenizer for captions (HF ``tokenizers``), trained locally, saved as json.
+
+Special tokens have fixed ids: ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3. Text is
+NFKC-normalised, lowercased and whitespace-collapsed before byte-level BPE, so any string
+encodes (no unknown bytes) and decoding returns the normalised text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from torch import Tensor
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def _new_tokenizer() -> Tokenizer:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence(
+        [
+            normalizers.NFKC(),
+            normalizers.Lowercase(),
+            normalizers.Replace(Regex(r"\s+"), " "),
+            normalizers.Strip(),
+        ]
+    )
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def train_bpe_tokenizer(
+    texts: Iterable[str], vocab_size: int = 2000, min_frequency: int = 2
+) -> TextTokenizer:
+    """Train a byte-level BPE tokenizer on ``texts`` (deterministic for the same texts)."""
+    min_size = len(SPECIAL_TOKENS) + len(pre_tokenizers.ByteLevel.alphabet())
+    if vocab_size < min_size:
+        raise ValueError(f"vocab_size must be at least {min_size} (specials + 256 bytes)")
+    tok = _new_tokenizer()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return TextTokenizer(tok)
+
+
+class TextTokenizer:
+    """A trained tokenizer with batch encoding to padded tensors."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
+        if ids != list(range(len(SPECIAL_TOKENS))):
+            found = dict(zip(SPECIAL_TOKENS, ids, strict=True))
+            raise ValueError(
+                f"tokenizer must map {list(SPECIAL_TOKENS)} to ids 0..3, found {found}; "
+                "train it with vltrain.data.tokenizer.train_bpe_tokenizer"
+            )
+        self._tok = tokenizer
+        self.pad_id, self.bos_id, self.eos_id, self.unk_id = ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids (including special tokens)."""
+        return self._tok.get_vocab_size()
+
+    def save(self, directory: str | Path) -> Path:
+        """Write ``directory/tokenizer.json`` (creating the directory); returns the file path."""
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        file = path / TOKENIZER_FILE
+        file.write_text(self._tok.to_str(pretty=True), encoding="utf-8")
+        return file
+
+    @classmethod
+    def load(cls, directory: str | Path) -> TextTokenizer:
+        """Load a tokenizer saved by ``save`` from ``directory``."""
+        file = Path(directory) / TOKENIZER_FILE
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"no {TOKENIZER_FILE} in {directory}; train one with train_bpe_tokenizer and "
+                "save it there"
+            )
+        return cls(Tokenizer.from_file(str(file)))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` without special tokens."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(
+        self, texts: Sequence[str], max_len: int, add_bos: bool = True, add_eos: bool = True
+    ) -> tuple[Tensor, Tensor]:
+        """Encode to ``(input_ids, attention_mask)``, both LongTensor (B, T), right-padded.
+
+        T is the longest row, at most ``max_len``. Over-long rows are truncated from the end
+        of the text, keeping ``<bos>`` first and ``<eos>`` last.
+        """
+        n_special = int(add_bos) + int(add_eos)
+        if max_len <= n_special:
+            raise ValueError(f"max_len {max_len} leaves no room for text (specials: {n_special})")
+        if isinstance(texts, str):
+            raise TypeError("encode_batch takes a list of strings, not one string")
+        bos = [self.bos_id] if add_bos else []
+        eos = [self.eos_id] if add_eos else []
+        keep = max_len - n_special
+        encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        rows = [bos + e.ids[:keep] + eos for e in encodings]
+        t = max((len(r) for r in rows), default=0)
+        pad = [self.pad_id] * t
+        input_ids = torch.tensor([r + pad[len(r) :] for r in rows], dtype=torch.long)  # (B, T)
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)  # (B,)
+        attention_mask = (torch.arange(t)[None, :] < lengths[:, None]).long()  # (B, T)
+        return input_ids.view(len(rows), t), attention_mask
+
+    def decode(self, ids: Sequence[int] | Tensor) -> str:
+        """Text of ``ids`` with special tokens (and padding) removed and spaces cleaned."""
+        if isinstance(ids, Tensor):
+            ids = ids.tolist()
+        return self._tok.decode(list(ids), skip_special_tokens=True).strip()
+
+    def decode_batch(self, ids: Sequence[Sequence[int]] | Tensor) -> list[str]:
+        """``decode`` for each row of a (B, T) batch."""
+        if isinstance(ids, Tensor):
+            ids = ids.tolist()
+        rows = [list(r) for r in ids]
+        return [s.strip() for s in self._tok.decode_batch(rows, skip_special_tokens=True)]
