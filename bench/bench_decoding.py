@@ -36,18 +36,33 @@ def build_llava(vocab: int, width: int, layers: int, eos_norm: float, seed: int 
     """Random LLaVA: CLIP vision (32px, patch 8 -> 16 image tokens) + Llama decoder."""
     torch.manual_seed(seed)
     vision = transformers.CLIPVisionConfig(
-        image_size=32, patch_size=8, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, projection_dim=128,
-    )  # fmt: skip
+        image_size=32,
+        patch_size=8,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        projection_dim=128,
+    )
     text = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers,
-        num_attention_heads=width // 64, num_key_value_heads=width // 64,
-        max_position_embeddings=512, eos_token_id=EOS, pad_token_id=PAD, bos_token_id=BOS,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=4 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=width // 64,
+        num_key_value_heads=width // 64,
+        max_position_embeddings=512,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+    )
     cfg = transformers.LlavaConfig(
-        vision_config=vision, text_config=text, image_token_id=vocab - 1,
-        vision_feature_select_strategy="default", vision_feature_layer=-1,
-    )  # fmt: skip
+        vision_config=vision,
+        text_config=text,
+        image_token_id=vocab - 1,
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+    )
     model = transformers.LlavaForConditionalGeneration(cfg).eval()
     with torch.no_grad():  # EOS row norm sets how early captions end (init norm ~0.02*sqrt(width))
         row = model.lm_head.weight[EOS]
@@ -73,8 +88,14 @@ def make_inputs(n: int, vocab: int, seed: int = 1) -> dict[str, torch.Tensor]:
 def new_tokens_hf(model: Any, inputs: dict, beams: int, max_new: int) -> torch.Tensor:
     """HF beam search; filler after EOS normalised to PAD (HF fills with EOS when pad id is 0)."""
     with torch.no_grad():
-        out = model.generate(**inputs, do_sample=False, num_beams=beams, max_new_tokens=max_new,
-                             eos_token_id=EOS, pad_token_id=PAD)  # fmt: skip
+        out = model.generate(
+            **inputs,
+            do_sample=False,
+            num_beams=beams,
+            max_new_tokens=max_new,
+            eos_token_id=EOS,
+            pad_token_id=PAD,
+        )
     new = out[:, inputs["input_ids"].shape[1] :]
     after_eos = ((new == EOS).int().cumsum(1) - (new == EOS).int()) > 0
     return new.masked_fill(after_eos, PAD)
@@ -86,7 +107,10 @@ def one_at_a_time(adapter: HFDecodeAdapter, inputs: dict, beams: int, max_new: i
     for b in range(inputs["input_ids"].shape[0]):
         one = {k: v[b : b + 1] for k, v in inputs.items()}
         mask = one["attention_mask"][0].bool()  # drop this row's own left padding
-        one["input_ids"], one["attention_mask"] = one["input_ids"][:, mask], one["attention_mask"][:, mask]
+        one["input_ids"], one["attention_mask"] = (
+            one["input_ids"][:, mask],
+            one["attention_mask"][:, mask],
+        )
         outs.append(generate(adapter, one, "beam", max_new_tokens=max_new, num_beams=beams))
     return outs
 
@@ -131,11 +155,12 @@ def main() -> None:
     model = build_llava(args.vocab, args.width, args.layers, args.eos_norm)
     inputs = make_inputs(args.images, args.vocab)
     adapter = HFDecodeAdapter(model)
-    n, k, m = args.images, args.beams, args.max_new
+    k, m = args.beams, args.max_new
     fns = {
         "HF generate (batched)": lambda: new_tokens_hf(model, inputs, k, m),
-        "vltrain (batched)": lambda: generate(adapter, inputs, "beam", max_new_tokens=m,
-                                              num_beams=k),  # fmt: skip
+        "vltrain (batched)": lambda: generate(
+            adapter, inputs, "beam", max_new_tokens=m, num_beams=k
+        ),
         "vltrain (one image at a time)": lambda: one_at_a_time(adapter, inputs, k, m),
     }
     generate(adapter, make_inputs(2, args.vocab), "beam", max_new_tokens=2, num_beams=k)  # warm
@@ -166,8 +191,8 @@ def report(args: argparse.Namespace, med: dict[str, float], batched: Any) -> str
         f"{args.repeats} round-robin runs.",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, torch threads "
-        f"{torch.get_num_threads()}, Python {platform.python_version()}, torch {torch.__version__}, "
-        f"transformers {version('transformers')}.",
+        f"{torch.get_num_threads()}, Python {platform.python_version()}, "
+        f"torch {torch.__version__}, transformers {version('transformers')}.",
         "",
         "| method | time (s) | images/s | vltrain batched speedup |",
         "|---|---:|---:|---:|",

@@ -52,6 +52,12 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     return tune_command(args)
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from vltrain.stages.caption_decode import generate_command
+
+    return generate_command(args)
+
+
 def _cmd_config_docs(args: argparse.Namespace) -> int:
     from vltrain.config.core import describe
     from vltrain.config.schema import Config
@@ -142,6 +148,18 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("rest", nargs=argparse.REMAINDER, metavar="overrides",
                     help="dotted key=value overrides (options may also follow the config)")
     tu.set_defaults(fn=_cmd_tune)
+
+    from vltrain.stages.caption_decode import add_generate_options
+
+    g = sub.add_parser(
+        "generate",
+        help="caption images with a trained captioner checkpoint",
+        description="Rebuild the model from the config.yaml of the run that owns CHECKPOINT, "
+        "load its weights and tokenizer, and print (or --out) one JSON line per image: "
+        '{"image": ..., "caption": ...}.',
+    )
+    add_generate_options(g)
+    g.set_defaults(fn=_cmd_generate)
 
     c = sub.add_parser("config-docs", help="print the config reference (markdown)")
     c.add_argument("--out", default="", help="write to this file instead of stdout")

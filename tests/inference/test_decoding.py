@@ -16,10 +16,17 @@ MAX_NEW = 10
 
 def _text_config() -> transformers.LlamaConfig:
     return transformers.LlamaConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        eos_token_id=EOS, pad_token_id=PAD, bos_token_id=BOS,
-    )  # fmt: skip
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+    )
 
 
 def _boost_eos(model: torch.nn.Module, norm: float) -> None:
@@ -53,13 +60,21 @@ def llama():
 def llava():
     torch.manual_seed(0)
     vision = transformers.CLIPVisionConfig(
-        image_size=16, patch_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, projection_dim=32,
-    )  # fmt: skip  16 patches + CLS
+        image_size=16,
+        patch_size=4,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        projection_dim=32,
+    )  # 16 patches + CLS
     cfg = transformers.LlavaConfig(
-        vision_config=vision, text_config=_text_config(), image_token_id=IMG,
-        vision_feature_select_strategy="default", vision_feature_layer=-1,
-    )  # fmt: skip
+        vision_config=vision,
+        text_config=_text_config(),
+        image_token_id=IMG,
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+    )
     model = transformers.LlavaForConditionalGeneration(cfg).eval()
     _boost_eos(model, 0.25)
     g = torch.Generator().manual_seed(1)
@@ -77,31 +92,48 @@ def qwen2vl():
     text = _text_config().to_dict() | {
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1, 1]}
     }
-    vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, patch_size=2,
-                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3, mlp_ratio=2)  # fmt: skip
+    vision = dict(
+        depth=2,
+        embed_dim=32,
+        hidden_size=32,
+        num_heads=4,
+        patch_size=2,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        in_channels=3,
+        mlp_ratio=2,
+    )
     cfg = transformers.Qwen2VLConfig(
-        text_config=text, vision_config=vision, image_token_id=IMG, video_token_id=94,
-        vision_start_token_id=93, vision_end_token_id=92,
-    )  # fmt: skip
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMG,
+        video_token_id=94,
+        vision_start_token_id=93,
+        vision_end_token_id=92,
+    )
     model = transformers.Qwen2VLForConditionalGeneration(cfg).eval()
     _boost_eos(model, 0.25)
     g = torch.Generator().manual_seed(1)
     b = 3  # grid (1, 4, 4) = 16 patches -> 4 image tokens after the 2x2 merge
     txt = torch.randint(3, 90, (b, 5), generator=g)
-    prompt = torch.cat([torch.full((b, 1), 93), torch.full((b, 4), IMG), torch.full((b, 1), 92),
-                        txt], 1)  # fmt: skip
+    prompt = torch.cat(
+        [torch.full((b, 1), 93), torch.full((b, 4), IMG), torch.full((b, 1), 92), txt], 1
+    )
     ids, mask = _left_pad(prompt, [0, 2, 1])
     return model, {
-        "input_ids": ids, "attention_mask": mask, "pixel_values": torch.randn(b * 16, 24, generator=g),
-        "image_grid_thw": torch.tensor([[1, 4, 4]] * b), "mm_token_type_ids": (ids == IMG).int(),
-    }  # fmt: skip
+        "input_ids": ids,
+        "attention_mask": mask,
+        "pixel_values": torch.randn(b * 16, 24, generator=g),
+        "image_grid_thw": torch.tensor([[1, 4, 4]] * b),
+        "mm_token_type_ids": (ids == IMG).int(),
+    }
 
 
 def _hf_new_tokens(ref: torch.Tensor, prompt_len: int) -> torch.Tensor:
     """HF's new tokens with everything after the first EOS set to PAD.
 
-    HF fills finished beams with `pad_token_id or eos_token_id`, i.e. with EOS when pad is 0; vltrain
-    always pads with pad_token_id. Only the filler differs, which this normalises.
+    HF fills finished beams with `pad_token_id or eos_token_id`, i.e. with EOS when pad is 0;
+    vltrain always pads with pad_token_id. Only the filler differs, which this normalises.
     """
     new = ref[:, prompt_len:].clone()
     after_eos = (new == EOS).int().cumsum(1) - (new == EOS).int() > 0
@@ -109,9 +141,16 @@ def _hf_new_tokens(ref: torch.Tensor, prompt_len: int) -> torch.Tensor:
 
 
 def _check_against_hf(model, inputs, out: GenerationOutput, **hf_kwargs) -> torch.Tensor:
-    ref = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=EOS,
-                         pad_token_id=PAD, return_dict_in_generate=True, output_scores=True,
-                         **hf_kwargs)  # fmt: skip
+    ref = model.generate(
+        **inputs,
+        do_sample=False,
+        max_new_tokens=MAX_NEW,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        return_dict_in_generate=True,
+        output_scores=True,
+        **hf_kwargs,
+    )
     expected = _hf_new_tokens(ref.sequences, inputs["input_ids"].shape[1])
     assert out.sequences.shape == expected.shape, (out.sequences, expected)
     assert torch.equal(out.sequences, expected), (out.sequences, expected)
@@ -143,8 +182,10 @@ def test_greedy_matches_hf(which: str, kw: dict, request: pytest.FixtureRequest)
         assert bool((out.lengths == MAX_NEW).any())  # and some run to the limit
     # lengths / padding / log-prob bookkeeping
     width = torch.arange(out.sequences.shape[1])[None, :]
-    assert torch.equal(out.sequences[width >= out.lengths[:, None]], torch.full_like(
-        out.sequences[width >= out.lengths[:, None]], PAD))  # fmt: skip
+    assert torch.equal(
+        out.sequences[width >= out.lengths[:, None]],
+        torch.full_like(out.sequences[width >= out.lengths[:, None]], PAD),
+    )
     assert bool((out.token_logprobs[width < out.lengths[:, None]] < 0).all())
     assert bool((out.sequences[width < out.lengths[:, None] - 1] != EOS).all())
 
@@ -179,9 +220,28 @@ def test_beam_cases_exercise_early_eos_and_length_penalty(llava) -> None:
     adapter = HFDecodeAdapter(model)
     base = generate(adapter, inputs, "beam", max_new_tokens=MAX_NEW, num_beams=4)
     _assert_some_finished_early(base)
-    longer = generate(adapter, inputs, "beam", max_new_tokens=MAX_NEW, num_beams=4,
-                      length_penalty=2.0)  # fmt: skip
+    longer = generate(
+        adapter, inputs, "beam", max_new_tokens=MAX_NEW, num_beams=4, length_penalty=2.0
+    )
     assert not torch.equal(base.lengths, longer.lengths)
+
+
+def test_beam_drops_frozen_inputs_without_changing_results(llava) -> None:
+    """Inputs whose finished hypotheses can no longer change leave the batch (HF keeps them)."""
+    model, inputs = llava
+    adapter = HFDecodeAdapter(model)
+    rows: list[int] = []
+    reorder = adapter.reorder_cache
+
+    def spy(cache, index):
+        rows.append(index.numel())
+        return reorder(cache, index)
+
+    adapter.reorder_cache = spy  # type: ignore[method-assign]
+    out = generate(adapter, inputs, "beam", max_new_tokens=MAX_NEW, num_beams=3)
+    _check_against_hf(model, inputs, out, num_beams=3)
+    full = inputs["input_ids"].shape[0] * 3
+    assert rows[0] == full and min(rows) < full, rows  # the pruning path really ran
 
 
 @pytest.mark.parametrize("strategy", ["greedy", "beam"])
@@ -201,15 +261,34 @@ def test_sampling_matches_hf_under_same_global_seed(llava) -> None:
     model, inputs = llava
     kw = dict(temperature=0.7, top_k=20, top_p=0.9)
     torch.manual_seed(123)
-    out = generate(HFDecodeAdapter(model), inputs, "sample", max_new_tokens=MAX_NEW,
-                   num_return_sequences=3, **kw)  # fmt: skip
+    out = generate(
+        HFDecodeAdapter(model),
+        inputs,
+        "sample",
+        max_new_tokens=MAX_NEW,
+        num_return_sequences=3,
+        **kw,
+    )
     torch.manual_seed(123)
-    ref = model.generate(**inputs, do_sample=True, max_new_tokens=MAX_NEW, eos_token_id=EOS,
-                         pad_token_id=PAD, num_return_sequences=3, **kw)  # fmt: skip
+    ref = model.generate(
+        **inputs,
+        do_sample=True,
+        max_new_tokens=MAX_NEW,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        num_return_sequences=3,
+        **kw,
+    )
     assert torch.equal(out.sequences, _hf_new_tokens(ref, inputs["input_ids"].shape[1]))
     torch.manual_seed(124)  # negative control: another seed gives other samples
-    other = generate(HFDecodeAdapter(model), inputs, "sample", max_new_tokens=MAX_NEW,
-                     num_return_sequences=3, **kw)  # fmt: skip
+    other = generate(
+        HFDecodeAdapter(model),
+        inputs,
+        "sample",
+        max_new_tokens=MAX_NEW,
+        num_return_sequences=3,
+        **kw,
+    )
     assert not torch.equal(out.sequences, other.sequences)
 
 
@@ -217,21 +296,30 @@ def test_sample_logprobs_are_raw_policy(llama) -> None:
     """token_logprobs = log_softmax(raw logits) of a teacher-forced forward, not the warped ones."""
     model, inputs = llama
     g = torch.Generator().manual_seed(0)
-    out = generate(HFDecodeAdapter(model), inputs, "sample", max_new_tokens=MAX_NEW,
-                   temperature=0.5, top_k=5, generator=g)  # fmt: skip
+    out = generate(
+        HFDecodeAdapter(model),
+        inputs,
+        "sample",
+        max_new_tokens=MAX_NEW,
+        temperature=0.5,
+        top_k=5,
+        generator=g,
+    )
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
     valid = torch.arange(out.sequences.shape[1])[None, :] < out.lengths[:, None]
     full_mask = torch.cat([mask, valid.long()], 1)
     pos = (full_mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        logits = model(input_ids=torch.cat([ids, out.sequences], 1), attention_mask=full_mask,
-                       position_ids=pos).logits.float()  # fmt: skip
+        logits = model(
+            input_ids=torch.cat([ids, out.sequences], 1), attention_mask=full_mask, position_ids=pos
+        ).logits.float()
     plen = ids.shape[1]
     lp = torch.log_softmax(logits[:, plen - 1 : -1], -1).gather(2, out.sequences[..., None])[..., 0]
     torch.testing.assert_close(out.token_logprobs[valid], lp[valid], rtol=0, atol=1e-4)
     # negative control: the temperature-0.5 log-probs are clearly different
     warped = torch.log_softmax(logits[:, plen - 1 : -1] / 0.5, -1).gather(
-        2, out.sequences[..., None])[..., 0]  # fmt: skip
+        2, out.sequences[..., None]
+    )[..., 0]
     assert (warped[valid] - lp[valid]).abs().max() > 1e-2
 
 
@@ -240,20 +328,26 @@ def test_top_k_1_equals_greedy(llava) -> None:
     adapter = HFDecodeAdapter(model)
     greedy = generate(adapter, inputs, "greedy", max_new_tokens=MAX_NEW)
     g = torch.Generator().manual_seed(7)
-    sampled = generate(adapter, inputs, "sample", max_new_tokens=MAX_NEW, top_k=1, generator=g,
-                       temperature=1.3)  # fmt: skip
+    sampled = generate(
+        adapter, inputs, "sample", max_new_tokens=MAX_NEW, top_k=1, generator=g, temperature=1.3
+    )
     assert torch.equal(sampled.sequences, greedy.sequences)
     torch.testing.assert_close(sampled.token_logprobs, greedy.token_logprobs)
 
 
 def test_top_p_filter_matches_manual_reference() -> None:
-    probs = torch.tensor([[0.03, 0.40, 0.10, 0.25, 0.15, 0.07],
-                          [0.90, 0.04, 0.03, 0.015, 0.01, 0.005]])  # fmt: skip
+    probs = torch.tensor(
+        [[0.03, 0.40, 0.10, 0.25, 0.15, 0.07], [0.90, 0.04, 0.03, 0.015, 0.01, 0.005]]
+    )
     logits = probs.log()
     # Hand-computed nucleus: sort descending, keep tokens until the kept mass reaches top_p
     # (row 0 cumulative: .40 .65 .80 .90 .97 1.0; row 1: .90 .94 .97 ...).
-    cases = {0.5: ([1, 3], [0]), 0.7: ([1, 3, 4], [0]), 0.95: ([1, 3, 4, 2, 5], [0, 1, 2]),
-             1.0: (list(range(6)), list(range(6)))}  # fmt: skip
+    cases = {
+        0.5: ([1, 3], [0]),
+        0.7: ([1, 3, 4], [0]),
+        0.95: ([1, 3, 4, 2, 5], [0, 1, 2]),
+        1.0: (list(range(6)), list(range(6))),
+    }
     for top_p, keep in cases.items():
         kept = torch.isfinite(top_p_filter(logits, top_p))
         for row in range(2):
@@ -294,9 +388,17 @@ def test_sampling_distribution_matches_expected_probabilities() -> None:
     table = torch.full((8, 8), -30.0)
     table[1, :6] = torch.tensor(P).log()
     model, n = _MarkovModel(table), 40_000
-    out = generate(model, {"input_ids": torch.tensor([[1]])}, "sample", max_new_tokens=1,
-                   temperature=0.5, top_k=4, top_p=0.9, num_return_sequences=n,
-                   generator=torch.Generator().manual_seed(0))  # fmt: skip
+    out = generate(
+        model,
+        {"input_ids": torch.tensor([[1]])},
+        "sample",
+        max_new_tokens=1,
+        temperature=0.5,
+        top_k=4,
+        top_p=0.9,
+        num_return_sequences=n,
+        generator=torch.Generator().manual_seed(0),
+    )
     sq = {t: P[t] ** 2 for t in (1, 2, 3, 4)}  # top-4 of p^2, renormalised
     z4 = sum(sq.values())
     assert sq[4] / z4 <= 1 - 0.9  # ascending cumulative mass of token 4 alone <= 1 - top_p: dropped
@@ -314,7 +416,9 @@ def test_sampling_distribution_matches_expected_probabilities() -> None:
     raw[:6] = torch.tensor(P, dtype=torch.float64)
     assert not bool(((freq - raw).abs() <= 5 * (raw * (1 - raw) / n).sqrt() + 1e-12).all())
     # log-probs are under the raw policy: log P[token]
-    torch.testing.assert_close(out.token_logprobs[:, 0], table[1].log_softmax(-1)[out.sequences[:, 0]])
+    torch.testing.assert_close(
+        out.token_logprobs[:, 0], table[1].log_softmax(-1)[out.sequences[:, 0]]
+    )
 
 
 def test_seeded_sampling_is_reproducible_and_pads_after_eos() -> None:
@@ -325,8 +429,14 @@ def test_seeded_sampling_is_reproducible_and_pads_after_eos() -> None:
     inputs = {"input_ids": torch.tensor([[1], [3], [5]])}
 
     def run(seed: int) -> GenerationOutput:
-        return generate(model, inputs, "sample", max_new_tokens=12, num_return_sequences=4,
-                        generator=torch.Generator().manual_seed(seed))  # fmt: skip
+        return generate(
+            model,
+            inputs,
+            "sample",
+            max_new_tokens=12,
+            num_return_sequences=4,
+            generator=torch.Generator().manual_seed(seed),
+        )
 
     a, b, c = run(11), run(11), run(12)
     assert torch.equal(a.sequences, b.sequences) and torch.equal(a.token_logprobs, b.token_logprobs)

@@ -67,11 +67,26 @@ class DataConfig:
     max_bad_fraction: float = option(
         0.01, "Abort when more than this fraction of samples seen is undecodable.", ge=0.0, le=1.0
     )
+    image_column: str = option(
+        "image", "HF datasets / parquet records: column holding the image (bytes, path or PIL)."
+    )
+    text_column: str = option(
+        "text", "HF datasets / parquet records: column holding the caption (str or list of str)."
+    )
+    length_buckets: int = option(
+        0,
+        "Caption stage: length buckets of the training batch sampler (each global batch from one "
+        "bucket of similar token length); 0: plain shuffled batches.",
+        ge=0,
+    )
+    max_same_bucket_run: int = option(
+        3, "Length buckets: at most this many consecutive batches from one bucket.", ge=1
+    )
 
 
 @dataclass
 class ModelConfig:
-    kind: str = option("dual_encoder", "Model registry key.", choices=("dual_encoder",))
+    kind: str = option("dual_encoder", "Model registry key.", choices=("dual_encoder", "captioner"))
     vision: str = option(
         "tiny", "Vision tower size preset (tiny, small, base).", choices=("tiny", "small", "base")
     )
@@ -80,6 +95,25 @@ class ModelConfig:
     )
     embed_dim: int = option(128, "Shared embedding dimension of the dual encoder.", ge=8)
     dropout: float = option(0.0, "Dropout in both towers.", ge=0.0, le=0.9)
+    connector: str = option(
+        "projector",
+        "Captioner: connector registry key, projector (LLaVA prefix) or gated_xattn (Flamingo).",
+        choices=("projector", "gated_xattn"),
+    )
+    connector_options: dict[str, Any] = option(
+        {},
+        "Captioner: the connector's own options, e.g. {pool: 2, projector_layers: 2} or "
+        "{n_latents: 16, resampler_layers: 1, xattn_every: 1}.",
+    )
+    freeze: list[str] = option(
+        [],
+        "Captioner parts to freeze (no gradient, no optimizer state): vision, connector, decoder.",
+    )
+    init_from: str = option(
+        "",
+        "Start from these weights (a run dir, its checkpoints/ or a checkpoint folder; the best "
+        "checkpoint, else the newest) and reuse the tokenizer saved there. '' = random init.",
+    )
 
 
 @dataclass
@@ -255,8 +289,33 @@ class TuneConfig:
 
 
 @dataclass
+class CaptionConfig:
+    mode: str = option(
+        "pretrain",
+        "Caption stage mode: pretrain (captions, usually connector only), finetune (captions, "
+        "all parts), sft (chat records; loss on assistant tokens only). See docs/captioning.md.",
+        choices=("pretrain", "finetune", "sft"),
+    )
+    prompt: str = option(
+        "", "pretrain/finetune: text put before every caption (no loss on it); '' = just <bos>."
+    )
+    instruction: str = option(
+        "describe the image.",
+        "sft: the user turn used for plain caption records (records without 'messages').",
+    )
+    strategy: str = option(
+        "greedy", "Eval decoding strategy for BLEU/CIDEr-D.", choices=("greedy", "beam")
+    )
+    num_beams: int = option(3, "Beam search width (strategy=beam).", ge=1)
+    max_new_tokens: int = option(
+        24, "Eval decoding: most new tokens per caption (capped by the decoder context).", ge=1
+    )
+    length_penalty: float = option(1.0, "Beam search length penalty (HF semantics).")
+
+
+@dataclass
 class Config:
-    stage: str = option("contrastive", "Stage registry key.", choices=("contrastive",))
+    stage: str = option("contrastive", "Stage registry key.", choices=("contrastive", "caption"))
     run: RunConfig = section(RunConfig, "Run directory, seed, device and precision.")
     data: DataConfig = section(DataConfig, "Records, batching and decoding.")
     model: ModelConfig = section(ModelConfig, "Model architecture.")
@@ -265,6 +324,7 @@ class Config:
     train: TrainConfig = section(TrainConfig, "Loop length, evaluation, checkpoints, resume.")
     log: LogConfig = section(LogConfig, "Progress bar, TensorBoard, W&B.")
     tune: TuneConfig = section(TuneConfig, "Hyperparameter search (`vltrain tune`).")
+    caption: CaptionConfig = section(CaptionConfig, "Caption stage: mode, prompts, eval decoding.")
 
 
 def validate_cross_fields(cfg: Config) -> None:
@@ -281,6 +341,17 @@ def validate_cross_fields(cfg: Config) -> None:
     for key, scale in cfg.optim.lr_scale.items():
         if scale < 0:
             raise ConfigError(f"'optim.lr_scale.{key}' must be >= 0, got {scale}")
+    if (cfg.stage == "caption") != (cfg.model.kind == "captioner"):
+        raise ConfigError(
+            f"stage '{cfg.stage}' cannot train model.kind '{cfg.model.kind}': the caption stage "
+            "needs model.kind=captioner and the captioner is trained by stage=caption"
+        )
+    parts = ("vision", "connector", "decoder")
+    for part in cfg.model.freeze:
+        if part not in parts:
+            raise ConfigError(f"'model.freeze' entry {part!r} is not one of {list(parts)}")
+    if set(parts) <= set(cfg.model.freeze):
+        raise ConfigError("'model.freeze' freezes every part of the model: nothing would train")
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:

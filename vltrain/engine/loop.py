@@ -22,7 +22,7 @@ from vltrain.engine import distributed as D
 from vltrain.engine.logging import RunLogger
 from vltrain.engine.optim import build_optimizer, set_lr
 from vltrain.engine.runtime import eval_mode, setup, worker_init
-from vltrain.stages.base import Stage, get_stage
+from vltrain.stages.base import BatchSampler, Stage, get_stage
 
 
 class TrainingAborted(RuntimeError):
@@ -58,7 +58,20 @@ class _Collate:
         return batch
 
 
-def _loader(stage: Stage, cfg: Config, start: tuple[int, int]) -> Iterator[dict]:
+def _to_device(obj: Any, device: torch.device) -> Any:
+    """Move tensors (also inside dicts, lists and tuples) to `device`."""
+    if torch.is_tensor(obj):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
+
+
+def _loader(
+    stage: Stage, cfg: Config, start: tuple[int, int], device: torch.device
+) -> tuple[BatchSampler, Iterator[dict]]:
     dataset = stage.train_dataset()
     sampler = stage.train_sampler(dataset, start)
     # A private generator keeps DataLoader seeding off the global RNG, so creating the
@@ -72,7 +85,7 @@ def _loader(stage: Stage, cfg: Config, start: tuple[int, int]) -> Iterator[dict]
         worker_init_fn=worker_init,
         generator=gen,
         persistent_workers=cfg.data.num_workers > 0,
-        pin_memory=False,
+        pin_memory=device.type == "cuda",
         prefetch_factor=4 if cfg.data.num_workers > 0 else None,
     )
     return sampler, iter(loader)
@@ -188,7 +201,7 @@ class Trainer:
 
     def _loop(self, model, ddp, optimizer, tracker, state: LoopState, logger: RunLogger) -> None:
         cfg, ctx, stage = self.cfg, self.ctx, self.stage
-        sampler, batches = _loader(stage, cfg, state.position)
+        sampler, batches = _loader(stage, cfg, state.position, ctx.device)
         accum = cfg.optim.accum_steps
         window = {"t": time.time(), "samples": 0}
         model.train()
@@ -199,9 +212,7 @@ class Trainer:
             for i, batch in enumerate(micro):
                 sync = ddp is None or i == accum - 1
                 with contextlib.nullcontext() if sync else ddp.no_sync():
-                    b = {
-                        k: (v.to(ctx.device) if torch.is_tensor(v) else v) for k, v in batch.items()
-                    }
+                    b = _to_device(batch, ctx.device)
                     with ctx.autocast():
                         loss, m = stage.backward(ddp or model, b, 1.0 / accum)
                 loss_sum += loss.double().cpu() / accum

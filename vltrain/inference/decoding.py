@@ -149,41 +149,69 @@ def generate(
     torch RNG when None, which reproduces HF `generate(do_sample=True)` under the same seed).
     `num_return_sequences` = samples per input (sample) or best hypotheses per input (beam).
     """
-    _validate(strategy, max_new_tokens, min_new_tokens, num_beams, early_stopping, temperature,
-              top_k, top_p, num_return_sequences)
+    cfg = DecodeSettings(
+        strategy,
+        max_new_tokens,
+        min_new_tokens,
+        num_beams,
+        length_penalty,
+        early_stopping,
+        no_repeat_ngram_size,
+        temperature,
+        top_k,
+        top_p,
+        num_return_sequences,
+    )
+    cfg.validate()
     with torch.no_grad():
         if strategy == "beam":
-            return _beam_search(model, inputs, max_new_tokens, min_new_tokens, num_beams,
-                                length_penalty, early_stopping, no_repeat_ngram_size,
-                                num_return_sequences)
-        sample = strategy == "sample"
-        return _greedy_or_sample(model, inputs, max_new_tokens, min_new_tokens,
-                                 no_repeat_ngram_size, sample, temperature, top_k, top_p,
-                                 generator, num_return_sequences)  # fmt: skip
+            return _beam_search(model, inputs, cfg)
+        return _greedy_or_sample(model, inputs, cfg, generator)
 
 
-def _validate(strategy: str, max_new: int, min_new: int, num_beams: int, early: bool | str,
-              temperature: float, top_k: int, top_p: float, n: int) -> None:  # fmt: skip
-    if strategy not in ("greedy", "beam", "sample"):
-        raise ValueError(f"strategy={strategy!r} is unknown; use 'greedy', 'beam' or 'sample'.")
-    if max_new < 1:
-        raise ValueError(f"max_new_tokens={max_new} must be >= 1.")
-    if not 0 <= min_new <= max_new:
-        raise ValueError(f"min_new_tokens={min_new} must be in [0, max_new_tokens={max_new}].")
-    if early not in (True, False, "never"):
-        raise ValueError(f"early_stopping={early!r} must be True, False or 'never' (as in HF).")
-    if strategy == "beam" and not 1 <= n <= num_beams:
-        raise ValueError(f"num_return_sequences={n} must be in [1, num_beams={num_beams}].")
-    if strategy == "beam" and num_beams < 1:
-        raise ValueError(f"num_beams={num_beams} must be >= 1.")
-    if strategy != "beam" and n < 1:
-        raise ValueError(f"num_return_sequences={n} must be >= 1.")
-    if strategy == "greedy" and n != 1:
-        raise ValueError("greedy decoding returns one sequence per input; use strategy='sample' "
-                         "or 'beam' for num_return_sequences > 1.")  # fmt: skip
-    if strategy == "sample" and not (temperature > 0 and top_k >= 0 and 0 < top_p <= 1):
-        raise ValueError(f"need temperature > 0, top_k >= 0, 0 < top_p <= 1; got "
-                         f"temperature={temperature}, top_k={top_k}, top_p={top_p}.")  # fmt: skip
+@dataclass(frozen=True)
+class DecodeSettings:
+    """The arguments of `generate` (minus model, inputs and generator), validated once."""
+
+    strategy: str
+    max_new_tokens: int
+    min_new_tokens: int
+    num_beams: int
+    length_penalty: float
+    early_stopping: bool | str
+    no_repeat_ngram_size: int
+    temperature: float
+    top_k: int
+    top_p: float
+    num_return_sequences: int
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending argument and its valid range."""
+        s, n, beams = self.strategy, self.num_return_sequences, self.num_beams
+        max_new, min_new = self.max_new_tokens, self.min_new_tokens
+        if s not in ("greedy", "beam", "sample"):
+            raise ValueError(f"strategy={s!r} is unknown; use 'greedy', 'beam' or 'sample'.")
+        if max_new < 1:
+            raise ValueError(f"max_new_tokens={max_new} must be >= 1.")
+        if not 0 <= min_new <= max_new:
+            raise ValueError(f"min_new_tokens={min_new} must be in [0, max_new_tokens={max_new}].")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(
+                f"early_stopping={self.early_stopping!r} must be True, False or 'never' (as in HF)."
+            )
+        if s == "beam" and not 1 <= n <= beams:
+            raise ValueError(f"num_return_sequences={n} must be in [1, num_beams={beams}].")
+        if n < 1 or (s == "greedy" and n != 1):
+            raise ValueError(
+                f"num_return_sequences={n}: greedy returns exactly one sequence per input; use "
+                "strategy='sample' or 'beam' for several."
+            )
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if s == "sample" and not (t > 0 and k >= 0 and 0 < p <= 1):
+            raise ValueError(
+                f"need temperature > 0, top_k >= 0, 0 < top_p <= 1; got temperature={t}, "
+                f"top_k={k}, top_p={p}."
+            )
 
 
 def _prompt_history(inputs: dict[str, Any], batch: int, device: torch.device) -> Tensor:
@@ -204,12 +232,14 @@ def _expand(model: DecodeModel, logits: Tensor, cache: Any, hist: Tensor, n: int
 # ----------------------------------------------------------------------------- greedy / sample
 
 
-def _greedy_or_sample(model: DecodeModel, inputs: dict[str, Any], max_new: int, min_new: int,
-                      ngram: int, sample: bool, temperature: float, top_k: int, top_p: float,
-                      generator: torch.Generator | None, n: int) -> GenerationOutput:  # fmt: skip
+def _greedy_or_sample(
+    model: DecodeModel, inputs: dict[str, Any], cfg: DecodeSettings, gen: torch.Generator | None
+) -> GenerationOutput:
+    max_new, min_new, ngram = cfg.max_new_tokens, cfg.min_new_tokens, cfg.no_repeat_ngram_size
+    sample, temperature = cfg.strategy == "sample", cfg.temperature
     logits, cache = model.prefill(**inputs)  # (B, V)
     hist = _prompt_history(inputs, logits.shape[0], logits.device)
-    logits, cache, hist = _expand(model, logits, cache, hist, n)  # (N, V), N = B*n
+    logits, cache, hist = _expand(model, logits, cache, hist, cfg.num_return_sequences)  # (N, V)
     eos, pad = model.eos_token_id, model.pad_token_id
     unfinished = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
     toks: list[Tensor] = []
@@ -222,9 +252,9 @@ def _greedy_or_sample(model: DecodeModel, inputs: dict[str, Any], max_new: int, 
         scores = _ban_eos(scores, eos, t, min_new)
         if sample:
             scores = scores / temperature if temperature != 1.0 else scores
-            scores = top_p_filter(top_k_filter(scores, top_k), top_p)
+            scores = top_p_filter(top_k_filter(scores, cfg.top_k), cfg.top_p)
             probs = torch.softmax(scores, dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (N,)
+            nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)  # (N,)
         else:
             nxt = scores.argmax(dim=-1)
         nxt = torch.where(unfinished, nxt, torch.full_like(nxt, pad))
@@ -261,6 +291,15 @@ class _Beams:
     scores: Tensor  # (B, K)
     lengths: Tensor  # (B, K) new tokens so far (only meaningful for finished hypotheses)
 
+    def take(self, index: Tensor) -> _Beams:
+        """Rows (inputs) selected by `index` (bool mask or indices)."""
+        return _Beams(self.seqs[index], self.tok_lp[index], self.scores[index], self.lengths[index])
+
+    def put(self, index: Tensor, other: _Beams) -> None:
+        """Write `other` into rows `index` (in place)."""
+        self.seqs[index], self.tok_lp[index] = other.seqs, other.tok_lp
+        self.scores[index], self.lengths[index] = other.scores, other.lengths
+
 
 def _gather(x: Tensor, index: Tensor) -> Tensor:
     """Gather along dim 1 of (B, K, ...) with index (B, K')."""
@@ -269,43 +308,59 @@ def _gather(x: Tensor, index: Tensor) -> Tensor:
     return torch.take_along_dim(x, index, dim=1)
 
 
-def _beam_search(model: DecodeModel, inputs: dict[str, Any], max_new: int, min_new: int,
-                 num_beams: int, length_penalty: float, early_stopping: bool | str, ngram: int,
-                 n_return: int) -> GenerationOutput:  # fmt: skip
+def _beam_search(
+    model: DecodeModel, inputs: dict[str, Any], cfg: DecodeSettings
+) -> GenerationOutput:
+    """HF beam search, except that inputs whose finished set can no longer change are dropped
+    from the batch (HF keeps computing them); their output is unaffected, the work is saved."""
+    max_new, min_new, ngram = cfg.max_new_tokens, cfg.min_new_tokens, cfg.no_repeat_ngram_size
     logits, cache = model.prefill(**inputs)  # (B, V)
-    batch, device, k = logits.shape[0], logits.device, num_beams
+    batch, device, k = logits.shape[0], logits.device, cfg.num_beams
     hist = _prompt_history(inputs, batch, device)
     logits, cache, hist = _expand(model, logits, cache, hist, k)  # (B*K, V)
     plen = hist.shape[1]
-    seqs = torch.full((batch, k, plen + max_new), model.pad_token_id, dtype=torch.long,
-                      device=device)  # fmt: skip
-    seqs[:, :, :plen] = hist.view(batch, k, plen)
-    scores = torch.zeros((batch, k), device=device)
-    scores[:, 1:] = _NEG  # only beam 0 expands at step 0, so beams don't duplicate
-    zeros_lp = torch.zeros((batch, k, max_new), device=device)
-    lens = torch.zeros((batch, k), dtype=torch.long, device=device)
-    run = _Beams(seqs, zeros_lp, scores, lens)
-    fin = _Beams(seqs.clone(), zeros_lp.clone(), torch.full_like(scores, _NEG), lens.clone())
+    run, fin = _init_beams(hist.view(batch, k, plen), max_new, model.pad_token_id)
+    final = _Beams(*(x.clone() for x in (fin.seqs, fin.tok_lp, fin.scores, fin.lengths)))
     is_fin = torch.zeros((batch, k), dtype=torch.bool, device=device)
     improvable = torch.ones((batch, 1), dtype=torch.bool, device=device)
+    active = torch.arange(batch, device=device)  # inputs still being decoded
     for t in range(max_new):
         if t > 0:
             logits, cache = model.step(run.seqs[:, :, plen + t - 1].reshape(-1), cache)
-        lp = torch.log_softmax(logits.float(), dim=-1)  # (B*K, V)
+        lp = torch.log_softmax(logits.float(), dim=-1)  # (A*K, V)
         if ngram > 0:
-            lp = ban_repeated_ngrams(run.seqs[:, :, : plen + t].reshape(batch * k, -1), lp, ngram)
+            lp = ban_repeated_ngrams(run.seqs[:, :, : plen + t].flatten(0, 1), lp, ngram)
         lp = _ban_eos(lp, model.eos_token_id, t, min_new)
         cand, src, hits = _top_candidates(run, lp, t, plen, max_new, model.eos_token_id)
-        run, flat_src = _next_running(cand, src, hits, k)
-        fin, is_fin = _update_finished(fin, is_fin, cand, hits, improvable, t, length_penalty,
-                                       early_stopping)  # fmt: skip
-        cache = model.reorder_cache(cache, flat_src)
-        improvable = _still_improvable(improvable, run.scores, fin.scores, is_fin, t + 1,
-                                       max_new, early_stopping, length_penalty)  # fmt: skip
-        all_full = bool(is_fin.all()) and early_stopping is True
-        if not bool(improvable.any()) or all_full or bool(hits.all()):
+        run, rows = _next_running(cand, src, hits, k)  # rows: (A, K) cache rows to keep
+        fin, is_fin = _update_finished(fin, is_fin, cand, hits, improvable, t, cfg)
+        improvable = _still_improvable(improvable, run.scores, fin.scores, is_fin, t + 1, cfg)
+        # An input is frozen once HF would add nothing more to its finished set.
+        done = ~improvable[:, 0] | (is_fin.all(dim=-1) & (cfg.early_stopping is True))
+        if bool(done.all()) or bool(hits.all()) or t + 1 == max_new:
             break
-    return _beam_output(fin, plen, n_return, model.pad_token_id)
+        if bool(done.any()):
+            final.put(active[done], fin.take(done))
+            keep = ~done
+            active, run, fin, rows = active[keep], run.take(keep), fin.take(keep), rows[keep]
+            is_fin, improvable = is_fin[keep], improvable[keep]
+        cache = model.reorder_cache(cache, rows.reshape(-1))
+    final.put(active, fin)
+    return _beam_output(final, plen, cfg.num_return_sequences, model.pad_token_id)
+
+
+def _init_beams(prompt: Tensor, max_new: int, pad: int) -> tuple[_Beams, _Beams]:
+    """Running and finished beams for prompt history (B, K, P); only beam 0 starts alive."""
+    batch, k, plen = prompt.shape
+    seqs = torch.full((batch, k, plen + max_new), pad, dtype=torch.long, device=prompt.device)
+    seqs[:, :, :plen] = prompt
+    scores = torch.zeros((batch, k), device=prompt.device)
+    scores[:, 1:] = _NEG  # only beam 0 expands at step 0, so beams don't duplicate
+    tok_lp = torch.zeros((batch, k, max_new), device=prompt.device)
+    lens = torch.zeros((batch, k), dtype=torch.long, device=prompt.device)
+    run = _Beams(seqs, tok_lp, scores, lens)
+    fin = _Beams(seqs.clone(), tok_lp.clone(), torch.full_like(scores, _NEG), lens.clone())
+    return run, fin
 
 
 def _top_candidates(run: _Beams, lp: Tensor, t: int, plen: int, max_new: int, eos: int):
@@ -327,45 +382,61 @@ def _top_candidates(run: _Beams, lp: Tensor, t: int, plen: int, max_new: int, eo
 
 
 def _next_running(cand: _Beams, src: Tensor, hits: Tensor, k: int) -> tuple[_Beams, Tensor]:
-    """Best K unfinished candidates continue; returns them and flat cache rows to gather."""
+    """Best K unfinished candidates continue; returns them and the (A, K) cache rows to gather."""
     masked = cand.scores + hits.to(torch.float32) * _NEG
     keep = torch.topk(masked, k=k)[1]  # (B, K)
-    run = _Beams(_gather(cand.seqs, keep), _gather(cand.tok_lp, keep), _gather(masked, keep),
-                 _gather(cand.lengths, keep))  # fmt: skip
+    run = _Beams(
+        _gather(cand.seqs, keep),
+        _gather(cand.tok_lp, keep),
+        _gather(masked, keep),
+        _gather(cand.lengths, keep),
+    )
     offset = torch.arange(src.shape[0], device=src.device)[:, None] * k
-    return run, (_gather(src, keep) + offset).reshape(-1)
+    return run, _gather(src, keep) + offset
 
 
-def _update_finished(fin: _Beams, is_fin: Tensor, cand: _Beams, hits: Tensor, improvable: Tensor,
-                     t: int, length_penalty: float, early_stopping: bool | str):  # fmt: skip
+def _update_finished(
+    fin: _Beams,
+    is_fin: Tensor,
+    cand: _Beams,
+    hits: Tensor,
+    improvable: Tensor,
+    t: int,
+    cfg: DecodeSettings,
+) -> tuple[_Beams, Tensor]:
     """Merge newly finished top-K candidates into the K best finished hypotheses (HF rules)."""
     batch, k = fin.scores.shape
     top_mask = torch.zeros(cand.scores.shape[1], dtype=torch.bool, device=hits.device)
     top_mask[:k] = True  # only the top K candidates may finish; the rest are backups
     just_done = hits & top_mask[None, :]
-    s = cand.scores / ((t + 1) ** length_penalty)
-    full = torch.all(is_fin, dim=-1, keepdim=True) & (early_stopping is True)
+    s = cand.scores / ((t + 1) ** cfg.length_penalty)  # generated length incl. EOS
+    full = torch.all(is_fin, dim=-1, keepdim=True) & (cfg.early_stopping is True)
     s = s + full.to(torch.float32) * _NEG
     s = s + (~improvable).to(torch.float32) * _NEG
     s = s + (~just_done) * _NEG
-    merged = _Beams(*(torch.cat([a, b], dim=1) for a, b in
-                      ((fin.seqs, cand.seqs), (fin.tok_lp, cand.tok_lp),
-                       (fin.scores, s), (fin.lengths, cand.lengths))))  # fmt: skip
+    pairs = ((fin.seqs, cand.seqs), (fin.tok_lp, cand.tok_lp), (fin.scores, s))
+    merged = _Beams(
+        *(torch.cat(p, dim=1) for p in pairs), torch.cat([fin.lengths, cand.lengths], 1)
+    )
     best = torch.topk(merged.scores, k=k)[1]
-    new_fin = _Beams(*(_gather(x, best) for x in
-                       (merged.seqs, merged.tok_lp, merged.scores, merged.lengths)))  # fmt: skip
+    new_fin = _Beams(
+        *(_gather(x, best) for x in (merged.seqs, merged.tok_lp, merged.scores, merged.lengths))
+    )
     return new_fin, _gather(torch.cat([is_fin, just_done], dim=1), best)
 
 
-def _still_improvable(improvable: Tensor, run_scores: Tensor, fin_scores: Tensor, is_fin: Tensor,
-                      gen_len: int, max_new: int, early_stopping: bool | str,
-                      length_penalty: float) -> Tensor:  # fmt: skip
+def _still_improvable(
+    improvable: Tensor,
+    run_scores: Tensor,
+    fin_scores: Tensor,
+    is_fin: Tensor,
+    gen_len: int,
+    cfg: DecodeSettings,
+) -> Tensor:
     """HF `_check_early_stop_heuristic`: can the best running beam still beat the worst finished?"""
-    if early_stopping == "never" and length_penalty > 0.0:
-        best_len = max_new
-    else:
-        best_len = gen_len
-    best_running = run_scores[:, :1] / (best_len**length_penalty)
+    lp = cfg.length_penalty
+    best_len = cfg.max_new_tokens if cfg.early_stopping == "never" and lp > 0.0 else gen_len
+    best_running = run_scores[:, :1] / (best_len**lp)
     worst_fin = torch.where(is_fin, torch.min(fin_scores, dim=1, keepdim=True)[0], _NEG)
     return improvable & torch.any(best_running > worst_fin, dim=-1, keepdim=True)
 

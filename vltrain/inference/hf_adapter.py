@@ -21,10 +21,20 @@ from torch import Tensor, nn
 
 # Inputs consumed by the prefill only (HF's MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL, abridged).
 _PREFILL_ONLY = frozenset(
-    {"pixel_values", "pixel_mask", "image_sizes", "pixel_values_videos", "pixel_attention_mask",
-     "mm_encoder_outputs", "image_grid_thw", "video_grid_thw", "mm_token_type_ids",
-     "token_type_ids", "second_per_grid_ts"}
-)  # fmt: skip
+    {
+        "pixel_values",
+        "pixel_mask",
+        "image_sizes",
+        "pixel_values_videos",
+        "pixel_attention_mask",
+        "mm_encoder_outputs",
+        "image_grid_thw",
+        "video_grid_thw",
+        "mm_token_type_ids",
+        "token_type_ids",
+        "second_per_grid_ts",
+    }
+)
 
 
 @dataclass
@@ -69,8 +79,10 @@ class HFDecodeAdapter:
 
         kwargs = {**self.static_inputs, **inputs}
         if "input_ids" not in kwargs:
-            raise ValueError("HFDecodeAdapter.prefill needs input_ids (B, T); got keys "
-                             f"{sorted(kwargs)}. Pass the processor's output dict.")  # fmt: skip
+            raise ValueError(
+                "HFDecodeAdapter.prefill needs input_ids (B, T); got keys "
+                f"{sorted(kwargs)}. Pass the processor's output dict."
+            )
         input_ids = kwargs.pop("input_ids")
         mask = kwargs.pop("attention_mask", None)
         if mask is None:
@@ -105,19 +117,22 @@ class HFDecodeAdapter:
             pos = pos[index] if pos.dim() == 2 else pos[:, index]
         return HFCache(cache.kv, mask, pos)
 
-    def _forward(self, ids: Tensor, mask: Tensor | None, pos: Tensor | None, kv: Any,
-                 kwargs: dict[str, Any]) -> Any:  # fmt: skip
+    def _forward(
+        self, ids: Tensor, mask: Tensor | None, pos: Tensor | None, kv: Any, kwargs: dict[str, Any]
+    ) -> Any:
         call = dict(kwargs)
         if pos is not None:
             call["position_ids"] = pos
         if self._takes_logits_to_keep:
             call["logits_to_keep"] = 1
-        return self.model(input_ids=ids, attention_mask=mask, cache=kv, use_cache=True,
-                          return_dict=True, **call)  # fmt: skip
+        return self.model(
+            input_ids=ids, attention_mask=mask, cache=kv, use_cache=True, return_dict=True, **call
+        )
 
 
-def _token(explicit: int | None, gen: Any, model: nn.Module, name: str,
-           fallback: int | None = None) -> int:  # fmt: skip
+def _token(
+    explicit: int | None, gen: Any, model: nn.Module, name: str, fallback: int | None = None
+) -> int:
     """Resolve a special token id: explicit > generation_config > config > fallback."""
     value = explicit
     for source in (gen, getattr(model, "config", None)):
@@ -125,8 +140,10 @@ def _token(explicit: int | None, gen: Any, model: nn.Module, name: str,
             value = getattr(source, name, None)
     if isinstance(value, (list, tuple)):
         if len(value) != 1:
-            raise ValueError(f"{name}={value}: vltrain decoding supports exactly one id; pass "
-                             f"{name}=<int> to HFDecodeAdapter.")  # fmt: skip
+            raise ValueError(
+                f"{name}={value}: vltrain decoding supports exactly one id; pass "
+                f"{name}=<int> to HFDecodeAdapter."
+            )
         value = value[0]
     if value is None:
         value = fallback

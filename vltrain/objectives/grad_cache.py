@@ -21,7 +21,7 @@ arithmetic: local gradients summed over micro-steps, averaged over ranks once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,20 +55,24 @@ def _cuda_devices(x: Any) -> list[int]:
     """CUDA device indices of the tensors in a (nested) chunk."""
     if torch.is_tensor(x):
         return [x.device.index or 0] if x.is_cuda else []
-    items = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else []
+    items = x.values() if isinstance(x, Mapping) else x if isinstance(x, (list, tuple)) else []
     return sorted({d for item in items for d in _cuda_devices(item)})
 
 
 def split_rows(x: Any, chunk: int) -> list[Any]:
-    """Split a tensor, or a tuple/dict of tensors with the same rows, into row chunks."""
+    """Split a tensor, or a tuple/dict of tensors with the same rows, into row chunks.
+
+    Dict entries that are not tensors (nor containers of them) are copied into every chunk.
+    """
     if chunk < 1:
         raise ValueError(f"GradCache chunk size must be >= 1, got {chunk}")
     if torch.is_tensor(x):
         return list(x.split(chunk))
-    if isinstance(x, dict):
-        parts = {k: split_rows(v, chunk) for k, v in x.items()}
+    if isinstance(x, Mapping):  # non-tensor entries (e.g. a "modality" string) go to every chunk
+        parts = {k: split_rows(v, chunk) for k, v in x.items()
+                 if torch.is_tensor(v) or isinstance(v, (Mapping, tuple, list))}
         n = len(next(iter(parts.values())))
-        return [{k: v[i] for k, v in parts.items()} for i in range(n)]
+        return [{k: parts[k][i] if k in parts else v for k, v in x.items()} for i in range(n)]
     if isinstance(x, (tuple, list)):
         return list(zip(*(split_rows(v, chunk) for v in x), strict=True))
     raise TypeError(f"split_rows: cannot split a {type(x).__name__}; pass tensors, "

@@ -96,6 +96,7 @@ def register_stage(name: str):
 
 def get_stage(name: str) -> type[Stage]:
     """The stage class for a registry key (importing the built-in stages on first use)."""
+    import vltrain.stages.caption  # noqa: F401  (registers itself)
     import vltrain.stages.contrastive  # noqa: F401  (registers itself)
 
     if name not in STAGES:
