@@ -58,6 +58,25 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return generate_command(args)
 
 
+def _cmd_mine(args: argparse.Namespace) -> int:
+    from vltrain.stages.mining import MineOptions, mine_command
+
+    opts = MineOptions(
+        k=args.k,
+        range_min=args.range_min,
+        range_max=args.range_max,
+        margin=args.margin,
+        batch_size=args.batch_size,
+        append=args.append,
+    )
+    stats = mine_command(args.checkpoint, args.data, args.out, opts)
+    print(
+        f"wrote {args.out}: {stats['records']} records, {stats['mined_mean']:.2f} negatives "
+        f"per record on average, {stats['records_with_k']} with all {args.k}"
+    )
+    return 0
+
+
 def _cmd_config_docs(args: argparse.Namespace) -> int:
     from vltrain.config.core import describe
     from vltrain.config.schema import Config
@@ -141,12 +160,19 @@ def build_parser() -> argparse.ArgumentParser:
     from vltrain.tuning.command import DESCRIPTION as TUNE_DESCRIPTION
     from vltrain.tuning.command import add_tune_options
 
-    tu = sub.add_parser("tune", help="hyperparameter search with Optuna (resumable, pruned)",
-                        description=TUNE_DESCRIPTION)
+    tu = sub.add_parser(
+        "tune",
+        help="hyperparameter search with Optuna (resumable, pruned)",
+        description=TUNE_DESCRIPTION,
+    )
     add_tune_options(tu)
     tu.add_argument("config", help="YAML config with a tune section (see configs/tune.yaml)")
-    tu.add_argument("rest", nargs=argparse.REMAINDER, metavar="overrides",
-                    help="dotted key=value overrides (options may also follow the config)")
+    tu.add_argument(
+        "rest",
+        nargs=argparse.REMAINDER,
+        metavar="overrides",
+        help="dotted key=value overrides (options may also follow the config)",
+    )
     tu.set_defaults(fn=_cmd_tune)
 
     from vltrain.stages.caption_decode import add_generate_options
@@ -160,6 +186,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_generate_options(g)
     g.set_defaults(fn=_cmd_generate)
+
+    m = sub.add_parser(
+        "mine",
+        help="mine hard-negative captions with a trained contrastive model",
+        description="Encode every image (query) and caption (corpus) of --data, take the "
+        "top-ranked captions that are not the image's own inside the rank window, drop likely "
+        "false negatives (score > margin x the best positive's score), and write --out with "
+        "`negatives` filled in (train on it with objective.hard_negatives=K).",
+    )
+    m.add_argument("--checkpoint", required=True, help="run dir or checkpoint folder")
+    m.add_argument("--data", required=True, help="input JSONL")
+    m.add_argument("--out", required=True, help="output JSONL (same folder as --data)")
+    m.add_argument("--k", type=int, default=5, help="negatives per record")
+    m.add_argument("--range-min", type=int, default=0, help="first rank considered (0-based)")
+    m.add_argument("--range-max", type=int, default=100, help="ranks considered stop here")
+    m.add_argument(
+        "--margin",
+        type=float,
+        default=0.95,
+        help="skip candidates scoring above margin x the positive's score",
+    )
+    m.add_argument("--batch-size", type=int, default=128)
+    m.add_argument("--append", action="store_true", help="keep the records' own negatives")
+    m.set_defaults(fn=_cmd_mine)
 
     c = sub.add_parser("config-docs", help="print the config reference (markdown)")
     c.add_argument("--out", default="", help="write to this file instead of stdout")

@@ -73,8 +73,13 @@ def study(shapes_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     with contextlib.redirect_stdout(buf):
         summary = run_search(str(cfg), trials=2, study="s")
     study_dir = root / "runs" / "s"
-    return {"cfg": cfg, "dir": study_dir, "summary": summary, "stdout": buf.getvalue(),
-            "trials": _trials(study_dir, "s")}
+    return {
+        "cfg": cfg,
+        "dir": study_dir,
+        "summary": summary,
+        "stdout": buf.getvalue(),
+        "trials": _trials(study_dir, "s"),
+    }
 
 
 def test_unpromising_trial_is_pruned_and_its_run_dir_says_why(study: dict) -> None:
@@ -86,8 +91,10 @@ def test_unpromising_trial_is_pruned_and_its_run_dir_says_why(study: dict) -> No
     assert t2.intermediate_values[2] > t0.intermediate_values[2]  # why the median pruned it
     status = json.loads((study["dir"] / "trial_0002" / "trial.json").read_text())
     assert status["state"] == "pruned" and "median" in status["reason"]
-    steps = [json.loads(line)["step"] for line in
-             (study["dir"] / "trial_0002" / "metrics.jsonl").read_text().splitlines()]
+    steps = [
+        json.loads(line)["step"]
+        for line in (study["dir"] / "trial_0002" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert max(steps) == 2  # training really stopped (the budget was 4 steps)
     assert "PRUNED" in study["stdout"]
 
@@ -109,14 +116,20 @@ def test_results_table_and_plots_are_written(study: dict) -> None:
     table = (d / "trials.md").read_text()
     assert table.count("\n") == 2 + 3  # header, rule, one row per trial
     assert "PRUNED" in table and "FAIL" in table and "optim.lr" in table
-    for name in ("optimization_history", "param_importances", "intermediate_values"):
+    for name in ("optimization_history", "intermediate_values"):
         assert (d / f"{name}.html").stat().st_size > 0
         assert (d / f"{name}.png").stat().st_size > 0
+    # one completed trial: importances are meaningless, so skipped with a note (not an error)
+    assert not (d / "param_importances.png").exists()
+    assert study["summary"]["plot_notes"] == [
+        "param_importances: needs at least 2 completed trials"
+    ]
     assert json.loads((d / "summary.json").read_text())["best"]["number"] == 0
 
 
-def test_best_yaml_is_the_base_config_with_best_params_and_trains(study: dict,
-                                                                    tmp_path: Path) -> None:
+def test_best_yaml_is_the_base_config_with_best_params_and_trains(
+    study: dict, tmp_path: Path
+) -> None:
     best = study["summary"]["best"]
     path = study["dir"] / "best.yaml"
     cfg = load_config(path)
@@ -130,8 +143,9 @@ def test_best_yaml_is_the_base_config_with_best_params_and_trains(study: dict,
     assert rc == 0 and json.loads((out / "summary.json").read_text())["steps"] == 2
 
 
-def _wait_for_running_trial(db: Path, name: str, proc: subprocess.Popen,
-                            timeout: float = 240.0) -> None:
+def _wait_for_running_trial(
+    db: Path, name: str, proc: subprocess.Popen, timeout: float = 240.0
+) -> None:
     """Until the study holds a completed trial and a second one running."""
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -150,13 +164,20 @@ def _wait_for_running_trial(db: Path, name: str, proc: subprocess.Popen,
 
 
 def test_killed_search_resumes_keeping_completed_trials(shapes_dir: Path, tmp_path: Path) -> None:
-    cfg = _write_config(tmp_path / "tune.yaml", shapes_dir, tmp_path / "runs", pruner="none",
-                        max_steps=2, enqueue=[], space={"optim.lr": {"type": "categorical",
-                                                        "choices": [1.0e-3, 2.0e-3]}})
+    cfg = _write_config(
+        tmp_path / "tune.yaml",
+        shapes_dir,
+        tmp_path / "runs",
+        pruner="none",
+        max_steps=2,
+        enqueue=[],
+        space={"optim.lr": {"type": "categorical", "choices": [1.0e-3, 2.0e-3]}},
+    )
     study_dir = tmp_path / "runs" / "k"
     cmd = [sys.executable, "-m", "vltrain", "tune", str(cfg), "--trials", "2", "--study", "k"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
     try:
         _wait_for_running_trial(study_dir / "study.db", "k", proc)
         os.kill(proc.pid, signal.SIGKILL)
@@ -181,8 +202,7 @@ def test_killed_search_resumes_keeping_completed_trials(shapes_dir: Path, tmp_pa
 
 def test_invalid_space_fails_before_any_trial_runs(shapes_dir: Path, tmp_path: Path) -> None:
     space = {"optim.warmup_steps": {"type": "int", "low": 0, "high": 50}}
-    cfg = _write_config(tmp_path / "t.yaml", shapes_dir, tmp_path / "runs", space=space,
-                        enqueue=[])
+    cfg = _write_config(tmp_path / "t.yaml", shapes_dir, tmp_path / "runs", space=space, enqueue=[])
     with pytest.raises(ConfigError, match=r"invalid.*optim.warmup_steps.*50.*max_steps"):
         run_search(str(cfg), study="bad")
     assert not (tmp_path / "runs" / "bad").exists()  # no trial, no storage
@@ -209,14 +229,22 @@ def test_space_errors_name_the_key_and_the_fix(space: dict, message: str) -> Non
 
 
 def test_space_accepts_nested_keys_from_overrides() -> None:
-    cfg = load_config(None, ["tune.space.optim.lr.type=float", "tune.space.optim.lr.low=1e-5",
-                             "tune.space.optim.lr.high=1e-3", "tune.space.optim.lr.log=true"])
+    cfg = load_config(
+        None,
+        [
+            "tune.space.optim.lr.type=float",
+            "tune.space.optim.lr.low=1e-5",
+            "tune.space.optim.lr.high=1e-3",
+            "tune.space.optim.lr.log=true",
+        ],
+    )
     (spec,) = parse_space(cfg.tune.space)
     assert (spec.key, spec.low, spec.high, spec.log) == ("optim.lr", 1e-5, 1e-3, True)
 
 
-def test_storage_passwords_never_printed(shapes_dir: Path, tmp_path: Path,
-                                         capsys: pytest.CaptureFixture) -> None:
+def test_storage_passwords_never_printed(
+    shapes_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     secret = "s3cr3t-Pw"
     url = f"postgresql://alice:{secret}@127.0.0.1:1/optuna"
     assert redact(url) == "postgresql://alice:***@127.0.0.1:1/optuna"
@@ -240,16 +268,25 @@ def test_storage_passwords_never_printed(shapes_dir: Path, tmp_path: Path,
 def test_options_may_follow_the_overrides() -> None:
     import argparse
 
-    args = argparse.Namespace(trials=None, storage=None, study="a",
-                              rest=["optim.lr=1e-3", "--trials", "5", "data.batch_size=8"])
+    args = argparse.Namespace(
+        trials=None,
+        storage=None,
+        study="a",
+        rest=["optim.lr=1e-3", "--trials", "5", "data.batch_size=8"],
+    )
     opts = parse_rest(args)
-    assert opts == {"trials": 5, "storage": None, "study": "a",
-                    "overrides": ["optim.lr=1e-3", "data.batch_size=8"]}
+    assert opts == {
+        "trials": 5,
+        "storage": None,
+        "study": "a",
+        "overrides": ["optim.lr=1e-3", "data.batch_size=8"],
+    }
 
 
 def test_metric_must_be_logged_eval_metric(shapes_dir: Path, tmp_path: Path) -> None:
-    cfg = _write_config(tmp_path / "t.yaml", shapes_dir, tmp_path / "runs", metric="R@1_mean",
-                        enqueue=[])
+    cfg = _write_config(
+        tmp_path / "t.yaml", shapes_dir, tmp_path / "runs", metric="R@1_mean", enqueue=[]
+    )
     with pytest.raises(ConfigError, match="did you mean eval_R@1_mean"):
         run_search(str(cfg))
     cfg = _write_config(tmp_path / "t.yaml", shapes_dir, tmp_path / "runs", direction="")

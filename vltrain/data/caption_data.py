@@ -206,8 +206,11 @@ def load_image_bytes(
 
 def _load_any(value: Any, source: CaptionSource, size: int, label: str) -> torch.Tensor:
     """Decode an image given as a relative path, raw bytes, an HF {bytes, path} dict or PIL."""
-    if isinstance(value, dict):
-        value = value.get("bytes") or value.get("path")
+    if isinstance(value, dict):  # HF Image storage; its absolute paths are HF's own choice
+        path = value.get("path")
+        if not value.get("bytes") and isinstance(path, str) and os.path.isabs(path):
+            return load_image(path, size)
+        value = value.get("bytes") or path
     if isinstance(value, (bytes, bytearray, memoryview)):
         return load_image_bytes(bytes(value), size, label)
     if isinstance(value, str):

@@ -75,7 +75,7 @@ def chat_prompt_and_reference(
     the last assistant content as the reference for evaluation."""
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
     prompt = chat_segments(messages[:last], label) + [(ASSISTANT, False)]
-    return [(t, False) for t, _ in prompt], _content(messages[last], label)
+    return prompt, _content(messages[last], label)
 
 
 def caption_segments(caption: str, prompt: str = "") -> list[Segment]:
@@ -115,9 +115,8 @@ def encode_segments(
 
 
 def encode_prompt(tokenizer: TextTokenizer, segments: Sequence[Segment]) -> list[int]:
-    """``<bos>`` + the (non-target) prompt segments: what generation starts from."""
-    if any(target for _, target in segments):
-        raise ValueError("a prompt holds no target segments")
+    """Token ids of ``<bos>`` + ``segments`` (earlier assistant turns keep their ``<eos>``,
+    exactly as in training): what generation continues."""
     ids, _ = encode_segments(tokenizer, segments, max_len=10**9)
     return ids
 

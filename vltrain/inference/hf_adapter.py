@@ -87,11 +87,7 @@ class HFDecodeAdapter:
         mask = kwargs.pop("attention_mask", None)
         if mask is None:
             mask = torch.ones_like(input_ids)
-        positions = None
-        if self._takes_positions:
-            positions = self.model._prepare_position_ids_for_generation(
-                input_ids, {"attention_mask": mask, **kwargs}
-            )  # (B, T) or (C, B, T)
+        positions = self._positions(input_ids, mask, kwargs) if self._takes_positions else None
         kv_mask = None if bool((mask == 1).all()) else mask
         cache = DynamicCache(config=self.model.config.get_text_config(decoder=True))
         out = self._forward(input_ids, kv_mask, positions, cache, kwargs)
@@ -116,6 +112,13 @@ class HFDecodeAdapter:
         if pos is not None:
             pos = pos[index] if pos.dim() == 2 else pos[:, index]
         return HFCache(cache.kv, mask, pos)
+
+    def _positions(self, input_ids: Tensor, mask: Tensor, kwargs: dict[str, Any]) -> Tensor:
+        """Prompt position ids (B, T) or (C, B, T), computed as HF generate computes them."""
+        helper = getattr(self.model, "_prepare_position_ids_for_generation", None)
+        if helper is not None:  # HF's own (private) helper; Qwen2-VL overrides it for M-RoPE
+            return helper(input_ids, {"attention_mask": mask, **kwargs})
+        return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # (B, T)
 
     def _forward(
         self, ids: Tensor, mask: Tensor | None, pos: Tensor | None, kv: Any, kwargs: dict[str, Any]

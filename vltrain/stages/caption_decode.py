@@ -159,16 +159,16 @@ def generate_command(args: Any) -> int:
     torch.manual_seed(args.seed)
     model, tok, cfg = load_for_generation(args.checkpoint, args.config)
     prompt = C.encode_prompt(tok, generation_prompt(cfg, args.prompt))
-    lines: list[str] = []
     paths = list(args.images)
+    rows: dict[int, dict[str, str]] = {}
     for start in range(0, len(paths), args.batch_size):
-        chunk, good, images = paths[start : start + args.batch_size], [], []
-        for p in chunk:
+        good, images = [], []
+        for i in range(start, min(start + args.batch_size, len(paths))):
             try:
-                images.append(load_image(p, cfg.data.image_size))
-                good.append(p)
+                images.append(load_image(paths[i], cfg.data.image_size))
+                good.append(i)
             except BadSample as e:
-                lines.append(json.dumps({"image": p, "error": e.reason, "detail": e.detail}))
+                rows[i] = {"image": paths[i], "error": e.reason, "detail": e.detail}
         if not good:
             continue
         caps = decode_captions(
@@ -180,7 +180,8 @@ def generate_command(args: Any) -> int:
             num_beams=args.beams,
             max_new_tokens=args.max_new_tokens,
         )
-        lines += [json.dumps({"image": p, "caption": c}) for p, c in zip(good, caps, strict=True)]
+        rows.update({i: {"image": paths[i], "caption": c} for i, c in zip(good, caps, strict=True)})
+    lines = [json.dumps(rows[i]) for i in range(len(paths))]
     text = "\n".join(lines) + "\n"
     if args.out:
         Path(args.out).write_text(text)

@@ -171,7 +171,7 @@ class ContrastiveStage(Stage):
             img = enc.encode_image(torch.stack([s["image"] for s in good]).to(dev))  # (b, E)
             texts = [t for s in good for t in s["texts"]]
             owner = torch.tensor([s["index"] for s in good for _ in s["texts"]])
-            txt = self._encode_texts(enc, texts)  # (sum captions, E)
+            txt = self.encode_texts(enc, texts)  # (sum captions, E)
             out["img"].append(img.float().cpu())
             out["idx"].append(torch.tensor([s["index"] for s in good]))
             out["txt"].append(txt.float().cpu())
@@ -183,7 +183,8 @@ class ContrastiveStage(Stage):
         cat["n_bad"] = torch.tensor([n_bad])
         return cat
 
-    def _encode_texts(self, enc: DualEncoder, texts: list[str]) -> Tensor:
+    def encode_texts(self, enc: DualEncoder, texts: list[str]) -> Tensor:
+        """Unit-norm text embeddings (N, E) with this stage's tokenizer."""
         ids, mask = self.tokenizer.encode_batch(texts, self.cfg.data.max_text_len)
         return enc.encode_text(ids.to(self.ctx.device), mask.to(self.ctx.device))
 
@@ -194,7 +195,7 @@ class ContrastiveStage(Stage):
         negs = [n for s in good for n in s["negatives"]]
         if not negs:
             return torch.zeros(1), torch.zeros(1)
-        neg = self._encode_texts(enc, negs).float()  # (M, E)
+        neg = self.encode_texts(enc, negs).float()  # (M, E)
         first = torch.tensor([0] + [len(s["texts"]) for s in good[:-1]]).cumsum(0)
         owner = torch.tensor([i for i, s in enumerate(good) for _ in s["negatives"]])
         pos_score = (img.float() * txt[first].float()).sum(-1)  # (b,)

@@ -91,8 +91,13 @@ def write_best_yaml(search: Search, best: Any) -> Path:
 def save_plots(study: Any, out_dir: Path) -> tuple[list[str], list[str]]:
     """Optimisation history, parameter importances and intermediate values as HTML (plotly)
     and PNG (matplotlib); returns (files written, notes on plots skipped)."""
+    from optuna.trial import TrialState
+
     written, notes = [], []
-    names = ("optimization_history", "param_importances", "intermediate_values")
+    names = ["optimization_history", "param_importances", "intermediate_values"]
+    if len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))) < 2:
+        names.remove("param_importances")
+        notes.append("param_importances: needs at least 2 completed trials")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # optuna's matplotlib backend is "experimental"
         try:

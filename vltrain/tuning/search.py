@@ -148,7 +148,7 @@ class Search:
     def _open_study(self) -> None:
         import optuna
 
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        optuna.logging.set_verbosity(optuna.logging.ERROR)  # we print each trial ourselves
         self.storage = open_storage(self.storage_spec, self.tune.heartbeat_interval)
         try:
             n_existing = len(optuna.load_study(study_name=self.name, storage=self.storage).trials)
@@ -268,10 +268,13 @@ class Search:
             return
         t = self.study.trials[number]
         params = " ".join(f"{k}={_fmt(v)}" for k, v in t.params.items())
-        value = "-" if out.value is None else f"{out.value:.4f}"
+        where = (
+            "no eval"
+            if out.value is None
+            else (f"{self.metric}={out.value:.4f} at {self.plan.unit} {out.step}")
+        )
         print(
-            f"trial {number:3d} {out.state.upper():8s} {self.metric}={value} at "
-            f"{self.plan.unit} {out.step}  {out.seconds:6.1f} s  {params}",
+            f"trial {number:3d} {out.state.upper():8s} {where}  {out.seconds:6.1f} s  {params}",
             flush=True,
         )
         if out.reason:

@@ -1,0 +1,136 @@
+"""Caption and chat records: JSONL, COCO json, HF datasets folders, parquet; chat template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from vltrain.data import chat as C
+from vltrain.data.caption_data import CaptionDataset, read_caption_source
+from vltrain.data.records import DataError, read_jsonl
+from vltrain.data.tokenizer import train_bpe_tokenizer
+from vltrain.models.captioner import IGNORE_INDEX
+
+
+@pytest.fixture(scope="module")
+def tok(shapes_dir: Path):
+    texts = [t for r in read_jsonl(shapes_dir / "train.jsonl") for t in r["text"]]
+    return train_bpe_tokenizer(texts + [C.USER, C.ASSISTANT] * 50, vocab_size=400)
+
+
+def _dataset(path: Path, tok, **kw) -> CaptionDataset:
+    src = read_caption_source(path, kw.pop("image_column", "image"), kw.pop("text_column", "text"))
+    return CaptionDataset(src, tok, image_size=64, max_len=40, seed=0, **kw)
+
+
+def test_ignore_index_matches_the_captioner() -> None:
+    assert C.IGNORE_INDEX == IGNORE_INDEX
+
+
+def test_sft_labels_cover_exactly_the_assistant_tokens(tok) -> None:
+    msgs = [
+        {"role": "user", "content": "what is shown?"},
+        {"role": "assistant", "content": "a red circle"},
+        {"role": "user", "content": "and the colour of the circle?"},
+        {"role": "assistant", "content": "red"},
+    ]
+    ids, labels = C.encode_segments(tok, C.chat_segments(msgs), max_len=64)
+    labelled = [i for i, lab in zip(ids, labels, strict=True) if lab != IGNORE_INDEX]
+    expected = tok.encode("a red circle") + [tok.eos_id] + tok.encode("red") + [tok.eos_id]
+    assert labelled == expected
+    assert all(lab in (IGNORE_INDEX, i) for i, lab in zip(ids, labels, strict=True))
+    # the user turns and markers are in the ids but unlabelled (negative control of the mask)
+    assert len(ids) > len(expected) + 10 and ids[0] == tok.bos_id
+    prompt, ref = C.chat_prompt_and_reference(msgs)
+    assert ref == "red" and prompt[-1] == (C.ASSISTANT, False)
+    assert C.encode_prompt(tok, prompt) == ids[: len(C.encode_prompt(tok, prompt))]
+
+
+def test_truncation_keeps_eos_inside_a_target(tok) -> None:
+    ids, labels = C.encode_segments(tok, C.caption_segments("a red circle " * 20), max_len=10)
+    assert len(ids) == 10 and ids[-1] == labels[-1] == tok.eos_id
+
+
+def test_train_caption_choice_depends_on_seed_epoch_index_only(shapes_dir: Path, tok) -> None:
+    ds = _dataset(shapes_dir / "train.jsonl", tok)
+    a = [ds[(e, 0, 3)]["input_ids"] for e in range(6)]
+    b = [ds[(e, 5, 3)]["input_ids"] for e in range(6)]
+    assert a == b  # the batch position does not matter
+    assert len({tuple(x) for x in a}) > 1  # but the epoch does: captions vary
+    ev = _dataset(shapes_dir / "val.jsonl", tok, train=False)[0]
+    assert len(ev["refs"]) >= 3 and ev["prompt_ids"] == [tok.bos_id]
+
+
+def test_coco_json_reader(shapes_dir: Path, tok, tmp_path: Path) -> None:
+    recs = read_jsonl(shapes_dir / "val.jsonl")[:3]
+    images = [{"id": i, "file_name": Path(r["image"]).name} for i, r in enumerate(recs)]
+    anns = [{"image_id": i, "caption": t} for i, r in enumerate(recs) for t in r["text"]]
+    (tmp_path / "images").symlink_to(shapes_dir / "images")
+    (tmp_path / "caps.json").write_text(json.dumps({"images": images, "annotations": anns}))
+    ds = _dataset(tmp_path / "caps.json", tok, train=False)
+    assert len(ds) == 3
+    s = ds[1]
+    assert s["refs"] == recs[1]["text"] and s["image"].shape == (3, 64, 64)
+
+
+def _hf_dataset(shapes_dir: Path, n: int = 4):
+    datasets = pytest.importorskip("datasets")
+    recs = read_jsonl(shapes_dir / "val.jsonl")[:n]
+    data = {
+        "img": [str(shapes_dir / r["image"]) for r in recs],
+        "caption": [r["text"] for r in recs],
+    }
+    ds = datasets.Dataset.from_dict(data).cast_column("img", datasets.Image())
+    return ds, recs
+
+
+def test_hf_load_from_disk_and_parquet(shapes_dir: Path, tok, tmp_path: Path) -> None:
+    ds, recs = _hf_dataset(shapes_dir)
+    ds.save_to_disk(str(tmp_path / "hf"))
+    ds.to_parquet(str(tmp_path / "caps.parquet"))
+    ref = _dataset(shapes_dir / "val.jsonl", tok, train=False)
+    for path in (tmp_path / "hf", tmp_path / "caps.parquet"):
+        hf = _dataset(path, tok, train=False, image_column="img", text_column="caption")
+        assert len(hf) == 4
+        for i in range(4):
+            s = hf[i]
+            assert s["refs"] == recs[i]["text"]
+            assert torch.equal(s["image"], ref[i]["image"])  # same pixels as the PNG file
+    with pytest.raises(DataError, match="data.image_column"):
+        _dataset(tmp_path / "hf", tok, image_column="picture", text_column="caption")
+
+
+def test_hf_bad_image_bytes_become_a_marker(shapes_dir: Path, tok, tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    good = (shapes_dir / read_jsonl(shapes_dir / "val.jsonl")[0]["image"]).read_bytes()
+    data = {"image": [good, b"not an image at all", b""], "text": ["a cat", "a dog", "a cow"]}
+    feats = datasets.Features({"image": datasets.Value("binary"), "text": datasets.Value("string")})
+    datasets.Dataset.from_dict(data, features=feats).save_to_disk(str(tmp_path / "hf"))
+    ds = _dataset(tmp_path / "hf", tok)
+    assert "bad" not in ds[0]
+    assert ds[1]["bad"] == "not_image" and ds[2]["bad"] == "empty_file"
+
+
+def test_chat_jsonl_structure_errors_and_mode_check(shapes_dir: Path, tok, tmp_path: Path) -> None:
+    img = read_jsonl(shapes_dir / "val.jsonl")[0]["image"]
+    (tmp_path / "images").symlink_to(shapes_dir / "images")
+    good = {
+        "image": img,
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a cat"}],
+    }
+    (tmp_path / "chat.jsonl").write_text(json.dumps(good) + "\n")
+    ds = _dataset(tmp_path / "chat.jsonl", tok, mode="sft")
+    assert [t for t in ds[0]["labels"] if t != IGNORE_INDEX] == tok.encode("a cat") + [tok.eos_id]
+    with pytest.raises(DataError, match="caption.mode=sft"):
+        _dataset(tmp_path / "chat.jsonl", tok, mode="pretrain")
+    bad = {"image": img, "messages": [{"role": "user", "content": "hi"}]}
+    (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n")
+    with pytest.raises(DataError, match="bad.jsonl:1: the chat has no assistant turn"):
+        read_caption_source(tmp_path / "bad.jsonl")
+    empty = {"image": img, "messages": [{"role": "user", "content": "hi"},
+                                        {"role": "assistant", "content": "  "}]}  # fmt: skip
+    (tmp_path / "empty.jsonl").write_text(json.dumps(empty) + "\n")
+    assert _dataset(tmp_path / "empty.jsonl", tok, mode="sft")[0]["bad"] == "bad_text"

@@ -1,0 +1,118 @@
+"""Hard-negative mining with a trained contrastive model: `vltrain mine`.
+
+Queries are images, the corpus is every caption of the data file. For each image we walk its
+ranked captions inside the rank window [range_min, range_max), skip its own captions (and
+any caption with the same text), skip likely false negatives (score above `margin` x the score
+of its best positive caption), and keep the first `k`. The output JSONL is the input with
+`negatives` filled in, so `objective.hard_negatives` can train on it directly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from vltrain.data.records import DataError, ImageTextDataset, split_bad
+from vltrain.eval.retrieval import topk_similarity
+from vltrain.stages.loading import load_trained
+
+
+@dataclass
+class MineOptions:
+    """What counts as a usable hard negative."""
+
+    k: int = 5
+    range_min: int = 0
+    range_max: int = 100
+    margin: float = 0.95
+    batch_size: int = 128
+    append: bool = False
+
+
+def _embed(
+    stage, model, data: Path, batch_size: int
+) -> tuple[list[dict], Tensor, list[int], Tensor, list[str], Tensor]:
+    """Image embeddings of good records, and embeddings of every caption (with its owner)."""
+    ds = ImageTextDataset(data, stage.cfg.data.image_size, stage.cfg.run.seed, train=False)
+    imgs, owners, texts, txt_owner = [], [], [], []
+    enc = model.encoder
+    with torch.no_grad():
+        for start in range(0, len(ds), batch_size):
+            good, _ = split_bad([ds[i] for i in range(start, min(start + batch_size, len(ds)))])
+            if not good:
+                continue
+            batch = torch.stack([s["image"] for s in good]).to(stage.ctx.device)
+            imgs.append(enc.encode_image(batch).float().cpu())
+            owners += [s["index"] for s in good]
+            for s in good:
+                texts += s["texts"]
+                txt_owner += [s["index"]] * len(s["texts"])
+        txt_emb = torch.cat(
+            [
+                stage.encode_texts(enc, texts[i : i + batch_size]).float().cpu()
+                for i in range(0, len(texts), batch_size)
+            ]
+        )
+    return ds.records, torch.cat(imgs), owners, txt_emb, texts, torch.tensor(txt_owner)
+
+
+def mine_negatives(
+    img: Tensor,
+    owners: list[int],
+    txt: Tensor,
+    texts: list[str],
+    txt_owner: Tensor,
+    opts: MineOptions,
+) -> dict[int, list[str]]:
+    """Record index -> mined negative texts (see the module docstring for the rules)."""
+    depth = min(opts.range_max, txt.shape[0])
+    scores, idx = topk_similarity(img, txt, depth)  # (I, depth)
+    out: dict[int, list[str]] = {}
+    for row, rec in enumerate(owners):
+        own = (txt_owner == rec).nonzero().flatten()
+        positives = {texts[int(j)] for j in own}
+        pos_score = float((txt[own] @ img[row]).max())
+        chosen: list[str] = []
+        for rank in range(opts.range_min, depth):
+            j = int(idx[row, rank])
+            cand = texts[j]
+            if int(txt_owner[j]) == rec or cand in positives or cand in chosen:
+                continue
+            if float(scores[row, rank]) > opts.margin * pos_score:
+                continue  # probably another true description of this image
+            chosen.append(cand)
+            if len(chosen) == opts.k:
+                break
+        out[rec] = chosen
+    return out
+
+
+def mine_command(checkpoint: str, data: str, out: str, opts: MineOptions) -> dict[str, float]:
+    """Mine negatives for every record of `data` and write `out` (same folder as `data`)."""
+    data_p, out_p = Path(data).resolve(), Path(out).resolve()
+    if data_p.parent != out_p.parent:
+        raise DataError(
+            f"--out must be in the same folder as --data ({data_p.parent}) so the relative "
+            "image paths stay valid"
+        )
+    _, stage, model = load_trained(checkpoint)
+    records, img, owners, txt, texts, txt_owner = _embed(stage, model, data_p, opts.batch_size)
+    mined = mine_negatives(img, owners, txt, texts, txt_owner, opts)
+    counts = []
+    with open(out_p, "w") as f:
+        for i, rec in enumerate(records):
+            negs = mined.get(i, [])
+            counts.append(len(negs))
+            row = dict(rec)
+            row["negatives"] = (list(rec.get("negatives", [])) + negs) if opts.append else negs
+            f.write(json.dumps(row) + "\n")
+    full = sum(c == opts.k for c in counts)
+    return {
+        "records": len(records),
+        "mined_mean": sum(counts) / max(len(counts), 1),
+        "records_with_k": full,
+    }
