@@ -182,7 +182,8 @@ def report(args: argparse.Namespace, med: dict[str, float], batched: Any) -> str
         "## Decoding: vltrain batched beam search vs HF `generate`",
         "",
         f"`python bench/bench_decoding.py --images {args.images} --beams {args.beams} "
-        f"--max-new {args.max_new} --repeats {args.repeats}`: random LLaVA (CLIP vision 2x128, "
+        f"--max-new {args.max_new} --repeats {args.repeats} --eos-norm {args.eos_norm}`: "
+        f"random LLaVA (CLIP vision 2x128, "
         f"16 image tokens; Llama decoder {args.layers} layers x {args.width}, vocab {args.vocab}), "
         f"fp32, prompt = BOS + 16 image tokens + 8 text tokens, left-padded 0-3. "
         f"num_beams={args.beams}, max_new_tokens={args.max_new}, caption lengths "

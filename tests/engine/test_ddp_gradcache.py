@@ -28,7 +28,7 @@ from vltrain.engine.loop import train
 from vltrain.models.dual_encoder import DualEncoder
 from vltrain.models.presets import text_config, vision_config
 from vltrain.objectives.contrastive import build_loss
-from vltrain.objectives.grad_cache import dual_encoder_grad_cache
+from vltrain.objectives.grad_cache import dual_encoder_grad_cache, sync_grads
 from vltrain.stages.contrastive import ContrastiveModel
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,8 +37,11 @@ B, T, VOCAB, NEG = 6, 10, 50, 3  # per-rank batch; rank 1 alone brings NEG hard 
 
 def _model() -> ContrastiveModel:
     torch.manual_seed(0)
-    enc = DualEncoder(vision_config("tiny", image_size=32, layers=1),
-                      text_config("tiny", vocab_size=VOCAB, context_length=T, layers=1), 32)
+    enc = DualEncoder(
+        vision_config("tiny", image_size=32, layers=1),
+        text_config("tiny", vocab_size=VOCAB, context_length=T, layers=1),
+        32,
+    )
     return ContrastiveModel(enc, build_loss("infonce", temperature=0.1))
 
 
@@ -48,11 +51,18 @@ def _micro_batches() -> list[dict[str, torch.Tensor]]:
     out = []
     for _ in range(2):
         ids = torch.randint(3, VOCAB, (2 * B + NEG, T), generator=g)
-        mask = (torch.arange(T)[None] < torch.randint(3, T + 1, (2 * B + NEG, 1),
-                                                        generator=g)).long()
-        out.append({"images": torch.rand(2 * B, 3, 32, 32, generator=g),
-                    "input_ids": ids[:2 * B] * mask[:2 * B], "attention_mask": mask[:2 * B],
-                    "neg_ids": ids[2 * B:] * mask[2 * B:], "neg_mask": mask[2 * B:]})
+        mask = (
+            torch.arange(T)[None] < torch.randint(3, T + 1, (2 * B + NEG, 1), generator=g)
+        ).long()
+        out.append(
+            {
+                "images": torch.rand(2 * B, 3, 32, 32, generator=g),
+                "input_ids": ids[: 2 * B] * mask[: 2 * B],
+                "attention_mask": mask[: 2 * B],
+                "neg_ids": ids[2 * B :] * mask[2 * B :],
+                "neg_mask": mask[2 * B :],
+            }
+        )
     return out
 
 
@@ -78,7 +88,14 @@ def _worker(rank: int, store: str, out: str) -> None:
             dual_encoder_grad_cache(ddp, _rank_slice(micro[0], rank), 4, 0.5)
         local = _grads(ddp.module)
         dual_encoder_grad_cache(ddp, _rank_slice(micro[1], rank), 4, 0.5)
-        torch.save({"local": local, "final": _grads(ddp.module)}, f"{out}/rank{rank}.pt")
+        final = _grads(ddp.module)
+        # sync_grads with tiny buckets (many all-reduces) averages rank-dependent gradients
+        params = [torch.nn.Parameter(torch.zeros(n)) for n in (70, 5, 300, 1)]
+        for i, p in enumerate(params):
+            p.grad = torch.full_like(p, float(10 * rank + i))
+        sync_grads(params, bucket_elems=100)
+        synced = {str(i): p.grad for i, p in enumerate(params)}
+        torch.save({"local": local, "final": final, "synced": synced}, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -87,8 +104,13 @@ def test_spawned_ranks_grad_cache_equals_global_batch(tmp_path: Path) -> None:
     import torch._dynamo  # noqa: F401  (DDP() imports it lazily: once here, not per child)
 
     # fork: the children inherit the imported modules (spawn re-imports torch: ~10 s here)
-    mp.start_processes(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2,
-                       join=True, start_method="fork")
+    mp.start_processes(
+        _worker,
+        args=(str(tmp_path / "store"), str(tmp_path)),
+        nprocs=2,
+        join=True,
+        start_method="fork",
+    )
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     model = _model()
     for batch in _micro_batches():  # one process, the whole global batch, no caching
@@ -99,6 +121,9 @@ def test_spawned_ranks_grad_cache_equals_global_batch(tmp_path: Path) -> None:
         assert r["final"].keys() == ref.keys()
         for k in ref:
             torch.testing.assert_close(r["final"][k], ref[k], rtol=1e-4, atol=1e-6)
+    for r in ranks:
+        for i, g in r["synced"].items():
+            assert torch.equal(g, torch.full_like(g, 5.0 + int(i)))  # mean of i and 10 + i
     # control: before the synchronising micro-step the ranks' gradients differ
     gap = max((ranks[0]["local"][k] - ranks[1]["local"][k]).abs().max().item() for k in ref)
     assert gap > 1e-4
@@ -126,9 +151,18 @@ def _few_negatives_data(shapes_dir: Path, out: Path) -> Path:
 
 def _train_in_process(data: Path, out: Path, **extra: object) -> dict:
     threads = torch.get_num_threads()
-    args = tiny_overrides(data, out, **{"data.eval": "", "train.max_steps": 3,
-                                        "optim.accum_steps": 2, "optim.lr": 2e-3,
-                                        "run.threads": 1, **extra})
+    args = tiny_overrides(
+        data,
+        out,
+        **{
+            "data.eval": "",
+            "train.max_steps": 3,
+            "optim.accum_steps": 2,
+            "optim.lr": 2e-3,
+            "run.threads": 1,
+            **extra,
+        },
+    )
     try:
         train(load_config(REPO / "configs" / "clip.yaml", args))
     finally:
@@ -136,12 +170,16 @@ def _train_in_process(data: Path, out: Path, **extra: object) -> dict:
     return load_file(out / "checkpoints" / "step_3" / "model.safetensors")
 
 
-def test_grad_cache_run_with_hard_negatives_equals_uncached_run(shapes_dir: Path,
-                                                                 tmp_path: Path) -> None:
+def test_grad_cache_run_with_hard_negatives_equals_uncached_run(
+    shapes_dir: Path, tmp_path: Path
+) -> None:
     data = _few_negatives_data(shapes_dir, tmp_path / "data")
     plain = _train_in_process(data, tmp_path / "plain", **{"objective.hard_negatives": 2})
-    cached = _train_in_process(data, tmp_path / "cached", **{"objective.hard_negatives": 2,
-                                                             "objective.grad_cache_chunk": 5})
+    cached = _train_in_process(
+        data,
+        tmp_path / "cached",
+        **{"objective.hard_negatives": 2, "objective.grad_cache_chunk": 5},
+    )
     assert _max_diff(plain, cached) < 3e-5  # measured ~3e-6
     rows = [json.loads(x) for x in (tmp_path / "cached" / "metrics.jsonl").read_text().splitlines()]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows if "loss" in r)
@@ -151,30 +189,54 @@ def test_grad_cache_run_with_hard_negatives_equals_uncached_run(shapes_dir: Path
 
 
 def _torchrun(shapes_dir: Path, out: Path, batch: int, *extra: str) -> dict:
-    args = tiny_overrides(shapes_dir, out, **{
-        "data.batch_size": batch, "data.eval": "", "train.max_steps": 3, "optim.accum_steps": 2,
-        "optim.lr": 2e-3, "objective.hard_negatives": 2, "run.threads": 1})
+    args = tiny_overrides(
+        shapes_dir,
+        out,
+        **{
+            "data.batch_size": batch,
+            "data.eval": "",
+            "train.max_steps": 3,
+            "optim.accum_steps": 2,
+            "optim.lr": 2e-3,
+            "objective.hard_negatives": 2,
+            "run.threads": 1,
+        },
+    )
     # --standalone: a free port and a local rendezvous (--master_port=0 hangs in rendezvous)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "vltrain", "train", str(REPO / "configs" / "clip.yaml"),
-           *args, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "vltrain",
+        "train",
+        str(REPO / "configs" / "clip.yaml"),
+        *args,
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    res = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True,
-                         timeout=300)
+    res = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return load_file(out / "checkpoints" / "step_3" / "model.safetensors")
 
 
 @pytest.mark.slow
-def test_torchrun_grad_cache_hard_negatives_equals_one_process(shapes_dir: Path,
-                                                               tmp_path: Path) -> None:
-    one = _train_in_process(shapes_dir, tmp_path / "one", **{"data.batch_size": 16,
-                                                             "objective.hard_negatives": 2})
+def test_torchrun_grad_cache_hard_negatives_equals_one_process(
+    shapes_dir: Path, tmp_path: Path
+) -> None:
+    one = _train_in_process(
+        shapes_dir, tmp_path / "one", **{"data.batch_size": 16, "objective.hard_negatives": 2}
+    )
     two = _torchrun(shapes_dir, tmp_path / "two", 8, "objective.grad_cache_chunk=3")
     assert _max_diff(one, two) < 3e-5  # measured ~2e-6
     # control: what one rank learns alone from its half of each global batch (no cross-rank
     # negatives, no gradient averaging) is far outside that tolerance. A torchrun control with
     # objective.gather=false lives in test_ddp.py (each torchrun launch costs ~30 s here).
-    alone = _train_in_process(shapes_dir, tmp_path / "alone", **{
-        "data.batch_size": 8, "objective.hard_negatives": 2, "objective.grad_cache_chunk": 3})
+    alone = _train_in_process(
+        shapes_dir,
+        tmp_path / "alone",
+        **{"data.batch_size": 8, "objective.hard_negatives": 2, "objective.grad_cache_chunk": 3},
+    )
     assert _max_diff(one, alone) > 1e-4

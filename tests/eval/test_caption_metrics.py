@@ -13,6 +13,7 @@ from pycocoevalcap.cider.cider import Cider as CocoCider
 from pycocoevalcap.cider.cider_scorer import CiderScorer
 
 import vltrain.eval.caption_metrics as cm
+import vltrain.eval.ngram_counts as nc
 from vltrain.eval.caption_metrics import Bleu, Cider, CiderD, sentence_bleu
 from vltrain.eval.ptb_tokenize import ptb_tokenize, ptb_tokenize_caption
 
@@ -151,7 +152,7 @@ def test_closest_ties_pick_the_shorter_reference() -> None:
 def test_separator_token_and_lexsort_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     gts, res = random_set(11, n_img=15, vocab=6)
     k = next(iter(gts))
-    gts[k] = gts[k] + [f"w1 {cm._SEP} w2"]  # the join separator inside a caption
+    gts[k] = gts[k] + [f"w1 {nc._SEP} w2"]  # the join separator inside a caption
     assert_bleu_equal(gts, res)
     assert_cider_equal(gts, res)
     monkeypatch.setattr(cm, "_PACK_LIMIT", 0)  # force the lexsort path
@@ -336,3 +337,76 @@ def test_ptb_tokenize_matches_java_tokenizer() -> None:
         pytest.skip(f"pycocoevalcap's PTBTokenizer could not run: {err}")
     assert expected == {i: [want] for i, (_, want) in enumerate(PTB_CASES)}  # table is right
     assert ptb_tokenize({k: [v[0]["caption"]] for k, v in caps.items()}) == expected
+
+
+@pytest.mark.parametrize(
+    "sentences",
+    [
+        ["a dog", "", "  a\tcat\x1csat \x1f", "on the\nmat\r\x0b\x0c", "x"],
+        ["skateboarding refrigerator a", "a skateboarding dog", "12345678 123456789 abcdefgh"],
+        ["caf\u00e9 au lait", "a\u00a0b c\u2003d", "na\u00efve"],  # non-ASCII: str.split path
+        ["a\x00b c", "a b"],  # NUL inside a caption: str.split path
+        [f"w1 {nc._SEP} w2", "w1"],
+        [],
+    ],
+)
+def test_word_ids_match_str_split(sentences: list[str]) -> None:
+    lengths, n_words, ids = nc.word_ids(sentences)
+    toks = [s.split() for s in sentences]
+    flat = [w for t in toks for w in t]
+    assert lengths.tolist() == [len(t) for t in toks]
+    assert n_words == len(set(flat)) and len(ids) == len(flat)
+    pairs = set(zip(flat, ids.tolist(), strict=True))
+    assert len(pairs) == len(set(flat))  # same word <-> same id, both ways
+
+
+def test_word_ids_rejects_non_strings() -> None:
+    with pytest.raises(TypeError, match="captions must be str"):
+        nc.word_ids(["a b", 3])  # type: ignore[list-item]
+
+
+def test_bleu_long_and_non_ascii_words_match_pycocoevalcap() -> None:
+    gts, res = random_set(13, n_img=25, vocab=30)
+    long = {f"w{i}": f"verylongword{i}" for i in range(0, 30, 2)}
+    uni = {f"w{i}": f"caf\u00e9{i}" for i in range(1, 30, 4)}
+    for table in (long, {**long, **uni}):
+        g = {k: [" ".join(table.get(w, w) for w in c.split()) for c in v] for k, v in gts.items()}
+        r = {k: [" ".join(table.get(w, w) for w in c.split()) for c in v] for k, v in res.items()}
+        assert_bleu_equal(g, r)
+
+
+@pytest.mark.parametrize("limit", ["local", "interned", "cells"])
+def test_bleu_fallback_paths_match_pycocoevalcap(
+    monkeypatch: pytest.MonkeyPatch, limit: str
+) -> None:
+    gts, res = random_set(5, n_img=40, vocab=80)
+    calls: list[object] = []
+    clipped = nc.clipped_matches
+    monkeypatch.setattr(cm, "clipped_matches", lambda *a: calls.append(out := clipped(*a)) or out)
+    if limit == "local":  # global word codes overflow, per-image codes fit
+        words = {w for v in (gts, res) for caps in v.values() for c in caps for w in c.split()}
+        per_img = max(len({w for c in gts[k] + res[k] for w in c.split()}) for k in gts)
+        scale = 40 * (max(map(len, gts.values())) + 1)
+        assert per_img < len(words)
+        monkeypatch.setattr(nc, "_INT64_LIMIT", scale * (per_img + 1) ** 4)
+    elif limit == "interned":  # even per-image codes overflow: general interned path
+        monkeypatch.setattr(nc, "_INT64_LIMIT", 0)
+    else:
+        monkeypatch.setattr(nc, "_MAX_CELLS", 0)
+    assert_bleu_equal(gts, res, n=4)
+    keys = list(gts)
+    cands, refs_list = [res[k][0] for k in keys], [gts[k] for k in keys]
+    _, items = CocoBleu(4).compute_score(gts, res, verbose=0)
+    np.testing.assert_allclose(sentence_bleu(cands, refs_list), items[3], rtol=0, atol=TOL)
+    assert all((c is None) == (limit != "local") for c in calls) and calls
+
+
+def test_bleu_many_references_and_large_n(monkeypatch: pytest.MonkeyPatch) -> None:
+    gts, res = random_set(21, n_img=12, vocab=5, max_len=30, max_refs=12)
+    assert_bleu_equal(gts, res)
+    # pycocoevalcap's BleuScorer only handles n <= 4; compare the fast path with the interned one
+    fast = {n: Bleu(n).compute_score(gts, res) for n in (6, 9)}
+    monkeypatch.setattr(nc, "_INT64_LIMIT", 0)
+    for n, (ours, ours_items) in fast.items():
+        ref, ref_items = Bleu(n).compute_score(gts, res)
+        assert ours == ref and ours_items == ref_items

@@ -38,8 +38,11 @@ def _batch(seed: int, n_neg: int = M) -> dict[str, torch.Tensor]:
     lengths = torch.randint(3, T + 1, (B + n_neg,), generator=g)
     ids = torch.randint(3, VOCAB, (B + n_neg, T), generator=g)
     mask = (torch.arange(T)[None] < lengths[:, None]).long()
-    batch = {"images": torch.rand(B, 3, 32, 32, generator=g),
-             "input_ids": ids[:B] * mask[:B], "attention_mask": mask[:B]}
+    batch = {
+        "images": torch.rand(B, 3, 32, 32, generator=g),
+        "input_ids": ids[:B] * mask[:B],
+        "attention_mask": mask[:B],
+    }
     if n_neg:
         batch["neg_ids"], batch["neg_mask"] = ids[B:] * mask[B:], mask[B:]
     return batch
@@ -50,14 +53,24 @@ def _chunked_reference(model: ContrastiveModel, batch: dict, chunk: int, scale: 
     in the same order (same dropout masks), one loss over the whole batch, one backward."""
     enc = model.encoder
     img = torch.cat([enc.encode_image(c) for c in batch["images"].split(chunk)])
-    txt = torch.cat([enc.encode_text(*c) for c in
-                     zip(batch["input_ids"].split(chunk), batch["attention_mask"].split(chunk),
-                         strict=True)])
+    txt = torch.cat(
+        [
+            enc.encode_text(*c)
+            for c in zip(
+                batch["input_ids"].split(chunk), batch["attention_mask"].split(chunk), strict=True
+            )
+        ]
+    )
     neg = None
     if "neg_ids" in batch:
-        neg = torch.cat([enc.encode_text(*c) for c in
-                         zip(batch["neg_ids"].split(chunk), batch["neg_mask"].split(chunk),
-                             strict=True)])
+        neg = torch.cat(
+            [
+                enc.encode_text(*c)
+                for c in zip(
+                    batch["neg_ids"].split(chunk), batch["neg_mask"].split(chunk), strict=True
+                )
+            ]
+        )
     loss, _ = model.loss(img, txt, neg)
     (loss * scale).backward()
 
@@ -95,11 +108,16 @@ def test_grad_cache_equals_uncached_with_dropout(loss: str) -> None:
     # negative control: without RNG replay dropout differs between passes -> wrong gradients
     torch.manual_seed(1)
     enc = model.encoder
-    grad_cache([enc.encode_image, enc.encode_text, enc.encode_text],
-               [split_rows(batch["images"], chunk),
-                split_rows((batch["input_ids"], batch["attention_mask"]), chunk),
-                split_rows((batch["neg_ids"], batch["neg_mask"]), chunk)],
-               lambda e: model.loss(*e), replay_rng=False)
+    grad_cache(
+        [enc.encode_image, enc.encode_text, enc.encode_text],
+        [
+            split_rows(batch["images"], chunk),
+            split_rows((batch["input_ids"], batch["attention_mask"]), chunk),
+            split_rows((batch["neg_ids"], batch["neg_mask"]), chunk),
+        ],
+        lambda e: model.loss(*e),
+        replay_rng=False,
+    )
     assert _max_diff(_grads(model), ref) > 1e-4
 
 
@@ -166,8 +184,7 @@ def test_generic_encoders_and_errors() -> None:
     assert loss.item() == pytest.approx(loss_ref.item(), rel=1e-6)
     _assert_same(_grads(lin), ref)
     with pytest.raises(ValueError, match="did not use side 1"):
-        grad_cache([lin, lin], [split_rows(q, 2), split_rows(d, 2)],
-                   lambda e: (e[0].sum(), {}))
+        grad_cache([lin, lin], [split_rows(q, 2), split_rows(d, 2)], lambda e: (e[0].sum(), {}))
     with pytest.raises(ValueError, match="2 encoders but 1"):
         grad_cache([lin, lin], [split_rows(q, 2)], loss_fn)
 
@@ -181,5 +198,7 @@ def test_split_rows() -> None:
     assert torch.equal(dicts[1]["b"], x[4:, 0])
     with pytest.raises(ValueError, match=">= 1"):
         split_rows(x, 0)
+    with pytest.raises(ValueError, match="different leading sizes \\[5, 12\\]"):
+        split_rows({"pixel_values": torch.zeros(12, 3), "grid": x}, 2)  # flattened patches
     with pytest.raises(TypeError, match="cannot split a str"):
         split_rows("text", 2)

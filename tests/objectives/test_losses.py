@@ -73,12 +73,18 @@ def _grads(loss: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 @pytest.mark.parametrize("with_neg", [False, True])
 @pytest.mark.parametrize("learn", [True, False])
-def test_infonce_matches_brute_force(symmetric: bool, eps: float, with_neg: bool,
-                                     learn: bool) -> None:
+def test_infonce_matches_brute_force(
+    symmetric: bool, eps: float, with_neg: bool, learn: bool
+) -> None:
     img, txt, neg = _feats()
     neg = neg if with_neg else None
-    loss_fn = InfoNCELoss(temperature=0.1, learn_temperature=learn, symmetric=symmetric,
-                          label_smoothing=eps, gather=False)
+    loss_fn = InfoNCELoss(
+        temperature=0.1,
+        learn_temperature=learn,
+        symmetric=symmetric,
+        label_smoothing=eps,
+        gather=False,
+    )
     assert (len(list(loss_fn.parameters())) == 1) == learn
     loss, metrics = loss_fn(img, txt, neg)
     ref = brute_infonce(img, txt, neg, loss_fn.scale(), symmetric, eps)
@@ -156,8 +162,10 @@ def test_registry_and_config() -> None:
     assert isinstance(build_loss("siglip", init_scale=10.0), SigLIPLoss)
     with pytest.raises(KeyError, match="known: \\['infonce', 'siglip'\\]"):
         build_loss("clip")
-    cfg = load_config(None, ["objective.loss=siglip", "objective.hard_negatives=3",
-                             "objective.grad_cache_chunk=8"])
+    cfg = load_config(
+        None,
+        ["objective.loss=siglip", "objective.hard_negatives=3", "objective.grad_cache_chunk=8"],
+    )
     assert (cfg.objective.hard_negatives, cfg.objective.grad_cache_chunk) == (3, 8)
     with pytest.raises(ConfigError, match="objective.loss"):
         load_config(None, ["objective.loss=sigmoid"])

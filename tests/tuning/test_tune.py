@@ -47,7 +47,8 @@ TUNE = {
 def _write_config(path: Path, data: Path, out: Path, **tune: object) -> Path:
     """A tune config: the tiny run of conftest.py plus a `tune` section."""
     tree: dict = {}
-    for item in tiny_overrides(data, out, **{"train.max_consecutive_skips": 1}):
+    extra = {"train.max_consecutive_skips": 1, "run.threads": 1}  # 1 thread: fast on a busy CPU
+    for item in tiny_overrides(data, out, **extra):
         key, value = item.split("=", 1)
         node = tree
         *parents, leaf = key.split(".")
@@ -294,3 +295,31 @@ def test_metric_must_be_logged_eval_metric(shapes_dir: Path, tmp_path: Path) -> 
         run_search(str(cfg))
     with pytest.raises(TuneError, match="not understood"):
         resolve_storage("mongodb-ish", tmp_path)
+
+
+def test_dead_worker_trials_fail_on_a_journal_storage(tmp_path: Path) -> None:
+    import socket
+
+    from vltrain.tuning.storage import fail_dead_trials, open_storage, worker_identity
+
+    spec = resolve_storage("journal", tmp_path)
+    assert spec.kind == "journal" and spec.target.endswith("journal.log")
+    storage = open_storage(spec, heartbeat_interval=0)
+    study = optuna.create_study(storage=storage, study_name="j")
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    host = socket.gethostname()
+    workers = [
+        {"host": host, "pid": int(gone.stdout), "start": "1"},  # exited: fail it
+        worker_identity(),  # this very process: alive, keep running
+        {"host": "another-machine", "pid": int(gone.stdout), "start": ""},  # heartbeats decide
+    ]
+    for w in workers:
+        study.ask().set_user_attr("worker", w)
+    assert fail_dead_trials(study, storage) == [0]
+    assert [t.state.name for t in study.get_trials()] == ["FAIL", "RUNNING", "RUNNING"]
+    assert "died" in study.get_trials()[0].user_attrs["fail_reason"]

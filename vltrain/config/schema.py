@@ -54,6 +54,12 @@ class DataConfig:
         "Use only the first N training records (0: all); e.g. a hyperparameter-search budget.",
         ge=0,
     )
+    max_visual_tokens: int = option(
+        0,
+        "vlm with a patch grid (Qwen2/2.5/3-VL): resize each image, aspect kept, to the "
+        "largest size with at most this many visual tokens (0: the processor's own rule).",
+        ge=0,
+    )
     eval_batch_size: int = option(0, "Per-process eval batch size (0: same as batch_size).", ge=0)
     num_workers: int = option(2, "DataLoader worker processes per rank (0: load in-process).", ge=0)
     image_size: int = option(64, "Square image side fed to the built-in vision tower.", ge=8)
@@ -86,7 +92,33 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    kind: str = option("dual_encoder", "Model registry key.", choices=("dual_encoder", "captioner"))
+    kind: str = option(
+        "dual_encoder",
+        "Model registry key: dual_encoder (built-in CLIP), hf_clip / hf_siglip (HF CLIPModel / "
+        "SiglipModel from model.path), vlm (HF image-text-to-text embedder), captioner.",
+        choices=("dual_encoder", "hf_clip", "hf_siglip", "vlm", "captioner"),
+    )
+    path: str = option(
+        "", "HF backbones: local model directory (or a hub id with model.local_files_only=false)."
+    )
+    local_files_only: bool = option(True, "HF backbones: never download; load from model.path.")
+    pooling: str = option(
+        "eos",
+        "vlm: embedding = hidden state at the last non-padding token "
+        "(eos) or the masked mean (mean).",
+        choices=("eos", "mean"),
+    )
+    instruction_query: str = option("", "vlm: instruction prefixed to the text side.")
+    instruction_doc: str = option("", "vlm: instruction in the image-side prompt.")
+    matryoshka_dims: list[int] = option(
+        [], "vlm: also evaluate embeddings truncated to these dims (re-normalised)."
+    )
+    lora_r: int = option(0, "HF backbones: LoRA rank through peft (0: full fine-tuning).", ge=0)
+    lora_alpha: float = option(16.0, "LoRA alpha.", gt=0.0)
+    lora_dropout: float = option(0.0, "LoRA dropout.", ge=0.0, le=0.9)
+    lora_targets: list[str] = option(
+        ["q_proj", "k_proj", "v_proj", "o_proj"], "LoRA target module names."
+    )
     vision: str = option(
         "tiny", "Vision tower size preset (tiny, small, base).", choices=("tiny", "small", "base")
     )
@@ -346,6 +378,13 @@ def validate_cross_fields(cfg: Config) -> None:
             f"stage '{cfg.stage}' cannot train model.kind '{cfg.model.kind}': the caption stage "
             "needs model.kind=captioner and the captioner is trained by stage=caption"
         )
+    hf = cfg.model.kind in ("hf_clip", "hf_siglip", "vlm")
+    if hf and not cfg.model.path:
+        raise ConfigError(f"model.kind={cfg.model.kind} needs 'model.path' (a local HF model dir)")
+    if cfg.data.max_visual_tokens and cfg.model.kind != "vlm":
+        raise ConfigError("'data.max_visual_tokens' applies to model.kind=vlm (patch-grid VLMs)")
+    if cfg.model.matryoshka_dims and cfg.model.kind != "vlm":
+        raise ConfigError("'model.matryoshka_dims' applies to model.kind=vlm")
     parts = ("vision", "connector", "decoder")
     for part in cfg.model.freeze:
         if part not in parts:

@@ -332,16 +332,18 @@ class CaptionDataset(Dataset):
         return out
 
 
-def training_texts(source: CaptionSource, mode: str, prompt: str, instruction: str) -> list[str]:
-    """Every text the tokenizer should learn from (captions, prompts, chat turns, markers)."""
+def training_texts(source: CaptionSource, prompt: str, instruction: str) -> list[str]:
+    """Every text the tokenizer should learn from (captions, prompts, chat turns, markers).
+
+    The chat markers are included in every mode, so a tokenizer trained for pretraining keeps
+    the template short when the run is later continued with SFT (init_from reuses it).
+    """
     texts: list[str] = []
     extra = [prompt] if prompt else []
-    if mode == "sft":
-        extra += [f"{C.USER} {instruction}", C.ASSISTANT]
+    extra += [f"{C.USER} {instruction}", C.ASSISTANT]
     for rec in source.records:
         if "messages" in rec:
             texts += [str(m["content"]) for m in rec["messages"] if isinstance(m["content"], str)]
-            texts += [C.USER, C.ASSISTANT]
         else:
             texts += [t for t in rec["text"] if isinstance(t, str)]
     return texts + extra * len(source.records)  # as frequent as in training

@@ -24,7 +24,14 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from vltrain.data.images import DEFAULT_MAX_PIXELS, REASONS, BadSample, check_text, load_image
+from vltrain.data.images import (
+    DEFAULT_MAX_PIXELS,
+    REASONS,
+    BadSample,
+    check_text,
+    load_image,
+    load_image_native,
+)
 from vltrain.data.rng import sample_generator
 
 SampleKey = tuple[int, int, int]  # (epoch, batch_in_epoch, index)
@@ -192,6 +199,7 @@ class ImageTextDataset(Dataset):
         hard_negatives: int = 0,
         train: bool = True,
         max_pixels: int = DEFAULT_MAX_PIXELS,
+        native: bool = False,
     ) -> None:
         if hard_negatives < 0:
             raise ValueError(f"hard_negatives must be >= 0, got {hard_negatives}")
@@ -201,6 +209,7 @@ class ImageTextDataset(Dataset):
         self.hard_negatives = hard_negatives
         self.train = train
         self.max_pixels = max_pixels
+        self.native = native  # PIL images at native size, for models with their own processor
         self.records = read_records(path)
 
     def __len__(self) -> int:
@@ -225,9 +234,11 @@ class ImageTextDataset(Dataset):
         negs = rec["negatives"]
         if self.hard_negatives and negs:
             negs = [check_text(t, label) for t in negs]
-        image = load_image(
-            resolve_image_path(self.path, rec["image"]), self.image_size, self.max_pixels
-        )  # (3, S, S)
+        path = resolve_image_path(self.path, rec["image"])
+        if self.native:
+            image = load_image_native(path, self.max_pixels)  # PIL RGB, native size
+        else:
+            image = load_image(path, self.image_size, self.max_pixels)  # (3, S, S)
         out: dict[str, Any] = {"image": image, "index": index, "key": key}
         if self.train:
             g = sample_generator(self.seed, epoch, index, salt="caption")

@@ -13,6 +13,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,7 @@ def write_checkpoint(
     model: torch.nn.Module,
     trainer_state: dict[str, Any],
     extra_files: dict[str, Path] | None = None,
+    writer: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write `step_<step>` atomically and return its path. Rank 0 only."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
@@ -94,6 +96,8 @@ def write_checkpoint(
             shutil.copytree(src, tmp / name)
         else:
             shutil.copy2(src, tmp / name)
+    if writer is not None:  # e.g. an HF save_pretrained export beside the weights
+        writer(tmp)
     (tmp / MARKER).write_text(json.dumps({"step": step}))
     _fsync_tree(tmp)
     if final.exists():  # a re-save of the same step (e.g. final save == periodic save)

@@ -21,7 +21,7 @@ from vltrain.engine import checkpoint as C
 from vltrain.engine import distributed as D
 from vltrain.engine.logging import RunLogger
 from vltrain.engine.optim import build_optimizer, set_lr
-from vltrain.engine.runtime import eval_mode, setup, worker_init
+from vltrain.engine.runtime import eval_mode, setup, to_device, worker_init
 from vltrain.stages.base import BatchSampler, Stage, get_stage
 
 
@@ -56,17 +56,6 @@ class _Collate:
         batch["_last_key"] = tuple(samples[-1]["key"])
         batch["_n_good"] = len(good)
         return batch
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    """Move tensors (also inside dicts, lists and tuples) to `device`."""
-    if torch.is_tensor(obj):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(v, device) for v in obj)
-    return obj
 
 
 def _loader(
@@ -212,7 +201,7 @@ class Trainer:
             for i, batch in enumerate(micro):
                 sync = ddp is None or i == accum - 1
                 with contextlib.nullcontext() if sync else ddp.no_sync():
-                    b = _to_device(batch, ctx.device)
+                    b = to_device(batch, ctx.device)
                     with ctx.autocast():
                         loss, m = stage.backward(ddp or model, b, 1.0 / accum)
                 loss_sum += loss.double().cpu() / accum
@@ -295,7 +284,12 @@ class Trainer:
         if self.ctx.is_main:
             ts = _trainer_state(state, optimizer, self.stage, tracker, self.ctx.world_size)
             path = C.write_checkpoint(
-                self.ckpt_root, state.step, model, ts, self.stage.checkpoint_files()
+                self.ckpt_root,
+                state.step,
+                model,
+                ts,
+                self.stage.checkpoint_files(),
+                writer=lambda folder: self.stage.export(model, folder),
             )
             if improved:
                 C.update_best(self.ckpt_root, path, self.best_metric, state.best_value, state.step)

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from vltrain.eval.ngram_counts import clipped_matches, split_word_ids, word_ids
 from vltrain.eval.ptb_tokenize import ptb_tokenize
 
 __all__ = ["Bleu", "Cider", "CiderD", "ptb_tokenize", "sentence_bleu"]
@@ -33,7 +34,6 @@ _SMALL = 1e-9  # pycocoevalcap's denominator epsilon: avoids 0 / 0
 _BLEU_OPTIONS = ("closest", "shortest", "average")
 
 
-_SEP = "\x00\x01\x02"  # joins sentences for one fast split(); contains no whitespace
 _PACK_LIMIT = 2**62  # (key, position) pairs pack into one int64 below this; else lexsort
 
 
@@ -57,42 +57,9 @@ class _Ngrams:
     last: list[np.ndarray]  # per order: (G_k,)
 
 
-def _word_ids(sentences: Sequence[str]) -> tuple[np.ndarray, list[str], np.ndarray]:
-    """Whitespace-split all sentences: (lengths (S,), words, word id of every token (T,))."""
-    try:
-        flat = f" {_SEP} ".join(sentences).split()  # one C-level split instead of S of them
-    except TypeError:
-        bad = next(x for x in sentences if not isinstance(x, str))
-        raise TypeError(
-            f"captions must be str (tokenized, space-separated); got {type(bad).__name__} {bad!r}"
-        ) from None
-    w2i: dict[str, int] = dict.fromkeys(flat, 0)
-    for i, w in enumerate(w2i):  # ids in order of first appearance
-        w2i[w] = i
-    words = list(w2i)
-    ids = np.fromiter(map(w2i.__getitem__, flat), dtype=np.int64, count=len(flat))  # (T + S-1,)
-    sep_id = w2i.get(_SEP, -1)
-    is_sep = ids == sep_id
-    if int(is_sep.sum()) != max(len(sentences) - 1, 0):
-        # a caption holds the separator token itself: split sentence by sentence instead
-        toks = [s.split() for s in sentences]
-        lengths = np.fromiter(map(len, toks), dtype=np.int64, count=len(toks))
-        flat = list(chain.from_iterable(toks))
-        words = list(dict.fromkeys(flat))
-        w2i = dict(zip(words, range(len(words)), strict=True))
-        return lengths, words, np.fromiter(map(w2i.__getitem__, flat), np.int64, len(flat))
-    edges = np.concatenate([[-1], np.flatnonzero(is_sep), [len(ids)]])
-    lengths = np.diff(edges) - 1  # (S,)
-    if sep_id >= 0:
-        words.pop(sep_id)
-        ids = ids[~is_sep]
-        ids[ids > sep_id] -= 1
-    return lengths[: len(sentences)], words, ids
-
-
 def _intern(sentences: Sequence[str], n: int) -> _Ngrams:
     """Split sentences on whitespace and intern their 1..n-grams (see :class:`_Ngrams`)."""
-    lengths, words, ids = _word_ids(sentences)
+    lengths, words, ids = split_word_ids(sentences)
     n_words, n_tok = max(len(words), 1), len(ids)
     sent_of_tok = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)  # (T,)
     # tokens from position i to the end of its sentence, i included
@@ -144,12 +111,12 @@ def _gather(
         )
     keys = list(gts)
     hyps, refs_list = [res[k] for k in keys], [gts[k] for k in keys]
-    if not all(type(h) is list and len(h) == 1 for h in hyps):
+    if not (set(map(type, hyps)) <= {list} and set(map(len, hyps)) <= {1}):  # C-level loops
         key = next(k for k, h in zip(keys, hyps, strict=True) if type(h) is not list or len(h) != 1)
         raise ValueError(
             f"res[{key!r}] must be a list holding exactly one caption string, got {res[key]!r}"
         )
-    if not all(type(r) is list and r for r in refs_list):
+    if not (set(map(type, refs_list)) <= {list} and all(refs_list)):
         key = next(k for k, r in zip(keys, refs_list, strict=True) if type(r) is not list or not r)
         raise ValueError(
             f"gts[{key!r}] must be a non-empty list of caption strings, got {gts[key]!r}"
@@ -196,12 +163,8 @@ def _split_entries(ng: _Ngrams, k: int, n_img: int, ref_img: np.ndarray) -> _Par
     return is_c, ckey, sent[is_c], rkey, r_sent
 
 
-def _bleu_stats(
-    ng: _Ngrams, n_img: int, ref_img: np.ndarray, n: int, option: str
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per image: clipped matches (N, n), guesses (N, n), test length (N,), ref length (N,)."""
-    test_len = ng.lengths[:n_img]  # (N,)
-    ref_len_all = ng.lengths[n_img:]  # (R,)
+def _interned_matches(ng: _Ngrams, n_img: int, ref_img: np.ndarray, n: int) -> np.ndarray:
+    """Clipped matches per image and order, (N, n), from interned n-grams (general path)."""
     correct = np.zeros((n_img, n), dtype=np.int64)
     for k in range(n):
         is_c, ckey, c_img, rkey, _ = _split_entries(ng, k, n_img, ref_img)
@@ -213,6 +176,23 @@ def _bleu_stats(
         idx = np.minimum(np.searchsorted(rkey, ckey), len(rkey) - 1)
         clipped = np.where(rkey[idx] == ckey, np.minimum(ng.count[k][is_c], rmax[idx]), 0)
         correct[:, k] = np.bincount(c_img, clipped, minlength=n_img)
+    return correct
+
+
+def _bleu_stats(
+    sentences: list[str], n_img: int, ref_img: np.ndarray, n: int, option: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per image: clipped matches (N, n), guesses (N, n), test length (N,), ref length (N,).
+
+    Matches come from :func:`clipped_matches` (one sort of the corpus) unless its int64 keys
+    would overflow (huge vocabulary per image or large ``n``); then from :func:`_intern`.
+    """
+    lengths, n_words, ids = word_ids(sentences)
+    correct = clipped_matches(lengths, ids, n_words, ref_img, n)
+    if correct is None:
+        correct = _interned_matches(_intern(sentences, n), n_img, ref_img, n)
+    test_len = lengths[:n_img]  # (N,)
+    ref_len_all = lengths[n_img:]  # (R,)
     guess = np.maximum(0, test_len[:, None] - np.arange(n)[None, :])  # (N, n)
     n_refs = np.bincount(ref_img, minlength=n_img)
     first = np.cumsum(n_refs) - n_refs  # (N,) each image's first reference (refs are grouped)
@@ -270,9 +250,8 @@ class Bleu:
         if not cands:
             raise ValueError("Bleu.compute_score got no images; gts and res are empty")
         sentences, ref_img = _flatten(cands, refs_list)
-        ng = _intern(sentences, self._n)
         correct, guess, test_len, reflen = _bleu_stats(
-            ng, len(cands), ref_img, self._n, self._option
+            sentences, len(cands), ref_img, self._n, self._option
         )
         per_item = _bleu_per_item(correct, guess, test_len, reflen)
         # corpus score: python floats, exactly as pycocoevalcap accumulates them
@@ -306,8 +285,7 @@ def sentence_bleu(
     if option not in _BLEU_OPTIONS:
         raise ValueError(f"sentence_bleu option must be one of {_BLEU_OPTIONS}, got {option!r}")
     sentences, ref_img = _flatten(cands, refs_list)
-    ng = _intern(sentences, n)
-    correct, guess, test_len, reflen = _bleu_stats(ng, len(cands), ref_img, n, option)
+    correct, guess, test_len, reflen = _bleu_stats(sentences, len(cands), ref_img, n, option)
     return _bleu_per_item(correct, guess, test_len, reflen)[n - 1]
 
 

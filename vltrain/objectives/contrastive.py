@@ -30,8 +30,9 @@ class Features:
     negatives: Tensor | None  # (M, E) hard-negative texts, any owner
 
 
-def gather_features(image: Tensor, text: Tensor, negatives: Tensor | None,
-                    gather: bool) -> Features:
+def gather_features(
+    image: Tensor, text: Tensor, negatives: Tensor | None, gather: bool
+) -> Features:
     """The one place losses get features from other ranks (with gradient).
 
     Every rank takes part in every gather, also a rank without hard negatives this step (it
@@ -64,9 +65,15 @@ class InfoNCELoss(nn.Module):
     text->image: each text against every image (negatives are texts, so they add nothing here).
     """
 
-    def __init__(self, temperature: float = 0.07, learn_temperature: bool = True,
-                 max_logit_scale: float = 100.0, symmetric: bool = True,
-                 label_smoothing: float = 0.0, gather: bool = True) -> None:
+    def __init__(
+        self,
+        temperature: float = 0.07,
+        learn_temperature: bool = True,
+        max_logit_scale: float = 100.0,
+        symmetric: bool = True,
+        label_smoothing: float = 0.0,
+        gather: bool = True,
+    ) -> None:
         super().__init__()
         init = torch.tensor(math.log(1.0 / temperature))
         if learn_temperature:
@@ -81,9 +88,14 @@ class InfoNCELoss(nn.Module):
     @classmethod
     def from_config(cls, o: Any) -> InfoNCELoss:
         """Build from an `ObjectiveConfig`."""
-        return cls(temperature=o.temperature, learn_temperature=o.learn_temperature,
-                   max_logit_scale=o.max_logit_scale, symmetric=o.symmetric,
-                   label_smoothing=o.label_smoothing, gather=o.gather)
+        return cls(
+            temperature=o.temperature,
+            learn_temperature=o.learn_temperature,
+            max_logit_scale=o.max_logit_scale,
+            symmetric=o.symmetric,
+            label_smoothing=o.label_smoothing,
+            gather=o.gather,
+        )
 
     def no_weight_decay(self) -> list[str]:
         return ["logit_scale"]
@@ -91,8 +103,9 @@ class InfoNCELoss(nn.Module):
     def scale(self) -> Tensor:
         return self.logit_scale.clamp(max=self.max_log_scale).exp()
 
-    def forward(self, image: Tensor, text: Tensor,
-                negatives: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    def forward(
+        self, image: Tensor, text: Tensor, negatives: Tensor | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """Unit-norm embeddings (B, E) per rank -> (loss, metrics) of the global batch."""
         f = gather_features(image, text, negatives, self.gather)
         return self.loss_from_features(f)
@@ -108,8 +121,7 @@ class InfoNCELoss(nn.Module):
             metrics = {"acc_i2t": (logits_i2t.argmax(1) == labels).float().mean().detach()}
             if self.symmetric:
                 logits_t2i = logits_i2t[:, :n].t()  # (N, N)
-                loss_t2i = F.cross_entropy(logits_t2i, labels,
-                                           label_smoothing=self.label_smoothing)
+                loss_t2i = F.cross_entropy(logits_t2i, labels, label_smoothing=self.label_smoothing)
                 metrics["acc_t2i"] = (logits_t2i.argmax(1) == labels).float().mean().detach()
                 loss = 0.5 * (loss + loss_t2i)
         metrics["logit_scale"] = scale.detach()
@@ -127,9 +139,14 @@ class SigLIPLoss(nn.Module):
     all images, and no per-sample ownership has to travel with the batch.
     """
 
-    def __init__(self, init_scale: float = 10.0, init_bias: float = -10.0,
-                 learn_temperature: bool = True, max_logit_scale: float = 100.0,
-                 gather: bool = True) -> None:
+    def __init__(
+        self,
+        init_scale: float = 10.0,
+        init_bias: float = -10.0,
+        learn_temperature: bool = True,
+        max_logit_scale: float = 100.0,
+        gather: bool = True,
+    ) -> None:
         super().__init__()
         if init_scale <= 0:
             raise ValueError(f"SigLIP init_scale must be > 0, got {init_scale}")
@@ -145,9 +162,13 @@ class SigLIPLoss(nn.Module):
     @classmethod
     def from_config(cls, o: Any) -> SigLIPLoss:
         """Build from an `ObjectiveConfig` (temperature/symmetric/label_smoothing unused)."""
-        return cls(init_scale=o.siglip_init_scale, init_bias=o.siglip_init_bias,
-                   learn_temperature=o.learn_temperature, max_logit_scale=o.max_logit_scale,
-                   gather=o.gather)
+        return cls(
+            init_scale=o.siglip_init_scale,
+            init_bias=o.siglip_init_bias,
+            learn_temperature=o.learn_temperature,
+            max_logit_scale=o.max_logit_scale,
+            gather=o.gather,
+        )
 
     def no_weight_decay(self) -> list[str]:
         return ["logit_scale", "logit_bias"]
@@ -155,8 +176,9 @@ class SigLIPLoss(nn.Module):
     def scale(self) -> Tensor:
         return self.logit_scale.clamp(max=self.max_log_scale).exp()
 
-    def forward(self, image: Tensor, text: Tensor,
-                negatives: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    def forward(
+        self, image: Tensor, text: Tensor, negatives: Tensor | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """Unit-norm embeddings (B, E) per rank -> (loss, metrics) of the global batch."""
         return self.loss_from_features(gather_features(image, text, negatives, self.gather))
 

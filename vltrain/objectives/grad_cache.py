@@ -59,33 +59,57 @@ def _cuda_devices(x: Any) -> list[int]:
     return sorted({d for item in items for d in _cuda_devices(item)})
 
 
+def _rows(x: Any) -> set[int]:
+    """Leading sizes of the tensors in a (nested) input."""
+    if torch.is_tensor(x):
+        return {x.shape[0]}
+    items = x.values() if isinstance(x, Mapping) else x if isinstance(x, (list, tuple)) else []
+    return {n for item in items for n in _rows(item)}
+
+
 def split_rows(x: Any, chunk: int) -> list[Any]:
     """Split a tensor, or a tuple/dict of tensors with the same rows, into row chunks.
 
     Dict entries that are not tensors (nor containers of them) are copied into every chunk.
+    Tensors whose first dimension is not the batch (e.g. Qwen-VL's flattened patches) cannot
+    be chunked by row: that raises instead of silently mis-splitting.
     """
     if chunk < 1:
         raise ValueError(f"GradCache chunk size must be >= 1, got {chunk}")
+    if len(_rows(x)) > 1:
+        raise ValueError(
+            f"GradCache: the inputs to chunk have different leading sizes {sorted(_rows(x))}, "
+            "so they cannot be split by row (inputs with flattened per-image patches are not "
+            "supported); set objective.grad_cache_chunk=0 for this model"
+        )
     if torch.is_tensor(x):
         return list(x.split(chunk))
     if isinstance(x, Mapping):  # non-tensor entries (e.g. a "modality" string) go to every chunk
-        parts = {k: split_rows(v, chunk) for k, v in x.items()
-                 if torch.is_tensor(v) or isinstance(v, (Mapping, tuple, list))}
+        parts = {
+            k: split_rows(v, chunk)
+            for k, v in x.items()
+            if torch.is_tensor(v) or isinstance(v, (Mapping, tuple, list))
+        }
         n = len(next(iter(parts.values())))
         return [{k: parts[k][i] if k in parts else v for k, v in x.items()} for i in range(n)]
     if isinstance(x, (tuple, list)):
         return list(zip(*(split_rows(v, chunk) for v in x), strict=True))
-    raise TypeError(f"split_rows: cannot split a {type(x).__name__}; pass tensors, "
-                    "tuples or dicts of tensors")
+    raise TypeError(
+        f"split_rows: cannot split a {type(x).__name__}; pass tensors, tuples or dicts of tensors"
+    )
 
 
 def _call(encode: Callable[..., Tensor], chunk: Any) -> Tensor:
     return encode(*chunk) if isinstance(chunk, tuple) else encode(chunk)
 
 
-def grad_cache(encoders: Sequence[Callable[..., Tensor]], chunks: Sequence[Sequence[Any]],
-               loss_fn: LossFn, scale: float = 1.0,
-               replay_rng: bool = True) -> tuple[Tensor, dict[str, Any]]:
+def grad_cache(
+    encoders: Sequence[Callable[..., Tensor]],
+    chunks: Sequence[Sequence[Any]],
+    loss_fn: LossFn,
+    scale: float = 1.0,
+    replay_rng: bool = True,
+) -> tuple[Tensor, dict[str, Any]]:
     """Backpropagate ``loss_fn(embeddings) * scale`` through chunked encoders; return the loss.
 
     `encoders[s]` maps one chunk of side `s` (a tensor, a dict, or a tuple unpacked as
@@ -113,8 +137,10 @@ def grad_cache(encoders: Sequence[Callable[..., Tensor]], chunks: Sequence[Seque
         (loss * scale).backward()
     for s, (encode, side) in enumerate(zip(encoders, chunks, strict=True)):
         if leaves[s].grad is None:
-            raise ValueError(f"grad_cache: loss_fn did not use side {s}'s embeddings; drop "
-                             "that side instead of encoding it for nothing")
+            raise ValueError(
+                f"grad_cache: loss_fn did not use side {s}'s embeddings; drop "
+                "that side instead of encoding it for nothing"
+            )
         grads = leaves[s].grad.split(sizes[s])
         for c, state, g in zip(side, states[s], grads, strict=True):
             if replay_rng:
@@ -145,13 +171,17 @@ def sync_grads(params: Iterable[nn.Parameter], bucket_elems: int = 1 << 24) -> N
     if not D.is_distributed():
         return
     buckets: dict[tuple[torch.dtype, torch.device], list[list[Tensor]]] = {}
+    filled: dict[tuple[torch.dtype, torch.device], int] = {}
     for p in params:
         if p.grad is None:
             continue
-        lists = buckets.setdefault((p.grad.dtype, p.grad.device), [[]])
-        if sum(g.numel() for g in lists[-1]) + p.grad.numel() > bucket_elems and lists[-1]:
+        key = (p.grad.dtype, p.grad.device)
+        lists = buckets.setdefault(key, [[]])
+        if lists[-1] and filled[key] + p.grad.numel() > bucket_elems:
             lists.append([])
+            filled[key] = 0
         lists[-1].append(p.grad)
+        filled[key] = filled.get(key, 0) + p.grad.numel()
     for _, lists in sorted(buckets.items(), key=lambda kv: str(kv[0])):
         for grads in lists:
             flat = D.all_reduce_mean(torch.cat([g.reshape(-1) for g in grads]))
@@ -159,8 +189,9 @@ def sync_grads(params: Iterable[nn.Parameter], bucket_elems: int = 1 << 24) -> N
                 g.copy_(part.view_as(g))
 
 
-def dual_encoder_grad_cache(model: nn.Module, batch: dict[str, Any], chunk: int,
-                            scale: float) -> tuple[Tensor, dict[str, Any]]:
+def dual_encoder_grad_cache(
+    model: nn.Module, batch: dict[str, Any], chunk: int, scale: float
+) -> tuple[Tensor, dict[str, Any]]:
     """GradCache step of a contrastive model (``.encoder`` dual encoder + ``.loss``).
 
     Sides: images, texts, and (when the batch has them) hard-negative texts, each chunked by
@@ -169,8 +200,10 @@ def dual_encoder_grad_cache(model: nn.Module, batch: dict[str, Any], chunk: int,
     module, sync = unwrap_ddp(model)
     enc, loss = module.encoder, module.loss
     encoders: list[Callable[..., Tensor]] = [enc.encode_image, enc.encode_text]
-    chunks = [split_rows(batch["images"], chunk),
-              split_rows((batch["input_ids"], batch["attention_mask"]), chunk)]
+    chunks = [
+        split_rows(batch["images"], chunk),
+        split_rows((batch["input_ids"], batch["attention_mask"]), chunk),
+    ]
     if batch.get("neg_ids") is not None:
         encoders.append(enc.encode_text)
         chunks.append(split_rows((batch["neg_ids"], batch["neg_mask"]), chunk))

@@ -73,6 +73,9 @@ class Stage(ABC):
         """Files copied into every checkpoint (e.g. the tokenizer)."""
         return {}
 
+    def export(self, model: nn.Module, folder: Path) -> None:
+        """Write extra artifacts into a checkpoint folder being saved (e.g. HF save_pretrained)."""
+
     def state_dict(self) -> dict[str, Any]:
         """Extra stage state to save with the trainer state (tensors, numbers, strings)."""
         return {}

@@ -99,9 +99,7 @@ class CaptionStage(Stage):
                 shutil.copytree(src, tok_dir)
             else:
                 c = self.cfg.caption
-                texts = training_texts(
-                    self._source(self.cfg.data.train), c.mode, c.prompt, c.instruction
-                )
+                texts = training_texts(self._source(self.cfg.data.train), c.prompt, c.instruction)
                 train_bpe_tokenizer(texts, vocab_size=self.cfg.data.tokenizer_vocab).save(tok_dir)
         D.barrier()
         self.tokenizer = TextTokenizer.load(tok_dir)

@@ -154,10 +154,50 @@ def load_for_generation(
     return model.eval(), tokenizer, cfg
 
 
+def score_records(
+    model: Captioner, tok: TextTokenizer, cfg: Config, path: str, batch_size: int, **decode: Any
+) -> dict[str, float]:
+    """BLEU/CIDEr-D of a checkpoint on a caption file (single process, all references)."""
+    from vltrain.data.caption_data import CaptionDataset, read_caption_source
+    from vltrain.data.records import split_bad
+
+    d, c = cfg.data, cfg.caption
+    ds = CaptionDataset(
+        read_caption_source(path, d.image_column, d.text_column),
+        tok,
+        image_size=d.image_size,
+        max_len=d.max_text_len,
+        seed=cfg.run.seed,
+        mode=c.mode,
+        prompt=c.prompt,
+        instruction=c.instruction,
+        train=False,
+    )
+    hyps: dict[int, str] = {}
+    refs: dict[int, list[str]] = {}
+    for start in range(0, len(ds), batch_size):
+        good, _ = split_bad([ds[i] for i in range(start, min(start + batch_size, len(ds)))])
+        if not good:
+            continue
+        images = torch.stack([s["image"] for s in good])  # (b, 3, S, S)
+        caps = decode_captions(model, tok, images, [s["prompt_ids"] for s in good], **decode)
+        for s, cap in zip(good, caps, strict=True):
+            hyps[s["index"]], refs[s["index"]] = cap, s["refs"]
+    return {**caption_scores(hyps, refs), "n_images": float(len(refs))}
+
+
 def generate_command(args: Any) -> int:
-    """`vltrain generate`: caption image files, print or write JSON lines."""
+    """`vltrain generate`: caption image files (JSON lines), or score a caption file."""
     torch.manual_seed(args.seed)
+    if bool(args.images) == bool(args.eval_data):
+        raise ConfigError("vltrain generate needs exactly one of --images or --eval-data")
     model, tok, cfg = load_for_generation(args.checkpoint, args.config)
+    if args.eval_data:
+        decode = {"strategy": args.strategy, "num_beams": args.beams}
+        decode["max_new_tokens"] = args.max_new_tokens
+        scores = score_records(model, tok, cfg, args.eval_data, args.batch_size, **decode)
+        print(json.dumps(scores))
+        return 0
     prompt = C.encode_prompt(tok, generation_prompt(cfg, args.prompt))
     paths = list(args.images)
     rows: dict[int, dict[str, str]] = {}
@@ -194,7 +234,8 @@ def generate_command(args: Any) -> int:
 def add_generate_options(p: Any) -> None:
     """Arguments of `vltrain generate` (argparse parser)."""
     p.add_argument("--checkpoint", required=True, help="run dir, checkpoints/ or step folder")
-    p.add_argument("--images", nargs="+", required=True, help="image files to caption")
+    p.add_argument("--images", nargs="*", default=[], help="image files to caption")
+    p.add_argument("--eval-data", default="", help="instead: score BLEU/CIDEr-D on a caption file")
     p.add_argument("--strategy", default="greedy", choices=("greedy", "beam", "sample"))
     p.add_argument("--beams", type=int, default=5, help="beam width (--strategy beam)")
     p.add_argument("--max-new-tokens", type=int, default=24, help="longest caption in tokens")

@@ -13,11 +13,21 @@ from vltrain.data.records import ImageTextDataset, read_records, split_bad
 from vltrain.data.samplers import EvalShardSampler, ShardedBatchSampler
 from vltrain.data.tokenizer import TextTokenizer, train_bpe_tokenizer
 from vltrain.engine import distributed as D
+from vltrain.engine.runtime import to_device
 from vltrain.eval.retrieval import image_text_retrieval
-from vltrain.models.dual_encoder import DualEncoder
 from vltrain.objectives.contrastive import Features, build_loss_from_config
 from vltrain.objectives.grad_cache import dual_encoder_grad_cache
+from vltrain.stages.backbones import (
+    HF_KINDS,
+    ImageTextCollate,
+    build_batcher,
+    build_encoder,
+    objective_for,
+    uses_tokenizer,
+)
 from vltrain.stages.base import Stage, register_stage
+
+__all__ = ["ContrastiveModel", "ContrastiveStage", "ImageTextCollate"]
 
 
 class ContrastiveModel(nn.Module):
@@ -41,27 +51,6 @@ class ContrastiveModel(nn.Module):
         return self.loss(*self.embed(batch))
 
 
-class ImageTextCollate:
-    """Stack images and tokenize texts (and hard negatives); picklable for DataLoader workers."""
-
-    def __init__(self, tokenizer: TextTokenizer, max_len: int) -> None:
-        self.tokenizer = tokenizer
-        self.max_len = max_len
-
-    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
-        ids, mask = self.tokenizer.encode_batch([s["text"] for s in samples], self.max_len)
-        batch: dict[str, Any] = {
-            "images": torch.stack([s["image"] for s in samples]),  # (B, 3, S, S)
-            "input_ids": ids,  # (B, T)
-            "attention_mask": mask,
-            "index": torch.tensor([s["index"] for s in samples]),
-        }
-        negs = [n for s in samples for n in s.get("negatives", [])]
-        if negs:
-            batch["neg_ids"], batch["neg_mask"] = self.tokenizer.encode_batch(negs, self.max_len)
-        return batch
-
-
 def is_valid_text(text: object) -> bool:
     """True for a caption the dataset would accept (non-empty, valid UTF-8 string)."""
     try:
@@ -80,27 +69,28 @@ class ContrastiveStage(Stage):
 
     def prepare(self) -> None:
         """Train the BPE tokenizer on the training captions once (rank 0), or reuse it."""
-        tok_dir = self.out_dir / "tokenizer"
-        if self.ctx.is_main and not (tok_dir / "tokenizer.json").is_file():
-            texts = [
-                t for r in read_records(self.cfg.data.train) for t in r["text"] if is_valid_text(t)
-            ]  # bad records are skipped (and counted) later
-            train_bpe_tokenizer(texts, vocab_size=self.cfg.data.tokenizer_vocab).save(tok_dir)
-        D.barrier()
-        self.tokenizer = TextTokenizer.load(tok_dir)
+        self.tokenizer: TextTokenizer | None = None
         self._eval_sets: dict[str, ImageTextDataset] = {}
+        if uses_tokenizer(self.cfg):
+            tok_dir = self.out_dir / "tokenizer"
+            if self.ctx.is_main and not (tok_dir / "tokenizer.json").is_file():
+                texts = [
+                    t
+                    for r in read_records(self.cfg.data.train)
+                    for t in r["text"]
+                    if is_valid_text(t)
+                ]  # bad records are skipped (and counted) later
+                train_bpe_tokenizer(texts, vocab_size=self.cfg.data.tokenizer_vocab).save(tok_dir)
+            D.barrier()
+            self.tokenizer = TextTokenizer.load(tok_dir)
+        self.batcher = build_batcher(self.cfg, self.tokenizer)
 
     def build_model(self) -> nn.Module:
-        m, o = self.cfg.model, self.cfg.objective
-        encoder = DualEncoder.from_preset(
-            m.vision,
-            m.text,
-            m.embed_dim,
-            vocab_size=self.tokenizer.vocab_size,
-            context_length=self.cfg.data.max_text_len,
-            dropout=m.dropout,
-        )
-        loss = build_loss_from_config(o)  # registry: objective.loss (infonce, siglip)
+        encoder = build_encoder(self.cfg, self.tokenizer)
+        if self.ctx.is_main and hasattr(encoder, "describe"):
+            print(f"vltrain: {encoder.describe()}")
+        # registry: objective.loss (infonce, siglip); HF CLIP/SigLIP start at their own scale
+        loss = build_loss_from_config(objective_for(encoder, self.cfg.objective))
         return ContrastiveModel(encoder, loss)
 
     def train_dataset(self) -> ImageTextDataset:
@@ -110,6 +100,7 @@ class ContrastiveStage(Stage):
             self.cfg.run.seed,
             hard_negatives=self.cfg.objective.hard_negatives,
             train=True,
+            native=self.cfg.model.kind in HF_KINDS,
         )
         if self.cfg.data.max_train_samples:
             ds.records = ds.records[: self.cfg.data.max_train_samples]
@@ -128,7 +119,7 @@ class ContrastiveStage(Stage):
         )
 
     def collate(self, samples: list[dict]) -> dict[str, Any]:
-        return ImageTextCollate(self.tokenizer, self.cfg.data.max_text_len)(samples)
+        return self.batcher(samples)
 
     def loss(self, model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, dict]:
         return model(batch)
@@ -139,11 +130,21 @@ class ContrastiveStage(Stage):
         """GradCache when objective.grad_cache_chunk > 0 (same gradients, chunk-sized memory)."""
         chunk = self.cfg.objective.grad_cache_chunk
         if not chunk:
-            return super().backward(model, batch, scale)
-        return dual_encoder_grad_cache(model, batch, chunk, scale)
+            loss, metrics = super().backward(model, batch, scale)
+        else:
+            loss, metrics = dual_encoder_grad_cache(model, batch, chunk, scale)
+        if batch.get("visual_tokens") is not None:  # the per-image budget actually used
+            metrics["visual_tokens_mean"] = batch["visual_tokens"].float().mean()
+            metrics["visual_tokens_max"] = batch["visual_tokens"].max().float()
+        return loss, metrics
 
     def checkpoint_files(self) -> dict[str, Path]:
-        return {"tokenizer": self.out_dir / "tokenizer"}
+        return {"tokenizer": self.out_dir / "tokenizer"} if self.tokenizer else {}
+
+    def export(self, model: nn.Module, folder: Path) -> None:
+        """HF backbones: an HF-loadable `hf_model/` (save_pretrained) beside the safetensors."""
+        if self.cfg.model.kind in HF_KINDS:
+            model.encoder.save_pretrained(folder / "hf_model")
 
     # ---- evaluation -------------------------------------------------------------------
 
@@ -151,7 +152,12 @@ class ContrastiveStage(Stage):
         path = self.cfg.data.eval if split == "val" else self.cfg.data.test
         if split not in self._eval_sets:
             self._eval_sets[split] = ImageTextDataset(
-                path, self.cfg.data.image_size, self.cfg.run.seed, hard_negatives=10**6, train=False
+                path,
+                self.cfg.data.image_size,
+                self.cfg.run.seed,
+                hard_negatives=10**6,
+                train=False,
+                native=self.cfg.model.kind in HF_KINDS,
             )
         return self._eval_sets[split]
 
@@ -168,7 +174,8 @@ class ContrastiveStage(Stage):
             n_bad += len(bad)
             if not good:
                 continue
-            img = enc.encode_image(torch.stack([s["image"] for s in good]).to(dev))  # (b, E)
+            images, _ = self.batcher.image_batch([s["image"] for s in good])
+            img = enc.encode_image(to_device(images, dev))  # (b, E)
             texts = [t for s in good for t in s["texts"]]
             owner = torch.tensor([s["index"] for s in good for _ in s["texts"]])
             txt = self.encode_texts(enc, texts)  # (sum captions, E)
@@ -183,13 +190,13 @@ class ContrastiveStage(Stage):
         cat["n_bad"] = torch.tensor([n_bad])
         return cat
 
-    def encode_texts(self, enc: DualEncoder, texts: list[str]) -> Tensor:
-        """Unit-norm text embeddings (N, E) with this stage's tokenizer."""
-        ids, mask = self.tokenizer.encode_batch(texts, self.cfg.data.max_text_len)
+    def encode_texts(self, enc: nn.Module, texts: list[str]) -> Tensor:
+        """Unit-norm text embeddings (N, E) through this stage's batcher."""
+        ids, mask = self.batcher.text_batch(texts)
         return enc.encode_text(ids.to(self.ctx.device), mask.to(self.ctx.device))
 
     def _hard_negative_hits(
-        self, enc: DualEncoder, img: Tensor, txt: Tensor, good: list[dict]
+        self, enc: nn.Module, img: Tensor, txt: Tensor, good: list[dict]
     ) -> tuple[Tensor, Tensor]:
         """How often the first caption outscores each attribute-swapped negative."""
         negs = [n for s in good for n in s["negatives"]]
@@ -215,6 +222,11 @@ class ContrastiveStage(Stage):
         total = float(g["hn_total"].sum())
         if total:
             metrics["hardneg_acc"] = float(g["hn_correct"].sum()) / total
+        for dim in self.cfg.model.matryoshka_dims:  # truncated embeddings, evaluated separately
+            small = image_text_retrieval(
+                model.encoder.truncate(img, dim), model.encoder.truncate(txt, dim), pos
+            )
+            metrics.update({f"d{dim}_{k}": v for k, v in small.items() if "R@" in k})
         metrics["bad_samples"] = float(g["n_bad"].sum())
         metrics["n_images"] = float(img.shape[0])
         return metrics

@@ -67,6 +67,19 @@ def resolve_objective(cfg: Config) -> tuple[str, str]:
     return metric, direction
 
 
+def _check_budget(tune: Any) -> None:
+    """One budget unit per study: steps or epochs."""
+    if tune.epochs and tune.max_steps:
+        raise ConfigError(
+            f"set either tune.epochs ({tune.epochs}) or tune.max_steps ({tune.max_steps}), not both"
+        )
+    if tune.epochs and tune.eval_every:
+        raise ConfigError(
+            "tune.eval_every applies to step budgets; with tune.epochs every trial "
+            "evaluates (and reports to the pruner) once per epoch: unset it"
+        )
+
+
 def _base_tree(config_path: str, overrides: list[str], flags: dict[str, Any]) -> dict:
     tree = load_yaml(config_path)
     tree = deep_merge(tree, parse_overrides(overrides))
@@ -94,6 +107,7 @@ class Search:
         self.specs: list[ParamSpec] = parse_space(self.tune.space)
         check_enqueued(self.specs, self.tune.enqueue)
         self.metric, self.direction = resolve_objective(self.base)
+        _check_budget(self.tune)
         self.fatal: Exception | None = None
         self.outcomes: dict[int, Outcome] = {}
 
@@ -206,14 +220,17 @@ class Search:
             for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             if step in t.intermediate_values
         ]
-        median = f"{statistics.median(others):.4g}" if others else "n/a"
+        median = f"{statistics.median(others):.6g}" if others else "n/a"
         return (
-            f"pruned by the median pruner at {self.plan.unit} {step}: {self.metric} "
-            f"{value:.4g} is worse than the median {median} of {len(others)} completed "
+            f"pruned by the median pruner at {self.plan.unit} {step}: best {self.metric} so far "
+            f"{value:.6g} is worse than the median {median} of {len(others)} completed "
             "trials there"
         )
 
     def _decide_main(self, trial: Any) -> Any:
+        seen: list[float] = []
+        best = min if self.direction == "minimize" else max
+
         def decide(step: int, value: float, metrics: dict[str, float], final: bool) -> Any:
             verdict = None
             why = nonfinite_reason(self.metric, value, metrics)
@@ -221,8 +238,9 @@ class Search:
                 verdict = ("failed", f"non-finite metrics at {self.plan.unit} {step}: {why}")
             else:
                 trial.report(value, step)
+                seen.append(value)
                 if not final and trial.should_prune():
-                    verdict = ("pruned", self._prune_reason(step, value))
+                    verdict = ("pruned", self._prune_reason(step, best(seen)))
             return D.broadcast_object(verdict)
 
         return decide
@@ -253,6 +271,9 @@ class Search:
             self.fatal = e
             trial.set_user_attr("fail_reason", str(e))
             return float("nan")
+        except KeyboardInterrupt:
+            trial.set_user_attr("fail_reason", "interrupted (Ctrl-C)")
+            raise  # optuna marks the trial FAIL
         self.outcomes[trial.number] = out
         if out.state == "pruned":
             trial.set_user_attr("prune_reason", out.reason)
@@ -291,9 +312,9 @@ class Search:
                 for n in new:
                     self._print_trial(n)
                 failed = [n for n in new if self.outcomes[n].state == "failed"]
-                fails_in_row = fails_in_row + 1 if failed or not new else 0
+                fails_in_row = fails_in_row + 1 if failed else 0
                 if fails_in_row >= self.tune.max_failed_trials and self.fatal is None:
-                    last = self.outcomes[failed[-1]].reason if failed else "see the trial dirs"
+                    last = self.outcomes[failed[-1]].reason
                     self.fatal = TuneError(
                         f"{fails_in_row} trials in a row failed (last: {last}); see trial.json "
                         f"and error.txt in {self.study_dir}, fix the cause, then resume with "

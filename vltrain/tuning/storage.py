@@ -107,7 +107,12 @@ def open_storage(spec: StorageSpec, heartbeat_interval: int) -> Any:
 
     try:
         if spec.kind == "journal":
-            from optuna.storages.journal import JournalFileBackend, JournalStorage
+            from optuna.storages import JournalStorage
+
+            try:
+                from optuna.storages.journal import JournalFileBackend
+            except ImportError:  # optuna < 4
+                from optuna.storages import JournalFileStorage as JournalFileBackend
 
             Path(spec.target).parent.mkdir(parents=True, exist_ok=True)
             return JournalStorage(JournalFileBackend(spec.target))

@@ -206,7 +206,14 @@ def run_trial(
         out = Outcome("complete", last["value"], "", last["step"], 0.0)
     except _Stop as e:
         out = Outcome(e.state, last["value"], e.reason, last["step"], 0.0)
-    except (TuneError, KeyboardInterrupt):
+    except TuneError:
+        raise
+    except KeyboardInterrupt:
+        if is_main:
+            write_status(
+                Path(cfg.run.out_dir),
+                {"state": "failed", "reason": "interrupted", **(extra_status or {})},
+            )
         raise
     except Exception as e:  # noqa: BLE001 - a crashing trial is recorded, the search goes on
         out = Outcome("failed", last["value"], f"{type(e).__name__}: {e}", last["step"], 0.0)

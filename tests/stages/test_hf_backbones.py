@@ -1,0 +1,54 @@
+"""HF backbones through the contrastive stage: train, evaluate, export an HF-loadable dir."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tests.conftest import tiny_overrides
+from tests.models.test_hf_embedders import clip_dir, qwen2vl_dir  # noqa: F401  (fixtures)
+from vltrain.config import load_config
+from vltrain.engine.loop import train
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_hf_clip_trains_from_a_local_dir_and_exports_save_pretrained(
+        shapes_dir: Path, tmp_path: Path, clip_dir: str) -> None:  # noqa: F811
+    from transformers import CLIPModel
+
+    run = tmp_path / "run"
+    cfg = load_config(None, tiny_overrides(shapes_dir, run, **{
+        "model.kind": "hf_clip", "model.path": clip_dir, "train.max_steps": 3,
+        "data.batch_size": 8, "optim.lr": 1e-3, "optim.warmup_steps": 0}))
+    summary = train(cfg)
+    assert 0.0 <= summary["val"]["eval_i2t_R@1"] <= 1.0
+    ckpt = run / "checkpoints" / "step_3"
+    assert not (run / "tokenizer").exists()  # HF backbones bring their own tokenizer
+    exported = CLIPModel.from_pretrained(ckpt / "hf_model", local_files_only=True)
+    from safetensors.torch import load_file
+
+    ours = load_file(ckpt / "model.safetensors")
+    key = next(k for k in ours if k.endswith("text_projection.weight"))
+    assert torch.equal(ours[key], exported.text_projection.weight)
+    original = CLIPModel.from_pretrained(clip_dir, local_files_only=True)
+    assert not torch.equal(original.text_projection.weight, exported.text_projection.weight)
+
+
+def test_vlm_embedder_with_lora_token_budget_and_matryoshka(
+        shapes_dir: Path, tmp_path: Path, qwen2vl_dir: str) -> None:  # noqa: F811
+    run = tmp_path / "run"
+    cfg = load_config(None, tiny_overrides(shapes_dir, run, **{
+        "model.kind": "vlm", "model.path": qwen2vl_dir, "model.lora_r": 4,
+        "model.matryoshka_dims": "[8]", "data.max_visual_tokens": 4, "train.max_steps": 2,
+        "data.batch_size": 4, "optim.warmup_steps": 0, "data.max_text_len": 24}))
+    summary = train(cfg)
+    rows = _rows(run)
+    train_rows = [r for r in rows if "loss" in r]
+    assert all(r["train_visual_tokens_max"] <= 4 for r in train_rows)
+    assert "eval_d8_i2t_R@1" in summary["val"]
+    assert (run / "checkpoints" / "step_2" / "hf_model" / "config.json").is_file()

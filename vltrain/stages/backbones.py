@@ -1,0 +1,119 @@
+"""Backbones of the contrastive stage: the built-in dual encoder or a Hugging Face embedder.
+
+Each backbone comes with a batcher that turns samples into model inputs. Both batchers offer
+the same three calls: `__call__(samples)` (training collate), `image_batch(images)` and
+`text_batch(texts)` (evaluation, mining), so the stage never asks which backbone it has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from vltrain.config.schema import Config, ObjectiveConfig
+from vltrain.data.tokenizer import TextTokenizer
+from vltrain.models.dual_encoder import DualEncoder
+
+HF_KINDS = ("hf_clip", "hf_siglip", "vlm")
+
+# loss_init() kwargs of an HF embedder -> the ObjectiveConfig field they initialise
+_LOSS_INIT_FIELDS = {
+    "temperature": "temperature",
+    "init_scale": "siglip_init_scale",
+    "init_bias": "siglip_init_bias",
+    "max_logit_scale": "max_logit_scale",
+}
+
+
+class ImageTextCollate:
+    """Built-in backbone: stack images, BPE-tokenize texts (and hard negatives); picklable."""
+
+    def __init__(self, tokenizer: TextTokenizer, max_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_len = max_len
+
+    def image_batch(self, images: list[Tensor]) -> tuple[Tensor, None]:
+        return torch.stack(images), None  # (B, 3, S, S)
+
+    def text_batch(self, texts: list[str]) -> tuple[Tensor, Tensor]:
+        return self.tokenizer.encode_batch(texts, self.max_len)  # (B, T), (B, T)
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        ids, mask = self.text_batch([s["text"] for s in samples])
+        batch: dict[str, Any] = {
+            "images": self.image_batch([s["image"] for s in samples])[0],
+            "input_ids": ids,
+            "attention_mask": mask,
+            "index": torch.tensor([s["index"] for s in samples]),
+        }
+        negs = [n for s in samples for n in s.get("negatives", [])]
+        if negs:
+            batch["neg_ids"], batch["neg_mask"] = self.text_batch(negs)
+        return batch
+
+
+def uses_tokenizer(cfg: Config) -> bool:
+    """True when the stage trains its own BPE tokenizer (the built-in dual encoder)."""
+    return cfg.model.kind == "dual_encoder"
+
+
+def build_encoder(cfg: Config, tokenizer: TextTokenizer | None) -> nn.Module:
+    """The encoder `model.kind` names, with `encode_image` / `encode_text`."""
+    m = cfg.model
+    if m.kind == "dual_encoder":
+        return DualEncoder.from_preset(
+            m.vision,
+            m.text,
+            m.embed_dim,
+            vocab_size=tokenizer.vocab_size,
+            context_length=cfg.data.max_text_len,
+            dropout=m.dropout,
+        )
+    from vltrain.models.hf_embedders import build_embedder
+
+    opts: dict[str, Any] = {"local_files_only": m.local_files_only}
+    if m.lora_r:
+        opts["lora"] = {
+            "r": m.lora_r,
+            "alpha": m.lora_alpha,
+            "dropout": m.lora_dropout,
+            "target_modules": list(m.lora_targets),
+        }
+    if m.kind == "vlm":
+        opts.update(
+            pooling=m.pooling,
+            instruction_query=m.instruction_query,
+            instruction_doc=m.instruction_doc,
+            matryoshka_dims=m.matryoshka_dims,
+        )
+    return build_embedder(m.kind, m.path, **opts)
+
+
+def build_batcher(cfg: Config, tokenizer: TextTokenizer | None) -> Any:
+    """The collate/batcher matching `build_encoder`."""
+    if cfg.model.kind == "dual_encoder":
+        return ImageTextCollate(tokenizer, cfg.data.max_text_len)
+    from vltrain.data.hf_collate import HFCollate
+
+    m = cfg.model
+    return HFCollate(
+        m.path,
+        m.kind,
+        cfg.data.max_text_len,
+        cfg.data.max_visual_tokens or None,
+        m.instruction_query,
+        m.instruction_doc,
+        m.local_files_only,
+    )
+
+
+def objective_for(encoder: nn.Module, objective: ObjectiveConfig) -> ObjectiveConfig:
+    """Start the loss at a pretrained CLIP/SigLIP model's own temperature (and bias)."""
+    init = getattr(encoder, "loss_init", None)
+    if init is None:
+        return objective
+    fields = {_LOSS_INIT_FIELDS[k]: v for k, v in init(objective.loss).items()}
+    return dataclasses.replace(objective, **fields)
