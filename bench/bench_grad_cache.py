@@ -41,10 +41,12 @@ import torch  # noqa: E402
 from vltrain.objectives.contrastive import InfoNCELoss  # noqa: E402
 from vltrain.objectives.grad_cache import grad_cache, split_rows  # noqa: E402
 
-WORDS = ("red green blue small large old new fast slow river city forest mountain house car "
-         "train dog cat bird child woman man plays runs sits near under over beside inside "
-         "bright dark quiet loud morning evening winter summer market bridge garden kitchen "
-         "window street table chair book lamp picture music game ball boat sky cloud").split()
+WORDS = (
+    "red green blue small large old new fast slow river city forest mountain house car "
+    "train dog cat bird child woman man plays runs sits near under over beside inside "
+    "bright dark quiet loud morning evening winter summer market bridge garden kitchen "
+    "window street table chair book lamp picture music game ball boat sky cloud"
+).split()
 
 
 # ---- measurement helpers ------------------------------------------------------------------
@@ -117,8 +119,9 @@ def _trimmed_chunks(feats: dict[str, torch.Tensor], mini: int) -> list[dict[str,
     out = []
     for c in chunks:
         width = int(c["attention_mask"].sum(1).max())
-        out.append({k: v[:, :width] if torch.is_tensor(v) and v.dim() == 2 else v
-                    for k, v in c.items()})
+        out.append(
+            {k: v[:, :width] if torch.is_tensor(v) and v.dim() == 2 else v for k, v in c.items()}
+        )
     return out
 
 
@@ -138,8 +141,9 @@ def _build_a(batch: int, mini: int, seed: int = 0) -> dict[str, Callable[[], Any
     d = dict(tokenize(_sentences(batch, 8, 20, seed + 1)))
     cmnrl = CachedMultipleNegativesRankingLoss(model, scale=20.0, mini_batch_size=mini)
     mnrl = MultipleNegativesRankingLoss(model, scale=20.0)
-    ours_loss = InfoNCELoss(temperature=1 / 20, learn_temperature=False, symmetric=False,
-                            gather=False)
+    ours_loss = InfoNCELoss(
+        temperature=1 / 20, learn_temperature=False, symmetric=False, gather=False
+    )
     q_chunks, d_chunks = _trimmed_chunks(q, mini), _trimmed_chunks(d, mini)
 
     def encode(f: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -147,8 +151,9 @@ def _build_a(batch: int, mini: int, seed: int = 0) -> dict[str, Callable[[], Any
 
     def ours() -> torch.Tensor:
         model.zero_grad(set_to_none=False)
-        loss, _ = grad_cache([encode, encode], [q_chunks, d_chunks],
-                             lambda e: ours_loss(e[0], e[1]))
+        loss, _ = grad_cache(
+            [encode, encode], [q_chunks, d_chunks], lambda e: ours_loss(e[0], e[1])
+        )
         return loss
 
     def theirs(loss_fn: torch.nn.Module = cmnrl) -> torch.Tensor:
@@ -157,8 +162,12 @@ def _build_a(batch: int, mini: int, seed: int = 0) -> dict[str, Callable[[], Any
         loss.backward()
         return loss.detach()
 
-    return {"vltrain": ours, "st_cached": theirs, "st_uncached": lambda: theirs(mnrl),
-            "_model": lambda: model}
+    return {
+        "vltrain": ours,
+        "st_cached": theirs,
+        "st_uncached": lambda: theirs(mnrl),
+        "_model": lambda: model,
+    }
 
 
 def _agreement_a(steps: dict[str, Callable[[], Any]]) -> dict[str, float]:
@@ -167,14 +176,19 @@ def _agreement_a(steps: dict[str, Callable[[], Any]]) -> dict[str, float]:
     for name in ("vltrain", "st_cached"):
         torch.manual_seed(123)
         loss = steps[name]()
-        grads = torch.cat([p.grad.reshape(-1).clone() for p in model.parameters()
-                           if p.grad is not None])
+        grads = torch.cat(
+            [p.grad.reshape(-1).clone() for p in model.parameters() if p.grad is not None]
+        )
         out[name] = (float(loss), grads)
     (l1, g1), (l2, g2) = out["vltrain"], out["st_cached"]
-    return {"loss_vltrain": l1, "loss_st": l2, "loss_abs_diff": abs(l1 - l2),
-            "grad_max_abs_diff": float((g1 - g2).abs().max()),
-            "grad_max_abs": float(g2.abs().max()),
-            "grad_rel_l2": float((g1 - g2).norm() / g2.norm())}
+    return {
+        "loss_vltrain": l1,
+        "loss_st": l2,
+        "loss_abs_diff": abs(l1 - l2),
+        "grad_max_abs_diff": float((g1 - g2).abs().max()),
+        "grad_max_abs": float(g2.abs().max()),
+        "grad_rel_l2": float((g1 - g2).norm() / g2.norm()),
+    }
 
 
 def bench_a(runs: int, batch: int, mini: int) -> str:
@@ -182,25 +196,35 @@ def bench_a(runs: int, batch: int, mini: int) -> str:
     agree = _agreement_a(steps)
     times = _median_times({k: steps[k] for k in ("vltrain", "st_cached")}, runs)
     del steps
-    mem = {m: _measure_memory("a", m, batch=batch, mini=mini)
-           for m in ("vltrain", "st_cached", "st_uncached")}
+    mem = {
+        m: _measure_memory("a", m, batch=batch, mini=mini)
+        for m in ("vltrain", "st_cached", "st_uncached")
+    }
     lines = [
         f"### (a) GradCache vs sentence-transformers CachedMultipleNegativesRankingLoss "
-        f"(all-MiniLM-L6-v2, batch {batch}, mini-batch {mini}, train mode)", "",
-        "| method | time/step (s, median of "
-        f"{runs}) | peak RSS delta (MiB) | peak RSS (MiB) |", "|---|---:|---:|---:|",
+        f"(all-MiniLM-L6-v2, batch {batch}, mini-batch {mini}, train mode)",
+        "",
+        f"| method | time/step (s, median of {runs}) | peak RSS delta (MiB) | peak RSS (MiB) |",
+        "|---|---:|---:|---:|",
     ]
-    for m, label in (("vltrain", "vltrain `grad_cache`"),
-                     ("st_cached", "ST `CachedMultipleNegativesRankingLoss`"),
-                     ("st_uncached", "ST `MultipleNegativesRankingLoss` (uncached, reference)")):
+    for m, label in (
+        ("vltrain", "vltrain `grad_cache`"),
+        ("st_cached", "ST `CachedMultipleNegativesRankingLoss`"),
+        ("st_uncached", "ST `MultipleNegativesRankingLoss` (uncached, reference)"),
+    ):
         t = f"{times[m]:.3f}" if m in times else "-"
         lines.append(f"| {label} | {t} | {mem[m]['delta_mib']:.0f} | {mem[m]['peak_mib']:.0f} |")
-    lines += ["", f"Ratio vltrain / ST cached: time {times['vltrain'] / times['st_cached']:.2f}x, "
-              f"peak RSS delta {mem['vltrain']['delta_mib'] / mem['st_cached']['delta_mib']:.2f}x.",
-              "", f"Agreement (same seed, dropout on): loss {agree['loss_vltrain']:.6f} vs "
-              f"{agree['loss_st']:.6f} (|diff| {agree['loss_abs_diff']:.1e}); parameter grads max "
-              f"|diff| {agree['grad_max_abs_diff']:.1e} (max |grad| {agree['grad_max_abs']:.1e}), "
-              f"relative L2 {agree['grad_rel_l2']:.1e}.", ""]
+    lines += [
+        "",
+        f"Ratio vltrain / ST cached: time {times['vltrain'] / times['st_cached']:.2f}x, "
+        f"peak RSS delta {mem['vltrain']['delta_mib'] / mem['st_cached']['delta_mib']:.2f}x.",
+        "",
+        f"Agreement (same seed, dropout on): loss {agree['loss_vltrain']:.6f} vs "
+        f"{agree['loss_st']:.6f} (|diff| {agree['loss_abs_diff']:.1e}); parameter grads max "
+        f"|diff| {agree['grad_max_abs_diff']:.1e} (max |grad| {agree['grad_max_abs']:.1e}), "
+        f"relative L2 {agree['grad_rel_l2']:.1e}.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -217,9 +241,11 @@ def _build_b(batch: int, chunk: int, seed: int = 0) -> dict[str, Callable[[], An
     model = ContrastiveModel(enc, InfoNCELoss(gather=False)).train()
     g = torch.Generator().manual_seed(seed)
     mask = (torch.arange(32)[None] < torch.randint(8, 33, (batch, 1), generator=g)).long()
-    b = {"images": torch.rand(batch, 3, 64, 64, generator=g),
-         "input_ids": torch.randint(3, 2000, (batch, 32), generator=g) * mask,
-         "attention_mask": mask}
+    b = {
+        "images": torch.rand(batch, 3, 64, 64, generator=g),
+        "input_ids": torch.randint(3, 2000, (batch, 32), generator=g) * mask,
+        "attention_mask": mask,
+    }
 
     def uncached() -> torch.Tensor:
         model.zero_grad(set_to_none=False)
@@ -238,15 +264,22 @@ def bench_b(runs: int, batch: int, chunk: int) -> str:
     steps = _build_b(batch, chunk)
     times = _median_times(steps, runs)
     del steps
-    rows = [("uncached", 64, 64), ("uncached", 1024, 64), ("grad_cache", 64, 64),
-            ("grad_cache", 1024, 64), ("grad_cache", 1024, 256)]
+    rows = [
+        ("uncached", 64, 64),
+        ("uncached", 1024, 64),
+        ("grad_cache", 64, 64),
+        ("grad_cache", 1024, 64),
+        ("grad_cache", 1024, 256),
+    ]
     mem = [(m, bs, c, _measure_memory("b", m, batch=bs, chunk=c)) for m, bs, c in rows]
     lines = [
-        f"### (b) GradCache overhead on the tiny dual encoder (vision tiny + text tiny, "
-        f"embed 128, image 64, 32 tokens)", "",
+        "### (b) GradCache overhead on the tiny dual encoder (vision tiny + text tiny, "
+        "embed 128, image 64, 32 tokens)",
+        "",
         f"Time per step at batch {batch}, chunk {chunk} (median of {runs}): uncached "
         f"{times['uncached']:.3f} s, GradCache {times['grad_cache']:.3f} s, ratio "
-        f"**{times['grad_cache'] / times['uncached']:.2f}x**.", "",
+        f"**{times['grad_cache'] / times['uncached']:.2f}x**.",
+        "",
         "| method | batch | chunk | peak RSS delta (MiB) | peak RSS (MiB) |",
         "|---|---:|---:|---:|---:|",
     ]
@@ -263,11 +296,13 @@ def _header() -> str:
     import sentence_transformers
     import transformers
 
-    return (f"Machine: {platform.machine()}, {os.cpu_count()} vCPUs (shared; load average "
-            f"{os.getloadavg()[0]:.1f} at start), torch threads {torch.get_num_threads()}. "
-            f"Versions: python {platform.python_version()}, torch {torch.__version__}, "
-            f"sentence-transformers {sentence_transformers.__version__}, transformers "
-            f"{transformers.__version__}.\n")
+    return (
+        f"Machine: {platform.machine()}, {os.cpu_count()} vCPUs (shared; load average "
+        f"{os.getloadavg()[0]:.1f} at start), torch threads {torch.get_num_threads()}. "
+        f"Versions: python {platform.python_version()}, torch {torch.__version__}, "
+        f"sentence-transformers {sentence_transformers.__version__}, transformers "
+        f"{transformers.__version__}.\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,8 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mini", type=int, default=32, help="(a) mini-batch size")
     p.add_argument("--b-batch", type=int, default=256, help="(b) batch size for timing")
     p.add_argument("--b-chunk", type=int, default=64, help="(b) GradCache chunk for timing")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (1: on a shared 2-core box, 2 threads thrash)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: on a shared 2-core box, 2 threads thrash)",
+    )
     p.add_argument("--out", default="")
     p.add_argument("--_mem", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

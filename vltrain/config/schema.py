@@ -126,6 +126,10 @@ class ModelConfig:
         "tiny", "Text tower size preset (tiny, small, base).", choices=("tiny", "small", "base")
     )
     embed_dim: int = option(128, "Shared embedding dimension of the dual encoder.", ge=8)
+    vision_layers: int = option(0, "Override the vision preset's depth (0: preset).", ge=0)
+    vision_width: int = option(0, "Override the vision preset's width (0: preset).", ge=0)
+    text_layers: int = option(0, "Override the text preset's depth (0: preset).", ge=0)
+    text_width: int = option(0, "Override the text preset's width (0: preset).", ge=0)
     dropout: float = option(0.0, "Dropout in both towers.", ge=0.0, le=0.9)
     connector: str = option(
         "projector",

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from vltrain.config.schema import Config, ObjectiveConfig
 from vltrain.data.tokenizer import TextTokenizer
 from vltrain.models.dual_encoder import DualEncoder
+from vltrain.models.presets import text_config, vision_config
 
 HF_KINDS = ("hf_clip", "hf_siglip", "vlm")
 
@@ -64,13 +65,25 @@ def build_encoder(cfg: Config, tokenizer: TextTokenizer | None) -> nn.Module:
     """The encoder `model.kind` names, with `encode_image` / `encode_text`."""
     m = cfg.model
     if m.kind == "dual_encoder":
-        return DualEncoder.from_preset(
-            m.vision,
-            m.text,
+        return DualEncoder(
+            _sized(
+                vision_config,
+                m.vision,
+                m.vision_layers,
+                m.vision_width,
+                image_size=cfg.data.image_size,
+                dropout=m.dropout,
+            ),
+            _sized(
+                text_config,
+                m.text,
+                m.text_layers,
+                m.text_width,
+                vocab_size=tokenizer.vocab_size,
+                context_length=cfg.data.max_text_len,
+                dropout=m.dropout,
+            ),
             m.embed_dim,
-            vocab_size=tokenizer.vocab_size,
-            context_length=cfg.data.max_text_len,
-            dropout=m.dropout,
         )
     from vltrain.models.hf_embedders import build_embedder
 
@@ -90,6 +103,18 @@ def build_encoder(cfg: Config, tokenizer: TextTokenizer | None) -> nn.Module:
             matryoshka_dims=m.matryoshka_dims,
         )
     return build_embedder(m.kind, m.path, **opts)
+
+
+def _sized(make: Any, preset: str, layers: int, width: int, **dims: Any) -> Any:
+    """A tower config from its preset, with explicit depth/width overrides (0 keeps the preset).
+
+    The image size always comes from `data.image_size`, so any preset trains on any data.
+    """
+    if layers:
+        dims["layers"] = layers
+    if width:
+        dims["width"] = width
+    return make(preset, **dims)
 
 
 def build_batcher(cfg: Config, tokenizer: TextTokenizer | None) -> Any:
