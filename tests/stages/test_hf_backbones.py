@@ -18,13 +18,26 @@ def _rows(run: Path) -> list[dict]:
 
 
 def test_hf_clip_trains_from_a_local_dir_and_exports_save_pretrained(
-        shapes_dir: Path, tmp_path: Path, clip_dir: str) -> None:  # noqa: F811
+    shapes_dir: Path, tmp_path: Path, clip_dir: str
+) -> None:  # noqa: F811
     from transformers import CLIPModel
 
     run = tmp_path / "run"
-    cfg = load_config(None, tiny_overrides(shapes_dir, run, **{
-        "model.kind": "hf_clip", "model.path": clip_dir, "train.max_steps": 3,
-        "data.batch_size": 8, "optim.lr": 1e-3, "optim.warmup_steps": 0}))
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            shapes_dir,
+            run,
+            **{
+                "model.kind": "hf_clip",
+                "model.path": clip_dir,
+                "train.max_steps": 3,
+                "data.batch_size": 8,
+                "optim.lr": 1e-3,
+                "optim.warmup_steps": 0,
+            },
+        ),
+    )
     summary = train(cfg)
     assert 0.0 <= summary["val"]["eval_i2t_R@1"] <= 1.0
     ckpt = run / "checkpoints" / "step_3"
@@ -40,15 +53,71 @@ def test_hf_clip_trains_from_a_local_dir_and_exports_save_pretrained(
 
 
 def test_vlm_embedder_with_lora_token_budget_and_matryoshka(
-        shapes_dir: Path, tmp_path: Path, qwen2vl_dir: str) -> None:  # noqa: F811
+    shapes_dir: Path, tmp_path: Path, qwen2vl_dir: str
+) -> None:  # noqa: F811
     run = tmp_path / "run"
-    cfg = load_config(None, tiny_overrides(shapes_dir, run, **{
-        "model.kind": "vlm", "model.path": qwen2vl_dir, "model.lora_r": 4,
-        "model.matryoshka_dims": "[8]", "data.max_visual_tokens": 4, "train.max_steps": 2,
-        "data.batch_size": 4, "optim.warmup_steps": 0, "data.max_text_len": 24}))
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            shapes_dir,
+            run,
+            **{
+                "model.kind": "vlm",
+                "model.path": qwen2vl_dir,
+                "model.lora_r": 4,
+                "model.matryoshka_dims": "[8]",
+                "data.max_visual_tokens": 4,
+                "train.max_steps": 2,
+                "data.batch_size": 4,
+                "optim.warmup_steps": 0,
+                "data.max_text_len": 24,
+            },
+        ),
+    )
     summary = train(cfg)
     rows = _rows(run)
     train_rows = [r for r in rows if "loss" in r]
     assert all(r["train_visual_tokens_max"] <= 4 for r in train_rows)
     assert "eval_d8_i2t_R@1" in summary["val"]
     assert (run / "checkpoints" / "step_2" / "hf_model" / "config.json").is_file()
+
+
+def test_vlm_grad_cache_equals_the_uncached_step(
+    shapes_dir: Path, tmp_path: Path, qwen2vl_dir: str
+) -> None:  # noqa: F811
+    """Qwen-VL inputs (flattened patches) are chunked per image; GradCache = full batch."""
+    from safetensors.torch import load_file
+
+    def run(name: str, chunk: int) -> dict:
+        out = tmp_path / name
+        train(
+            load_config(
+                None,
+                tiny_overrides(
+                    shapes_dir,
+                    out,
+                    **{
+                        "model.kind": "vlm",
+                        "model.path": qwen2vl_dir,
+                        "train.max_steps": 2,
+                        "data.batch_size": 4,
+                        "optim.warmup_steps": 0,
+                        "optim.lr": 1e-3,
+                        "data.max_text_len": 24,
+                        "data.max_visual_tokens": 4,
+                        "objective.hard_negatives": 2,
+                        "objective.grad_cache_chunk": chunk,
+                        "train.save_every": 2,
+                        "data.eval": "",
+                    },
+                ),
+            )
+        )
+        return load_file(out / "checkpoints" / "step_2" / "model.safetensors")
+
+    full, cached = run("full", 0), run("cached", 2)
+    start = load_file(next((tmp_path / "full").glob("checkpoints/step_2")) / "model.safetensors")
+    assert full.keys() == cached.keys()
+    diff = max(float((full[k] - cached[k]).abs().max()) for k in full)
+    assert diff < 1e-5
+    assert start is not None

@@ -67,6 +67,19 @@ def _rows(x: Any) -> set[int]:
     return {n for item in items for n in _rows(item)}
 
 
+def _split_patch_grid(x: Mapping[str, Any], chunk: int) -> list[dict[str, Any]]:
+    """Qwen-VL style inputs: `pixel_values` holds every image's patches back to back
+    (sum of t*h*w over images, D); split it by the images' patch counts, the rest by row."""
+    counts = x["image_grid_thw"].prod(-1)  # (B,) patches per image
+    rest = {k: v for k, v in x.items() if k != "pixel_values"}
+    sizes = [int(c.sum()) for c in counts.split(chunk)]
+    pixels = x["pixel_values"].split(sizes)
+    return [
+        {**part, "pixel_values": px}
+        for part, px in zip(split_rows(rest, chunk), pixels, strict=True)
+    ]
+
+
 def split_rows(x: Any, chunk: int) -> list[Any]:
     """Split a tensor, or a tuple/dict of tensors with the same rows, into row chunks.
 
@@ -76,6 +89,8 @@ def split_rows(x: Any, chunk: int) -> list[Any]:
     """
     if chunk < 1:
         raise ValueError(f"GradCache chunk size must be >= 1, got {chunk}")
+    if isinstance(x, Mapping) and "image_grid_thw" in x and "pixel_values" in x:
+        return _split_patch_grid(x, chunk)
     if len(_rows(x)) > 1:
         raise ValueError(
             f"GradCache: the inputs to chunk have different leading sizes {sorted(_rows(x))}, "
