@@ -74,6 +74,8 @@ def test_quickstart_end_to_end_at_a_tiny_size(tmp_path: Path, capsys) -> None:
             "16",
             "--num-workers",
             "0",
+            "--caption-steps",
+            "6",
             "log.progress=false",
             "data.tokenizer_vocab=400",
         ]
@@ -81,6 +83,8 @@ def test_quickstart_end_to_end_at_a_tiny_size(tmp_path: Path, capsys) -> None:
     printed = capsys.readouterr().out
     assert code == 0
     assert "| image->text R@1 |" in printed and "hard-negative acc" in printed
+    assert "| CIDEr-D |" in printed and "| BLEU-4 |" in printed
+    assert (out / "caption_finetune" / "checkpoints" / "best" / "best.json").is_file()
     run = out / "clip"
     assert (run / "config.yaml").is_file() and (run / "summary.json").is_file()
     assert (run / "checkpoints" / "step_8" / "model.safetensors").is_file()

@@ -42,6 +42,8 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         num_workers=args.num_workers,
         extra=args.overrides,
+        caption_steps=args.caption_steps,
+        caption_extra=args.overrides,
     )
     return 0
 
@@ -147,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     q.add_argument("--steps", type=int, default=500, help="training steps")
     q.add_argument("--n-train", type=int, default=4000, help="synthetic training images")
+    q.add_argument(
+        "--caption-steps",
+        type=int,
+        default=300,
+        help="captioner pretrain+finetune steps after the CLIP stage (0: skip)",
+    )
     q.add_argument("--n-eval", type=int, default=300, help="synthetic val and test images each")
     q.add_argument("--batch-size", type=int, default=128, help="batch size")
     q.add_argument("--num-workers", type=int, default=1, help="DataLoader worker processes")

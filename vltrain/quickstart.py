@@ -9,7 +9,8 @@ from typing import Any
 
 from vltrain.config import load_config
 
-PRESET = Path(__file__).parent / "configs" / "quickstart.yaml"
+CONFIGS = Path(__file__).parent / "configs"
+PRESET = CONFIGS / "quickstart.yaml"
 
 ROWS = (
     ("image->text R@1", "i2t_R@1"),
@@ -58,41 +59,138 @@ def run_quickstart(
     batch_size: int = 128,
     num_workers: int = 1,
     extra: list[str] | None = None,
+    caption_steps: int = 300,
+    caption_extra: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Run the whole demo; returns the training summary (val and test metrics)."""
+    """Run the whole demo; returns {"clip": summary, "caption": metrics} (caption_steps=0 skips
+    the captioner)."""
     from vltrain.engine.loop import train
 
     root = Path(out)
     data = root / "data"
     t0 = time.time()
     _ensure_data(data, n_train, n_eval, seed=0)
-    overrides = [
-        f"run.out_dir={root / 'clip'}",
+    splits = [
         f"data.train={data / 'train.jsonl'}",
         f"data.eval={data / 'val.jsonl'}",
         f"data.test={data / 'test.jsonl'}",
+        f"data.num_workers={num_workers}",
+    ]
+    overrides = [
+        f"run.out_dir={root / 'clip'}",
+        *splits,
         f"model.vision={size}",
         f"model.text={size}",
         f"train.max_steps={steps}",
         f"train.eval_every={max(steps // 3, 1)}",
         f"train.save_every={max(steps // 3, 1)}",
         f"data.batch_size={batch_size}",
-        f"data.num_workers={num_workers}",
         f"optim.warmup_steps={min(50, steps // 5)}",
         *(extra or []),
     ]
     cfg = load_config(PRESET, overrides)
+    n = 3 if caption_steps else 2
     print(
-        f"[2/3] training the CLIP stage ({size}, {steps} steps, batch {batch_size}) "
+        f"[2/{n + 1}] training the CLIP stage ({size}, {steps} steps, batch {batch_size}) "
         f"-> {cfg.run.out_dir}"
     )
     summary = train(cfg)
+    result: dict[str, Any] = {"clip": summary}
+    if caption_steps:
+        print(
+            f"[3/{n + 1}] captioner: pretrain (vision tower from the CLIP run, frozen) -> "
+            "finetune (vision at 0.1x lr)"
+        )
+        result["caption"] = run_caption_stages(
+            root, splits, cfg.run.out_dir, size, caption_steps, caption_extra or []
+        )
     print(
-        "[3/3] results (percent; val = same attribute combos as train, test = held-out combos):\n"
+        f"[{n + 1}/{n + 1}] results (percent; val = attribute combos seen in training, "
+        "test = held-out combos):\n"
     )
     print(results_table(summary))
+    if caption_steps:
+        print("\n" + caption_table(result["caption"]))
     print(
-        f"\nrun folder: {cfg.run.out_dir}  (config.yaml, metrics.jsonl, checkpoints/, "
-        f"summary.json)\ntotal time: {time.time() - t0:.0f} s"
+        f"\nrun folders: {root}/clip"
+        + (f", {root}/caption_pretrain, {root}/caption_finetune" if caption_steps else "")
+        + f"  (config.yaml, metrics.jsonl, checkpoints/, summary.json)\n"
+        f"total time: {time.time() - t0:.0f} s"
     )
-    return summary
+    return result
+
+
+def run_caption_stages(
+    root: Path, splits: list[str], clip_run: str, size: str, steps: int, extra: list[str]
+) -> dict[str, dict[str, float]]:
+    """Caption pretrain -> finetune on the synthetic data; greedy and beam BLEU/CIDEr-D."""
+    from vltrain.engine.loop import train
+    from vltrain.engine.runtime import eval_mode
+    from vltrain.stages.loading import load_trained
+
+    common = [
+        *splits,
+        f"model.vision={size}",
+        f"model.text={size}",
+        "data.batch_size=64",
+        "caption.strategy=greedy",
+        "log.tensorboard=false",
+        *extra,
+    ]
+    pre, fine = root / "caption_pretrain", root / "caption_finetune"
+    pre_steps, fine_steps = steps * 2 // 3, steps - steps * 2 // 3
+    train(
+        load_config(
+            CONFIGS / "caption_pretrain.yaml",
+            [
+                f"run.out_dir={pre}",
+                f"model.vision_init_from={clip_run}",
+                "model.freeze=[vision]",
+                f"train.max_steps={pre_steps}",
+                f"train.eval_every={pre_steps}",
+                f"train.save_every={pre_steps}",
+                f"optim.warmup_steps={min(50, pre_steps // 5)}",
+                "data.test=",
+                *common,
+            ],
+        )
+    )
+    fine_summary = train(
+        load_config(
+            CONFIGS / "caption_finetune.yaml",
+            [
+                f"run.out_dir={fine}",
+                f"model.init_from={pre}",
+                f"train.max_steps={fine_steps}",
+                f"train.eval_every={fine_steps}",
+                f"train.save_every={fine_steps}",
+                f"optim.warmup_steps={min(20, fine_steps // 5)}",
+                *common,
+            ],
+        )
+    )
+    out = {
+        "val greedy": _strip(fine_summary.get("val", {})),
+        "test greedy": fine_summary.get("test", {}),
+    }
+    _, stage, model = load_trained(fine, ["caption.strategy=beam", "caption.num_beams=3"])
+    with eval_mode(model):
+        for split in ("val", "test"):
+            out[f"{split} beam"] = stage.evaluate(model, split)
+    return out
+
+
+def _strip(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {k.removeprefix("eval_"): v for k, v in metrics.items()}
+
+
+def caption_table(results: dict[str, dict[str, float]]) -> str:
+    """Markdown table of BLEU-4 and CIDEr-D for val/test with greedy and beam decoding."""
+    cols = ["val greedy", "val beam", "test greedy", "test beam"]
+    lines = ["| captioner | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for name in ("BLEU-4", "CIDEr-D"):
+        vals = [results.get(c, {}).get(name) for c in cols]
+        lines.append(
+            f"| {name} | " + " | ".join("-" if v is None else f"{v:.3f}" for v in vals) + " |"
+        )
+    return "\n".join(lines)

@@ -141,6 +141,11 @@ class ModelConfig:
         "Captioner: the connector's own options, e.g. {pool: 2, projector_layers: 2} or "
         "{n_latents: 16, resampler_layers: 1, xattn_every: 1}.",
     )
+    vision_init_from: str = option(
+        "",
+        "Captioner: load the vision tower from a contrastive (CLIP-stage) run or checkpoint "
+        "(its encoder.vision.* weights); model.vision and data.image_size must match it.",
+    )
     freeze: list[str] = option(
         [],
         "Captioner parts to freeze (no gradient, no optimizer state): vision, connector, decoder.",
@@ -350,8 +355,51 @@ class CaptionConfig:
 
 
 @dataclass
+class RLConfig:
+    k: int = option(4, "rl: captions sampled per image each step.", ge=1)
+    temperature: float = option(1.0, "rl: sampling temperature.", gt=0.0)
+    top_p: float = option(
+        0.9, "rl: nucleus sampling mass (1.0: unbiased on-policy estimator).", gt=0.0, le=1.0
+    )
+    max_new_tokens: int = option(
+        16, "rl: most sampled tokens per caption (capped by the decoder context).", ge=1
+    )
+    reward: str = option(
+        "cider",
+        "rl: reward against all references: CIDEr-D (df from the training references), "
+        "sentence BLEU-4, or a weighted mix (rl.reward_weights).",
+        choices=("cider", "bleu4", "mix"),
+    )
+    reward_weights: dict[str, float] = option(
+        {}, "rl: reward=mix weights, e.g. {cider: 1.0, bleu4: 0.5} ({}: 1 each)."
+    )
+    baseline: str = option(
+        "ema",
+        "rl: advantage baseline: ema (moving average of the global mean reward), greedy "
+        "(self-critical: reward of the greedy caption; one extra decode), loo (leave-one-out).",
+        choices=("ema", "greedy", "loo"),
+    )
+    ema_decay: float = option(0.9, "rl: decay of the ema baseline (below 1).", ge=0.0, le=0.9999)
+    kl_coeff: float = option(
+        0.0, "rl: weight of KL(policy || frozen reference) in the loss (logged always).", ge=0.0
+    )
+    entropy_coeff: float = option(0.0, "rl: weight of the entropy bonus.", ge=0.0)
+    normalize: str = option(
+        "token",
+        "rl: loss terms averaged over sampled tokens (token) or summed per sequence and "
+        "averaged over sequences (sequence; retune coefficients).",
+        choices=("token", "sequence"),
+    )
+    eval_beam: bool = option(
+        True, "rl: also report beam-search BLEU/CIDEr-D (eval_beam_*) next to greedy."
+    )
+
+
+@dataclass
 class Config:
-    stage: str = option("contrastive", "Stage registry key.", choices=("contrastive", "caption"))
+    stage: str = option(
+        "contrastive", "Stage registry key.", choices=("contrastive", "caption", "rl")
+    )
     run: RunConfig = section(RunConfig, "Run directory, seed, device and precision.")
     data: DataConfig = section(DataConfig, "Records, batching and decoding.")
     model: ModelConfig = section(ModelConfig, "Model architecture.")
@@ -361,6 +409,7 @@ class Config:
     log: LogConfig = section(LogConfig, "Progress bar, TensorBoard, W&B.")
     tune: TuneConfig = section(TuneConfig, "Hyperparameter search (`vltrain tune`).")
     caption: CaptionConfig = section(CaptionConfig, "Caption stage: mode, prompts, eval decoding.")
+    rl: RLConfig = section(RLConfig, "RL stage (REINFORCE on the captioner): sampling, reward.")
 
 
 def validate_cross_fields(cfg: Config) -> None:
@@ -377,11 +426,13 @@ def validate_cross_fields(cfg: Config) -> None:
     for key, scale in cfg.optim.lr_scale.items():
         if scale < 0:
             raise ConfigError(f"'optim.lr_scale.{key}' must be >= 0, got {scale}")
-    if (cfg.stage == "caption") != (cfg.model.kind == "captioner"):
+    if (cfg.stage in ("caption", "rl")) != (cfg.model.kind == "captioner"):
         raise ConfigError(
-            f"stage '{cfg.stage}' cannot train model.kind '{cfg.model.kind}': the caption stage "
-            "needs model.kind=captioner and the captioner is trained by stage=caption"
+            f"stage '{cfg.stage}' cannot train model.kind '{cfg.model.kind}': the caption and rl "
+            "stages need model.kind=captioner and the captioner is trained by stage=caption or rl"
         )
+    if cfg.stage == "rl":
+        _validate_rl(cfg)
     hf = cfg.model.kind in ("hf_clip", "hf_siglip", "vlm")
     if hf and not cfg.model.path:
         raise ConfigError(f"model.kind={cfg.model.kind} needs 'model.path' (a local HF model dir)")
@@ -395,6 +446,22 @@ def validate_cross_fields(cfg: Config) -> None:
             raise ConfigError(f"'model.freeze' entry {part!r} is not one of {list(parts)}")
     if set(parts) <= set(cfg.model.freeze):
         raise ConfigError("'model.freeze' freezes every part of the model: nothing would train")
+
+
+def _validate_rl(cfg: Config) -> None:
+    r = cfg.rl
+    if not cfg.model.init_from:
+        raise ConfigError(
+            "stage 'rl' needs 'model.init_from' (a trained caption run or checkpoint): RL "
+            "fine-tunes a captioner and anchors the KL to those starting weights"
+        )
+    if r.baseline == "loo" and r.k < 2:
+        raise ConfigError(f"'rl.baseline' loo needs 'rl.k' >= 2, got rl.k={r.k}")
+    if r.reward_weights and r.reward != "mix":
+        raise ConfigError(f"'rl.reward_weights' applies to rl.reward=mix, not {r.reward!r}")
+    unknown = sorted(set(r.reward_weights) - {"cider", "bleu4"})
+    if unknown:
+        raise ConfigError(f"'rl.reward_weights' keys {unknown} are unknown; use cider, bleu4")
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:

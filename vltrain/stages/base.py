@@ -101,6 +101,7 @@ def get_stage(name: str) -> type[Stage]:
     """The stage class for a registry key (importing the built-in stages on first use)."""
     import vltrain.stages.caption  # noqa: F401  (registers itself)
     import vltrain.stages.contrastive  # noqa: F401  (registers itself)
+    import vltrain.stages.rl  # noqa: F401  (registers itself)
 
     if name not in STAGES:
         raise KeyError(f"unknown stage '{name}'; known: {sorted(STAGES)}")

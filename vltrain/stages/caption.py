@@ -38,6 +38,7 @@ from vltrain.stages.caption_decode import (
     caption_scores,
     decode_captions,
     load_initial_weights,
+    load_vision_tower,
 )
 
 
@@ -109,6 +110,8 @@ class CaptionStage(Stage):
         model = build_captioner(self.cfg, self.tokenizer)
         if self.init_ckpt is not None:
             load_initial_weights(model, self.init_ckpt)
+        elif self.cfg.model.vision_init_from:
+            load_vision_tower(model, self.cfg.model.vision_init_from)
         model.freeze(self.cfg.model.freeze)
         return model
 
@@ -189,12 +192,14 @@ class CaptionStage(Stage):
             self._eval_sets[split] = self._dataset(path, train=False)
         return self._eval_sets[split]
 
-    def _eval_shard(self, model: nn.Module, ds: CaptionDataset) -> tuple[Tensor, dict, dict]:
-        """Loss sums and decoded captions of this rank's contiguous shard of `ds`."""
+    def _eval_shard(
+        self, model: nn.Module, ds: CaptionDataset, strategies: tuple[str, ...]
+    ) -> tuple[Tensor, dict, dict]:
+        """Loss sums, and captions decoded by each strategy, of this rank's shard of `ds`."""
         c, dev = self.cfg.caption, self.ctx.device
         bs = self.cfg.data.eval_batch_size or self.cfg.data.batch_size
         sums = torch.zeros(4, dtype=torch.float64)  # CE sum, correct, labelled tokens, bad
-        hyps: dict[int, str] = {}
+        hyps: dict[str, dict[int, str]] = {s: {} for s in strategies}
         refs: dict[int, list[str]] = {}
         collate = CaptionCollate(self.tokenizer.pad_id)
         for keys in EvalShardSampler(len(ds), bs, self.ctx.rank, self.ctx.world_size):
@@ -209,32 +214,47 @@ class CaptionStage(Stage):
             )
             n = float(out["n_tokens"])
             sums[:3] += torch.tensor([float(out["loss"]) * n, float(out["token_acc"]) * n, n])
-            caps = decode_captions(
-                model,
-                self.tokenizer,
-                images,
-                b["prompt_ids"],
-                strategy=c.strategy,
-                num_beams=c.num_beams,
-                max_new_tokens=c.max_new_tokens,
-                length_penalty=c.length_penalty,
-            )
-            for s, cap in zip(good, caps, strict=True):
-                hyps[s["index"]], refs[s["index"]] = cap, s["refs"]
+            for strategy, shard_hyps in hyps.items():
+                caps = decode_captions(
+                    model,
+                    self.tokenizer,
+                    images,
+                    b["prompt_ids"],
+                    strategy=strategy,
+                    num_beams=c.num_beams,
+                    max_new_tokens=c.max_new_tokens,
+                    length_penalty=c.length_penalty,
+                )
+                for s, cap in zip(good, caps, strict=True):
+                    shard_hyps[s["index"]] = cap
+            for s in good:
+                refs[s["index"]] = s["refs"]
         return sums, hyps, refs
 
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
         """Sharded loss + decoding; strings gathered once, every rank scores the same set."""
-        sums, hyps, refs = self._eval_shard(model, self._eval_set(split))
+        return self.evaluate_decoding(model, split, {"": self.cfg.caption.strategy})
+
+    def evaluate_decoding(
+        self, model: nn.Module, split: str, strategies: dict[str, str]
+    ) -> dict[str, float]:
+        """Loss plus BLEU/CIDEr-D per decoding strategy; ``strategies`` maps a metric-name
+        prefix ('' = none) to a strategy, e.g. ``{"": "greedy", "beam_": "beam"}``."""
+        sums, hyps, refs = self._eval_shard(
+            model, self._eval_set(split), tuple(sorted(set(strategies.values())))
+        )
         total = D.all_reduce_sum(sums.to(self.ctx.device)).cpu()
-        all_hyps: dict[int, str] = {}
+        all_hyps: dict[str, dict[int, str]] = {s: {} for s in hyps}
         all_refs: dict[int, list[str]] = {}
         for h, r in D.all_gather_object((hyps, refs)):
-            all_hyps.update(h)
+            for strategy, rows in h.items():
+                all_hyps[strategy].update(rows)
             all_refs.update(r)
         n = max(float(total[2]), 1.0)
         metrics = {"loss": float(total[0]) / n, "token_acc": float(total[1]) / n}
-        metrics.update(caption_scores(all_hyps, all_refs))
+        for prefix, strategy in strategies.items():
+            scores = caption_scores(all_hyps[strategy], all_refs)
+            metrics.update({f"{prefix}{k}": v for k, v in scores.items()})
         metrics["bad_samples"] = float(total[3])
         metrics["n_images"] = float(len(all_refs))
         return metrics

@@ -65,6 +65,31 @@ def load_initial_weights(model: Captioner, ckpt: Path) -> None:
         ) from None
 
 
+def load_vision_tower(model: Captioner, source: str) -> None:
+    """Initialise `model.vision` from a contrastive run's image tower (`encoder.vision.*`)."""
+    from safetensors.torch import load_file
+
+    try:
+        ckpt = resolve_checkpoint(source)
+    except FileNotFoundError as e:
+        raise ConfigError(f"model.vision_init_from: {e}") from None
+    weights = load_file(str(ckpt / "model.safetensors"))
+    prefix = "encoder.vision."
+    tower = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+    if not tower:
+        raise ConfigError(
+            f"model.vision_init_from={ckpt} holds no {prefix}* weights: pass a "
+            "checkpoint of the contrastive stage's built-in dual encoder"
+        )
+    try:
+        model.vision.load_state_dict(tower, strict=True)
+    except RuntimeError as e:
+        raise ConfigError(
+            f"model.vision_init_from={ckpt} does not fit model.vision "
+            f"({str(e)[:200]}...): use the same model.vision preset"
+        ) from None
+
+
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     """Left-padded (B, T) ids and mask: prompts end at the last column, as prefill wants."""
     t = max(len(r) for r in rows)

@@ -1,0 +1,202 @@
+"""The rl stage: REINFORCE fine-tuning of a trained captioner (``stage: rl``, configs/rl.yaml).
+
+Everything but the loss is the caption stage's: data, tokenizer reuse and model building from
+``model.init_from``, sharded evaluation (greedy BLEU/CIDEr-D, plus beam as ``eval_beam_*``),
+``checkpoints/best`` by ``eval_CIDEr-D``. Per step (math in ``vltrain/objectives/reinforce.py``,
+wiring rules in docs/rl.md):
+
+1. sample ``rl.k`` captions per image on the unwrapped policy (no grad, global RNG so resume is
+   exact), and for ``baseline=greedy`` one greedy caption per image;
+2. reward each against all references of its image (CIDEr-D df from the training references,
+   computed once in :meth:`RLStage.prepare`);
+3. advantages from the baseline; the ema baseline then folds in the all-reduced mean reward;
+4. teacher-forced logits of the policy through the (DDP-wrapped) model the engine passes, and of
+   the frozen reference (no grad); ``reinforce_loss``; the engine's backward of ``loss * scale``.
+
+The reference is rebuilt from ``model.init_from`` at every start (also on resume), lives on the
+stage (never inside the trained module), is never saved and has no optimizer state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from vltrain.data.caption_data import CaptionDataset
+from vltrain.data.images import BadSample
+from vltrain.engine import distributed as D
+from vltrain.inference.decoding import generate
+from vltrain.objectives.reinforce import (
+    CaptionReward,
+    advantages,
+    build_baseline,
+    check_frozen_reference,
+    ends_with_eos,
+    frozen_reference,
+    policy_terms,
+    reinforce_loss,
+    sequence_logits,
+    sequence_mask,
+)
+from vltrain.stages.base import Stage, register_stage
+from vltrain.stages.caption import CaptionStage
+from vltrain.stages.caption_decode import build_captioner, left_pad, load_initial_weights
+
+#: metrics logged every step (all-reduced means over ranks), in this order
+RL_METRICS = (
+    "reward_mean",
+    "reward_std",
+    "adv_mean",
+    "adv_std",
+    "kl",
+    "entropy",
+    "length_mean",
+    "eos_frac",
+    "pg_loss",
+)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module under a DDP wrapper (sampling must not go through DDP's forward)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+@register_stage("rl")
+class RLStage(CaptionStage):
+    """REINFORCE on a captioner started from ``model.init_from``; eval as the caption stage."""
+
+    best_metric = "eval_CIDEr-D"
+    best_mode = "max"
+
+    def prepare(self) -> None:
+        """Tokenizer (from init_from), reward df from the training refs, frozen reference."""
+        super().prepare()
+        r = self.cfg.rl
+        self.reward = CaptionReward(
+            self._training_refs(), kind=r.reward, weights=r.reward_weights or None
+        )
+        kwargs = {"decay": r.ema_decay} if r.baseline == "ema" else {}
+        self.baseline = build_baseline(r.baseline, **kwargs)
+        # Built from the starting checkpoint (never from a resumed policy), off the global RNG
+        # so the policy's RNG stream is the same whether or not a reference is built.
+        with torch.random.fork_rng(devices=[]):
+            ref = build_captioner(self.cfg, self.tokenizer)
+        load_initial_weights(ref, self.init_ckpt)
+        self.reference = frozen_reference(ref).to(self.ctx.device)
+
+    def _training_refs(self) -> dict[int, list[str]]:
+        """``{index: references}`` of the training records (no image decoding)."""
+        ds = self.train_dataset()
+        refs: dict[int, list[str]] = {}
+        for i, rec in enumerate(ds.records):
+            try:
+                refs[i] = ds.prompt_and_refs(rec)[1]
+            except BadSample:  # bad text: the loader skips and counts it; no df from it
+                continue
+        return refs
+
+    def build_model(self) -> nn.Module:
+        model = super().build_model()
+        check_frozen_reference(self.reference, model)
+        return model
+
+    def train_dataset(self) -> CaptionDataset:
+        """Training records as eval-style samples: prompt ids and all references per image."""
+        ds = self._dataset(self.cfg.data.train, train=False)
+        if self.cfg.data.max_train_samples:
+            ds.records = ds.records[: self.cfg.data.max_train_samples]
+        return ds
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def _sample(self, policy: nn.Module, batch: dict[str, Any]) -> dict[str, Tensor]:
+        """K samples per image (+ greedy captions for the greedy baseline), no grad."""
+        r, k = self.cfg.rl, self.cfg.rl.k
+        dev = batch["images"].device
+        ids, pmask = left_pad(batch["prompt_ids"], self.tokenizer.pad_id)  # (B, P)
+        ids, pmask = ids.to(dev), pmask.to(dev)
+        room = policy.max_text_len - ids.shape[1]
+        if room < 1:
+            raise ValueError(
+                f"the prompt takes {ids.shape[1]} of the decoder's {policy.max_text_len} text "
+                "positions; shorten caption.prompt or raise data.max_text_len"
+            )
+        inputs = {"images": batch["images"], "input_ids": ids, "attention_mask": pmask}
+        was_training = policy.training
+        policy.eval()  # sample from the policy itself: no dropout
+        try:
+            out = generate(
+                policy,
+                inputs,
+                "sample",
+                max_new_tokens=min(r.max_new_tokens, room),
+                temperature=r.temperature,
+                top_p=r.top_p,
+                num_return_sequences=k,
+            )
+            greedy = None
+            if r.baseline == "greedy":
+                greedy = generate(
+                    policy, inputs, "greedy", max_new_tokens=min(r.max_new_tokens, room)
+                )
+        finally:
+            policy.train(was_training)
+        res = {"ids": ids, "pmask": pmask, "seq": out.sequences, "len": out.lengths}
+        if greedy is not None:
+            res["greedy"] = self._rewards(greedy.sequences, greedy.lengths, batch["refs"], 1)
+        return res
+
+    def _rewards(self, seq: Tensor, lengths: Tensor, refs: list[list[str]], k: int) -> Tensor:
+        """Rewards (B*k,) of rows grouped per image against that image's references."""
+        rows = [s[: int(n)].tolist() for s, n in zip(seq, lengths, strict=True)]
+        texts = self.tokenizer.decode_batch(rows)
+        return self.reward(texts, [rs for rs in refs for _ in range(k)])
+
+    def loss(self, model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, dict]:
+        """REINFORCE loss of one batch; `model` may be DDP-wrapped (gradients sync through it)."""
+        r, k = self.cfg.rl, self.cfg.rl.k
+        s = self._sample(_unwrap(model), batch)
+        seq, lengths = s["seq"], s["len"]  # (B*K, L), (B*K,)
+        rewards = self._rewards(seq, lengths, batch["refs"], k).to(seq.device)  # (B*K,)
+        adv = advantages(rewards, k, self.baseline, s.get("greedy"))
+        self.baseline.update(D.all_reduce_mean(rewards.mean().double()))
+        images = batch["images"].repeat_interleave(k, 0)  # (B*K, 3, S, S)
+        ids, pmask = s["ids"].repeat_interleave(k, 0), s["pmask"].repeat_interleave(k, 0)
+        logits = sequence_logits(model, images, ids, pmask, seq, lengths)  # (B*K, L, V)
+        with torch.no_grad():
+            ref_logits = sequence_logits(self.reference, images, ids, pmask, seq, lengths)
+        terms = policy_terms(logits, ref_logits, seq, sequence_mask(lengths, seq.shape[1]))
+        eos = ends_with_eos(seq, lengths, self.tokenizer.eos_id)
+        loss, m = reinforce_loss(
+            terms, adv, r.kl_coeff, r.entropy_coeff, r.normalize, rewards, lengths, eos
+        )
+        local = torch.stack([m[name].detach().double().cpu() for name in RL_METRICS])
+        glob = D.all_reduce_mean(local.to(seq.device)).cpu()  # one collective for all metrics
+        metrics = {name: float(v) for name, v in zip(RL_METRICS, glob, strict=True)}
+        if r.baseline == "ema":
+            metrics["baseline"] = float(self.baseline.value)
+        return loss, metrics
+
+    def backward(
+        self, model: nn.Module, batch: dict[str, Any], scale: float
+    ) -> tuple[Tensor, dict]:
+        """Plain ``(loss * scale).backward()`` (not the caption stage's token reweighting)."""
+        return Stage.backward(self, model, batch, scale)
+
+    # ---- evaluation and state -----------------------------------------------------------
+
+    def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
+        """Caption-stage eval with greedy decoding, plus beam search as ``beam_*``."""
+        strategies = {"": "greedy"}
+        if self.cfg.rl.eval_beam:
+            strategies["beam_"] = "beam"
+        return self.evaluate_decoding(model, split, strategies)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"baseline_kind": self.cfg.rl.baseline, "baseline": self.baseline.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("baseline_kind") == self.cfg.rl.baseline:
+            self.baseline.load_state_dict(state["baseline"])
