@@ -20,6 +20,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_pipeline(args: argparse.Namespace) -> int:
+    from vltrain.engine import distributed as D
+    from vltrain.pipeline import run_pipeline
+
+    try:
+        run_pipeline(args.pipeline, args.overrides)
+    finally:
+        D.shutdown()
+    return 0
+
+
 def _cmd_synth(args: argparse.Namespace) -> int:
     from vltrain.data.synth import synth_command
 
@@ -116,6 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config", help="YAML config (see configs/ and docs/config.md)")
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     t.set_defaults(fn=_cmd_train)
+
+    pl = sub.add_parser(
+        "pipeline",
+        help="run training stages in order (pretrain -> finetune -> rl), restartable",
+        description="Run the stages of PIPELINE.yaml (see configs/pipeline.yaml) in "
+        "<root>/<name>, each from the previous stage's best checkpoint; finished stages are "
+        "skipped and an interrupted one resumes; writes <root>/report.md.",
+    )
+    pl.add_argument("pipeline", help="pipeline YAML (stages: name, config, overrides)")
+    pl.add_argument("overrides", nargs="*", help="dotted key=value overrides for every stage")
+    pl.set_defaults(fn=_cmd_pipeline)
 
     d = sub.add_parser("data", help="dataset tools")
     dsub = d.add_subparsers(dest="data_command", required=True)

@@ -18,8 +18,10 @@ def _rows(run: Path) -> list[dict]:
 
 
 def test_hf_clip_trains_from_a_local_dir_and_exports_save_pretrained(
-    shapes_dir: Path, tmp_path: Path, clip_dir: str
-) -> None:  # noqa: F811
+    shapes_dir: Path,
+    tmp_path: Path,
+    clip_dir: str,  # noqa: F811 (fixture)
+) -> None:
     from transformers import CLIPModel
 
     run = tmp_path / "run"
@@ -53,8 +55,10 @@ def test_hf_clip_trains_from_a_local_dir_and_exports_save_pretrained(
 
 
 def test_vlm_embedder_with_lora_token_budget_and_matryoshka(
-    shapes_dir: Path, tmp_path: Path, qwen2vl_dir: str
-) -> None:  # noqa: F811
+    shapes_dir: Path,
+    tmp_path: Path,
+    qwen2vl_dir: str,  # noqa: F811 (fixture)
+) -> None:
     run = tmp_path / "run"
     cfg = load_config(
         None,
@@ -83,8 +87,10 @@ def test_vlm_embedder_with_lora_token_budget_and_matryoshka(
 
 
 def test_vlm_grad_cache_equals_the_uncached_step(
-    shapes_dir: Path, tmp_path: Path, qwen2vl_dir: str
-) -> None:  # noqa: F811
+    shapes_dir: Path,
+    tmp_path: Path,
+    qwen2vl_dir: str,  # noqa: F811 (fixture)
+) -> None:
     """Qwen-VL inputs (flattened patches) are chunked per image; GradCache = full batch."""
     from safetensors.torch import load_file
 

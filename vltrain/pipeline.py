@@ -1,0 +1,161 @@
+"""`vltrain pipeline PIPELINE.yaml [overrides]`: run training stages in order under one root.
+
+A pipeline file (configs/pipeline.yaml; docs/rl.md) lists stages, each a config file (relative to
+the pipeline file) plus dotted overrides, and a shared ``root``:
+
+    root: runs/pipeline
+    overrides: [data.num_workers=2]        # applied to every stage (before its own)
+    stages:
+      - {name: pretrain, config: caption_pretrain.yaml, overrides: [train.max_steps=300]}
+      - {name: finetune, config: caption_finetune.yaml}
+      - {name: rl, config: rl.yaml}
+
+Stage ``name`` runs in ``<root>/<name>``; every stage after the first starts from the previous
+stage's best checkpoint (``model.init_from=<root>/<previous>``). Restarting the pipeline skips a
+finished stage (``summary.json`` with ``steps == train.max_steps``) and resumes an interrupted one
+(``train.resume=true``). At the end a table of every stage's summary goes to stdout and
+``<root>/report.md``. Command-line overrides apply to every stage, last.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vltrain.config.core import ConfigError, load_yaml
+from vltrain.config.schema import Config, load_config
+from vltrain.engine import checkpoint as C
+
+_KEYS = {"root", "overrides", "stages"}
+_STAGE_KEYS = {"name", "config", "overrides"}
+#: summary columns shown first in the report, when present
+_FIRST = ("eval_loss", "eval_BLEU-4", "eval_CIDEr-D", "eval_beam_BLEU-4", "eval_beam_CIDEr-D")
+
+
+@dataclass
+class PipelineStage:
+    """One resolved stage: its name, its full config, and what the runner will do."""
+
+    name: str
+    cfg: Config
+    action: str = "train"  # train | resume | skip
+
+
+def _overrides(value: Any, where: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, dict):  # {key: value} reads better in YAML for a few keys
+        return [
+            f"{k}={json.dumps(v) if isinstance(v, (list, dict)) else v}" for k, v in value.items()
+        ]
+    if isinstance(value, list) and all(isinstance(x, str) for x in value):
+        return list(value)
+    raise ConfigError(f"{where}: overrides must be a list of 'key=value' strings or a mapping")
+
+
+def load_pipeline(path: str | Path, overrides: list[str] | None = None) -> list[PipelineStage]:
+    """Read and validate a pipeline file; every stage config is loaded before any compute."""
+    path = Path(path)
+    spec = load_yaml(path)
+    unknown = sorted(set(spec) - _KEYS)
+    if unknown:
+        raise ConfigError(f"{path}: unknown pipeline keys {unknown}; valid: {sorted(_KEYS)}")
+    root = spec.get("root")
+    stages = spec.get("stages")
+    if not root or not isinstance(stages, list) or not stages:
+        raise ConfigError(f"{path}: needs 'root' (a folder) and a non-empty 'stages' list")
+    shared = _overrides(spec.get("overrides"), f"{path}: overrides")
+    out: list[PipelineStage] = []
+    for i, st in enumerate(stages):
+        where = f"{path}: stages[{i}]"
+        if not isinstance(st, dict) or not {"name", "config"} <= set(st):
+            raise ConfigError(f"{where} needs 'name' and 'config'")
+        bad = sorted(set(st) - _STAGE_KEYS)
+        if bad:
+            raise ConfigError(f"{where}: unknown keys {bad}; valid: {sorted(_STAGE_KEYS)}")
+        name = str(st["name"])
+        if not name or "/" in name or name in {s.name for s in out}:
+            raise ConfigError(f"{where}: name {name!r} must be unique and a plain folder name")
+        cfg_path = path.parent / st["config"]
+        if not cfg_path.is_file():
+            raise ConfigError(
+                f"{where}: config {cfg_path} not found (paths are relative to {path})"
+            )
+        chain = [f"run.out_dir={Path(root) / name}"]
+        if out:
+            chain.append(f"model.init_from={Path(root) / out[-1].name}")
+        over = shared + _overrides(st.get("overrides"), where) + list(overrides or []) + chain
+        try:
+            cfg = load_config(cfg_path, over)
+        except ConfigError as e:
+            raise ConfigError(f"pipeline stage '{name}' ({cfg_path}): {e}") from None
+        out.append(PipelineStage(name, cfg))
+    return out
+
+
+def plan(stages: list[PipelineStage]) -> None:
+    """Decide per stage: skip (finished), resume (checkpoints present) or train (fresh)."""
+    for st in stages:
+        run = Path(st.cfg.run.out_dir)
+        summary = _summary(run)
+        if summary is not None and summary.get("steps") == st.cfg.train.max_steps:
+            st.action = "skip"
+        elif C.latest_checkpoint(run / "checkpoints") is not None:
+            st.action = "resume"
+            st.cfg.train.resume = True
+        else:
+            st.action = "train"
+
+
+def _summary(run: Path) -> dict[str, Any] | None:
+    p = run / "summary.json"
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def run_pipeline(path: str | Path, overrides: list[str] | None = None) -> list[dict[str, Any]]:
+    """Run (or continue) a pipeline; return one row per stage: name, action and summary."""
+    from vltrain.engine import distributed as D
+    from vltrain.engine.loop import train
+
+    stages = load_pipeline(path, overrides)
+    root = Path(stages[0].cfg.run.out_dir).parent
+    rows: list[dict[str, Any]] = []
+    for st in stages:
+        plan([st])  # decided just before the stage: an earlier stage may have just finished
+        if D.is_main():
+            print(f"vltrain pipeline: stage '{st.name}': {st.action} -> {st.cfg.run.out_dir}")
+        summary = _summary(Path(st.cfg.run.out_dir)) if st.action == "skip" else train(st.cfg)
+        rows.append({"name": st.name, "action": st.action, "summary": summary})
+    if D.is_main():
+        table = report_table(rows)
+        print(table)
+        (root / "report.md").write_text(f"# Pipeline report: {path}\n\n{table}\n")
+    return rows
+
+
+def report_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table: one row per stage, its summary metrics as columns."""
+    vals = [{k: v for k, v in (r["summary"].get("val") or {}).items() if k != "step"} for r in rows]
+    keys = [k for k in _FIRST if any(k in v for v in vals)]
+    keys += sorted({k for v in vals for k in v} - set(keys))
+    head = ["stage", "action", "steps", "best", "best step", *keys]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r, v in zip(rows, vals, strict=True):
+        s = r["summary"]
+        best = s.get("best_value")
+        cells = [
+            r["name"],
+            r["action"],
+            str(s.get("steps")),
+            f"{s.get('best_metric')} = {best:.4f}" if best is not None else "-",
+            str(s.get("best_step")),
+            *(_fmt(v.get(k)) for k in keys),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(x: Any) -> str:
+    return "-" if x is None else f"{x:.4f}" if isinstance(x, float) else str(x)
