@@ -94,3 +94,18 @@ def test_every_shipped_preset_loads(preset: Path) -> None:
         return
     cfg = load_config(preset)
     assert cfg.train.max_steps >= 1
+
+
+def test_config_reference_doc_is_current() -> None:
+    """docs/config.md is generated from the schema; regenerate with `vltrain config-docs`."""
+    import io
+    from contextlib import redirect_stdout
+
+    from vltrain.cli import main
+
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        main(["config-docs"])
+    assert buf.getvalue().strip() == (REPO / "docs" / "config.md").read_text().strip(), (
+        "docs/config.md is stale: run `vltrain config-docs --out docs/config.md`"
+    )

@@ -171,8 +171,8 @@ def load_for_generation(
             f"no config.yaml for {ckpt} (looked at {cfg_path}); pass --config RUN/config.yaml"
         )
     cfg = load_config(cfg_path)
-    if cfg.stage != "caption":
-        raise ConfigError(f"{cfg_path} is a '{cfg.stage}' run, not a caption run")
+    if cfg.stage not in ("caption", "rl"):
+        raise ConfigError(f"{cfg_path} is a '{cfg.stage}' run, not a caption or rl run")
     tokenizer = TextTokenizer.load(ckpt / "tokenizer")
     model = build_captioner(cfg, tokenizer)
     load_weights(model, ckpt)
