@@ -21,7 +21,6 @@ the marker dict ``{"bad": reason, ...}`` that the engine drops and counts.
 from __future__ import annotations
 
 import io
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,9 +43,10 @@ from vltrain.data.images import (
 )
 from vltrain.data.records import (
     DataError,
-    _as_key,
-    _normalise,
+    as_key,
+    normalise_record,
     read_coco_captions,
+    read_jsonl,
     resolve_image_path,
 )
 from vltrain.data.rng import sample_generator
@@ -60,21 +60,13 @@ MODES = ("pretrain", "finetune", "sft")
 
 def read_caption_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Caption and chat records of a JSONL file; structural mistakes raise DataError."""
-    records: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}).") from None
-            if isinstance(obj, dict) and "messages" in obj:
-                records.append(_chat_record(obj, where, str(lineno)))
-            else:
-                records.append(_normalise(obj, where, default_id=str(lineno)))
-    return records
+    return read_jsonl(path, parse=_caption_or_chat)
+
+
+def _caption_or_chat(obj: object, where: str, default_id: str) -> dict[str, Any]:
+    if isinstance(obj, dict) and "messages" in obj:
+        return _chat_record(obj, where, default_id)
+    return normalise_record(obj, where, default_id)
 
 
 def _chat_record(obj: dict[str, Any], where: str, default_id: str) -> dict[str, Any]:
@@ -306,7 +298,7 @@ class CaptionDataset(Dataset):
         return len(C.encode_segments(self.tokenizer, segs, self.max_len)[0])
 
     def __getitem__(self, key: Any) -> dict[str, Any]:
-        epoch, _, index = _as_key(key)
+        epoch, _, index = as_key(key)
         if not 0 <= index < len(self.source.records):
             raise IndexError(f"index {index} out of range for {len(self.source.records)} records")
         rec = self.source.records[index]

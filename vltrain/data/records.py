@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import operator
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ class DataQualityError(RuntimeError):
     """Too many bad samples: the run stops rather than train on a broken data set."""
 
 
-def _normalise(obj: object, where: str, default_id: str) -> dict[str, Any]:
+def normalise_record(obj: object, where: str, default_id: str) -> dict[str, Any]:
     """Check one record's structure and normalise `text`/`negatives`/`id`."""
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}.")
@@ -69,8 +69,14 @@ def _normalise(obj: object, where: str, default_id: str) -> dict[str, Any]:
     return rec
 
 
-def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+def read_jsonl(
+    path: str | os.PathLike[str],
+    parse: Callable[[object, str, str], dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
     """Read a JSONL file of records (see module docstring); blank lines are skipped.
+
+    `parse(obj, where, default_id)` turns one JSON object into a record (default:
+    `normalise_record`); `where` is `file:line` for error messages.
 
     Invalid UTF-8 inside a caption does not fail the file: it is read with surrogateescape and
     `check_text` later marks that sample `bad_text`.
@@ -88,7 +94,7 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
                     f"{where}: not valid JSON ({e.msg} at column {e.colno}). Each line must be "
                     "one JSON object; fix or delete this line."
                 ) from None
-            records.append(_normalise(obj, where, default_id=str(lineno)))
+            records.append((parse or normalise_record)(obj, where, str(lineno)))
     return records
 
 
@@ -169,7 +175,7 @@ def resolve_image_path(jsonl_path: str | os.PathLike[str], rel: str) -> Path:
     return full
 
 
-def _as_key(key: object) -> SampleKey:
+def as_key(key: object) -> SampleKey:
     """Accept (epoch, batch_in_epoch, index) or a bare index; numpy/torch integers are fine."""
     try:
         if isinstance(key, (tuple, list)) and len(key) == 3:
@@ -216,7 +222,7 @@ class ImageTextDataset(Dataset):
         return len(self.records)
 
     def __getitem__(self, key: SampleKey | int) -> dict[str, Any]:
-        epoch, _, index = _as_key(key)
+        epoch, _, index = as_key(key)
         if not 0 <= index < len(self.records):
             raise IndexError(f"index {index} out of range for {len(self.records)} records")
         rec = self.records[index]
