@@ -144,6 +144,23 @@ def test_best_yaml_is_the_base_config_with_best_params_and_trains(
     assert rc == 0 and json.loads((out / "summary.json").read_text())["steps"] == 2
 
 
+def _schema_ready(db: Path) -> bool:
+    """True once the tune process has created the study schema. Reading it earlier through
+    optuna would make this test race the tune process to create the tables."""
+    import sqlite3
+
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1.0)
+        try:
+            rows = con.execute("SELECT version_num FROM alembic_version").fetchall()
+            con.execute("SELECT count(*) FROM trials").fetchall()
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return False
+    return bool(rows)
+
+
 def _wait_for_running_trial(
     db: Path, name: str, proc: subprocess.Popen, timeout: float = 240.0
 ) -> None:
@@ -151,7 +168,7 @@ def _wait_for_running_trial(
     deadline = time.time() + timeout
     while time.time() < deadline:
         assert proc.poll() is None, f"tune exited early:\n{proc.stderr.read().decode()[-3000:]}"
-        if db.is_file():
+        if db.is_file() and _schema_ready(db):
             try:
                 trials = _trials(db.parent, name)
             except Exception:  # noqa: BLE001 - the study may not exist yet
