@@ -21,18 +21,18 @@ ROWS = (
 )
 
 
-def _ensure_data(data_dir: Path, n_train: int, n_eval: int, seed: int) -> None:
+def _ensure_data(data_dir: Path, n_train: int, n_eval: int, seed: int, total: int) -> None:
     from vltrain.data.synth import synth_command
 
     stamp = data_dir / "quickstart.json"
     want = {"n_train": n_train, "n_val": n_eval, "n_test": n_eval, "seed": seed}
     if stamp.is_file() and json.loads(stamp.read_text()) == want:
-        print(f"[1/3] synthetic data already in {data_dir}")
+        print(f"[1/{total}] synthetic data already in {data_dir}")
         return
     t = time.time()
     synth_command(str(data_dir), n_train, n_eval, n_eval, seed)
     stamp.write_text(json.dumps(want))
-    print(f"[1/3] wrote synthetic shapes data to {data_dir} ({time.time() - t:.1f} s)")
+    print(f"[1/{total}] wrote synthetic shapes data to {data_dir} ({time.time() - t:.1f} s)")
 
 
 def results_table(summary: dict[str, Any]) -> str:
@@ -69,7 +69,7 @@ def run_quickstart(
     root = Path(out)
     data = root / "data"
     t0 = time.time()
-    _ensure_data(data, n_train, n_eval, seed=0)
+    _ensure_data(data, n_train, n_eval, seed=0, total=4 if caption_steps else 3)
     splits = [
         f"data.train={data / 'train.jsonl'}",
         f"data.eval={data / 'val.jsonl'}",
