@@ -122,8 +122,6 @@ def test_vlm_grad_cache_equals_the_uncached_step(
         return load_file(out / "checkpoints" / "step_2" / "model.safetensors")
 
     full, cached = run("full", 0), run("cached", 2)
-    start = load_file(next((tmp_path / "full").glob("checkpoints/step_2")) / "model.safetensors")
     assert full.keys() == cached.keys()
     diff = max(float((full[k] - cached[k]).abs().max()) for k in full)
     assert diff < 1e-5
-    assert start is not None
