@@ -52,6 +52,9 @@ def test_hf_clip_trains_from_a_local_dir_and_exports_save_pretrained(
     assert torch.equal(ours[key], exported.text_projection.weight)
     original = CLIPModel.from_pretrained(clip_dir, local_files_only=True)
     assert not torch.equal(original.text_projection.weight, exported.text_projection.weight)
+    # The loss owns the temperature during training; the export carries its trained value.
+    assert float(ours["loss.logit_scale"]) != original.logit_scale.item()
+    assert exported.logit_scale.item() == float(ours["loss.logit_scale"])
 
 
 def test_vlm_embedder_with_lora_token_budget_and_matryoshka(

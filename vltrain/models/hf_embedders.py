@@ -133,9 +133,10 @@ class _HFEmbedder(nn.Module):
                 f"{' or '.join(self.model_types)}; pick the matching kind ({sorted(EMBEDDERS)})."
             )
         model = self._load(self.path, local_files_only=local_files_only, dtype=dtype)
-        self._freeze_unused(model)
         self.lora = dict(lora) if lora else None
         self.model = apply_lora(model, self.lora, self.lora_targets) if self.lora else model
+        # after LoRA, so adapters peft attached inside unused modules are frozen with them
+        self._freeze_unused(self.base_model())
         self.trainable_params, self.total_params = count_parameters(self.model)
 
     def _load(self, path: str, **kw: Any) -> nn.Module:
@@ -245,6 +246,15 @@ class HFClipEmbedder(_HFEmbedder):
         """The model's sigmoid-loss bias (SigLIP only; CLIP has none)."""
         return None
 
+    @torch.no_grad()
+    def set_logit_params(self, log_scale: Tensor, bias: Tensor | None = None) -> None:
+        """Write the loss's trained log-scale (and bias, where the model has one) into the
+        model's own copies, so an exported model produces the logits training ended with."""
+        m = self.base_model()
+        m.logit_scale.copy_(log_scale.detach().reshape(m.logit_scale.shape))
+        if bias is not None and isinstance(getattr(m, "logit_bias", None), Tensor):
+            m.logit_bias.copy_(bias.detach().reshape(m.logit_bias.shape))
+
     def loss_init(self, loss: str | None = None) -> dict[str, float]:
         """Kwargs for `build_loss(loss, ...)` that reproduce the pretrained logits at step 0.
 
@@ -311,6 +321,35 @@ def mean_pool(hidden: Tensor, attention_mask: Tensor) -> Tensor:
 POOLINGS = {"eos": last_token_pool, "mean": mean_pool}
 
 
+def _no_modules(model: nn.Module) -> list[nn.Module]:
+    return []
+
+
+def llava_unused_vision(model: nn.Module) -> list[nn.Module]:
+    """Vision-tower modules a LLaVA model runs but never reads (so they get no gradient).
+
+    The projector reads the tower's hidden states at ``vision_feature_layer`` (LLaVA-1.5: -2,
+    the penultimate layer), never its pooled output: later layers and the pooling head
+    (``post_layernorm``, SigLIP's ``head``) are dead ends. Towers without ``encoder.layers``
+    (e.g. Pixtral) are left alone.
+    """
+    tower = model.model.vision_tower
+    tower = getattr(tower, "vision_model", tower)  # transformers 4.x wraps the transformer
+    layers = getattr(getattr(tower, "encoder", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        return []
+    picked = model.config.vision_feature_layer
+    picked = [picked] if isinstance(picked, int) else list(picked)
+    # hidden_states[k] is the output of the first k layers (k = 0: the embeddings)
+    used = max(k if k >= 0 else len(layers) + 1 + k for k in picked)
+    heads = [getattr(tower, name, None) for name in ("post_layernorm", "head")]
+    return [*layers[used:], *(m for m in heads if isinstance(m, nn.Module))]
+
+
+# model_type -> modules of the loaded model that never reach the embedding (frozen at load)
+UNUSED_VISION = {"llava": llava_unused_vision}
+
+
 class VLMEmbedder(_HFEmbedder):
     """An image-text-to-text model used as an embedder (VLM2Vec / GME style).
 
@@ -357,10 +396,13 @@ class VLMEmbedder(_HFEmbedder):
         return AutoModelForImageTextToText.from_pretrained(path, **kw)
 
     def _freeze_unused(self, model: nn.Module) -> None:
-        """The LM head is never run; freeze it unless it is tied to the input embeddings."""
+        """Freeze what never reaches the embedding: the LM head (unless tied to the input
+        embeddings) and the vision layers a LLaVA projector does not read."""
         head, emb = model.get_output_embeddings(), model.get_input_embeddings()
         if head is not None and head.weight is not emb.weight:
             head.requires_grad_(False)
+        for module in UNUSED_VISION.get(model.config.model_type, _no_modules)(model):
+            module.requires_grad_(False)
 
     @property
     def embed_dim(self) -> int:

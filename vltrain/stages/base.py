@@ -106,3 +106,26 @@ def get_stage(name: str) -> type[Stage]:
     if name not in STAGES:
         raise KeyError(f"unknown stage '{name}'; known: {sorted(STAGES)}")
     return STAGES[name]
+
+
+def resolve_init(init_from: str) -> Path | None:
+    """`model.init_from` as a checkpoint folder (best, else newest); None when it is unset."""
+    from vltrain.config.core import ConfigError
+    from vltrain.engine.checkpoint import resolve_checkpoint
+
+    try:
+        return resolve_checkpoint(init_from) if init_from else None
+    except FileNotFoundError as e:
+        raise ConfigError(f"model.init_from: {e}") from None
+
+
+def copy_init_tokenizer(init_ckpt: Path, tok_dir: Path) -> None:
+    """Reuse the tokenizer saved with `init_ckpt`: token ids must match the weights."""
+    import shutil
+
+    from vltrain.config.core import ConfigError
+
+    src = init_ckpt / "tokenizer"
+    if not (src / "tokenizer.json").is_file():
+        raise ConfigError(f"model.init_from: {init_ckpt} holds no tokenizer/")
+    shutil.copytree(src, tok_dir)

@@ -17,22 +17,25 @@ references; ``checkpoints/best`` follows CIDEr-D.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from vltrain.config.core import ConfigError
 from vltrain.data.caption_data import CaptionDataset, read_caption_source, training_texts
 from vltrain.data.chat import IGNORE_INDEX
 from vltrain.data.records import split_bad
 from vltrain.data.samplers import EvalShardSampler, LengthBucketBatchSampler, ShardedBatchSampler
 from vltrain.data.tokenizer import TextTokenizer, train_bpe_tokenizer
 from vltrain.engine import distributed as D
-from vltrain.engine.checkpoint import resolve_checkpoint
-from vltrain.stages.base import BatchSampler, Stage, register_stage
+from vltrain.stages.base import (
+    BatchSampler,
+    Stage,
+    copy_init_tokenizer,
+    register_stage,
+    resolve_init,
+)
 from vltrain.stages.caption_decode import (
     build_captioner,
     caption_scores,
@@ -86,18 +89,11 @@ class CaptionStage(Stage):
 
     def prepare(self) -> None:
         """Reuse the tokenizer of `model.init_from` (or of this run), else train one (rank 0)."""
-        init = self.cfg.model.init_from
-        try:
-            self.init_ckpt = resolve_checkpoint(init) if init else None
-        except FileNotFoundError as e:
-            raise ConfigError(f"model.init_from: {e}") from None
+        self.init_ckpt = resolve_init(self.cfg.model.init_from)
         tok_dir = self.out_dir / "tokenizer"
         if self.ctx.is_main and not (tok_dir / "tokenizer.json").is_file():
             if self.init_ckpt is not None:
-                src = self.init_ckpt / "tokenizer"
-                if not (src / "tokenizer.json").is_file():
-                    raise ConfigError(f"model.init_from: {self.init_ckpt} holds no tokenizer/")
-                shutil.copytree(src, tok_dir)
+                copy_init_tokenizer(self.init_ckpt, tok_dir)
             else:
                 c = self.cfg.caption
                 texts = training_texts(self._source(self.cfg.data.train), c.prompt, c.instruction)

@@ -8,11 +8,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from vltrain.config.core import ConfigError
 from vltrain.data.images import BadSample, check_text
 from vltrain.data.records import ImageTextDataset, read_records, split_bad
 from vltrain.data.samplers import EvalShardSampler, ShardedBatchSampler
 from vltrain.data.tokenizer import TextTokenizer, train_bpe_tokenizer
 from vltrain.engine import distributed as D
+from vltrain.engine.checkpoint import load_weights
 from vltrain.engine.runtime import to_device
 from vltrain.eval.retrieval import image_text_retrieval
 from vltrain.objectives.contrastive import Features, build_loss_from_config
@@ -25,7 +27,7 @@ from vltrain.stages.backbones import (
     objective_for,
     uses_tokenizer,
 )
-from vltrain.stages.base import Stage, register_stage
+from vltrain.stages.base import Stage, copy_init_tokenizer, register_stage, resolve_init
 
 __all__ = ["ContrastiveModel", "ContrastiveStage", "ImageTextCollate"]
 
@@ -68,19 +70,25 @@ class ContrastiveStage(Stage):
     best_mode = "max"
 
     def prepare(self) -> None:
-        """Train the BPE tokenizer on the training captions once (rank 0), or reuse it."""
+        """The BPE tokenizer: `model.init_from`'s, else trained on the training captions once
+        (rank 0), else the one this run already saved."""
         self.tokenizer: TextTokenizer | None = None
         self._eval_sets: dict[str, ImageTextDataset] = {}
+        self.init_ckpt = resolve_init(self.cfg.model.init_from)
         if uses_tokenizer(self.cfg):
             tok_dir = self.out_dir / "tokenizer"
             if self.ctx.is_main and not (tok_dir / "tokenizer.json").is_file():
-                texts = [
-                    t
-                    for r in read_records(self.cfg.data.train)
-                    for t in r["text"]
-                    if is_valid_text(t)
-                ]  # bad records are skipped (and counted) later
-                train_bpe_tokenizer(texts, vocab_size=self.cfg.data.tokenizer_vocab).save(tok_dir)
+                if self.init_ckpt is not None:
+                    copy_init_tokenizer(self.init_ckpt, tok_dir)
+                else:
+                    texts = [
+                        t
+                        for r in read_records(self.cfg.data.train)
+                        for t in r["text"]
+                        if is_valid_text(t)
+                    ]  # bad records are skipped (and counted) later
+                    tok = train_bpe_tokenizer(texts, vocab_size=self.cfg.data.tokenizer_vocab)
+                    tok.save(tok_dir)
             D.barrier()
             self.tokenizer = TextTokenizer.load(tok_dir)
         self.batcher = build_batcher(self.cfg, self.tokenizer)
@@ -91,7 +99,18 @@ class ContrastiveStage(Stage):
             print(f"vltrain: {encoder.describe()}")
         # registry: objective.loss (infonce, siglip); HF CLIP/SigLIP start at their own scale
         loss = build_loss_from_config(objective_for(encoder, self.cfg.objective))
-        return ContrastiveModel(encoder, loss)
+        model = ContrastiveModel(encoder, loss)
+        if self.init_ckpt is not None:  # e.g. a hard-negative round after `vltrain mine`
+            try:
+                load_weights(model, self.init_ckpt)
+            except RuntimeError as e:
+                raise ConfigError(
+                    f"model.init_from={self.init_ckpt} does not fit this model "
+                    f"({str(e)[:300]}...); model.kind, model.vision, model.text, "
+                    "model.embed_dim, objective.loss and the LoRA options must match the source "
+                    "run's config.yaml"
+                ) from None
+        return model
 
     def train_dataset(self) -> ImageTextDataset:
         ds = ImageTextDataset(
@@ -144,7 +163,11 @@ class ContrastiveStage(Stage):
     def export(self, model: nn.Module, folder: Path) -> None:
         """HF backbones: an HF-loadable `hf_model/` (save_pretrained) beside the safetensors."""
         if self.cfg.model.kind in HF_KINDS:
-            model.encoder.save_pretrained(folder / "hf_model")
+            enc, loss = model.encoder, model.loss
+            if hasattr(enc, "set_logit_params"):  # CLIP/SigLIP: the loss owns scale and bias
+                log_scale = loss.logit_scale.clamp(max=loss.max_log_scale)
+                enc.set_logit_params(log_scale, getattr(loss, "logit_bias", None))
+            enc.save_pretrained(folder / "hf_model")
 
     # ---- evaluation -------------------------------------------------------------------
 
