@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import vltrain.eval.retrieval as retrieval
 from vltrain.eval.retrieval import (
     evaluate_retrieval,
     image_text_retrieval,
@@ -68,6 +69,48 @@ def test_topk_equals_bruteforce_with_ties(chunk_size, doc_chunk_size, k):
     assert vals.shape == idx.shape == (23, k) and idx.dtype == torch.long
     assert torch.equal(idx, ref_idx[:, :k])
     assert torch.equal(vals.double(), ref_vals[:, :k])
+
+
+@pytest.mark.parametrize("n_docs,k", [(3001, 1), (3001, 10), (2048, 5), (4000, 20)])
+@pytest.mark.parametrize("doc_chunk_size", [None, 1500])
+def test_grouped_topk_equals_bruteforce_on_large_blocks(n_docs, k, doc_chunk_size):
+    """Blocks wide enough for the candidate-group selection (M // 16 >= 8 (k + 1)); integer data
+    has many exact ties at the k-th place and duplicate docs, which force the exact redo."""
+    q, d = _int_data(37, n_docs, 5, seed=n_docs + k)
+    ref_vals, ref_idx = _ref_order(q, d)
+    vals, idx = topk_similarity(q, d, k, chunk_size=16, doc_chunk_size=doc_chunk_size)
+    assert torch.equal(idx, ref_idx[:, :k])
+    assert torch.equal(vals.double(), ref_vals[:, :k])
+
+
+def test_grouped_topk_selects_from_groups_on_untied_data(monkeypatch):
+    """Random floats (no ties): the group path answers every row without the full top-k, and
+    the answer still equals brute force (negative control: the full top-k is never called)."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(50, 16, generator=g)
+    d = torch.randn(5003, 16, generator=g)  # 5003 % 16 = 11 tail columns
+    ref_vals, ref_idx = _ref_order(q, d)
+
+    def no_full_topk(*args):
+        raise AssertionError("full top-k used on untied data")
+
+    monkeypatch.setattr(retrieval, "_plain_topk", no_full_topk)
+    vals, idx = topk_similarity(q, d, 10, chunk_size=50, doc_chunk_size=5003)
+    assert torch.equal(idx, ref_idx[:, :10])
+    torch.testing.assert_close(vals.double(), ref_vals[:, :10], rtol=0, atol=1e-5)
+
+
+def test_grouped_topk_redoes_rows_tied_with_an_unselected_group():
+    """A doc outside the k best groups can tie the k-th candidate; the lower index must win."""
+    d = torch.zeros(4096, 2)
+    d[:, 0] = -1.0
+    d[3000, 0] = 5.0  # the best doc
+    d[2000, 0] = 1.0  # ties with docs 1000 and 3500 for second place; 1000 has the lowest index
+    d[1000, 0] = 1.0
+    d[3500, 0] = 1.0
+    q = torch.tensor([[1.0, 0.0]])
+    vals, idx = topk_similarity(q, d, 2, doc_chunk_size=4096)
+    assert idx.tolist() == [[3000, 1000]] and vals.tolist() == [[5.0, 1.0]]
 
 
 def test_data_really_has_boundary_ties():
@@ -301,7 +344,6 @@ def test_errors_are_explained(call, match):
 
 
 def test_auto_doc_chunking_when_rows_exceed_budget(monkeypatch):
-    import vltrain.eval.retrieval as retrieval
 
     monkeypatch.setattr(retrieval, "_BLOCK_BYTES", 4 * 40 * 14)  # whole rows do not fit
     assert retrieval._chunk_sizes(40, 70, None, None) == (40, 14)
@@ -313,7 +355,6 @@ def test_auto_doc_chunking_when_rows_exceed_budget(monkeypatch):
 
 
 def test_torch_matmul_path_equals_numpy_path(monkeypatch):
-    import vltrain.eval.retrieval as retrieval
 
     assert retrieval._np is not None  # the default CPU path is the numpy one
     q, d = _int_data(30, 45, 5, seed=15)
@@ -330,3 +371,30 @@ def test_float64_and_grad_inputs():
     vals, idx = topk_similarity(q.double().requires_grad_(), d, 5)
     assert vals.dtype == torch.float64 and not vals.requires_grad
     assert torch.equal(idx, _ref_order(q, d)[1][:, :5])
+
+
+def test_parallel_cpu_workers_equal_one_worker(monkeypatch):
+    """Query ranges on parallel threads (single-threaded kernels) = the sequential scan; the
+    torch thread count is restored afterwards."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.nn.functional.normalize(torch.randn(301, 24, generator=g), dim=1)
+    d = torch.nn.functional.normalize(torch.randn(2500, 24, generator=g), dim=1)
+    positives = _random_positives(301, 2500, seed=5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert retrieval._cpu_workers(q.device, 10) == 2
+        par_top = topk_similarity(q, d, 10, chunk_size=32)
+        par_ranks = rank_of_positives(q, d, positives, chunk_size=32, doc_chunk_size=700)
+        par_metrics = evaluate_retrieval(q, d, positives, chunk_size=32)
+        assert torch.get_num_threads() == 2
+        monkeypatch.setattr(retrieval, "_threadpoolctl", None)  # one worker
+        assert retrieval._cpu_workers(q.device, 10) == 1
+        assert torch.equal(topk_similarity(q, d, 10, chunk_size=32)[1], par_top[1])
+        one = rank_of_positives(q, d, positives, chunk_size=32, doc_chunk_size=700)
+        assert torch.equal(one, par_ranks)
+        assert evaluate_retrieval(q, d, positives, chunk_size=32) == par_metrics
+    finally:
+        torch.set_num_threads(threads)
+    ref_vals, ref_idx = _ref_order(q, d)
+    assert torch.equal(par_top[1], ref_idx[:, :10])

@@ -189,6 +189,31 @@ def test_generic_encoders_and_errors() -> None:
         grad_cache([lin, lin], [split_rows(q, 2)], loss_fn)
 
 
+def test_last_chunk_is_not_re_encoded_and_rng_ends_as_one_pass() -> None:
+    """2 x chunks - 1 encoder calls (the last chunk backpropagates from its first graph), and
+    the RNG stream afterwards is where one pass over all chunks leaves it."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Dropout(0.3))
+    calls = []
+
+    def enc(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return net(x)
+
+    def loss_fn(e: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        return (e[0] @ e[1].t()).logsumexp(1).mean(), {}
+
+    q, d = torch.randn(6, 5), torch.randn(6, 5)
+    torch.manual_seed(1)
+    grad_cache([enc, enc], [split_rows(q, 2), split_rows(d, 2)], loss_fn)
+    after = torch.rand(3)
+    assert len(calls) == 2 * 6 - 1
+    torch.manual_seed(1)
+    for x in (*split_rows(q, 2), *split_rows(d, 2)):
+        net(x)
+    assert torch.equal(after, torch.rand(3))
+
+
 def test_split_rows() -> None:
     x = torch.arange(10).view(5, 2)
     assert [c.shape[0] for c in split_rows(x, 2)] == [2, 2, 1]

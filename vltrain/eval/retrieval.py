@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -33,10 +35,18 @@ try:  # optional: faster CPU matmul for this shape (see _score_block)
     import numpy as _np
 except ImportError:  # pragma: no cover - numpy ships with most torch installs
     _np = None
+try:  # optional: single-threaded BLAS inside the parallel CPU workers (see _scan)
+    import threadpoolctl as _threadpoolctl
+except ImportError:  # pragma: no cover - a declared dependency
+    _threadpoolctl = None
 
 # Bytes allowed for one score block; a (512, 36_430) fp32 block is ~71 MiB.
 _BLOCK_BYTES = 96 * 2**20
 _MAX_QUERY_CHUNK = 512
+# Parallel CPU workers in `_scan` (each holds one block; the block budget is shared).
+_MAX_WORKERS = 8
+# Columns per candidate group in `_grouped_topk`.
+_GROUP = 16
 _TOP_LIST = 10  # length of the top list that nDCG@10 / MRR@10 / ranks_path use
 
 
@@ -67,19 +77,21 @@ def _check_embeddings(queries: Tensor, docs: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _chunk_sizes(
-    n_q: int, n_docs: int, chunk_size: int | None, doc_chunk_size: int | None
+    n_q: int, n_docs: int, chunk_size: int | None, doc_chunk_size: int | None, workers: int = 1
 ) -> tuple[int, int]:
-    """(query chunk, doc chunk). Default: whole doc rows, as many queries as fit the budget."""
+    """(query chunk, doc chunk). Default: whole doc rows, as many queries as fit the budget,
+    which `workers` parallel CPU workers (one block each) share."""
     for name, v in (("chunk_size", chunk_size), ("doc_chunk_size", doc_chunk_size)):
         if v is not None and v < 1:
             raise ValueError(f"{name} must be >= 1 or None (auto); got {v}.")
+    budget = _BLOCK_BYTES // max(workers, 1)
     if doc_chunk_size is None:
         min_rows = min(n_q, 64) if chunk_size is None else min(n_q, chunk_size)
-        fits = min_rows * n_docs * 4 <= _BLOCK_BYTES
-        doc_chunk_size = n_docs if fits else max(1, _BLOCK_BYTES // (4 * max(min_rows, 1)))
+        fits = min_rows * n_docs * 4 <= budget
+        doc_chunk_size = n_docs if fits else max(1, budget // (4 * max(min_rows, 1)))
     doc_chunk_size = min(doc_chunk_size, n_docs)
     if chunk_size is None:
-        chunk_size = max(1, min(_MAX_QUERY_CHUNK, _BLOCK_BYTES // (4 * doc_chunk_size)))
+        chunk_size = max(1, min(_MAX_QUERY_CHUNK, budget // (4 * doc_chunk_size)))
     return min(chunk_size, n_q), doc_chunk_size
 
 
@@ -97,6 +109,13 @@ def _block_topk(scores: Tensor, k: int, col_offset: int) -> tuple[Tensor, Tensor
     if n_cols <= k:
         idx = torch.arange(n_cols, device=scores.device).expand_as(scores)  # (R, M)
         return _sort_total_order(scores, idx + col_offset)
+    if n_cols // _GROUP >= 8 * (k + 1):
+        return _grouped_topk(scores, k, col_offset)
+    return _plain_topk(scores, k, col_offset)
+
+
+def _plain_topk(scores: Tensor, k: int, col_offset: int) -> tuple[Tensor, Tensor]:
+    """`_block_topk` by one `torch.topk` over all M columns (needs M > k)."""
     vals, idx = scores.topk(k + 1, dim=1)  # (R, k+1), sorted by value
     # torch.topk picks an arbitrary subset of docs tied at the k-th value. Rows where the k-th
     # and (k+1)-th values are equal are re-selected so the lowest-index tied docs win.
@@ -109,6 +128,34 @@ def _block_topk(scores: Tensor, k: int, col_offset: int) -> tuple[Tensor, Tensor
         eq = sub == kth  # (T, M)
         drop = eq & (eq.cumsum(1) > need)  # ties beyond the lowest `need` indices
         vals[tie], idx[tie] = sub.masked_fill(drop, -math.inf).topk(k, dim=1)
+    return _sort_total_order(vals, idx + col_offset)
+
+
+def _grouped_topk(scores: Tensor, k: int, col_offset: int) -> tuple[Tensor, Tensor]:
+    """`_block_topk` that selects among ~k x _GROUP candidate columns instead of all M.
+
+    Columns are split into n = M // G groups {j, j + n, j + 2n, ...} (G = _GROUP; the last M % G
+    columns are always candidates). A group's max is an elementwise max of G contiguous slabs,
+    one cheap vectorised pass. Every true top-k doc lies in one of the k groups with the largest
+    maxima, unless its score ties the (k+1)-th group max u: the candidates' k-th value is >= u,
+    and rows where it equals u, or where candidates tie at the k-th place, are redone exactly
+    by `_plain_topk`.
+    """
+    n_rows, n_cols = scores.shape
+    n_groups = n_cols // _GROUP
+    grouped = scores[:, : n_groups * _GROUP].view(n_rows, _GROUP, n_groups)  # (R, G, n)
+    gmax, gidx = grouped.amax(1).topk(k + 1, dim=1)  # (R, k+1) largest group maxima
+    spread = torch.arange(_GROUP, device=scores.device) * n_groups  # (G,)
+    cols = (gidx[:, :k, None] + spread).reshape(n_rows, k * _GROUP)  # (R, kG) member columns
+    tail = torch.arange(n_groups * _GROUP, n_cols, device=scores.device)  # (M % G,)
+    cols = torch.cat([cols, tail.expand(n_rows, -1)], 1)  # (R, C)
+    vals, pick = scores.gather(1, cols).topk(k + 1, dim=1)  # (R, k+1)
+    idx = cols.gather(1, pick[:, :k])  # (R, k)
+    redo = ((vals[:, k - 1] == vals[:, k]) | (vals[:, k - 1] == gmax[:, k])).nonzero().squeeze(1)
+    vals = vals[:, :k]
+    if redo.numel():
+        exact = _plain_topk(scores[redo], k, 0)
+        vals[redo], idx[redo] = exact
     return _sort_total_order(vals, idx + col_offset)
 
 
@@ -146,7 +193,8 @@ def topk_similarity(
     n_docs = docs.shape[0]
     if not 1 <= k <= n_docs:
         raise ValueError(f"k={k} must be in [1, N={n_docs}] (the number of docs); lower k.")
-    qc, dc = _chunk_sizes(queries.shape[0], n_docs, chunk_size, doc_chunk_size)
+    workers = _cpu_workers(queries.device)
+    qc, dc = _chunk_sizes(queries.shape[0], n_docs, chunk_size, doc_chunk_size, workers)
     vals, idx, _ = _scan(queries, docs, k, None, qc, dc)
     return vals, idx
 
@@ -235,13 +283,72 @@ def _scan(
     dc: int,
     ties: str = "index",
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """One pass over score blocks: top-k (if k > 0) and ranks (if pos_table is given)."""
+    """One pass over score blocks: top-k (if k > 0) and ranks (if pos_table is given).
+
+    On CPU with several torch threads, the query chunks are split into one contiguous range per
+    thread and each range runs on its own Python thread with single-threaded BLAS and torch ops:
+    matmul and selection then overlap across cores with no synchronisation inside a GEMM. Every
+    score is still computed by the same (chunk x doc block) matmul shape, so results do not
+    depend on the number of threads.
+    """
+    starts = list(range(0, queries.shape[0], qc))
+    workers = _cpu_workers(queries.device, len(starts))
+    if workers <= 1:
+        parts = [_scan_range(queries, docs, k, pos_table, qc, dc, ties, starts)]
+    else:
+        groups = [starts[i::workers] for i in range(workers)]  # interleaved: balanced tails
+        with _single_threaded_kernels(), ThreadPoolExecutor(workers) as pool:
+            futures = [
+                pool.submit(_scan_range, queries, docs, k, pos_table, qc, dc, ties, g)
+                for g in groups
+            ]
+            parts = [f.result() for f in futures]
+    order = [q0 for g in (groups if workers > 1 else [starts]) for q0 in g]
+    rows = torch.tensor(order).argsort()  # chunk results back into query order
+    out: list[Tensor | None] = []
+    for j in range(3):
+        chunks = [c for part in parts for c in part[j]]
+        out.append(torch.cat([chunks[i] for i in rows.tolist()]) if chunks else None)
+    return out[0], out[1], out[2]
+
+
+def _cpu_workers(device: torch.device, n_chunks: int | None = None) -> int:
+    """Parallel query ranges: one per torch thread (at most _MAX_WORKERS) on CPU, else 1."""
+    if device.type != "cpu" or _threadpoolctl is None:
+        return 1
+    n = min(torch.get_num_threads(), _MAX_WORKERS)
+    return max(1, n if n_chunks is None else min(n, n_chunks))
+
+
+@contextmanager
+def _single_threaded_kernels():
+    """BLAS and torch intra-op kernels on one thread each while the workers run."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with _threadpoolctl.threadpool_limits(1, user_api="blas"):
+            yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def _scan_range(
+    queries: Tensor,
+    docs: Tensor,
+    k: int,
+    pos_table: Tensor | None,
+    qc: int,
+    dc: int,
+    ties: str,
+    starts: list[int],
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """`_scan` over the query chunks that begin at `starts`, with this worker's own buffers."""
     n_docs = docs.shape[0]
     buf = torch.empty(qc, dc, dtype=queries.dtype, device=queries.device)
     mask_buf = torch.empty(qc if pos_table is not None else 0, dc, dtype=torch.bool)
     mask_buf = mask_buf.to(queries.device)
     vals_out, idx_out, ranks_out = [], [], []
-    for q0 in range(0, queries.shape[0], qc):
+    for q0 in starts:
         q = queries[q0 : q0 + qc]  # (R, D)
         pos = pos_table[q0 : q0 + qc] if pos_table is not None else None
         best_pos = None
@@ -266,11 +373,7 @@ def _scan(
             idx_out.append(top[1])
         if count is not None:
             ranks_out.append(count + 1)
-    return (
-        torch.cat(vals_out) if vals_out else None,
-        torch.cat(idx_out) if idx_out else None,
-        torch.cat(ranks_out) if ranks_out else None,
-    )
+    return vals_out, idx_out, ranks_out
 
 
 def rank_of_positives(
@@ -301,7 +404,8 @@ def rank_of_positives(
         raise ValueError(f"ties must be 'index' or 'optimistic'; got {ties!r}.")
     queries, docs = _check_embeddings(queries, docs)
     table = _positive_table(positives, queries.shape[0], docs.shape[0], queries.device)
-    qc, dc = _chunk_sizes(queries.shape[0], docs.shape[0], chunk_size, doc_chunk_size)
+    workers = _cpu_workers(queries.device)
+    qc, dc = _chunk_sizes(queries.shape[0], docs.shape[0], chunk_size, doc_chunk_size, workers)
     return _scan(queries, docs, 0, table, qc, dc, ties)[2]
 
 
@@ -362,7 +466,8 @@ def evaluate_retrieval(
         query_emb, positives = query_emb[:max_queries], list(positives)[:max_queries]
     queries, docs = _check_embeddings(query_emb, doc_emb)
     table = _positive_table(positives, queries.shape[0], docs.shape[0], queries.device)
-    qc, dc = _chunk_sizes(queries.shape[0], docs.shape[0], chunk_size, None)
+    workers = _cpu_workers(queries.device)
+    qc, dc = _chunk_sizes(queries.shape[0], docs.shape[0], chunk_size, None, workers)
     n_top = min(_TOP_LIST, docs.shape[0])
     _, top_ids, ranks = _scan(queries, docs, n_top, table, qc, dc)
     per_query = per_query_metrics(ranks, top_ids, table, ks)

@@ -10,7 +10,8 @@ accumulation steps. GradCache splits the *encoding* instead:
 3. re-encode each chunk with a graph, RNG replayed so dropout draws the same masks, and
    backpropagate the cached embedding gradient into the encoder.
 
-Peak activation memory is that of one chunk; the cost is one extra no-grad forward.
+Peak activation memory is that of one chunk; the cost is one extra no-grad forward of every
+chunk but the last, whose graph from step 1 is kept and used directly in step 3.
 
 Under DDP the chunks run on the *unwrapped* module (a text-only chunk would leave the vision
 tower "unused" in DDP's eyes, and the loss's parameters get their gradient outside any DDP
@@ -137,32 +138,52 @@ def grad_cache(
         raise ValueError(f"grad_cache: {len(encoders)} encoders but {len(chunks)} chunk lists")
     embs: list[list[Tensor]] = []
     states: list[list[RngState]] = []
+    # The very last chunk is encoded WITH its graph and backpropagated from that graph, not
+    # re-encoded: one forward less per step, and no more memory (the peak is one chunk's
+    # graph either way; this one is merely held while the loss runs).
+    live: Tensor | None = None
+    last_side = len(chunks) - 1
     with torch.no_grad():
-        for encode, side in zip(encoders, chunks, strict=True):
+        for s, (encode, side) in enumerate(zip(encoders, chunks, strict=True)):
             embs.append([])
             states.append([])
-            for c in side:
+            for i, c in enumerate(side):
                 states[-1].append(RngState.capture(_cuda_devices(c)))
-                embs[-1].append(_call(encode, c))  # (rows, E)
+                if s == last_side and i == len(side) - 1:
+                    with torch.enable_grad():
+                        live = _call(encode, c)  # (rows, E), graph kept
+                    embs[-1].append(live.detach())
+                else:
+                    embs[-1].append(_call(encode, c))  # (rows, E)
+    end_state = RngState.capture(sorted({d for st in states for x in st for d, _ in x.cuda}))
     leaves = [torch.cat(e).detach().requires_grad_(True) for e in embs]  # (N_s, E) per side
     sizes = [[e.shape[0] for e in side] for side in embs]
     del embs
     with torch.enable_grad():
         loss, metrics = loss_fn(leaves)
         (loss * scale).backward()
-    for s, (encode, side) in enumerate(zip(encoders, chunks, strict=True)):
+    for s in range(len(chunks)):
         if leaves[s].grad is None:
             raise ValueError(
                 f"grad_cache: loss_fn did not use side {s}'s embeddings; drop "
                 "that side instead of encoding it for nothing"
             )
+    for s in reversed(range(len(chunks))):  # the live chunk first: its graph is freed at once
         grads = leaves[s].grad.split(sizes[s])
-        for c, state, g in zip(side, states[s], grads, strict=True):
+        for i in reversed(range(len(chunks[s]))):
+            g = grads[i]
+            if live is not None and s == last_side and i == len(chunks[s]) - 1:
+                if live.requires_grad:
+                    live.backward(g.to(live.dtype))
+                live = None
+                continue
             if replay_rng:
-                state.restore()
+                states[s][i].restore()
             with torch.enable_grad():
-                out = _call(encode, c)  # (rows, E), with graph this time
+                out = _call(encoders[s], chunks[s][i])  # (rows, E), with graph this time
                 out.backward(g.to(out.dtype))
+    if replay_rng:  # leave the generators where one pass over the chunks left them
+        end_state.restore()
     return loss.detach(), metrics
 
 
