@@ -76,6 +76,8 @@ def test_quickstart_end_to_end_at_a_tiny_size(tmp_path: Path, capsys) -> None:
             "0",
             "--caption-steps",
             "6",
+            "--rl-steps",
+            "2",
             "log.progress=false",
             "data.tokenizer_vocab=400",
         ]
@@ -85,6 +87,28 @@ def test_quickstart_end_to_end_at_a_tiny_size(tmp_path: Path, capsys) -> None:
     assert "| image->text R@1 |" in printed and "hard-negative acc" in printed
     assert "| CIDEr-D |" in printed and "| BLEU-4 |" in printed
     assert (out / "caption_finetune" / "checkpoints" / "best" / "best.json").is_file()
+    # the all-stages table: one row per stage with its held-out test metrics, also in report.md
+    report = (out / "report.md").read_text()
+    table = [x for x in report.splitlines() if x.startswith("| ") and "---" not in x]
+    assert [x.split("|")[1].strip() for x in table] == [
+        "stage",
+        "CLIP (contrastive)",
+        "caption pretrain",
+        "caption finetune",
+        "caption RL",
+    ]
+    head = [c.strip() for c in table[0].split("|")[1:-1]]
+    cells = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[1:-1]] for r in table[1:]}
+    col = {name: head.index(name) for name in ("hard-neg acc", "CIDEr-D greedy", "CIDEr-D beam")}
+    assert cells["CLIP (contrastive)"][col["hard-neg acc"]] != "-"
+    assert cells["CLIP (contrastive)"][col["CIDEr-D greedy"]] == "-"
+    for stage in ("caption finetune", "caption RL"):  # before and after RL, greedy and beam
+        assert float(cells[stage][col["CIDEr-D greedy"]]) >= 0.0
+        assert float(cells[stage][col["CIDEr-D beam"]]) >= 0.0
+    assert cells["caption RL"][1] == "2" and report.splitlines()[-1].startswith("Total time")
+    assert "All stages, held-out test split" in printed
+    rl = json.loads((out / "caption_rl" / "summary.json").read_text())
+    assert rl["test"]["n_images"] == 24 and "beam_CIDEr-D" in rl["test"]
     run = out / "clip"
     assert (run / "config.yaml").is_file() and (run / "summary.json").is_file()
     assert (run / "checkpoints" / "step_8" / "model.safetensors").is_file()

@@ -1,13 +1,19 @@
-"""`vltrain pipeline`: stages chained by best checkpoint; restart skips; interrupted resumes."""
+"""`vltrain pipeline`: stages chained by best checkpoint; restart skips; interrupted resumes;
+the same under torchrun (2 processes) through caption pretrain -> finetune -> rl."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from safetensors.torch import load_file
 
 from tests.conftest import REPO
 from vltrain.cli import main
@@ -97,6 +103,21 @@ def test_pipeline_chains_skips_and_resumes(shapes_dir: Path, tmp_path: Path, cap
     assert steps[-1] == 4
 
 
+def test_shipped_pipeline_preset_loads_and_chains() -> None:
+    stages = load_pipeline(REPO / "configs" / "pipeline.yaml")
+    assert [s.name for s in stages] == ["pretrain", "finetune", "rl"]
+    assert [s.cfg.stage for s in stages] == ["caption", "caption", "rl"]
+    assert [s.cfg.model.init_from for s in stages] == [
+        "",
+        "runs/pipeline/pretrain",
+        "runs/pipeline/finetune",
+    ]
+    # the decoder is random at the start: the first stage must train it, not the connector alone
+    assert stages[0].cfg.model.freeze == ["vision"]
+    assert {s.cfg.caption.strategy for s in stages} == {"greedy"}  # one eval_CIDEr-D column
+    assert len({s.cfg.data.max_text_len for s in stages}) == 1  # init_from needs the same
+
+
 def test_pipeline_errors_name_the_stage(tmp_path: Path) -> None:
     shutil.copy(REPO / "configs" / "caption_pretrain.yaml", tmp_path / "p.yaml")
     bad = {"root": "r", "stages": [{"name": "a", "config": "p.yaml", "overrides": ["optim.lrr=1"]}]}
@@ -106,3 +127,101 @@ def test_pipeline_errors_name_the_stage(tmp_path: Path) -> None:
     (tmp_path / "pl.yaml").write_text(yaml.safe_dump({"root": "r", "stagez": []}))
     with pytest.raises(ConfigError, match="stagez"):
         load_pipeline(tmp_path / "pl.yaml")
+
+
+def _torchrun_pipeline(path: Path, cwd: Path) -> str:
+    """`vltrain pipeline PATH` under 2 processes (gloo); returns stdout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += ["-m", "vltrain", "pipeline", str(path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout
+
+
+@pytest.fixture(scope="module")
+def ddp_pipeline(shapes_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """pretrain -> finetune -> rl (3 steps each, eval at 2 and 3) of the shipped presets under
+    torchrun. Finetune freezes the connector and rl the vision tower (its preset), so their
+    weights show which checkpoint each stage started from."""
+    tmp = tmp_path_factory.mktemp("ddp_pipeline")
+    path = _pipeline(tmp, shapes_dir)
+    spec = yaml.safe_load(path.read_text())
+    every = ["train.max_steps=3", "train.eval_every=2"]
+    spec["stages"] = [
+        {
+            "name": "pre",
+            "config": str(REPO / "configs" / "caption_pretrain.yaml"),
+            "overrides": every,
+        },
+        {
+            "name": "ft",
+            "config": str(REPO / "configs" / "caption_finetune.yaml"),
+            "overrides": [*every, "model.freeze=[connector]"],
+        },
+        {
+            "name": "rl",
+            "config": str(REPO / "configs" / "rl.yaml"),
+            "overrides": [*every, "data.batch_size=4", "rl.k=2", "rl.max_new_tokens=6"],
+        },
+    ]
+    path.write_text(yaml.safe_dump(spec))
+    return path, tmp / "root", _torchrun_pipeline(path, tmp)
+
+
+def _part(run: Path, ckpt: str, prefix: str) -> dict[str, torch.Tensor]:
+    w = load_file(run / "checkpoints" / ckpt / "model.safetensors")
+    part = {k: v for k, v in w.items() if k.startswith(prefix)}
+    assert part, (run, prefix)
+    return part
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_torchrun_pipeline_chains_three_stages_from_best(ddp_pipeline) -> None:
+    _, root, out = ddp_pipeline
+    names = ("pre", "ft", "rl")
+    summaries = {n: json.loads((root / n / "summary.json").read_text()) for n in names}
+    for n in names:
+        assert summaries[n]["steps"] == 3, n
+        ts = torch.load(root / n / "checkpoints" / "step_3" / "trainer_state.pt", weights_only=True)
+        assert ts["world_size"] == 2, n
+    for prev, n in (("pre", "ft"), ("ft", "rl")):
+        cfg = yaml.safe_load((root / n / "config.yaml").read_text())
+        assert cfg["model"]["init_from"] == str(root / prev)
+    # tiny captioners score CIDEr-D 0 at both evals; the tie keeps step 2 as best, so "best"
+    # and "latest" (step 3) are different checkpoints below
+    assert summaries["pre"]["best_step"] == summaries["ft"]["best_step"] == 2
+    # finetune (connector frozen) holds pretrain's *best* connector, not its latest
+    pre_best = _part(root / "pre", "best", "connector.")
+    assert not _same(pre_best, _part(root / "pre", "step_3", "connector."))  # control
+    for ckpt in ("step_2", "step_3"):
+        assert _same(_part(root / "ft", ckpt, "connector."), pre_best)
+    # rl (vision frozen) holds finetune's best vision tower, which finetune had changed
+    ft_best = _part(root / "ft", "best", "vision.")
+    assert not _same(ft_best, _part(root / "ft", "step_3", "vision."))  # control
+    assert not _same(ft_best, _part(root / "pre", "best", "vision."))  # control
+    assert _same(_part(root / "rl", "step_3", "vision."), ft_best)
+    # rank 0 alone prints and writes the report
+    report = (root / "report.md").read_text()
+    assert report.count("# Pipeline report") == 1
+    for n in names:
+        assert f"| {n} | train | 3 |" in report
+        assert out.count(f"| {n} | train | 3 |") == 1
+        assert out.count(f"stage '{n}': train") == 1
+    assert "eval_beam_CIDEr-D" in report  # the rl stage's beam eval made it into the table
+
+
+def test_torchrun_pipeline_restart_skips_finished_stages(ddp_pipeline) -> None:
+    path, root, _ = ddp_pipeline
+    names = ("pre", "ft", "rl")
+    before = {n: (root / n / "metrics.jsonl").read_text() for n in names}
+    ckpts = {n: sorted(p.name for p in (root / n / "checkpoints").iterdir()) for n in names}
+    out = _torchrun_pipeline(path, path.parent)
+    for n in names:
+        assert out.count(f"stage '{n}': skip") == 1
+        assert f"| {n} | skip | 3 |" in (root / "report.md").read_text()
+    assert before == {n: (root / n / "metrics.jsonl").read_text() for n in names}
+    assert ckpts == {n: sorted(p.name for p in (root / n / "checkpoints").iterdir()) for n in names}

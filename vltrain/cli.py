@@ -55,6 +55,7 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
         extra=args.overrides,
         caption_steps=args.caption_steps,
         caption_extra=args.overrides,
+        rl_steps=args.rl_steps,
     )
     return 0
 
@@ -157,10 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser(
         "quickstart",
-        help="synthetic data -> train a CLIP model -> evaluate, in minutes on CPU",
+        help="synthetic data -> CLIP -> captioner pretrain/finetune -> RL -> report, on a CPU",
         description="Writes the synthetic shapes dataset, trains the built-in dual encoder "
-        "contrastively, evaluates retrieval and hard-negative accuracy on val and on the "
-        "held-out compositional test split, and prints a results table.",
+        "contrastively (retrieval and hard-negative accuracy), then a captioner from its vision "
+        "tower (pretrain -> finetune, BLEU-4/CIDEr-D with greedy and beam decoding), then RL on "
+        "a CIDEr-D reward, and prints every stage's metrics on val and on the held-out "
+        "compositional test split (also written to OUT/report.md).",
     )
     q.add_argument("--out", default="runs/quickstart", help="folder for data and runs")
     q.add_argument(
@@ -175,7 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--caption-steps",
         type=int,
         default=300,
-        help="captioner pretrain+finetune steps after the CLIP stage (0: skip)",
+        help="captioner pretrain+finetune steps after the CLIP stage (0: skip, and skip RL)",
+    )
+    q.add_argument(
+        "--rl-steps", type=int, default=60, help="RL steps after the captioner (0: skip)"
     )
     q.add_argument("--n-eval", type=int, default=300, help="synthetic val and test images each")
     q.add_argument("--batch-size", type=int, default=128, help="batch size")
@@ -262,3 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("vltrain: interrupted", file=sys.stderr)
         return 130
+
+
+if __name__ == "__main__":  # `python -m vltrain.cli ...` works like `python -m vltrain ...`
+    raise SystemExit(main())

@@ -118,8 +118,10 @@ def run_pipeline(path: str | Path, overrides: list[str] | None = None) -> list[d
     """Run (or continue) a pipeline; return one row per stage: name, action and summary."""
     from vltrain.engine import distributed as D
     from vltrain.engine.loop import train
+    from vltrain.engine.runtime import setup
 
     stages = load_pipeline(path, overrides)
+    setup(stages[0].cfg)  # join torchrun's process group now, so only rank 0 prints below
     root = Path(stages[0].cfg.run.out_dir).parent
     rows: list[dict[str, Any]] = []
     for st in stages:

@@ -1,4 +1,7 @@
-"""`vltrain quickstart`: synthetic data -> CLIP stage -> evaluation, in minutes on a laptop CPU."""
+"""`vltrain quickstart`: synthetic data -> CLIP -> caption pretrain -> finetune -> RL -> report.
+
+Every stage trains a real (tiny) model on the synthetic shapes data, in minutes on a laptop CPU.
+"""
 
 from __future__ import annotations
 
@@ -61,15 +64,21 @@ def run_quickstart(
     extra: list[str] | None = None,
     caption_steps: int = 300,
     caption_extra: list[str] | None = None,
+    rl_steps: int = 60,
 ) -> dict[str, Any]:
-    """Run the whole demo; returns {"clip": summary, "caption": metrics} (caption_steps=0 skips
-    the captioner)."""
+    """Run the whole demo; returns {"clip": summary, "caption": metrics, "stages": rows}.
+
+    caption_steps=0 skips the captioner (and RL); rl_steps=0 skips RL. `stages` holds one row
+    per trained stage (name, steps, seconds, test metrics) and is what `report.md` tabulates.
+    """
     from vltrain.engine.loop import train
 
     root = Path(out)
     data = root / "data"
     t0 = time.time()
-    _ensure_data(data, n_train, n_eval, seed=0, total=4 if caption_steps else 3)
+    rl_steps = rl_steps if caption_steps else 0
+    total = 3 + bool(caption_steps) + bool(rl_steps)
+    _ensure_data(data, n_train, n_eval, seed=0, total=total)
     splits = [
         f"data.train={data / 'train.jsonl'}",
         f"data.eval={data / 'val.jsonl'}",
@@ -89,41 +98,101 @@ def run_quickstart(
         *(extra or []),
     ]
     cfg = load_config(PRESET, overrides)
-    n = 3 if caption_steps else 2
     print(
-        f"[2/{n + 1}] training the CLIP stage ({size}, {steps} steps, batch {batch_size}) "
+        f"[2/{total}] training the CLIP stage ({size}, {steps} steps, batch {batch_size}) "
         f"-> {cfg.run.out_dir}"
     )
+    t = time.time()
     summary = train(cfg)
     result: dict[str, Any] = {"clip": summary}
+    rows = [_row("CLIP (contrastive)", root / "clip", summary["test"], t)]
     if caption_steps:
         print(
-            f"[3/{n + 1}] captioner: pretrain (vision tower from the CLIP run, frozen) -> "
+            f"[3/{total}] captioner: pretrain (vision tower from the CLIP run, frozen) -> "
             "finetune (vision at 0.1x lr)"
         )
         result["caption"] = run_caption_stages(
             root, splits, cfg.run.out_dir, size, caption_steps, caption_extra or []
         )
+        rows += result["caption"].pop("rows")
+    if rl_steps:
+        print(
+            f"[4/{total}] RL: REINFORCE on CIDEr-D from the finetuned captioner ({rl_steps} steps, "
+            "K=4 nucleus samples per image, EMA baseline, KL to the frozen start)"
+        )
+        t = time.time()
+        rl = run_rl_stage(root, splits, size, rl_steps, caption_extra or [])
+        result["rl"] = rl
+        rows.append(_row("caption RL", root / "caption_rl", _strip(rl["test"]), t))
+    result["stages"] = rows
     print(
-        f"[{n + 1}/{n + 1}] results (percent; val = attribute combos seen in training, "
-        "test = held-out combos):\n"
+        f"[{total}/{total}] results (percent for retrieval; val = attribute combos seen in "
+        "training, test = held-out combos):\n"
     )
     print(results_table(summary))
     if caption_steps:
         print("\n" + caption_table(result["caption"]))
+    report = stages_table(rows)
+    print("\nAll stages, held-out test split:\n\n" + report)
+    elapsed = time.time() - t0
+    (root / "report.md").write_text(
+        "# vltrain quickstart report\n\nHeld-out test split (attribute combinations never seen "
+        f"in training).\n\n{report}\n\nTotal time: {elapsed:.0f} s.\n"
+    )
+    runs = ", ".join(str(root / r["run"]) for r in rows)
     print(
-        f"\nrun folders: {root}/clip"
-        + (f", {root}/caption_pretrain, {root}/caption_finetune" if caption_steps else "")
-        + f"  (config.yaml, metrics.jsonl, checkpoints/, summary.json)\n"
-        f"total time: {time.time() - t0:.0f} s"
+        f"\nrun folders: {runs}  (config.yaml, metrics.jsonl, checkpoints/, summary.json)\n"
+        f"report: {root / 'report.md'}\ntotal time: {elapsed:.0f} s"
     )
     return result
 
 
+def _row(name: str, run: Path, test: dict[str, Any], t_start: float) -> dict[str, Any]:
+    summary = json.loads((run / "summary.json").read_text())
+    return {
+        "stage": name,
+        "run": run.name,
+        "steps": summary["steps"],
+        "seconds": time.time() - t_start,
+        "test": dict(test),
+    }
+
+
+#: (column header, test-metric key, scale) of the all-stages table
+STAGE_COLUMNS = (
+    ("i2t R@1", "i2t_R@1", 100),
+    ("i2t R@5", "i2t_R@5", 100),
+    ("t2i R@1", "t2i_R@1", 100),
+    ("t2i R@5", "t2i_R@5", 100),
+    ("hard-neg acc", "hardneg_acc", 100),
+    ("BLEU-4 greedy", "BLEU-4", 1),
+    ("CIDEr-D greedy", "CIDEr-D", 1),
+    ("BLEU-4 beam", "beam_BLEU-4", 1),
+    ("CIDEr-D beam", "beam_CIDEr-D", 1),
+)
+
+
+def stages_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table: one row per stage, its held-out test metrics and wall time."""
+    head = ["stage", "steps", "time (s)", *(c[0] for c in STAGE_COLUMNS)]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for r in rows:
+        cells = [r["stage"], str(r["steps"]), f"{r['seconds']:.0f}"]
+        for _, key, scale in STAGE_COLUMNS:
+            v = r["test"].get(key)
+            cells.append("-" if v is None else f"{scale * v:.1f}" if scale == 100 else f"{v:.3f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def run_caption_stages(
     root: Path, splits: list[str], clip_run: str, size: str, steps: int, extra: list[str]
-) -> dict[str, dict[str, float]]:
-    """Caption pretrain -> finetune on the synthetic data; greedy and beam BLEU/CIDEr-D."""
+) -> dict[str, Any]:
+    """Caption pretrain -> finetune on the synthetic data; greedy and beam BLEU/CIDEr-D.
+
+    Returns the finetuned model's metrics by "<split> <decoding>" and, under "rows", one
+    all-stages table row per stage.
+    """
     from vltrain.engine.loop import train
     from vltrain.engine.runtime import eval_mode
     from vltrain.stages.loading import load_trained
@@ -139,7 +208,8 @@ def run_caption_stages(
     ]
     pre, fine = root / "caption_pretrain", root / "caption_finetune"
     pre_steps, fine_steps = steps * 2 // 3, steps - steps * 2 // 3
-    train(
+    t = time.time()
+    pre_summary = train(
         load_config(
             CONFIGS / "caption_pretrain.yaml",
             [
@@ -150,11 +220,12 @@ def run_caption_stages(
                 f"train.eval_every={pre_steps}",
                 f"train.save_every={pre_steps}",
                 f"optim.warmup_steps={min(50, pre_steps // 5)}",
-                "data.test=",
                 *common,
             ],
         )
     )
+    rows = [_row("caption pretrain", pre, pre_summary.get("test") or {}, t)]
+    t = time.time()
     fine_summary = train(
         load_config(
             CONFIGS / "caption_finetune.yaml",
@@ -169,7 +240,7 @@ def run_caption_stages(
             ],
         )
     )
-    out = {
+    out: dict[str, Any] = {
         "val greedy": _strip(fine_summary.get("val", {})),
         "test greedy": fine_summary.get("test", {}),
     }
@@ -177,7 +248,37 @@ def run_caption_stages(
     with eval_mode(model):
         for split in ("val", "test"):
             out[f"{split} beam"] = stage.evaluate(model, split)
+    test = {**out["test greedy"], **{f"beam_{k}": v for k, v in out["test beam"].items()}}
+    rows.append(_row("caption finetune", fine, test, t))
+    out["rows"] = rows
     return out
+
+
+def run_rl_stage(
+    root: Path, splits: list[str], size: str, steps: int, extra: list[str]
+) -> dict[str, Any]:
+    """RL (configs/rl.yaml recipe) from the finetuned captioner; greedy and beam eval."""
+    from vltrain.engine.loop import train
+
+    return train(
+        load_config(
+            CONFIGS / "rl.yaml",
+            [
+                f"run.out_dir={root / 'caption_rl'}",
+                *splits,
+                f"model.init_from={root / 'caption_finetune'}",
+                f"model.vision={size}",
+                f"model.text={size}",
+                f"train.max_steps={steps}",
+                f"train.eval_every={steps}",
+                f"train.save_every={steps}",
+                f"optim.warmup_steps={min(10, steps // 5)}",
+                "rl.eval_beam=true",
+                "log.tensorboard=false",
+                *extra,
+            ],
+        )
+    )
 
 
 def _strip(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -5,8 +5,10 @@ Everything but the loss is the caption stage's: data, tokenizer reuse and model 
 ``checkpoints/best`` by ``eval_CIDEr-D``. Per step (math in ``vltrain/objectives/reinforce.py``,
 wiring rules in docs/rl.md):
 
-1. sample ``rl.k`` captions per image on the unwrapped policy (no grad, global RNG so resume is
-   exact), and for ``baseline=greedy`` one greedy caption per image;
+1. sample ``rl.k`` captions per image on the unwrapped policy (no grad), from a generator seeded
+   by (run.seed, rank, rollout number): every rank draws its own noise, and resume is exact
+   on every rank (the rollout count rides in the trainer state); for ``baseline=greedy`` one
+   greedy caption per image too;
 2. reward each against all references of its image (CIDEr-D df from the training references,
    computed once in :meth:`RLStage.prepare`);
 3. advantages from the baseline; the ema baseline then folds in the all-reduced mean reward;
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -85,6 +88,18 @@ class RLStage(CaptionStage):
             ref = build_captioner(self.cfg, self.tokenizer)
         load_initial_weights(ref, self.init_ckpt)
         self.reference = frozen_reference(ref).to(self.ctx.device)
+        self.rollouts = 0  # loss() calls so far; seeds the sampling generator
+
+    def rollout_generator(self) -> torch.Generator:
+        """The sampling RNG of this rank's next rollout, from (run.seed, rank, rollout number).
+
+        Not the global RNG: every rank starts it from the same seed, so all ranks would draw
+        the same noise and roll out correlated samples. Stateless given the rollout count, so a
+        resumed run (any rank) continues the stream exactly.
+        """
+        key = [self.cfg.run.seed, self.ctx.rank, self.rollouts]
+        seed = int(np.random.SeedSequence(key).generate_state(1, np.uint64)[0])
+        return torch.Generator(device=self.ctx.device).manual_seed(seed)
 
     def _training_refs(self) -> dict[int, list[str]]:
         """``{index: references}`` of the training records (no image decoding)."""
@@ -111,8 +126,10 @@ class RLStage(CaptionStage):
 
     # ---- one step -----------------------------------------------------------------------
 
-    def _sample(self, policy: nn.Module, batch: dict[str, Any]) -> dict[str, Tensor]:
-        """K samples per image (+ greedy captions for the greedy baseline), no grad."""
+    def _sample(
+        self, policy: nn.Module, batch: dict[str, Any], gen: torch.Generator
+    ) -> dict[str, Tensor]:
+        """K samples per image drawn with `gen` (+ greedy captions for the greedy baseline)."""
         r, k = self.cfg.rl, self.cfg.rl.k
         dev = batch["images"].device
         ids, pmask = left_pad(batch["prompt_ids"], self.tokenizer.pad_id)  # (B, P)
@@ -135,6 +152,7 @@ class RLStage(CaptionStage):
                 temperature=r.temperature,
                 top_p=r.top_p,
                 num_return_sequences=k,
+                generator=gen,
             )
             greedy = None
             if r.baseline == "greedy":
@@ -157,7 +175,8 @@ class RLStage(CaptionStage):
     def loss(self, model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, dict]:
         """REINFORCE loss of one batch; `model` may be DDP-wrapped (gradients sync through it)."""
         r, k = self.cfg.rl, self.cfg.rl.k
-        s = self._sample(_unwrap(model), batch)
+        s = self._sample(_unwrap(model), batch, self.rollout_generator())
+        self.rollouts += 1
         seq, lengths = s["seq"], s["len"]  # (B*K, L), (B*K,)
         rewards = self._rewards(seq, lengths, batch["refs"], k).to(seq.device)  # (B*K,)
         adv = advantages(rewards, k, self.baseline, s.get("greedy"))
@@ -195,8 +214,13 @@ class RLStage(CaptionStage):
         return self.evaluate_decoding(model, split, strategies)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"baseline_kind": self.cfg.rl.baseline, "baseline": self.baseline.state_dict()}
+        return {
+            "baseline_kind": self.cfg.rl.baseline,
+            "baseline": self.baseline.state_dict(),
+            "rollouts": self.rollouts,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("baseline_kind") == self.cfg.rl.baseline:
             self.baseline.load_state_dict(state["baseline"])
+        self.rollouts = int(state.get("rollouts", 0))
