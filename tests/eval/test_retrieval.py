@@ -398,3 +398,19 @@ def test_parallel_cpu_workers_equal_one_worker(monkeypatch):
         torch.set_num_threads(threads)
     ref_vals, ref_idx = _ref_order(q, d)
     assert torch.equal(par_top[1], ref_idx[:, :10])
+
+
+def test_default_cpu_topk_blocks_split_evenly_and_stay_exact():
+    """CPU top-k default: doc blocks of _TOPK_DOC_CHUNK, equal query chunks per worker, the
+    shared block budget respected; a corpus wider than one doc block is still exact."""
+    for n_q, n_docs, workers in [(4575, 36430, 2), (10, 5, 1), (100_000, 9000, 8), (7, 9000, 2)]:
+        qc, dc = retrieval._topk_chunk_sizes(n_q, n_docs, workers)
+        assert dc == min(n_docs, retrieval._TOPK_DOC_CHUNK)
+        assert workers * qc * dc * 4 <= retrieval._BLOCK_BYTES or qc == 1
+        chunks = math.ceil(n_q / qc)
+        assert chunks % workers == 0 or chunks < workers  # every worker gets as many chunks
+    assert retrieval._topk_chunk_sizes(4575, 36430, 2) == (1144, 8192)
+    q, d = _int_data(30, 9000, 5, seed=9)
+    ref_vals, ref_idx = _ref_order(q, d)
+    vals, idx = topk_similarity(q, d, 10)
+    assert torch.equal(idx, ref_idx[:, :10]) and torch.equal(vals.double(), ref_vals[:, :10])
