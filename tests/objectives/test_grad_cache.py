@@ -8,7 +8,12 @@ import torch
 from vltrain.models.dual_encoder import DualEncoder
 from vltrain.models.presets import text_config, vision_config
 from vltrain.objectives.contrastive import build_loss
-from vltrain.objectives.grad_cache import dual_encoder_grad_cache, grad_cache, split_rows
+from vltrain.objectives.grad_cache import (
+    dual_encoder_grad_cache,
+    grad_cache,
+    length_sorted_chunks,
+    split_rows,
+)
 from vltrain.stages.contrastive import ContrastiveModel
 
 B, M, T, VOCAB = 10, 4, 12, 60
@@ -50,27 +55,17 @@ def _batch(seed: int, n_neg: int = M) -> dict[str, torch.Tensor]:
 
 def _chunked_reference(model: ContrastiveModel, batch: dict, chunk: int, scale: float) -> None:
     """The uncached computation with GradCache's chunking: every chunk encoded with a graph,
-    in the same order (same dropout masks), one loss over the whole batch, one backward."""
+    in the same order (same dropout masks; texts grouped by length, the built-in tower ignores
+    trailing padding), one loss over the whole batch, one backward."""
     enc = model.encoder
     img = torch.cat([enc.encode_image(c) for c in batch["images"].split(chunk)])
-    txt = torch.cat(
-        [
-            enc.encode_text(*c)
-            for c in zip(
-                batch["input_ids"].split(chunk), batch["attention_mask"].split(chunk), strict=True
-            )
-        ]
-    )
-    neg = None
-    if "neg_ids" in batch:
-        neg = torch.cat(
-            [
-                enc.encode_text(*c)
-                for c in zip(
-                    batch["neg_ids"].split(chunk), batch["neg_mask"].split(chunk), strict=True
-                )
-            ]
-        )
+
+    def texts(ids: str, mask: str) -> torch.Tensor:
+        chunks, order = length_sorted_chunks((batch[ids], batch[mask]), chunk)
+        return torch.cat([enc.encode_text(*c) for c in chunks])[order.argsort()]
+
+    txt = texts("input_ids", "attention_mask")
+    neg = texts("neg_ids", "neg_mask") if "neg_ids" in batch else None
     loss, _ = model.loss(img, txt, neg)
     (loss * scale).backward()
 
@@ -227,3 +222,36 @@ def test_split_rows() -> None:
         split_rows({"pixel_values": torch.zeros(12, 3), "grid": x}, 2)  # flattened patches
     with pytest.raises(TypeError, match="cannot split a str"):
         split_rows("text", 2)
+
+
+def test_length_sorted_chunks_group_rows_and_keep_the_gradients() -> None:
+    """Rows grouped by length, each chunk cut to its longest row; with dropout off GradCache on
+    sorted chunks gives the uncached loss and gradients; left padding is refused."""
+    torch.manual_seed(0)
+    lengths = torch.tensor([3, 9, 2, 7, 9, 1, 5])
+    mask = (torch.arange(10) < lengths[:, None]).long()  # (7, 10) right-padded
+    ids = torch.randint(1, 50, (7, 10)) * mask
+    chunks, order = length_sorted_chunks({"input_ids": ids, "attention_mask": mask}, 3)
+    assert order.tolist() == [1, 4, 3, 6, 0, 2, 5]
+    assert [c["input_ids"].shape for c in chunks] == [(3, 9), (3, 5), (1, 1)]
+    assert torch.equal(chunks[1]["input_ids"], ids[[6, 0, 2], :5])
+
+    emb = torch.nn.Embedding(50, 4)
+
+    def encode(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:  # masked mean: padding-free
+        return (emb(x) * m[..., None]).sum(1) / m.sum(1, keepdim=True)
+
+    def loss_fn(e: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        return ((e[0] @ e[1].t()) * torch.arange(7.0)).logsumexp(1).mean(), {}
+
+    q = torch.randn(7, 4)
+    loss_ref, _ = loss_fn([q, encode(ids, mask)])
+    loss_ref.backward()
+    ref = emb.weight.grad.clone()
+    emb.zero_grad()
+    side, order = length_sorted_chunks((ids, mask), 3)
+    loss, _ = grad_cache([lambda x: x, encode], [[q], side], loss_fn, orders=[None, order])
+    assert loss.item() == pytest.approx(loss_ref.item(), rel=1e-6)
+    torch.testing.assert_close(emb.weight.grad, ref)
+    with pytest.raises(ValueError, match="right-padded"):
+        length_sorted_chunks((ids, mask.flip(1)), 3)

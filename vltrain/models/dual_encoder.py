@@ -18,6 +18,10 @@ from vltrain.models.vit import VisionTower, VisionTowerConfig
 class DualEncoder(nn.Module):
     """``encode_image(images) -> (B, E)`` and ``encode_text(ids, mask) -> (B, E)``, unit norm."""
 
+    #: padding is never attended and pooling reads the last real token, so trailing padding
+    #: columns can be cut (GradCache groups texts by length, `length_sorted_chunks`)
+    ignores_trailing_padding = True
+
     def __init__(
         self, vision_cfg: VisionTowerConfig, text_cfg: TextTowerConfig, embed_dim: int
     ) -> None:

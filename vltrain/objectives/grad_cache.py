@@ -115,6 +115,51 @@ def split_rows(x: Any, chunk: int) -> list[Any]:
     )
 
 
+def length_sorted_chunks(
+    x: Mapping[str, Tensor] | tuple[Tensor, ...], chunk: int, mask_key: str | int = 1
+) -> tuple[list[Any], Tensor]:
+    """Right-padded token inputs in chunks of `chunk` rows, longest rows first, each chunk cut
+    to its own longest row; also the row order (pass it to `grad_cache` as ``orders[s]``).
+
+    GradCache may group the batch's rows into chunks any way it likes (the loss sees the whole
+    batch), so grouping rows of similar length drops most of the padding work: with lengths
+    spread like 8-20 words, about a quarter of the token positions. `x` is a dict (mask under
+    "attention_mask") or a tuple (mask at index `mask_key`); every 2-D tensor as wide as the mask
+    is cut. Only for encoders that ignore trailing padding (not ones that pool the last
+    position of a fixed-length input, like SigLIP's text tower).
+    """
+    mask = x["attention_mask"] if isinstance(x, Mapping) else x[mask_key]  # (B, T)
+    if mask.dim() != 2 or bool((mask[:, 1:] > mask[:, :-1]).any()):
+        raise ValueError("length_sorted_chunks needs a right-padded (B, T) attention mask")
+    lengths = mask.sum(1)  # (B,)
+    # One chunk: keep the batch order (then it is exactly the uncached forward, dropout too).
+    if mask.shape[0] <= chunk:
+        order = torch.arange(mask.shape[0], device=mask.device)  # (B,)
+    else:
+        order = lengths.argsort(descending=True, stable=True)  # (B,)
+    width = mask.shape[1]
+
+    def rows(v: Any) -> Any:
+        return v[order] if torch.is_tensor(v) else v
+
+    sorted_x = (
+        {k: rows(v) for k, v in x.items()}
+        if isinstance(x, Mapping)
+        else x.__class__(rows(v) for v in x)
+    )
+    out = []
+    for c, n in zip(split_rows(sorted_x, chunk), lengths[order].split(chunk), strict=True):
+        keep = max(int(n.max()), 1)
+
+        def cut(v: Any, keep: int = keep) -> Any:
+            return v[:, :keep] if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == width else v
+
+        out.append(
+            {k: cut(v) for k, v in c.items()} if isinstance(c, Mapping) else tuple(map(cut, c))
+        )
+    return out, order
+
+
 def _call(encode: Callable[..., Tensor], chunk: Any) -> Tensor:
     return encode(*chunk) if isinstance(chunk, tuple) else encode(chunk)
 
@@ -125,6 +170,7 @@ def grad_cache(
     loss_fn: LossFn,
     scale: float = 1.0,
     replay_rng: bool = True,
+    orders: Sequence[Tensor | None] | None = None,
 ) -> tuple[Tensor, dict[str, Any]]:
     """Backpropagate ``loss_fn(embeddings) * scale`` through chunked encoders; return the loss.
 
@@ -133,6 +179,8 @@ def grad_cache(
     `loss_fn` receives one (rows, E) tensor per side and returns (loss, metrics); it may hold
     parameters and gather across ranks. Gradients accumulate into ``.grad`` like ``backward``.
     `replay_rng=False` exists for tests: without it dropout differs between the two passes.
+    `orders[s]` (from `length_sorted_chunks`): side s's chunks hold rows ``orders[s]`` of the
+    batch in that order; `loss_fn` still receives the rows in batch order.
     """
     if len(encoders) != len(chunks):
         raise ValueError(f"grad_cache: {len(encoders)} encoders but {len(chunks)} chunk lists")
@@ -159,9 +207,14 @@ def grad_cache(
     leaves = [torch.cat(e).detach().requires_grad_(True) for e in embs]  # (N_s, E) per side
     sizes = [[e.shape[0] for e in side] for side in embs]
     del embs
+    views = [
+        leaf if orders is None or orders[s] is None else leaf[orders[s].argsort()]
+        for s, leaf in enumerate(leaves)
+    ]  # batch order for the loss
     with torch.enable_grad():
-        loss, metrics = loss_fn(leaves)
+        loss, metrics = loss_fn(views)
         (loss * scale).backward()
+    del views
     for s in range(len(chunks)):
         if leaves[s].grad is None:
             raise ValueError(
@@ -181,7 +234,8 @@ def grad_cache(
                 states[s][i].restore()
             with torch.enable_grad():
                 out = _call(encoders[s], chunks[s][i])  # (rows, E), with graph this time
-                out.backward(g.to(out.dtype))
+                if out.requires_grad:  # a side with no trainable parameters has nothing to do
+                    out.backward(g.to(out.dtype))
     if replay_rng:  # leave the generators where one pass over the chunks left them
         end_state.restore()
     return loss.detach(), metrics
@@ -231,23 +285,32 @@ def dual_encoder_grad_cache(
     """GradCache step of a contrastive model (``.encoder`` dual encoder + ``.loss``).
 
     Sides: images, texts, and (when the batch has them) hard-negative texts, each chunked by
-    `chunk` rows. `model` may be DDP-wrapped; gradients are all-reduced once when DDP would.
+    `chunk` rows; text chunks are length-sorted (`length_sorted_chunks`) for encoders that
+    declare ``ignores_trailing_padding``. `model` may be DDP-wrapped; gradients are
+    all-reduced once when DDP would.
     """
     module, sync = unwrap_ddp(model)
     enc, loss = module.encoder, module.loss
-    encoders: list[Callable[..., Tensor]] = [enc.encode_image, enc.encode_text]
-    chunks = [
-        split_rows(batch["images"], chunk),
-        split_rows((batch["input_ids"], batch["attention_mask"]), chunk),
-    ]
-    if batch.get("neg_ids") is not None:
+    # Text chunks group rows of similar length when the tower ignores trailing padding.
+    by_length = getattr(enc, "ignores_trailing_padding", False)
+    encoders: list[Callable[..., Tensor]] = [enc.encode_image]
+    chunks: list[list[Any]] = [split_rows(batch["images"], chunk)]
+    orders: list[Tensor | None] = [None]
+    for ids, mask in (("input_ids", "attention_mask"), ("neg_ids", "neg_mask")):
+        if batch.get(ids) is None:
+            continue
         encoders.append(enc.encode_text)
-        chunks.append(split_rows((batch["neg_ids"], batch["neg_mask"]), chunk))
+        if by_length:
+            side, order = length_sorted_chunks((batch[ids], batch[mask]), chunk)
+        else:
+            side, order = split_rows((batch[ids], batch[mask]), chunk), None
+        chunks.append(side)
+        orders.append(order)
 
     def loss_fn(e: list[Tensor]) -> tuple[Tensor, dict[str, Any]]:
         return loss(e[0], e[1], e[2] if len(e) > 2 else None)
 
-    out = grad_cache(encoders, chunks, loss_fn, scale)
+    out = grad_cache(encoders, chunks, loss_fn, scale, orders=orders)
     if sync:
         sync_grads(module.parameters())
     return out
