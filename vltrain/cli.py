@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--size",
         default="tiny",
         choices=("tiny", "small"),
-        help="model size preset (tiny: ~2-3 min on a 2-core CPU)",
+        help="model size preset (tiny: about 6 min for all stages on a 2-core CPU)",
     )
     q.add_argument("--steps", type=int, default=500, help="training steps")
     q.add_argument("--n-train", type=int, default=4000, help="synthetic training images")
