@@ -204,8 +204,9 @@ def qwen2vl_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return _save(Qwen2VLForConditionalGeneration(cfg), tok, ip, tmp_path_factory.mktemp("q2vl"))
 
 
-@pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+def tiny_llava(out: Path, vision_layers: int = 1, feature_layer: int = -1) -> str:
+    """A tiny LLaVA (CLIP vision tower, Qwen2 text model) saved to `out`; the projector reads
+    vision layer `feature_layer` (LLaVA-1.5 reads -2)."""
     from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaForConditionalGeneration
 
     tok = _tokenizer("<image>")
@@ -214,7 +215,7 @@ def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
             model_type="clip_vision_model",
             hidden_size=32,
             intermediate_size=64,
-            num_hidden_layers=1,
+            num_hidden_layers=vision_layers,
             num_attention_heads=2,
             image_size=16,
             patch_size=8,
@@ -230,13 +231,18 @@ def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
             pad_token_id=0,
         ),
         image_token_id=tok.convert_tokens_to_ids("<image>"),
-        vision_feature_layer=-1,
+        vision_feature_layer=feature_layer,
         vision_feature_select_strategy="default",
         projector_hidden_act="gelu",
     )
     torch.manual_seed(0)
     ip = CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
-    return _save(LlavaForConditionalGeneration(cfg), tok, ip, tmp_path_factory.mktemp("llava"))
+    return _save(LlavaForConditionalGeneration(cfg), tok, ip, out)
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return tiny_llava(tmp_path_factory.mktemp("llava"))
 
 
 def _samples(n: int, negatives: bool = False) -> list[dict]:

@@ -32,11 +32,10 @@ from safetensors.torch import load_file
 from tests.conftest import tiny_overrides
 from tests.models.test_hf_embedders import (  # noqa: F401  (fixtures)
     _samples,
-    _save,
-    _tokenizer,
     clip_dir,
     qwen2vl_dir,
     siglip_dir,
+    tiny_llava,
 )
 from vltrain.config import load_config
 from vltrain.data.hf_collate import HFCollate
@@ -75,37 +74,7 @@ sys.exit(main(sys.argv[1:]))
 @pytest.fixture(scope="module")
 def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Tiny LLaVA whose projector reads vision layer -2 (of 2): like LLaVA-1.5."""
-    from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaForConditionalGeneration
-
-    tok = _tokenizer("<image>")
-    cfg = LlavaConfig(
-        vision_config=dict(
-            model_type="clip_vision_model",
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=16,
-            patch_size=8,
-        ),
-        text_config=dict(
-            model_type="qwen2",
-            vocab_size=len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            pad_token_id=0,
-        ),
-        image_token_id=tok.convert_tokens_to_ids("<image>"),
-        vision_feature_layer=-2,
-        vision_feature_select_strategy="default",
-        projector_hidden_act="gelu",
-    )
-    torch.manual_seed(0)
-    ip = CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
-    return _save(LlavaForConditionalGeneration(cfg), tok, ip, tmp_path_factory.mktemp("llava2"))
+    return tiny_llava(tmp_path_factory.mktemp("llava2"), vision_layers=2, feature_layer=-2)
 
 
 @pytest.fixture(scope="module")

@@ -308,9 +308,8 @@ def _scan(
 
     On CPU with several torch threads, the query chunks are split into one contiguous range per
     thread and each range runs on its own Python thread with single-threaded BLAS and torch ops:
-    matmul and selection then overlap across cores with no synchronisation inside a GEMM. Every
-    score is still computed by the same (chunk x doc block) matmul shape, so results do not
-    depend on the number of threads.
+    matmul and selection then overlap across cores with no synchronisation inside a GEMM.
+    Every result is still derived from the (chunk x doc block) scores of this one pass.
     """
     starts = list(range(0, queries.shape[0], qc))
     workers = _cpu_workers(queries.device, len(starts))
