@@ -261,8 +261,9 @@ class Search:
     def _objective(self, trial: Any) -> float:
         import optuna
 
-        trial.set_user_attr("worker", worker_identity())
+        # run_dir first: a trial whose worker is known also knows where its trial.json goes
         trial.set_user_attr("run_dir", str(self.study_dir / f"trial_{trial.number:04d}"))
+        trial.set_user_attr("worker", worker_identity())
         params = {s.key: s.suggest(trial) for s in self.specs}
         D.broadcast_object((trial.number, params))
         try:

@@ -201,7 +201,8 @@ def fail_dead_trials(study: Any, storage: Any) -> list[int]:
         except Exception:  # noqa: BLE001 - another resuming worker got there first
             continue
         run_dir = t.user_attrs.get("run_dir")
-        if run_dir and Path(run_dir).is_dir():
+        if run_dir:  # the worker may have died before it created the folder: write it anyway
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
             status = {"number": t.number, "state": "FAIL", "reason": reason, "params": t.params}
             (Path(run_dir) / "trial.json").write_text(json.dumps(status, indent=2))
         failed.append(t.number)
