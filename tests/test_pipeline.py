@@ -62,7 +62,9 @@ def _pipeline(tmp: Path, data: Path) -> Path:
     return path
 
 
-def test_pipeline_chains_skips_and_resumes(shapes_dir: Path, tmp_path: Path, capsys) -> None:
+def test_pipeline_chains_skips_and_resumes(
+    shapes_dir: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
     path = _pipeline(tmp_path, shapes_dir)
     root = tmp_path / "root"
     stages = load_pipeline(path)
@@ -101,6 +103,21 @@ def test_pipeline_chains_skips_and_resumes(shapes_dir: Path, tmp_path: Path, cap
     )
     steps = [json.loads(x)["step"] for x in log.splitlines() if "loss" in json.loads(x)]
     assert steps[-1] == 4
+
+    # rank 0's plan decides for every rank: this "rank" sees an unfinished stage, rank 0 a
+    # finished one (a lagging shared file system), so it skips too instead of training alone
+    (root / "ft" / "summary.json").unlink()
+    seen = []
+
+    def rank0_says_skip(action: str, src: int = 0) -> str:
+        seen.append(action)
+        return "skip"
+
+    monkeypatch.setattr("vltrain.engine.distributed.broadcast_object", rank0_says_skip)
+    rows = run_pipeline(path)
+    assert seen == ["skip", "resume"]  # what this rank alone would have done
+    assert [r["action"] for r in rows] == ["skip", "skip"]
+    assert (root / "ft" / "metrics.jsonl").read_text() == log  # nothing trained
 
 
 def test_shipped_pipeline_preset_loads_and_chains() -> None:

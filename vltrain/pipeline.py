@@ -126,9 +126,15 @@ def run_pipeline(path: str | Path, overrides: list[str] | None = None) -> list[d
     rows: list[dict[str, Any]] = []
     for st in stages:
         plan([st])  # decided just before the stage: an earlier stage may have just finished
+        # Rank 0's reading of the run folder decides for all ranks: a rank that sees the files
+        # differently (a shared file system's lag) must not train while the others skip.
+        st.action = D.broadcast_object(st.action)
+        if st.action == "resume":
+            st.cfg.train.resume = True
         if D.is_main():
             print(f"vltrain pipeline: stage '{st.name}': {st.action} -> {st.cfg.run.out_dir}")
-        summary = _summary(Path(st.cfg.run.out_dir)) if st.action == "skip" else train(st.cfg)
+        run = Path(st.cfg.run.out_dir)
+        summary = (_summary(run) or {}) if st.action == "skip" else train(st.cfg)
         rows.append({"name": st.name, "action": st.action, "summary": summary})
     if D.is_main():
         table = report_table(rows)

@@ -91,3 +91,67 @@ def test_a_small_bad_fraction_below_the_threshold_trains_on(mixed, tmp_path: Pat
     )
     summary = train(cfg)
     assert summary["steps"] == 4
+
+
+def _half_missing(shapes_dir: Path, tmp_path: Path, n_good: int) -> Path:
+    """`n_good` synthetic records, each followed by one whose image does not exist."""
+    lines = (shapes_dir / "train.jsonl").read_text().splitlines()[:n_good]
+    out = []
+    for i, line in enumerate(lines):
+        rec = json.loads(line)
+        out += [json.dumps(rec), json.dumps({**rec, "image": f"images/gone_{i}.png", "id": i})]
+    shutil.copytree(shapes_dir / "images", tmp_path / "data" / "images")
+    path = tmp_path / "data" / "half_missing.jsonl"
+    path.write_text("\n".join(out) + "\n")
+    return path
+
+
+def test_a_micro_batch_with_no_valid_sample_skips_the_step(shapes_dir: Path, tmp_path: Path):
+    # batch 1: every bad record is a whole micro-batch with nothing to forward
+    path = _half_missing(shapes_dir, tmp_path, 4)
+    args = {"data.batch_size": 1, "train.max_steps": 8, "data.max_bad_fraction": 1.0}
+    args["data.train"] = path
+    cfg = load_config(None, tiny_overrides(shapes_dir, tmp_path / "run", **args))
+    summary = train(cfg)
+    assert summary["steps"] == 8
+    assert summary["skipped_steps"] == 4  # one epoch of 8 records, 4 of them missing
+    assert summary["bad_samples"] == {"missing": 4}
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 8 and losses.count("nan") == 4  # a skipped step logs no loss
+
+
+def test_two_ranks_skip_together_when_one_rank_has_only_bad_samples(
+    shapes_dir: Path, tmp_path: Path
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    path = _half_missing(shapes_dir, tmp_path, 6)
+    over = tiny_overrides(
+        shapes_dir,
+        tmp_path / "run",
+        **{
+            "data.train": path,
+            "data.batch_size": 1,
+            "train.max_steps": 6,
+            "train.save_every": 6,
+            "data.max_bad_fraction": 1.0,
+        },
+    )
+    cfg = Path(__file__).resolve().parents[2] / "configs" / "clip.yaml"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += ["-m", "vltrain", "train", str(cfg), *over]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 6
+    # 12 records, half missing, 2 per step: some step had a rank with nothing to forward
+    assert 1 <= summary["skipped_steps"] < 6
+    assert "held no valid sample" in res.stdout + res.stderr
+    weights = load_file(tmp_path / "run" / "checkpoints" / "step_6" / "model.safetensors")
+    assert all(bool(v.isfinite().all()) for v in weights.values())

@@ -126,13 +126,19 @@ def _restore(
     )
 
 
-def _count_bad(batches: list[dict], tracker: BadSampleTracker) -> None:
-    """Reduce this step's bad-sample counts over ranks so every rank decides alike."""
+def _count_bad(batches: list[dict], tracker: BadSampleTracker) -> int:
+    """Reduce this step's bad-sample counts over ranks so every rank decides alike.
+
+    Returns how many micro-batches, over all ranks, hold no valid sample at all (one
+    all-reduce carries both, so every rank skips such a step together).
+    """
     bad = [pair for b in batches for pair in b["_bad"]]
     vec = BadSampleTracker.step_vector(sum(b["_n_seen"] for b in batches), bad)
-    total = D.all_reduce_sum(torch.tensor(vec, dtype=torch.int64))
-    tracker.merge_counts(total.tolist(), examples=bad)
+    vec.append(sum(1 for b in batches if b["_n_good"] == 0))
+    total = D.all_reduce_sum(torch.tensor(vec, dtype=torch.int64)).tolist()
+    tracker.merge_counts(total[:-1], examples=bad)
     tracker.check()
+    return int(total[-1])
 
 
 def _is_better(value: float, best: float | None, mode: str) -> bool:
@@ -196,24 +202,34 @@ class Trainer:
         model.train()
         while state.step < cfg.train.max_steps:
             micro = [next(batches) for _ in range(accum)]
-            _count_bad(micro, tracker)
+            n_empty = _count_bad(micro, tracker)
             loss_sum, metrics = torch.zeros((), dtype=torch.float64), {}
-            for i, batch in enumerate(micro):
-                sync = ddp is None or i == accum - 1
-                with contextlib.nullcontext() if sync else ddp.no_sync():
-                    b = to_device(batch, ctx.device)
-                    with ctx.autocast():
-                        loss, m = stage.backward(ddp or model, b, 1.0 / accum)
-                loss_sum += loss.double().cpu() / accum
-                for k, v in m.items():
-                    metrics[k] = metrics.get(k, 0.0) + float(v) / accum
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                model.parameters(), cfg.optim.grad_clip or float("inf")
-            )
-            bad = (~torch.isfinite(loss_sum)) | (~torch.isfinite(grad_norm.double().cpu()))
-            bad_anywhere = bool(D.all_reduce_max(bad.double()).item() > 0)
+            grad_norm, bad_anywhere = torch.full((), float("nan")), False
+            if n_empty:  # a rank has nothing to forward: every rank skips (no DDP hang)
+                loss_sum.fill_(float("nan"))
+            else:
+                for i, batch in enumerate(micro):
+                    sync = ddp is None or i == accum - 1
+                    with contextlib.nullcontext() if sync else ddp.no_sync():
+                        b = to_device(batch, ctx.device)
+                        with ctx.autocast():
+                            loss, m = stage.backward(ddp or model, b, 1.0 / accum)
+                    loss_sum += loss.double().cpu() / accum
+                    for k, v in m.items():
+                        metrics[k] = metrics.get(k, 0.0) + float(v) / accum
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    model.parameters(), cfg.optim.grad_clip or float("inf")
+                )
+                bad = (~torch.isfinite(loss_sum)) | (~torch.isfinite(grad_norm.double().cpu()))
+                bad_anywhere = bool(D.all_reduce_max(bad.double()).item() > 0)
             lr = set_lr(optimizer, state.step, cfg.train.max_steps, cfg.optim)
-            if bad_anywhere:
+            if n_empty:
+                state.skipped_steps += 1
+                logger.message(
+                    f"step {state.step}: {n_empty} micro-batch(es) held no valid sample "
+                    "(all bad), step skipped on every rank"
+                )
+            elif bad_anywhere:
                 state.skipped_steps += 1
                 state.consecutive_skips += 1
                 logger.message(f"step {state.step}: non-finite loss/grad, step skipped")
