@@ -194,7 +194,8 @@ class ImageTextDataset(Dataset):
     Caption choice (train) and hard-negative choice come from
     ``sample_generator(seed, epoch, index)`` only. In eval mode (``train=False``) the sample has
     the first caption as ``text``, all captions as ``texts``, and the first ``hard_negatives``
-    negatives in file order.
+    negatives in file order, with their ``negative_kinds`` labels when the record has one per
+    negative (e.g. the synthetic data's colour/shape/size/relation).
     """
 
     def __init__(
@@ -254,6 +255,9 @@ class ImageTextDataset(Dataset):
             out["text"] = texts[0]
             out["texts"] = texts
             out["negatives"] = list(negs[: self.hard_negatives])
+            kinds = rec.get("negative_kinds")
+            if isinstance(kinds, list) and len(kinds) == len(negs):  # optional labels
+                out["negative_kinds"] = [str(k) for k in kinds[: self.hard_negatives]]
         return out
 
     def _pick_negatives(self, negs: list[str], epoch: int, index: int) -> list[str]:

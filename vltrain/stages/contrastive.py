@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +193,7 @@ class ContrastiveStage(Stage):
             k: [] for k in ("img", "idx", "txt", "owner", "hn_correct", "hn_total")
         }
         n_bad = 0
+        self._kind_hits: dict[str, list[int]] = {}  # negative kind -> [correct, total]
         for keys in EvalShardSampler(len(ds), bs, self.ctx.rank, self.ctx.world_size):
             good, bad = split_bad([ds[k] for k in keys])
             n_bad += len(bad)
@@ -230,8 +232,14 @@ class ContrastiveStage(Stage):
         owner = torch.tensor([i for i, s in enumerate(good) for _ in s["negatives"]])
         pos_score = (img.float() * txt[first].float()).sum(-1)  # (b,)
         neg_score = (img.float()[owner] * neg).sum(-1)  # (M,)
-        correct = (pos_score[owner] > neg_score).sum().float()
-        return correct.reshape(1).cpu(), torch.tensor([float(len(negs))])
+        hit = (pos_score[owner] > neg_score).cpu()  # (M,)
+        kinds = [k for s in good for k in s.get("negative_kinds") or [None] * len(s["negatives"])]
+        for kind, h in zip(kinds, hit.tolist(), strict=True):
+            if kind is not None:
+                c = self._kind_hits.setdefault(kind, [0, 0])
+                c[0] += int(h)
+                c[1] += 1
+        return hit.sum().float().reshape(1), torch.tensor([float(len(negs))])
 
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
         """Sharded embedding, gathered once; every rank then computes the same metrics."""
@@ -245,6 +253,14 @@ class ContrastiveStage(Stage):
         total = float(g["hn_total"].sum())
         if total:
             metrics["hardneg_acc"] = float(g["hn_correct"].sum()) / total
+        kind_hits: dict[str, list[int]] = {}
+        for part in D.all_gather_object(self._kind_hits):  # every rank, same order
+            for kind, (c, t) in part.items():
+                acc = kind_hits.setdefault(kind, [0, 0])
+                acc[0], acc[1] = acc[0] + c, acc[1] + t
+        for kind in sorted(kind_hits):  # accuracy per kind of negative (`negative_kinds`)
+            c, t = kind_hits[kind]
+            metrics[f"hardneg_acc_{re.sub(r'[^0-9A-Za-z]+', '_', kind)}"] = c / t
         for dim in self.cfg.model.matryoshka_dims:  # truncated embeddings, evaluated separately
             small = image_text_retrieval(
                 model.encoder.truncate(img, dim), model.encoder.truncate(txt, dim), pos
