@@ -1,4 +1,4 @@
-"""Hard-negative accuracy in evaluation: overall and per `negative_kinds` label, brute-force checked."""
+"""Hard-negative accuracy in eval: overall and per `negative_kinds` label, vs brute force."""
 
 from __future__ import annotations
 
