@@ -101,15 +101,14 @@ def _worker(rank: int, store: str, out: str) -> None:
 
 
 def test_spawned_ranks_grad_cache_equals_global_batch(tmp_path: Path) -> None:
-    import torch._dynamo  # noqa: F401  (DDP() imports it lazily: once here, not per child)
-
-    # fork: the children inherit the imported modules (spawn re-imports torch: ~10 s here)
+    # spawn, not fork: by now the pytest process has threads (BLAS, thread pools), and a child
+    # forked while one of them held a lock can hang forever (seen under load)
     mp.start_processes(
         _worker,
         args=(str(tmp_path / "store"), str(tmp_path)),
         nprocs=2,
         join=True,
-        start_method="fork",
+        start_method="spawn",
     )
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     model = _model()
