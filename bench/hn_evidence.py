@@ -39,6 +39,7 @@ def arm_args(data: Path, out: Path, seed: int, steps: int, k: int, threads: int)
         "data.eval": data / "val.jsonl",
         "data.test": data / "test.jsonl",
         "train.max_steps": steps,
+        "optim.warmup_steps": min(50, steps // 2),  # the quickstart's 50 unless steps < 100
         "train.eval_every": steps,
         "train.save_every": steps,
         "objective.hard_negatives": k,
