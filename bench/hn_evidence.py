@@ -1,6 +1,6 @@
 """Evidence for hard-negative training: hard-negative accuracy with and without negatives.
 
-    python bench/hn_evidence.py --out runs/hn_evidence [--seeds 0 1] [--steps 1500] [--k 5]
+    python bench/hn_evidence.py --out runs/hn_evidence [--seeds 0 1 2] [--steps 1500] [--k 5]
 
 The quickstart's CLIP stage (tiny dual encoder, batch 128, lr 2e-3) on the quickstart's
 synthetic data (4,000 train / 300 val / 300 test images), trained from scratch for `--steps`
@@ -67,7 +67,7 @@ def row(name: str, m: dict[str, dict[str, float]]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="runs/hn_evidence")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="torch threads per run (0: default)")
