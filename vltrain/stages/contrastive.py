@@ -185,15 +185,18 @@ class ContrastiveStage(Stage):
             )
         return self._eval_sets[split]
 
-    def _embed_shard(self, model: ContrastiveModel, ds: ImageTextDataset) -> dict[str, Tensor]:
-        """Embeddings of this rank's contiguous shard of the eval set."""
+    def _embed_shard(
+        self, model: ContrastiveModel, ds: ImageTextDataset
+    ) -> tuple[dict[str, Tensor], dict[str, list[int]]]:
+        """Embeddings of this rank's contiguous shard of the eval set, and its hard-negative
+        hits per negative kind ({kind: [correct, total]})."""
         bs = self.cfg.data.eval_batch_size or self.cfg.data.batch_size
         enc, dev = model.encoder, self.ctx.device
         out: dict[str, list[Tensor]] = {
             k: [] for k in ("img", "idx", "txt", "owner", "hn_correct", "hn_total")
         }
         n_bad = 0
-        self._kind_hits: dict[str, list[int]] = {}  # negative kind -> [correct, total]
+        kind_hits: dict[str, list[int]] = {}
         for keys in EvalShardSampler(len(ds), bs, self.ctx.rank, self.ctx.world_size):
             good, bad = split_bad([ds[k] for k in keys])
             n_bad += len(bad)
@@ -208,12 +211,12 @@ class ContrastiveStage(Stage):
             out["idx"].append(torch.tensor([s["index"] for s in good]))
             out["txt"].append(txt.float().cpu())
             out["owner"].append(owner)
-            c, t = self._hard_negative_hits(enc, img, txt, good)
+            c, t = self._hard_negative_hits(enc, img, txt, good, kind_hits)
             out["hn_correct"].append(c)
             out["hn_total"].append(t)
         cat = {k: (torch.cat(v) if v else torch.zeros(0)) for k, v in out.items()}
         cat["n_bad"] = torch.tensor([n_bad])
-        return cat
+        return cat, kind_hits
 
     def encode_texts(self, enc: nn.Module, texts: list[str]) -> Tensor:
         """Unit-norm text embeddings (N, E) through this stage's batcher."""
@@ -221,9 +224,15 @@ class ContrastiveStage(Stage):
         return enc.encode_text(ids.to(self.ctx.device), mask.to(self.ctx.device))
 
     def _hard_negative_hits(
-        self, enc: nn.Module, img: Tensor, txt: Tensor, good: list[dict]
+        self,
+        enc: nn.Module,
+        img: Tensor,
+        txt: Tensor,
+        good: list[dict],
+        kind_hits: dict[str, list[int]],
     ) -> tuple[Tensor, Tensor]:
-        """How often the first caption outscores each attribute-swapped negative."""
+        """How often the first caption outscores each negative; adds per-kind counts to
+        `kind_hits` for samples with `negative_kinds`."""
         negs = [n for s in good for n in s["negatives"]]
         if not negs:
             return torch.zeros(1), torch.zeros(1)
@@ -236,14 +245,14 @@ class ContrastiveStage(Stage):
         kinds = [k for s in good for k in s.get("negative_kinds") or [None] * len(s["negatives"])]
         for kind, h in zip(kinds, hit.tolist(), strict=True):
             if kind is not None:
-                c = self._kind_hits.setdefault(kind, [0, 0])
+                c = kind_hits.setdefault(kind, [0, 0])
                 c[0] += int(h)
                 c[1] += 1
         return hit.sum().float().reshape(1), torch.tensor([float(len(negs))])
 
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
         """Sharded embedding, gathered once; every rank then computes the same metrics."""
-        shard = self._embed_shard(model, self._eval_set(split))
+        shard, shard_kind_hits = self._embed_shard(model, self._eval_set(split))
         g = {k: D.all_gather_no_grad(v) for k, v in shard.items()}
         img, idx, txt, owner = g["img"], g["idx"], g["txt"], g["owner"]
         pos = torch.searchsorted(idx, owner)  # text -> row of its image in `img`
@@ -254,7 +263,7 @@ class ContrastiveStage(Stage):
         if total:
             metrics["hardneg_acc"] = float(g["hn_correct"].sum()) / total
         kind_hits: dict[str, list[int]] = {}
-        for part in D.all_gather_object(self._kind_hits):  # every rank, same order
+        for part in D.all_gather_object(shard_kind_hits):  # every rank, same order
             for kind, (c, t) in part.items():
                 acc = kind_hits.setdefault(kind, [0, 0])
                 acc[0], acc[1] = acc[0] + c, acc[1] + t
