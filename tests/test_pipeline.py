@@ -4,10 +4,7 @@ the same under torchrun (2 processes) through caption pretrain -> finetune -> rl
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +12,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.conftest import REPO
+from tests.conftest import REPO, torchrun_vltrain
 from vltrain.cli import main
 from vltrain.config.core import ConfigError
 from vltrain.pipeline import load_pipeline, run_pipeline
@@ -148,12 +145,7 @@ def test_pipeline_errors_name_the_stage(tmp_path: Path) -> None:
 
 def _torchrun_pipeline(path: Path, cwd: Path) -> str:
     """`vltrain pipeline PATH` under 2 processes (gloo); returns stdout."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += ["-m", "vltrain", "pipeline", str(path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return res.stdout
+    return torchrun_vltrain(["pipeline", str(path)], cwd).stdout
 
 
 @pytest.fixture(scope="module")

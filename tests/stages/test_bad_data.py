@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_overrides
+from tests.conftest import tiny_overrides, torchrun_vltrain
 from vltrain.cli import main
 from vltrain.config import load_config
 from vltrain.data.synth import write_bad_corpus
@@ -124,10 +124,6 @@ def test_a_micro_batch_with_no_valid_sample_skips_the_step(shapes_dir: Path, tmp
 def test_two_ranks_skip_together_when_one_rank_has_only_bad_samples(
     shapes_dir: Path, tmp_path: Path
 ) -> None:
-    import os
-    import subprocess
-    import sys
-
     from safetensors.torch import load_file
 
     path = _half_missing(shapes_dir, tmp_path, 6)
@@ -143,11 +139,7 @@ def test_two_ranks_skip_together_when_one_rank_has_only_bad_samples(
         },
     )
     cfg = Path(__file__).resolve().parents[2] / "configs" / "clip.yaml"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += ["-m", "vltrain", "train", str(cfg), *over]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    res = torchrun_vltrain(["train", str(cfg), *over])
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 6
     # 12 records, half missing, 2 per step: some step had a rank with nothing to forward

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO
+from tests.conftest import REPO, torchrun_vltrain
 from vltrain.cli import main
 from vltrain.config import load_config
 from vltrain.data.chat import IGNORE_INDEX
@@ -249,11 +246,7 @@ def test_torchrun_two_processes_equal_one(cap_data: Path, tmp_path: Path) -> Non
     args = caption_overrides(
         cap_data, tmp_path / "two", "finetune", **opts, **{"data.batch_size": 8}
     )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += ["-m", "vltrain", "train", str(PRESETS["finetune"]), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    torchrun_vltrain(["train", str(PRESETS["finetune"]), *args], tmp_path)
     two_summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert one_summary["val"].keys() == two_summary["val"].keys()
     for k, v in one_summary["val"].items():
