@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from vltrain.data.synth import synth_command
-from vltrain.quickstart import CONFIGS
-from vltrain.stages.loading import load_trained
+from vltrain.runs.quickstart import CONFIGS
+from vltrain.tools.loading import load_trained
 
 KINDS = ("color", "shape", "size", "relation")
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from vltrain.config import load_config
 from vltrain.data.synth import synth_command
-from vltrain.engine.loop import train
-from vltrain.quickstart import CONFIGS, PRESET, run_caption_stages
+from vltrain.runs import train
+from vltrain.runs.quickstart import CONFIGS, PRESET, run_caption_stages
 
 
 def caption_stats(run: Path, data: Path) -> dict[str, float]:

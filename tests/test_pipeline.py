@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from tests.conftest import REPO, torchrun_vltrain
 from vltrain.cli import main
 from vltrain.config.core import ConfigError
-from vltrain.pipeline import load_pipeline, run_pipeline
+from vltrain.runs.pipeline import load_pipeline, run_pipeline
 
 
 def _pipeline(tmp: Path, data: Path) -> Path:

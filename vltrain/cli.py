@@ -8,11 +8,11 @@ from collections.abc import Sequence
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from vltrain.config import load_config
     from vltrain.engine import distributed as D
-    from vltrain.engine.loop import train
+    from vltrain.runs import train
+    from vltrain.stages import load_run_config
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_run_config(args.config, args.overrides)
     try:
         train(cfg)
     finally:
@@ -22,7 +22,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_pipeline(args: argparse.Namespace) -> int:
     from vltrain.engine import distributed as D
-    from vltrain.pipeline import run_pipeline
+    from vltrain.runs.pipeline import run_pipeline
 
     try:
         run_pipeline(args.pipeline, args.overrides)
@@ -42,7 +42,7 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 
 
 def _cmd_quickstart(args: argparse.Namespace) -> int:
-    from vltrain.quickstart import run_quickstart
+    from vltrain.runs.quickstart import run_quickstart
 
     run_quickstart(
         out=args.out,
@@ -61,19 +61,19 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from vltrain.tuning.command import tune_command
+    from vltrain.runs.tune.command import tune_command
 
     return tune_command(args)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from vltrain.stages.caption_decode import generate_command
+    from vltrain.tools.generate import generate_command
 
     return generate_command(args)
 
 
 def _cmd_mine(args: argparse.Namespace) -> int:
-    from vltrain.stages.mining import MineOptions, mine_command
+    from vltrain.tools.mine import MineOptions, mine_command
 
     opts = MineOptions(
         k=args.k,
@@ -193,8 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     q.set_defaults(fn=_cmd_quickstart)
 
-    from vltrain.tuning.command import DESCRIPTION as TUNE_DESCRIPTION
-    from vltrain.tuning.command import add_tune_options
+    from vltrain.runs.tune.command import DESCRIPTION as TUNE_DESCRIPTION
+    from vltrain.runs.tune.command import add_tune_options
 
     tu = sub.add_parser(
         "tune",
@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tu.set_defaults(fn=_cmd_tune)
 
-    from vltrain.stages.caption_decode import add_generate_options
+    from vltrain.tools.generate import add_generate_options
 
     g = sub.add_parser(
         "generate",
@@ -257,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `vltrain` console script."""
     from vltrain.config.core import ConfigError
     from vltrain.data.records import DataError, DataQualityError
-    from vltrain.engine.loop import TrainingAborted
+    from vltrain.engine.loop import TrainingAborted  # noqa: I001 - lazy: fast --help
 
     args = build_parser().parse_args(argv)
     try:

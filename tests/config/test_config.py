@@ -88,7 +88,7 @@ def test_every_field_is_documented() -> None:
 @pytest.mark.parametrize("preset", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_preset_loads(preset: Path) -> None:
     if preset.name == "pipeline.yaml":  # a list of stage configs, not a config
-        from vltrain.pipeline import load_pipeline
+        from vltrain.runs.pipeline import load_pipeline
 
         assert [s.name for s in load_pipeline(preset)] == ["pretrain", "finetune", "rl"]
         return

@@ -20,15 +20,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.conftest import tiny_overrides
 from vltrain.config.schema import load_config
-from vltrain.engine.loop import train
+from vltrain.engine.parallel import ParallelModel, average_gradients
 from vltrain.models.dual_encoder import DualEncoder
 from vltrain.models.presets import text_config, vision_config
 from vltrain.objectives.contrastive import build_loss
-from vltrain.objectives.grad_cache import dual_encoder_grad_cache, sync_grads
+from vltrain.objectives.grad_cache import dual_encoder_grad_cache
+from vltrain.runs import train
 from vltrain.stages.contrastive import ContrastiveModel
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,18 +82,21 @@ def _worker(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
-        ddp = DDP(_model())
+        model = ParallelModel(_model(), "ddp")
         micro = _micro_batches()
-        with ddp.no_sync():  # accumulation micro-step: local gradients only
-            dual_encoder_grad_cache(ddp, _rank_slice(micro[0], rank), 4, 0.5)
-        local = _grads(ddp.module)
-        dual_encoder_grad_cache(ddp, _rank_slice(micro[1], rank), 4, 0.5)
-        final = _grads(ddp.module)
-        # sync_grads with tiny buckets (many all-reduces) averages rank-dependent gradients
+        with model.micro_step(sync=False):  # accumulation micro-step: local gradients only
+            dual_encoder_grad_cache(model.module, _rank_slice(micro[0], rank), 4, 0.5)
+            model.reduce_gradients()
+        local = _grads(model.module)
+        with model.micro_step(sync=True):
+            dual_encoder_grad_cache(model.module, _rank_slice(micro[1], rank), 4, 0.5)
+            model.reduce_gradients()
+        final = _grads(model.module)
+        # average_gradients with tiny buckets (many all-reduces) averages rank-dependent grads
         params = [torch.nn.Parameter(torch.zeros(n)) for n in (70, 5, 300, 1)]
         for i, p in enumerate(params):
             p.grad = torch.full_like(p, float(10 * rank + i))
-        sync_grads(params, bucket_elems=100)
+        average_gradients(params, bucket_elems=100)
         synced = {str(i): p.grad for i, p in enumerate(params)}
         torch.save({"local": local, "final": final, "synced": synced}, f"{out}/rank{rank}.pt")
     finally:

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from tests.conftest import tiny_overrides
 from vltrain.config import load_config
 from vltrain.engine import loop
-from vltrain.engine.loop import train
+from vltrain.runs import train
 
 
 class Interrupt(Exception):
@@ -47,9 +47,9 @@ def test_resume_reproduces_uninterrupted_run_exactly(
     part = tmp_path / "part"
     real = loop.Trainer._maybe_eval_and_save
 
-    def stop_after_7(self, model, optimizer, tracker, state, logger):
-        real(self, model, optimizer, tracker, state, logger)
-        if state.step == 7:  # after the step-5 checkpoint; steps 6-7 are lost work
+    def stop_after_7(self, model, logger):
+        real(self, model, logger)
+        if self.state.step == 7:  # after the step-5 checkpoint; steps 6-7 are lost work
             raise Interrupt
 
     monkeypatch.setattr(loop.Trainer, "_maybe_eval_and_save", stop_after_7)
@@ -81,7 +81,7 @@ def test_resume_without_restoring_rng_would_differ(
         import shutil
 
         shutil.rmtree(p)  # keep only step_5
-    monkeypatch.setattr(loop.C, "set_rng_state", lambda state: None)
+    monkeypatch.setattr(loop.checkpoint, "set_rng_state", lambda state: None)
     torch.manual_seed(123)
     train(_cfg(shapes_dir, part, **{"train.max_steps": 8, "train.resume": True}))
     a, b = _losses(full), _losses(part)

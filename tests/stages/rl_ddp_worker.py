@@ -23,8 +23,9 @@ from torch import nn
 
 from vltrain.config import load_config
 from vltrain.engine import distributed as D
-from vltrain.engine.loop import Trainer
 from vltrain.engine.runtime import to_device
+from vltrain.runs import Trainer
+from vltrain.stages import get_stage
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -39,7 +40,7 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
 
 def main(argv: list[str]) -> None:
     cfg = load_config(argv[0], argv[1:])
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, stage=get_stage(cfg.stage))
     stage = trainer.stage
     steps: list[dict[str, Any]] = []
     seen: dict[str, Any] = {}

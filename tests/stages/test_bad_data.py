@@ -13,7 +13,7 @@ from tests.conftest import tiny_overrides, torchrun_vltrain
 from vltrain.cli import main
 from vltrain.config import load_config
 from vltrain.data.synth import write_bad_corpus
-from vltrain.engine.loop import train
+from vltrain.runs import train
 
 
 @pytest.fixture()

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from vltrain.stages.caption_decode import build_captioner
 
 from tests.conftest import REPO, torchrun_vltrain
 from vltrain.cli import main
@@ -17,10 +18,10 @@ from vltrain.data.chat import IGNORE_INDEX
 from vltrain.data.records import read_jsonl
 from vltrain.data.tokenizer import TextTokenizer
 from vltrain.engine import loop
-from vltrain.engine.loop import Trainer, train
 from vltrain.engine.optim import param_groups
 from vltrain.engine.runtime import seed_everything
-from vltrain.stages.caption_decode import build_captioner
+from vltrain.runs import Trainer, train
+from vltrain.stages import get_stage
 
 PRESETS = {m: REPO / "configs" / f"caption_{m}.yaml" for m in ("pretrain", "finetune", "sft")}
 
@@ -123,7 +124,7 @@ def test_finetune_preset_init_from_and_lr_scale(pretrain_run, cap_data: Path, tm
     pre_cfg, pre_summary = pretrain_run
     cfg = _cfg("finetune", cap_data, tmp_path / "ft", **{"model.init_from": pre_cfg.run.out_dir})
     assert cfg.optim.lr_scale == {"vision": 0.1} and cfg.model.freeze == []
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, stage=get_stage(cfg.stage))
     trainer.stage.prepare()
     model = trainer.stage.build_model()
     # step-0 eval of the initialised model reproduces the source run's final eval
@@ -145,7 +146,7 @@ def test_finetune_preset_init_from_and_lr_scale(pretrain_run, cap_data: Path, tm
 def test_init_from_negative_control_random_init_differs(pretrain_run, cap_data, tmp_path):
     pre_cfg, pre_summary = pretrain_run
     cfg = _cfg("finetune", cap_data, tmp_path / "scratch")
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, stage=get_stage(cfg.stage))
     trainer.stage.prepare()
     fresh = trainer.evaluate(trainer.stage.build_model(), "val")
     assert abs(fresh["loss"] - pre_summary["val"]["eval_loss"]) > 1e-3
@@ -154,7 +155,7 @@ def test_init_from_negative_control_random_init_differs(pretrain_run, cap_data, 
 def test_sft_preset_masks_the_prompt_and_freezes_vision(pretrain_run, cap_data, tmp_path):
     pre_cfg, _ = pretrain_run
     cfg = _cfg("sft", cap_data, tmp_path / "sft", **{"model.init_from": pre_cfg.run.out_dir})
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, stage=get_stage(cfg.stage))
     trainer.stage.prepare()
     stage, tok = trainer.stage, trainer.stage.tokenizer
     ds = stage.train_dataset()
@@ -222,9 +223,9 @@ def test_exact_mid_epoch_resume_with_length_buckets(cap_data, tmp_path, monkeypa
     train(_cfg("finetune", cap_data, full, **opts))
     real = loop.Trainer._maybe_eval_and_save
 
-    def stop_after_3(self, model, optimizer, tracker, state, logger):
-        real(self, model, optimizer, tracker, state, logger)
-        if state.step == 3:  # after the step-2 checkpoint
+    def stop_after_3(self, model, logger):
+        real(self, model, logger)
+        if self.state.step == 3:  # after the step-2 checkpoint
             raise Interrupt
 
     monkeypatch.setattr(loop.Trainer, "_maybe_eval_and_save", stop_after_3)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import tiny_overrides
 from vltrain.config import ConfigError, load_config
-from vltrain.engine.loop import train
+from vltrain.runs import train
 
 SRC = {"train.max_steps": 2, "train.save_every": 2, "optim.warmup_steps": 0}
 

@@ -11,8 +11,8 @@ import torch
 from tests.conftest import tiny_overrides
 from vltrain.config import load_config
 from vltrain.data.images import load_image
-from vltrain.engine.loop import train
-from vltrain.stages.loading import load_trained
+from vltrain.runs import train
+from vltrain.tools.loading import load_trained
 
 
 def test_hard_negative_accuracy_per_kind_equals_brute_force(shapes_dir: Path, tmp_path: Path):

@@ -10,7 +10,7 @@ import torch
 from tests.conftest import tiny_overrides
 from tests.models.test_hf_embedders import clip_dir, qwen2vl_dir  # noqa: F401  (fixtures)
 from vltrain.config import load_config
-from vltrain.engine.loop import train
+from vltrain.runs import train
 
 
 def _rows(run: Path) -> list[dict]:

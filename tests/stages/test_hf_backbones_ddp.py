@@ -39,10 +39,10 @@ from tests.models.test_hf_embedders import (  # noqa: F401  (fixtures)
 )
 from vltrain.config import load_config
 from vltrain.data.hf_collate import HFCollate
-from vltrain.engine.loop import train
 from vltrain.models.hf_embedders import VLMEmbedder
 from vltrain.objectives.contrastive import InfoNCELoss
-from vltrain.stages.loading import load_trained
+from vltrain.runs import train
+from vltrain.tools.loading import load_trained
 
 PRESETS = Path(__file__).resolve().parents[2] / "vltrain" / "configs"
 STEPS = 3

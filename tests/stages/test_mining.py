@@ -10,8 +10,8 @@ import torch
 from tests.conftest import tiny_overrides
 from vltrain.cli import main
 from vltrain.config import load_config
-from vltrain.engine.loop import train
-from vltrain.stages.mining import MineOptions, mine_negatives
+from vltrain.runs import train
+from vltrain.tools.mine import MineOptions, mine_negatives
 
 
 def _unit(*rows: list[float]) -> torch.Tensor:

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import tiny_overrides
 from vltrain.config import load_config
-from vltrain.engine.loop import TrainingAborted, train
+from vltrain.runs import TrainingAborted, train
 from vltrain.stages.contrastive import ContrastiveStage
 
 

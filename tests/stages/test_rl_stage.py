@@ -20,8 +20,9 @@ from tests.conftest import REPO
 from tests.stages.rl_ddp_worker import digest
 from tests.stages.test_caption_stage import caption_overrides
 from vltrain.config import load_config
-from vltrain.engine.loop import Trainer, train
 from vltrain.engine.optim import build_optimizer
+from vltrain.runs import Trainer, train
+from vltrain.stages import get_stage
 from vltrain.stages.rl import RL_METRICS
 
 PRESET = REPO / "configs" / "rl.yaml"
@@ -98,7 +99,7 @@ def rl_run(rl_data: Path, caption_ckpt: Path, tmp_path_factory: pytest.TempPathF
     cfg = _rl_cfg(
         rl_data, caption_ckpt, tmp_path_factory.mktemp("rl") / "run", **{"rl.kl_coeff": 0.1}
     )
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, stage=get_stage(cfg.stage))
     return cfg, trainer.run(), trainer
 
 
@@ -155,9 +156,8 @@ def test_resume_keeps_the_ema_baseline(rl_data, caption_ckpt, tmp_path: Path) ->
         tmp_path / "part" / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=True
     )
     assert ts["stage"]["baseline"]["initialized"] is True
-    resumed = Trainer(
-        _rl_cfg(rl_data, caption_ckpt, tmp_path / "part", **over, **{"train.resume": True})
-    )
+    cfg = _rl_cfg(rl_data, caption_ckpt, tmp_path / "part", **over, **{"train.resume": True})
+    resumed = Trainer(cfg, stage=get_stage(cfg.stage))
     resumed.stage.prepare()
     assert resumed.stage.baseline.value == 0.0  # fresh stage: nothing loaded yet
     resumed.run()
@@ -235,7 +235,7 @@ def test_bf16_autocast_steps_are_finite_and_close_to_fp32(
     cfg = _rl_cfg(
         rl_data, caption_ckpt, tmp_path / "bf16", **{"rl.kl_coeff": 0.1, "run.precision": "bf16"}
     )
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, stage=get_stage(cfg.stage))
     summary = trainer.run()
     rows = _train_rows(tmp_path / "bf16")
     assert [r["step"] for r in rows] == [1, 2, 3] and summary["skipped_steps"] == 0

@@ -38,6 +38,21 @@ def option(
     return dataclasses.field(default=default, metadata=meta)
 
 
+def check_choice(key: str, value: str, table: Any, what: str = "") -> None:
+    """Raise a ConfigError naming `key` when `value` is not a key of the registry `table`.
+
+    Registry-backed keys (stage, model.kind, objective.loss, model.connector) are declared
+    without fixed choices here; the layer that owns the registry checks them through this.
+    """
+    if value in table:
+        return
+    names = sorted(table)
+    close = difflib.get_close_matches(str(value), names, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    where = f" for {what}" if what else ""
+    raise ConfigError(f"'{key}' must be one of {names}{where}, got {value!r}{hint}")
+
+
 def section(cls: type, doc: str) -> Any:
     """Declare a nested config section."""
     return dataclasses.field(default_factory=cls, metadata={"doc": doc, "section": True})

@@ -74,6 +74,10 @@ class _ForeverSampler:
             )
         self.start = (int(epoch), int(batch))
 
+    def set_position(self, position: tuple[int, int]) -> None:
+        """Start the next iteration at (epoch, batch_in_epoch) (a resumed loader's state)."""
+        self._init_start(position)
+
     @property
     def batches_per_epoch(self) -> int:  # pragma: no cover - overridden
         raise NotImplementedError

@@ -7,7 +7,8 @@ encodes (no unknown bytes) and decoding returns the normalised text.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import shutil
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -131,3 +132,28 @@ class TextTokenizer:
             ids = ids.tolist()
         rows = [list(r) for r in ids]
         return [s.strip() for s in self._tok.decode_batch(rows, skip_special_tokens=True)]
+
+
+def prepare_tokenizer(
+    tok_dir: Path,
+    init_ckpt: Path | None,
+    texts: Callable[[], list[str]],
+    vocab_size: int,
+    is_main: bool,
+) -> None:
+    """Make sure `tok_dir` holds the run's tokenizer (rank 0 writes; callers barrier after).
+
+    Reuse the one already there (a resumed run), else copy `init_ckpt`'s (token ids must match
+    the weights it holds), else train a BPE tokenizer on `texts()`.
+    """
+    if not is_main or (tok_dir / "tokenizer.json").is_file():
+        return
+    if init_ckpt is not None:
+        from vltrain.config.core import ConfigError
+
+        src = init_ckpt / "tokenizer"
+        if not (src / "tokenizer.json").is_file():
+            raise ConfigError(f"model.init_from: {init_ckpt} holds no tokenizer/")
+        shutil.copytree(src, tok_dir)
+        return
+    train_bpe_tokenizer(texts(), vocab_size=vocab_size).save(tok_dir)

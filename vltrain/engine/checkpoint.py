@@ -185,3 +185,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
         f"no checkpoint found at {p}: pass a run dir, its checkpoints/ folder, or a "
         "checkpoints/step_<N> folder holding model.safetensors"
     )
+
+
+def resolve_init(init_from: str) -> Path | None:
+    """`model.init_from` as a checkpoint folder (best, else newest); None when it is unset."""
+    from vltrain.config.core import ConfigError
+
+    try:
+        return resolve_checkpoint(init_from) if init_from else None
+    except FileNotFoundError as e:
+        raise ConfigError(f"model.init_from: {e}") from None

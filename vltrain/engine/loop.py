@@ -2,139 +2,42 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
 
 from vltrain.config.schema import Config, dump_config
-from vltrain.data.records import BadSampleTracker, split_bad
-from vltrain.engine import checkpoint as C
+from vltrain.data.loaders import Batch
+from vltrain.data.records import BadSampleTracker
+from vltrain.engine import checkpoint
 from vltrain.engine import distributed as D
+from vltrain.engine import state as trainer_state
 from vltrain.engine.logging import RunLogger
 from vltrain.engine.optim import build_optimizer, set_lr
-from vltrain.engine.runtime import eval_mode, setup, to_device, worker_init
-from vltrain.stages.base import BatchSampler, Stage, get_stage
+from vltrain.engine.parallel import ParallelModel, build_parallel
+from vltrain.engine.runtime import eval_mode, setup, to_device
+from vltrain.engine.state import RngState, TrainState
+from vltrain.engine.task import Stage, check_stage
 
 
 class TrainingAborted(RuntimeError):
     """Training stopped on purpose (non-finite steps, bad data); the message says why."""
 
 
-@dataclass
-class LoopState:
-    """Everything besides weights and optimizer that a resumed run needs."""
-
-    step: int = 0
-    position: tuple[int, int] = (0, 0)
-    skipped_steps: int = 0
-    consecutive_skips: int = 0
-    best_value: float | None = None
-    best_step: int = -1
-    history: list[dict] = field(default_factory=list)
-
-
-class _Collate:
-    """Picklable collate: drops bad samples (counted by the engine), then the stage collates."""
-
-    def __init__(self, stage_collate: Any) -> None:
-        self.stage_collate = stage_collate
-
-    def __call__(self, samples: list[dict]) -> dict[str, Any]:
-        good, bad = split_bad(samples)
-        batch = self.stage_collate(good) if good else {}
-        batch["_n_seen"] = len(samples)
-        batch["_bad"] = bad
-        batch["_last_key"] = tuple(samples[-1]["key"])
-        batch["_n_good"] = len(good)
-        return batch
-
-
-def _loader(
-    stage: Stage, cfg: Config, start: tuple[int, int], device: torch.device
-) -> tuple[BatchSampler, Iterator[dict]]:
-    dataset = stage.train_dataset()
-    sampler = stage.train_sampler(dataset, start)
-    # A private generator keeps DataLoader seeding off the global RNG, so creating the
-    # iterator at a different moment (resume) leaves the dropout RNG stream untouched.
-    gen = torch.Generator().manual_seed(cfg.run.seed)
-    loader = DataLoader(
-        dataset,
-        batch_sampler=sampler,
-        collate_fn=_Collate(stage.collate),
-        num_workers=cfg.data.num_workers,
-        worker_init_fn=worker_init,
-        generator=gen,
-        persistent_workers=cfg.data.num_workers > 0,
-        pin_memory=device.type == "cuda",
-        prefetch_factor=4 if cfg.data.num_workers > 0 else None,
-    )
-    return sampler, iter(loader)
-
-
-def _trainer_state(
-    state: LoopState,
-    optimizer: torch.optim.Optimizer,
-    stage: Stage,
-    tracker: BadSampleTracker,
-    world: int,
-) -> dict[str, Any]:
-    return {
-        "step": state.step,
-        "epoch": state.position[0],
-        "batch_in_epoch": state.position[1],
-        "skipped_steps": state.skipped_steps,
-        "consecutive_skips": state.consecutive_skips,
-        "best_value": state.best_value,
-        "best_step": state.best_step,
-        "optimizer": optimizer.state_dict(),
-        "rng": C.rng_state(),
-        "stage": stage.state_dict(),
-        "bad_samples": tracker.state_dict(),
-        "world_size": world,
-    }
-
-
-def _restore(
-    ckpt: Path,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    stage: Stage,
-    tracker: BadSampleTracker,
-) -> LoopState:
-    C.load_weights(model, ckpt)
-    ts = C.load_trainer_state(ckpt)
-    optimizer.load_state_dict(ts["optimizer"])
-    stage.load_state_dict(ts["stage"])
-    tracker.load_state_dict(ts["bad_samples"])
-    C.set_rng_state(ts["rng"])
-    return LoopState(
-        step=ts["step"],
-        position=(ts["epoch"], ts["batch_in_epoch"]),
-        skipped_steps=ts["skipped_steps"],
-        consecutive_skips=ts["consecutive_skips"],
-        best_value=ts["best_value"],
-        best_step=ts["best_step"],
-    )
-
-
-def _count_bad(batches: list[dict], tracker: BadSampleTracker) -> int:
+def _count_bad(batches: list[Batch], tracker: BadSampleTracker) -> int:
     """Reduce this step's bad-sample counts over ranks so every rank decides alike.
 
     Returns how many micro-batches, over all ranks, hold no valid sample at all (one
     all-reduce carries both, so every rank skips such a step together).
     """
-    bad = [pair for b in batches for pair in b["_bad"]]
-    vec = BadSampleTracker.step_vector(sum(b["_n_seen"] for b in batches), bad)
-    vec.append(sum(1 for b in batches if b["_n_good"] == 0))
+    bad = [pair for b in batches for pair in b.bad]
+    vec = BadSampleTracker.step_vector(sum(b.n_seen for b in batches), bad)
+    vec.append(sum(1 for b in batches if b.n_good == 0))
     total = D.all_reduce_sum(torch.tensor(vec, dtype=torch.int64)).tolist()
     tracker.merge_counts(total[:-1], examples=bad)
     tracker.check()
@@ -148,11 +51,22 @@ def _is_better(value: float, best: float | None, mode: str) -> bool:
 
 
 class Trainer:
-    """Drives a stage: the loop, evaluation, checkpoints and resume."""
+    """Drives a stage: the loop, evaluation, checkpoints and resume.
 
-    def __init__(self, cfg: Config, on_eval: Callable[[int, dict], None] | None = None) -> None:
+    ``Trainer(cfg, stage=StageClass).run()`` trains any object that implements
+    :class:`vltrain.engine.task.Stage` (``vltrain.runs.train(cfg)`` picks the built-in stage
+    that ``cfg.stage`` names).
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        stage: type,
+        on_eval: Callable[[int, dict], None] | None = None,
+    ) -> None:
         """`on_eval(step, metrics)` runs on every rank after each evaluation; it may raise to
         stop training (e.g. a pruned hyperparameter trial), identically on all ranks."""
+        self.best_metric, self.best_mode = check_stage(cfg, stage)  # before any compute
         self.cfg = cfg
         self.on_eval = on_eval
         self.ctx = setup(cfg)
@@ -162,96 +76,118 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.out_dir / "config.yaml")
         D.barrier()
-        self.stage = get_stage(cfg.stage)(cfg, self.out_dir, self.ctx)
-        self.best_metric = cfg.train.best_metric or self.stage.best_metric
-        self.best_mode = cfg.train.best_mode or self.stage.best_mode
+        self.stage: Stage = stage(cfg, self.out_dir, self.ctx)
 
     def run(self) -> dict[str, Any]:
         """Train to `train.max_steps` (resuming if asked); return the final summary."""
         cfg, ctx, stage = self.cfg, self.ctx, self.stage
         stage.prepare()
-        model = stage.build_model().to(ctx.device)
-        optimizer = build_optimizer(model, cfg.optim)
-        tracker = BadSampleTracker(cfg.data.max_bad_fraction)
-        state = LoopState()
-        ckpt = C.latest_checkpoint(self.ckpt_root) if cfg.train.resume else None
+        module = stage.build_model().to(ctx.device)
+        self.optimizer = build_optimizer(module, cfg.optim)
+        self.tracker = BadSampleTracker(cfg.data.max_bad_fraction)
+        self.state = TrainState()
+        self.loader = stage.build_loader()
+        ckpt = checkpoint.latest_checkpoint(self.ckpt_root) if cfg.train.resume else None
         if ckpt is not None:
-            state = _restore(ckpt, model, optimizer, stage, tracker)
-        elif self.ctx.is_main and C.latest_checkpoint(self.ckpt_root) is not None:
+            checkpoint.load_weights(module, ckpt)
+            trainer_state.restore(self._stateful(), checkpoint.load_trainer_state(ckpt))
+        elif self.ctx.is_main and checkpoint.latest_checkpoint(self.ckpt_root) is not None:
             print(
                 f"vltrain: {self.ckpt_root} already holds checkpoints; starting over "
                 "(set train.resume=true to continue)"
             )
-        ddp = DDP(model) if ctx.world_size > 1 else None
-        logger = RunLogger(cfg, self.out_dir, ctx.is_main, state.step)
+        model = build_parallel(module, cfg.train.parallel, ctx.world_size)
+        logger = RunLogger(cfg, self.out_dir, ctx.is_main, self.state.step)
         if ckpt is not None:
-            logger.message(f"resumed from {ckpt} at step {state.step}")
+            logger.message(f"resumed from {ckpt} at step {self.state.step}")
         t_start = time.time()
         try:
-            self._loop(model, ddp, optimizer, tracker, state, logger)
-            summary = self._finish(model, optimizer, tracker, state, logger, t_start)
+            self._loop(model, logger)
+            summary = self._finish(model, logger, t_start)
         finally:
             logger.close()
         return summary
 
-    def _loop(self, model, ddp, optimizer, tracker, state: LoopState, logger: RunLogger) -> None:
-        cfg, ctx, stage = self.cfg, self.ctx, self.stage
-        sampler, batches = _loader(stage, cfg, state.position, ctx.device)
-        accum = cfg.optim.accum_steps
+    def _stateful(self) -> dict[str, trainer_state.Stateful]:
+        """Every part a checkpoint saves and a resume restores, in restore order (RNG last)."""
+        return {
+            "loop": self.state,
+            "optimizer": self.optimizer,
+            "loader": self.loader,
+            "stage": self.stage,
+            "bad_samples": self.tracker,
+            "rng": RngState(),
+        }
+
+    def _loop(self, model: ParallelModel, logger: RunLogger) -> None:
+        cfg, state = self.cfg, self.state
+        batches = iter(self.loader)
         window = {"t": time.time(), "samples": 0}
         model.train()
         while state.step < cfg.train.max_steps:
-            micro = [next(batches) for _ in range(accum)]
-            n_empty = _count_bad(micro, tracker)
-            loss_sum, metrics = torch.zeros((), dtype=torch.float64), {}
-            grad_norm, bad_anywhere = torch.full((), float("nan")), False
+            micro = [next(batches) for _ in range(cfg.optim.accum_steps)]
+            n_empty = _count_bad(micro, self.tracker)
             if n_empty:  # a rank has nothing to forward: every rank skips (no DDP hang)
-                loss_sum.fill_(float("nan"))
+                loss, metrics, grad_norm, finite = torch.tensor(float("nan")), {}, None, False
             else:
-                for i, batch in enumerate(micro):
-                    sync = ddp is None or i == accum - 1
-                    with contextlib.nullcontext() if sync else ddp.no_sync():
-                        b = to_device(batch, ctx.device)
-                        with ctx.autocast():
-                            loss, m = stage.backward(ddp or model, b, 1.0 / accum)
-                    loss_sum += loss.double().cpu() / accum
-                    for k, v in m.items():
-                        metrics[k] = metrics.get(k, 0.0) + float(v) / accum
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    model.parameters(), cfg.optim.grad_clip or float("inf")
-                )
-                bad = (~torch.isfinite(loss_sum)) | (~torch.isfinite(grad_norm.double().cpu()))
-                bad_anywhere = bool(D.all_reduce_max(bad.double()).item() > 0)
-            lr = set_lr(optimizer, state.step, cfg.train.max_steps, cfg.optim)
-            if n_empty:
-                state.skipped_steps += 1
-                logger.message(
-                    f"step {state.step}: {n_empty} micro-batch(es) held no valid sample "
-                    "(all bad), step skipped on every rank"
-                )
-            elif bad_anywhere:
-                state.skipped_steps += 1
-                state.consecutive_skips += 1
-                logger.message(f"step {state.step}: non-finite loss/grad, step skipped")
-                if state.consecutive_skips >= cfg.train.max_consecutive_skips:
-                    raise TrainingAborted(
-                        f"{state.consecutive_skips} consecutive steps had a non-finite loss or "
-                        f"gradient (last loss {float(loss_sum):.4g}, grad norm "
-                        f"{float(grad_norm):.4g}); lower optim.lr, enable optim.grad_clip, or "
-                        "check the data; raise train.max_consecutive_skips to tolerate more"
-                    )
-            else:
-                optimizer.step()
-                state.consecutive_skips = 0
-            optimizer.zero_grad(set_to_none=True)
+                loss, metrics, grad_norm, finite = self._forward_backward(model, micro)
+            lr = set_lr(self.optimizer, state.step, cfg.train.max_steps, cfg.optim)
+            self._apply_step(n_empty, finite, loss, grad_norm, logger)
+            self.optimizer.zero_grad(set_to_none=True)
             state.step += 1
-            state.position = sampler.position_after(micro[-1]["_last_key"])
-            window["samples"] += sum(b["_n_good"] for b in micro) * ctx.world_size
-            self._log_step(state, logger, loss_sum, metrics, lr, grad_norm, tracker, window)
-            self._maybe_eval_and_save(model, optimizer, tracker, state, logger)
+            window["samples"] += sum(b.n_good for b in micro) * self.ctx.world_size
+            if grad_norm is None:
+                grad_norm = torch.tensor(float("nan"))
+            self._log_step(logger, loss, metrics, lr, grad_norm, window)
+            self._maybe_eval_and_save(model, logger)
 
-    def _log_step(self, state, logger, loss_sum, metrics, lr, grad_norm, tracker, window) -> None:
-        cfg = self.cfg
+    def _forward_backward(
+        self, model: ParallelModel, micro: list[Batch]
+    ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor, bool]:
+        """Accumulate the micro-batches' gradients, clip; (loss, metrics, grad norm, finite?)."""
+        ctx, accum = self.ctx, len(micro)
+        loss_sum, metrics = torch.zeros((), dtype=torch.float64), {}
+        for i, batch in enumerate(micro):
+            with model.micro_step(sync=i == accum - 1), ctx.autocast():
+                out = self.stage.forward_backward(
+                    model, to_device(batch.data, ctx.device), 1.0 / accum
+                )
+            loss_sum += out.loss.double().cpu() / accum
+            for k, v in out.metrics.items():
+                metrics[k] = metrics.get(k, 0.0) + float(v) / accum
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), self.cfg.optim.grad_clip or float("inf")
+        )
+        bad = (~torch.isfinite(loss_sum)) | (~torch.isfinite(grad_norm.double().cpu()))
+        finite = not bool(D.all_reduce_max(bad.double()).item() > 0)
+        return loss_sum, metrics, grad_norm, finite
+
+    def _apply_step(self, n_empty: int, finite: bool, loss, grad_norm, logger) -> None:
+        """Take the optimizer step, or skip it (all ranks alike) and say why."""
+        state = self.state
+        if n_empty:
+            state.skipped_steps += 1
+            logger.message(
+                f"step {state.step}: {n_empty} micro-batch(es) held no valid sample "
+                "(all bad), step skipped on every rank"
+            )
+        elif not finite:
+            state.skipped_steps += 1
+            state.consecutive_skips += 1
+            logger.message(f"step {state.step}: non-finite loss/grad, step skipped")
+            if state.consecutive_skips >= self.cfg.train.max_consecutive_skips:
+                raise TrainingAborted(
+                    f"{state.consecutive_skips} consecutive steps had a non-finite loss or "
+                    f"gradient (last loss {float(loss):.4g}, grad norm "
+                    f"{float(grad_norm):.4g}); lower optim.lr, enable optim.grad_clip, or "
+                    "check the data; raise train.max_consecutive_skips to tolerate more"
+                )
+        else:
+            self.optimizer.step()
+            state.consecutive_skips = 0
+
+    def _log_step(self, logger, loss_sum, metrics, lr, grad_norm, window) -> None:
+        cfg, state, tracker = self.cfg, self.state, self.tracker
         now = time.time()
         sps = window["samples"] / max(now - window["t"], 1e-9)
         logger.progress(state.step, float(loss_sum), lr, sps)
@@ -270,8 +206,8 @@ class Trainer:
         logger.log(state.step, row)
         window["t"], window["samples"] = now, 0
 
-    def _maybe_eval_and_save(self, model, optimizer, tracker, state, logger) -> None:
-        cfg = self.cfg
+    def _maybe_eval_and_save(self, model: ParallelModel, logger: RunLogger) -> None:
+        cfg, state = self.cfg, self.state
         last = state.step == cfg.train.max_steps
         do_eval = bool(cfg.data.eval) and (
             last or (cfg.train.eval_every and state.step % cfg.train.eval_every == 0)
@@ -279,37 +215,41 @@ class Trainer:
         do_save = last or (cfg.train.save_every and state.step % cfg.train.save_every == 0)
         improved = False
         if do_eval:
-            metrics = {f"eval_{k}": v for k, v in self.evaluate(model, "val").items()}
+            metrics = {f"eval_{k}": v for k, v in self.evaluate(model.module, "val").items()}
             logger.log(state.step, metrics)
             state.history.append({"step": state.step, **metrics})
             if self.on_eval is not None:
                 self.on_eval(state.step, metrics)
             value = metrics.get(self.best_metric)
-            if value is None:
-                raise KeyError(
-                    f"train.best_metric '{self.best_metric}' is not among the eval "
-                    f"metrics {sorted(metrics)}"
+            if value is None:  # eval_metrics() promised it: a stage bug, not a user mistake
+                raise TrainingAborted(
+                    f"stage '{cfg.stage}' declared '{self.best_metric}' among its metrics but "
+                    f"its evaluation returned only {sorted(metrics)}"
                 )
             improved = _is_better(value, state.best_value, self.best_mode)
             if improved:
                 state.best_value, state.best_step = value, state.step
         if do_save or improved:
-            self._save(model, optimizer, tracker, state, improved)
+            self._save(model, improved)
 
-    def _save(self, model, optimizer, tracker, state: LoopState, improved: bool) -> None:
+    def _save(self, model: ParallelModel, improved: bool) -> None:
+        """Every rank takes part (a sharded mode gathers here); rank 0 writes."""
+        module = model.checkpoint_module()
+        ts = trainer_state.collect(self._stateful(), world_size=self.ctx.world_size)
         if self.ctx.is_main:
-            ts = _trainer_state(state, optimizer, self.stage, tracker, self.ctx.world_size)
-            path = C.write_checkpoint(
+            path = checkpoint.write_checkpoint(
                 self.ckpt_root,
-                state.step,
-                model,
+                self.state.step,
+                module,
                 ts,
                 self.stage.checkpoint_files(),
-                writer=lambda folder: self.stage.export(model, folder),
+                writer=lambda folder: self.stage.export(module, folder),
             )
             if improved:
-                C.update_best(self.ckpt_root, path, self.best_metric, state.best_value, state.step)
-            C.prune(self.ckpt_root, self.cfg.train.keep_last)
+                checkpoint.update_best(
+                    self.ckpt_root, path, self.best_metric, self.state.best_value, self.state.step
+                )
+            checkpoint.prune(self.ckpt_root, self.cfg.train.keep_last)
         D.barrier()
 
     def evaluate(self, model: torch.nn.Module, split: str) -> dict[str, float]:
@@ -317,12 +257,13 @@ class Trainer:
         with eval_mode(model), self.ctx.autocast():
             return self.stage.evaluate(model, split)
 
-    def _finish(self, model, optimizer, tracker, state, logger, t_start) -> dict[str, Any]:
+    def _finish(self, model: ParallelModel, logger: RunLogger, t_start: float) -> dict[str, Any]:
+        state = self.state
         summary: dict[str, Any] = {
             "out_dir": str(self.out_dir),
             "steps": state.step,
             "skipped_steps": state.skipped_steps,
-            "bad_samples": tracker.counts(),
+            "bad_samples": self.tracker.counts(),
             "best_metric": self.best_metric,
             "best_value": state.best_value,
             "best_step": state.best_step,
@@ -333,8 +274,8 @@ class Trainer:
         if self.cfg.data.test:
             best = self.ckpt_root / "best"
             if (best / "model.safetensors").is_file():
-                C.load_weights(model, best)
-            summary["test"] = self.evaluate(model, "test")
+                checkpoint.load_weights(model.module, best)
+            summary["test"] = self.evaluate(model.module, "test")
             logger.log(state.step, {f"test_{k}": v for k, v in summary["test"].items()})
         if self.ctx.is_main:
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -356,8 +297,3 @@ def format_summary(summary: dict[str, Any]) -> str:
     bad = {k: v for k, v in summary.get("bad_samples", {}).items() if v}
     lines.append(f"  skipped steps: {summary['skipped_steps']}; bad samples: {bad or 'none'}")
     return "\n".join(lines)
-
-
-def train(cfg: Config) -> dict[str, Any]:
-    """Train a config end to end (single process or one rank of torchrun)."""
-    return Trainer(cfg).run()

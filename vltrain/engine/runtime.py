@@ -89,17 +89,6 @@ def setup(cfg: Config) -> RunContext:
     )
 
 
-def worker_init(worker_id: int) -> None:
-    """Seed numpy/python in a DataLoader worker from torch's per-worker seed.
-
-    vltrain's own per-sample randomness does not use these (it derives from seed, epoch and
-    index), but user transforms might.
-    """
-    s = torch.initial_seed() % (2**32)
-    np.random.seed(s)
-    random.seed(s)
-
-
 @contextlib.contextmanager
 def eval_mode(model: torch.nn.Module) -> Iterator[None]:
     """no_grad + eval(), restoring train mode and leaving the training RNG stream untouched."""

@@ -446,3 +446,15 @@ class CiderD:
 
 
 Cider = CiderD  # pycocoevalcap's Cider computes CIDEr-D
+
+
+def caption_scores(hyps: Mapping[Any, str], refs: Mapping[Any, Sequence[str]]) -> dict[str, float]:
+    """BLEU-1/4 and CIDEr-D (pycocoevalcap numbers) after PTB tokenization."""
+    if not refs:
+        return {}
+    keys = sorted(refs)
+    gts = ptb_tokenize({k: list(refs[k]) for k in keys})
+    res = ptb_tokenize({k: [hyps[k]] for k in keys})
+    bleu, _ = Bleu(4).compute_score(gts, res)
+    cider, _ = CiderD().compute_score(gts, res)
+    return {"BLEU-1": float(bleu[0]), "BLEU-4": float(bleu[3]), "CIDEr-D": float(cider)}

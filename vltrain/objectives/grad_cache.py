@@ -13,11 +13,11 @@ accumulation steps. GradCache splits the *encoding* instead:
 Peak activation memory is that of one chunk; the cost is one extra no-grad forward of every
 chunk but the last, whose graph from step 1 is kept and used directly in step 3.
 
-Under DDP the chunks run on the *unwrapped* module (a text-only chunk would leave the vision
+Under DDP the chunks run on the *plain* module (a text-only chunk would leave the vision
 tower "unused" in DDP's eyes, and the loss's parameters get their gradient outside any DDP
-forward), and `sync_grads` then all-reduces the accumulated gradients once, only on the step
-where DDP would have synchronised (not inside ``ddp.no_sync()``). That is exactly DDP's
-arithmetic: local gradients summed over micro-steps, averaged over ranks once.
+forward); the caller then asks the parallel layer to reduce the accumulated gradients once
+(``ParallelModel.reduce_gradients``, a no-op on accumulation micro-steps). That is exactly
+DDP's arithmetic: local gradients summed over micro-steps, averaged over ranks once.
 """
 
 from __future__ import annotations
@@ -28,9 +28,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
-
-from vltrain.engine import distributed as D
 
 LossFn = Callable[[list[Tensor]], tuple[Tensor, dict[str, Any]]]
 
@@ -241,44 +238,6 @@ def grad_cache(
     return loss.detach(), metrics
 
 
-def unwrap_ddp(model: nn.Module) -> tuple[nn.Module, bool]:
-    """(the module inside DDP, whether this backward should all-reduce gradients).
-
-    DDP's ``no_sync()`` clears ``require_backward_grad_sync``; the engine uses it on every
-    accumulation micro-step but the last.
-    """
-    if isinstance(model, DistributedDataParallel):
-        return model.module, bool(model.require_backward_grad_sync)
-    return model, False
-
-
-def sync_grads(params: Iterable[nn.Parameter], bucket_elems: int = 1 << 24) -> None:
-    """Average ``.grad`` over ranks in a few flat buckets (what DDP's reducer does).
-
-    Every rank must hold gradients for the same parameters (true for a model whose every
-    parameter is used in each step, which DDP without find_unused_parameters demands too).
-    """
-    if not D.is_distributed():
-        return
-    buckets: dict[tuple[torch.dtype, torch.device], list[list[Tensor]]] = {}
-    filled: dict[tuple[torch.dtype, torch.device], int] = {}
-    for p in params:
-        if p.grad is None:
-            continue
-        key = (p.grad.dtype, p.grad.device)
-        lists = buckets.setdefault(key, [[]])
-        if lists[-1] and filled[key] + p.grad.numel() > bucket_elems:
-            lists.append([])
-            filled[key] = 0
-        lists[-1].append(p.grad)
-        filled[key] = filled.get(key, 0) + p.grad.numel()
-    for _, lists in sorted(buckets.items(), key=lambda kv: str(kv[0])):
-        for grads in lists:
-            flat = D.all_reduce_mean(torch.cat([g.reshape(-1) for g in grads]))
-            for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-                g.copy_(part.view_as(g))
-
-
 def dual_encoder_grad_cache(
     model: nn.Module, batch: dict[str, Any], chunk: int, scale: float
 ) -> tuple[Tensor, dict[str, Any]]:
@@ -286,11 +245,10 @@ def dual_encoder_grad_cache(
 
     Sides: images, texts, and (when the batch has them) hard-negative texts, each chunked by
     `chunk` rows; text chunks are length-sorted (`length_sorted_chunks`) for encoders that
-    declare ``ignores_trailing_padding``. `model` may be DDP-wrapped; gradients are
-    all-reduced once when DDP would.
+    declare ``ignores_trailing_padding``. `model` is the plain module (never a DDP wrapper):
+    the caller reduces gradients across ranks afterwards.
     """
-    module, sync = unwrap_ddp(model)
-    enc, loss = module.encoder, module.loss
+    enc, loss = model.encoder, model.loss
     # Text chunks group rows of similar length when the tower ignores trailing padding.
     by_length = getattr(enc, "ignores_trailing_padding", False)
     encoders: list[Callable[..., Tensor]] = [enc.encode_image]
@@ -310,7 +268,4 @@ def dual_encoder_grad_cache(
     def loss_fn(e: list[Tensor]) -> tuple[Tensor, dict[str, Any]]:
         return loss(e[0], e[1], e[2] if len(e) > 2 else None)
 
-    out = grad_cache(encoders, chunks, loss_fn, scale, orders=orders)
-    if sync:
-        sync_grads(module.parameters())
-    return out
+    return grad_cache(encoders, chunks, loss_fn, scale, orders=orders)

@@ -23,26 +23,29 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from vltrain.config.core import ConfigError, check_choice
+from vltrain.config.schema import Config
 from vltrain.data.caption_data import CaptionDataset, read_caption_source, training_texts
 from vltrain.data.chat import IGNORE_INDEX
+from vltrain.data.loaders import Loader, MapLoader
 from vltrain.data.records import split_bad
 from vltrain.data.samplers import EvalShardSampler, LengthBucketBatchSampler, ShardedBatchSampler
-from vltrain.data.tokenizer import TextTokenizer, train_bpe_tokenizer
+from vltrain.data.tokenizer import TextTokenizer, prepare_tokenizer
 from vltrain.engine import distributed as D
-from vltrain.stages.base import (
-    BatchSampler,
-    Stage,
-    copy_init_tokenizer,
-    register_stage,
-    resolve_init,
-)
-from vltrain.stages.caption_decode import (
-    build_captioner,
-    caption_scores,
-    decode_captions,
-    load_initial_weights,
-    load_vision_tower,
-)
+from vltrain.engine.checkpoint import resolve_init
+from vltrain.engine.parallel import ParallelModel
+from vltrain.engine.runtime import RunContext
+from vltrain.engine.task import StepOutput
+from vltrain.eval.caption_metrics import caption_scores
+from vltrain.inference.captioning import decode_captions
+from vltrain.models.backbones import build_captioner, load_initial_weights, load_vision_tower
+from vltrain.models.connectors import CONNECTORS
+
+#: the captioner's parts, as model.freeze names them
+PARTS = ("vision", "connector", "decoder")
+#: metrics the caption evaluation returns (decoding scores per strategy prefix)
+EVAL_METRICS = ("eval_loss", "eval_token_acc", "eval_bad_samples", "eval_n_images")
+SCORES = ("BLEU-1", "BLEU-4", "CIDEr-D")
 
 
 class CaptionCollate:
@@ -74,14 +77,30 @@ class CaptionCollate:
         return batch
 
 
-@register_stage("caption")
-class CaptionStage(Stage):
-    """Teacher-forced captioning (pretrain/finetune/sft); eval by decoding + BLEU/CIDEr-D."""
+def check_captioner_config(cfg: Config, stage: str) -> None:
+    """The captioner's own rules, shared by the stages that train it (caption, rl)."""
+    m = cfg.model
+    check_choice("model.kind", m.kind, ("captioner",), f"stage {stage}")
+    check_choice("model.connector", m.connector, CONNECTORS)
+    for part in m.freeze:
+        if part not in PARTS:
+            raise ConfigError(f"'model.freeze' entry {part!r} is not one of {list(PARTS)}")
+    if set(PARTS) <= set(m.freeze):
+        raise ConfigError("'model.freeze' freezes every part of the model: nothing would train")
 
-    best_metric = "eval_CIDEr-D"
-    best_mode = "max"
 
-    # ---- setup --------------------------------------------------------------------------
+def caption_eval_metrics(prefixes: tuple[str, ...]) -> tuple[str, ...]:
+    """Metric names of `CaptionCore.evaluate_decoding` with these strategy prefixes."""
+    return EVAL_METRICS + tuple(f"eval_{p}{s}" for p in prefixes for s in SCORES)
+
+
+class CaptionCore:
+    """What the caption and rl stages share, held by both (composition): the tokenizer,
+    datasets, the model built from config and ``model.init_from``, and sharded evaluation."""
+
+    def __init__(self, cfg: Config, out_dir: Path, ctx: RunContext) -> None:
+        self.cfg, self.out_dir, self.ctx = cfg, out_dir, ctx
+        self._eval_sets: dict[str, CaptionDataset] = {}
 
     def _source(self, path: str):
         d = self.cfg.data
@@ -91,16 +110,16 @@ class CaptionStage(Stage):
         """Reuse the tokenizer of `model.init_from` (or of this run), else train one (rank 0)."""
         self.init_ckpt = resolve_init(self.cfg.model.init_from)
         tok_dir = self.out_dir / "tokenizer"
-        if self.ctx.is_main and not (tok_dir / "tokenizer.json").is_file():
-            if self.init_ckpt is not None:
-                copy_init_tokenizer(self.init_ckpt, tok_dir)
-            else:
-                c = self.cfg.caption
-                texts = training_texts(self._source(self.cfg.data.train), c.prompt, c.instruction)
-                train_bpe_tokenizer(texts, vocab_size=self.cfg.data.tokenizer_vocab).save(tok_dir)
+        c = self.cfg.caption
+        prepare_tokenizer(
+            tok_dir,
+            self.init_ckpt,
+            lambda: training_texts(self._source(self.cfg.data.train), c.prompt, c.instruction),
+            self.cfg.data.tokenizer_vocab,
+            self.ctx.is_main,
+        )
         D.barrier()
         self.tokenizer = TextTokenizer.load(tok_dir)
-        self._eval_sets: dict[str, CaptionDataset] = {}
 
     def build_model(self) -> nn.Module:
         model = build_captioner(self.cfg, self.tokenizer)
@@ -111,7 +130,7 @@ class CaptionStage(Stage):
         model.freeze(self.cfg.model.freeze)
         return model
 
-    def _dataset(self, path: str, train: bool) -> CaptionDataset:
+    def dataset(self, path: str, train: bool) -> CaptionDataset:
         d, c = self.cfg.data, self.cfg.caption
         return CaptionDataset(
             self._source(path),
@@ -125,67 +144,33 @@ class CaptionStage(Stage):
             train=train,
         )
 
-    def train_dataset(self) -> CaptionDataset:
-        ds = self._dataset(self.cfg.data.train, train=True)
+    def train_dataset(self, train: bool = True) -> CaptionDataset:
+        """The training records (first data.max_train_samples of them when set); `train=False`
+        gives eval-style samples (prompt ids and every reference), as RL samples from."""
+        ds = self.dataset(self.cfg.data.train, train=train)
         if self.cfg.data.max_train_samples:
             ds.records = ds.records[: self.cfg.data.max_train_samples]
         return ds
 
-    def train_sampler(self, dataset: CaptionDataset, start: tuple[int, int]) -> BatchSampler:
-        """Length-bucketed batches when data.length_buckets > 0, else shuffled batches."""
-        d, ctx = self.cfg.data, self.ctx
-        if d.length_buckets > 0:
-            lengths = [dataset.token_length(i) for i in range(len(dataset))]
-            return LengthBucketBatchSampler(
-                lengths,
-                d.batch_size,
-                ctx.rank,
-                ctx.world_size,
-                self.cfg.run.seed,
-                n_buckets=d.length_buckets,
-                max_same_bucket_run=d.max_same_bucket_run,
-                start=start,
-            )
-        return ShardedBatchSampler(
-            len(dataset), d.batch_size, ctx.rank, ctx.world_size, self.cfg.run.seed, start=start
+    def loader(self, dataset: CaptionDataset, sampler: Any) -> Loader:
+        return MapLoader(
+            dataset,
+            sampler,
+            CaptionCollate(self.tokenizer.pad_id),
+            num_workers=self.cfg.data.num_workers,
+            seed=self.cfg.run.seed,
+            pin_memory=self.ctx.device.type == "cuda",
         )
-
-    def collate(self, samples: list[dict]) -> dict[str, Any]:
-        return CaptionCollate(self.tokenizer.pad_id)(samples)
 
     def checkpoint_files(self) -> dict[str, Path]:
         return {"tokenizer": self.out_dir / "tokenizer"}
-
-    # ---- loss ---------------------------------------------------------------------------
-
-    def loss(self, model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, dict]:
-        out = model(batch["images"], batch["input_ids"], batch["attention_mask"], batch["labels"])
-        return out["loss"], {"token_acc": out["token_acc"]}
-
-    def backward(
-        self, model: nn.Module, batch: dict[str, Any], scale: float
-    ) -> tuple[Tensor, dict]:
-        """Mean CE over the labelled tokens of the *global* batch, whatever the world size.
-
-        Each rank's mean is reweighted by its share of the global token count (one scalar
-        all-reduce), so DDP's gradient average equals one process holding the whole batch.
-        """
-        out = model(batch["images"], batch["input_ids"], batch["attention_mask"], batch["labels"])
-        n = out["n_tokens"].double()
-        local = torch.stack([out["loss"].detach().double() * n, out["token_acc"].double() * n, n])
-        total = D.all_reduce_sum(local)  # (3,) CE sum, correct tokens, labelled tokens
-        n_all = total[2].clamp(min=1.0)
-        weight = (self.ctx.world_size * n / n_all).to(out["loss"].dtype)
-        (out["loss"] * weight * scale).backward()
-        metrics = {"token_acc": float(total[1] / n_all), "tokens": float(total[2])}
-        return (total[0] / n_all).float(), metrics
 
     # ---- evaluation ---------------------------------------------------------------------
 
     def _eval_set(self, split: str) -> CaptionDataset:
         if split not in self._eval_sets:
             path = self.cfg.data.eval if split == "val" else self.cfg.data.test
-            self._eval_sets[split] = self._dataset(path, train=False)
+            self._eval_sets[split] = self.dataset(path, train=False)
         return self._eval_sets[split]
 
     def _eval_shard(
@@ -254,3 +239,87 @@ class CaptionStage(Stage):
         metrics["bad_samples"] = float(total[3])
         metrics["n_images"] = float(len(all_refs))
         return metrics
+
+
+class CaptionStage:
+    """Teacher-forced captioning (pretrain/finetune/sft); eval by decoding + BLEU/CIDEr-D."""
+
+    best_metric = "eval_CIDEr-D"
+    best_mode = "max"
+
+    def __init__(self, cfg: Config, out_dir: Path, ctx: RunContext) -> None:
+        self.cfg, self.ctx = cfg, ctx
+        self.core = CaptionCore(cfg, out_dir, ctx)
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> None:
+        check_captioner_config(cfg, "caption")
+
+    @property
+    def tokenizer(self) -> TextTokenizer:
+        return self.core.tokenizer
+
+    @classmethod
+    def eval_metrics(cls, cfg: Config) -> tuple[str, ...]:
+        return caption_eval_metrics(("",))
+
+    def prepare(self) -> None:
+        self.core.prepare()
+
+    def build_model(self) -> nn.Module:
+        return self.core.build_model()
+
+    def build_loader(self) -> Loader:
+        """Length-bucketed batches when data.length_buckets > 0, else shuffled batches."""
+        d, ctx = self.cfg.data, self.ctx
+        dataset = self.core.train_dataset()
+        if d.length_buckets > 0:
+            lengths = [dataset.token_length(i) for i in range(len(dataset))]
+            sampler: Any = LengthBucketBatchSampler(
+                lengths,
+                d.batch_size,
+                ctx.rank,
+                ctx.world_size,
+                self.cfg.run.seed,
+                n_buckets=d.length_buckets,
+                max_same_bucket_run=d.max_same_bucket_run,
+            )
+        else:
+            sampler = ShardedBatchSampler(
+                len(dataset), d.batch_size, ctx.rank, ctx.world_size, self.cfg.run.seed
+            )
+        return self.core.loader(dataset, sampler)
+
+    def forward_backward(
+        self, model: ParallelModel, batch: dict[str, Any], scale: float
+    ) -> StepOutput:
+        """Mean CE over the labelled tokens of the *global* batch, whatever the world size.
+
+        Each rank's mean is reweighted by its share of the global token count (one scalar
+        all-reduce), so DDP's gradient average equals one process holding the whole batch.
+        """
+        out = model(batch["images"], batch["input_ids"], batch["attention_mask"], batch["labels"])
+        n = out["n_tokens"].double()
+        local = torch.stack([out["loss"].detach().double() * n, out["token_acc"].double() * n, n])
+        total = D.all_reduce_sum(local)  # (3,) CE sum, correct tokens, labelled tokens
+        n_all = total[2].clamp(min=1.0)
+        weight = (self.ctx.world_size * n / n_all).to(out["loss"].dtype)
+        (out["loss"] * weight * scale).backward()
+        metrics = {"token_acc": float(total[1] / n_all), "tokens": float(total[2])}
+        return StepOutput((total[0] / n_all).float(), metrics)
+
+    def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
+        """Sharded loss + decoding; strings gathered once, every rank scores the same set."""
+        return self.core.evaluate_decoding(model, split, {"": self.cfg.caption.strategy})
+
+    def checkpoint_files(self) -> dict[str, Path]:
+        return self.core.checkpoint_files()
+
+    def export(self, model: nn.Module, folder: Path) -> None:
+        """Nothing beyond the weights and the tokenizer."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """No state besides the weights."""

@@ -9,18 +9,21 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vltrain.config.core import ConfigError
+from vltrain.config.core import ConfigError, check_choice
+from vltrain.config.schema import Config
 from vltrain.data.images import BadSample, check_text
+from vltrain.data.loaders import MapLoader
 from vltrain.data.records import ImageTextDataset, read_records, split_bad
 from vltrain.data.samplers import EvalShardSampler, ShardedBatchSampler
-from vltrain.data.tokenizer import TextTokenizer, train_bpe_tokenizer
+from vltrain.data.tokenizer import TextTokenizer, prepare_tokenizer
 from vltrain.engine import distributed as D
-from vltrain.engine.checkpoint import load_weights
-from vltrain.engine.runtime import to_device
+from vltrain.engine.checkpoint import load_weights, resolve_init
+from vltrain.engine.parallel import ParallelModel
+from vltrain.engine.runtime import RunContext, to_device
+from vltrain.engine.task import StepOutput
 from vltrain.eval.retrieval import image_text_retrieval
-from vltrain.objectives.contrastive import Features, build_loss_from_config
-from vltrain.objectives.grad_cache import dual_encoder_grad_cache
-from vltrain.stages.backbones import (
+from vltrain.models.backbones import (
+    ENCODER_KINDS,
     HF_KINDS,
     ImageTextCollate,
     build_batcher,
@@ -28,7 +31,8 @@ from vltrain.stages.backbones import (
     objective_for,
     uses_tokenizer,
 )
-from vltrain.stages.base import Stage, copy_init_tokenizer, register_stage, resolve_init
+from vltrain.objectives.contrastive import LOSSES, Features, build_loss_from_config
+from vltrain.objectives.grad_cache import dual_encoder_grad_cache
 
 __all__ = ["ContrastiveModel", "ContrastiveStage", "ImageTextCollate"]
 
@@ -63,12 +67,47 @@ def is_valid_text(text: object) -> bool:
     return True
 
 
-@register_stage("contrastive")
-class ContrastiveStage(Stage):
+#: metrics `ContrastiveStage.evaluate` returns (patterns: per-kind, per-dim and per-k keys)
+EVAL_METRICS = (
+    "eval_loss",
+    "eval_acc_i2t",
+    "eval_R@1_mean",
+    "eval_i2t_*",
+    "eval_t2i_*",
+    "eval_hardneg_acc",
+    "eval_hardneg_acc_*",
+    "eval_bad_samples",
+    "eval_n_images",
+)
+
+
+class ContrastiveStage:
     """Train a dual encoder contrastively; evaluate loss, accuracy, R@K and hard negatives."""
 
     best_metric = "eval_R@1_mean"
     best_mode = "max"
+
+    def __init__(self, cfg: Config, out_dir: Path, ctx: RunContext) -> None:
+        self.cfg, self.out_dir, self.ctx = cfg, out_dir, ctx
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> None:
+        """Model kinds, losses and options this stage honours."""
+        m = cfg.model
+        check_choice("model.kind", m.kind, ENCODER_KINDS, "stage contrastive")
+        check_choice("objective.loss", cfg.objective.loss, LOSSES)
+        if m.kind in HF_KINDS and not m.path:
+            raise ConfigError(f"model.kind={m.kind} needs 'model.path' (a local HF model dir)")
+        if m.freeze:
+            raise ConfigError(
+                "'model.freeze' applies to the captioner (stage caption/rl); the contrastive "
+                "stage trains every parameter of its encoder (use model.lora_r for HF backbones)"
+            )
+
+    @classmethod
+    def eval_metrics(cls, cfg: Config) -> tuple[str, ...]:
+        dims = tuple(f"eval_d{d}_*" for d in cfg.model.matryoshka_dims)
+        return EVAL_METRICS + dims
 
     def prepare(self) -> None:
         """The BPE tokenizer: `model.init_from`'s, else trained on the training captions once
@@ -78,21 +117,20 @@ class ContrastiveStage(Stage):
         self.init_ckpt = resolve_init(self.cfg.model.init_from)
         if uses_tokenizer(self.cfg):
             tok_dir = self.out_dir / "tokenizer"
-            if self.ctx.is_main and not (tok_dir / "tokenizer.json").is_file():
-                if self.init_ckpt is not None:
-                    copy_init_tokenizer(self.init_ckpt, tok_dir)
-                else:
-                    texts = [
-                        t
-                        for r in read_records(self.cfg.data.train)
-                        for t in r["text"]
-                        if is_valid_text(t)
-                    ]  # bad records are skipped (and counted) later
-                    tok = train_bpe_tokenizer(texts, vocab_size=self.cfg.data.tokenizer_vocab)
-                    tok.save(tok_dir)
+            prepare_tokenizer(
+                tok_dir,
+                self.init_ckpt,
+                self._training_texts,
+                self.cfg.data.tokenizer_vocab,
+                self.ctx.is_main,
+            )
             D.barrier()
             self.tokenizer = TextTokenizer.load(tok_dir)
         self.batcher = build_batcher(self.cfg, self.tokenizer)
+
+    def _training_texts(self) -> list[str]:
+        """Every valid training caption (bad records are skipped and counted later)."""
+        return [t for r in read_records(self.cfg.data.train) for t in r["text"] if is_valid_text(t)]
 
     def build_model(self) -> nn.Module:
         encoder = build_encoder(self.cfg, self.tokenizer)
@@ -126,37 +164,46 @@ class ContrastiveStage(Stage):
             ds.records = ds.records[: self.cfg.data.max_train_samples]
         return ds
 
-    def train_sampler(
-        self, dataset: ImageTextDataset, start: tuple[int, int]
-    ) -> ShardedBatchSampler:
-        return ShardedBatchSampler(
+    def build_loader(self) -> MapLoader:
+        dataset = self.train_dataset()
+        sampler = ShardedBatchSampler(
             len(dataset),
             self.cfg.data.batch_size,
             self.ctx.rank,
             self.ctx.world_size,
             self.cfg.run.seed,
-            start=start,
+        )
+        return MapLoader(
+            dataset,
+            sampler,
+            self.batcher,
+            num_workers=self.cfg.data.num_workers,
+            seed=self.cfg.run.seed,
+            pin_memory=self.ctx.device.type == "cuda",
         )
 
-    def collate(self, samples: list[dict]) -> dict[str, Any]:
-        return self.batcher(samples)
-
-    def loss(self, model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, dict]:
-        return model(batch)
-
-    def backward(
-        self, model: nn.Module, batch: dict[str, Any], scale: float
-    ) -> tuple[Tensor, dict]:
+    def forward_backward(
+        self, model: ParallelModel, batch: dict[str, Any], scale: float
+    ) -> StepOutput:
         """GradCache when objective.grad_cache_chunk > 0 (same gradients, chunk-sized memory)."""
         chunk = self.cfg.objective.grad_cache_chunk
         if not chunk:
-            loss, metrics = super().backward(model, batch, scale)
-        else:
-            loss, metrics = dual_encoder_grad_cache(model, batch, chunk, scale)
+            loss, metrics = model(batch)
+            (loss * scale).backward()
+            loss = loss.detach()
+        else:  # chunks run on the plain module; gradients are reduced once afterwards
+            loss, metrics = dual_encoder_grad_cache(model.module, batch, chunk, scale)
+            model.reduce_gradients()
         if batch.get("visual_tokens") is not None:  # the per-image budget actually used
             metrics["visual_tokens_mean"] = batch["visual_tokens"].float().mean()
             metrics["visual_tokens_max"] = batch["visual_tokens"].max().float()
-        return loss, metrics
+        return StepOutput(loss, metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """No state besides the weights."""
 
     def checkpoint_files(self) -> dict[str, Path]:
         return {"tokenizer": self.out_dir / "tokenizer"} if self.tokenizer else {}

@@ -21,16 +21,26 @@ stage (never inside the trained module), is never saved and has no optimizer sta
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
+from vltrain.config.core import ConfigError
+from vltrain.config.schema import Config
 from vltrain.data.caption_data import CaptionDataset
 from vltrain.data.images import BadSample
+from vltrain.data.loaders import Loader
+from vltrain.data.samplers import ShardedBatchSampler
 from vltrain.engine import distributed as D
+from vltrain.engine.parallel import ParallelModel
+from vltrain.engine.runtime import RunContext
+from vltrain.engine.task import StepOutput
+from vltrain.inference.captioning import left_pad
 from vltrain.inference.decoding import generate
+from vltrain.models.backbones import build_captioner, load_initial_weights
 from vltrain.objectives.reinforce import (
     CaptionReward,
     advantages,
@@ -43,9 +53,7 @@ from vltrain.objectives.reinforce import (
     sequence_logits,
     sequence_mask,
 )
-from vltrain.stages.base import Stage, register_stage
-from vltrain.stages.caption import CaptionStage
-from vltrain.stages.caption_decode import build_captioner, left_pad, load_initial_weights
+from vltrain.stages.caption import CaptionCore, caption_eval_metrics, check_captioner_config
 
 #: metrics logged every step (all-reduced means over ranks), in this order
 RL_METRICS = (
@@ -61,21 +69,45 @@ RL_METRICS = (
 )
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module under a DDP wrapper (sampling must not go through DDP's forward)."""
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-
-
-@register_stage("rl")
-class RLStage(CaptionStage):
+class RLStage:
     """REINFORCE on a captioner started from ``model.init_from``; eval as the caption stage."""
 
     best_metric = "eval_CIDEr-D"
     best_mode = "max"
 
+    def __init__(self, cfg: Config, out_dir: Path, ctx: RunContext) -> None:
+        self.cfg, self.ctx = cfg, ctx
+        self.core = CaptionCore(cfg, out_dir, ctx)
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> None:
+        """The captioner's rules plus RL's own."""
+        check_captioner_config(cfg, "rl")
+        r = cfg.rl
+        if not cfg.model.init_from:
+            raise ConfigError(
+                "stage 'rl' needs 'model.init_from' (a trained caption run or checkpoint): RL "
+                "fine-tunes a captioner and anchors the KL to those starting weights"
+            )
+        if r.baseline == "loo" and r.k < 2:
+            raise ConfigError(f"'rl.baseline' loo needs 'rl.k' >= 2, got rl.k={r.k}")
+        if r.reward_weights and r.reward != "mix":
+            raise ConfigError(f"'rl.reward_weights' applies to rl.reward=mix, not {r.reward!r}")
+        unknown = sorted(set(r.reward_weights) - {"cider", "bleu4"})
+        if unknown:
+            raise ConfigError(f"'rl.reward_weights' keys {unknown} are unknown; use cider, bleu4")
+
+    @classmethod
+    def eval_metrics(cls, cfg: Config) -> tuple[str, ...]:
+        return caption_eval_metrics(("", "beam_") if cfg.rl.eval_beam else ("",))
+
+    @property
+    def tokenizer(self):
+        return self.core.tokenizer
+
     def prepare(self) -> None:
         """Tokenizer (from init_from), reward df from the training refs, frozen reference."""
-        super().prepare()
+        self.core.prepare()
         r = self.cfg.rl
         self.reward = CaptionReward(
             self._training_refs(), kind=r.reward, weights=r.reward_weights or None
@@ -86,9 +118,9 @@ class RLStage(CaptionStage):
         # so the policy's RNG stream is the same whether or not a reference is built.
         with torch.random.fork_rng(devices=[]):
             ref = build_captioner(self.cfg, self.tokenizer)
-        load_initial_weights(ref, self.init_ckpt)
+        load_initial_weights(ref, self.core.init_ckpt)
         self.reference = frozen_reference(ref).to(self.ctx.device)
-        self.rollouts = 0  # loss() calls so far; seeds the sampling generator
+        self.rollouts = 0  # forward_backward() calls so far; seeds the sampling generator
 
     def rollout_generator(self) -> torch.Generator:
         """The sampling RNG of this rank's next rollout, from (run.seed, rank, rollout number).
@@ -103,7 +135,7 @@ class RLStage(CaptionStage):
 
     def _training_refs(self) -> dict[int, list[str]]:
         """``{index: references}`` of the training records (no image decoding)."""
-        ds = self.train_dataset()
+        ds = self.core.train_dataset(train=False)
         refs: dict[int, list[str]] = {}
         for i, rec in enumerate(ds.records):
             try:
@@ -113,16 +145,18 @@ class RLStage(CaptionStage):
         return refs
 
     def build_model(self) -> nn.Module:
-        model = super().build_model()
+        model = self.core.build_model()
         check_frozen_reference(self.reference, model)
         return model
 
-    def train_dataset(self) -> CaptionDataset:
+    def build_loader(self) -> Loader:
         """Training records as eval-style samples: prompt ids and all references per image."""
-        ds = self._dataset(self.cfg.data.train, train=False)
-        if self.cfg.data.max_train_samples:
-            ds.records = ds.records[: self.cfg.data.max_train_samples]
-        return ds
+        d, ctx = self.cfg.data, self.ctx
+        dataset: CaptionDataset = self.core.train_dataset(train=False)
+        sampler = ShardedBatchSampler(
+            len(dataset), d.batch_size, ctx.rank, ctx.world_size, self.cfg.run.seed
+        )
+        return self.core.loader(dataset, sampler)
 
     # ---- one step -----------------------------------------------------------------------
 
@@ -172,10 +206,13 @@ class RLStage(CaptionStage):
         texts = self.tokenizer.decode_batch(rows)
         return self.reward(texts, [rs for rs in refs for _ in range(k)])
 
-    def loss(self, model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, dict]:
-        """REINFORCE loss of one batch; `model` may be DDP-wrapped (gradients sync through it)."""
+    def forward_backward(
+        self, model: ParallelModel, batch: dict[str, Any], scale: float
+    ) -> StepOutput:
+        """REINFORCE on one batch: sample on the plain policy, score, then the teacher-forced
+        policy forward through `model` (its backward syncs gradients) and ``loss * scale``."""
         r, k = self.cfg.rl, self.cfg.rl.k
-        s = self._sample(_unwrap(model), batch, self.rollout_generator())
+        s = self._sample(model.module, batch, self.rollout_generator())
         self.rollouts += 1
         seq, lengths = s["seq"], s["len"]  # (B*K, L), (B*K,)
         rewards = self._rewards(seq, lengths, batch["refs"], k).to(seq.device)  # (B*K,)
@@ -196,13 +233,8 @@ class RLStage(CaptionStage):
         metrics = {name: float(v) for name, v in zip(RL_METRICS, glob, strict=True)}
         if r.baseline == "ema":
             metrics["baseline"] = float(self.baseline.value)
-        return loss, metrics
-
-    def backward(
-        self, model: nn.Module, batch: dict[str, Any], scale: float
-    ) -> tuple[Tensor, dict]:
-        """Plain ``(loss * scale).backward()`` (not the caption stage's token reweighting)."""
-        return Stage.backward(self, model, batch, scale)
+        (loss * scale).backward()
+        return StepOutput(loss.detach(), metrics)
 
     # ---- evaluation and state -----------------------------------------------------------
 
@@ -211,7 +243,13 @@ class RLStage(CaptionStage):
         strategies = {"": "greedy"}
         if self.cfg.rl.eval_beam:
             strategies["beam_"] = "beam"
-        return self.evaluate_decoding(model, split, strategies)
+        return self.core.evaluate_decoding(model, split, strategies)
+
+    def checkpoint_files(self) -> dict[str, Path]:
+        return self.core.checkpoint_files()
+
+    def export(self, model: nn.Module, folder: Path) -> None:
+        """Nothing beyond the weights and the tokenizer (the reference is never saved)."""
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vltrain.config import load_config
+from vltrain.stages import load_run_config
 
 CONFIGS = Path(__file__).parent / "configs"
 PRESET = CONFIGS / "quickstart.yaml"
@@ -71,7 +71,7 @@ def run_quickstart(
     caption_steps=0 skips the captioner (and RL); rl_steps=0 skips RL. `stages` holds one row
     per trained stage (name, steps, seconds, test metrics) and is what `report.md` tabulates.
     """
-    from vltrain.engine.loop import train
+    from vltrain.runs import train
 
     root = Path(out)
     data = root / "data"
@@ -97,7 +97,7 @@ def run_quickstart(
         f"optim.warmup_steps={min(50, steps // 5)}",
         *(extra or []),
     ]
-    cfg = load_config(PRESET, overrides)
+    cfg = load_run_config(PRESET, overrides)
     print(
         f"[2/{total}] training the CLIP stage ({size}, {steps} steps, batch {batch_size}) "
         f"-> {cfg.run.out_dir}"
@@ -193,9 +193,9 @@ def run_caption_stages(
     Returns the finetuned model's metrics by "<split> <decoding>" and, under "rows", one
     all-stages table row per stage.
     """
-    from vltrain.engine.loop import train
+    from vltrain.runs import train
     from vltrain.engine.runtime import eval_mode
-    from vltrain.stages.loading import load_trained
+    from vltrain.tools.loading import load_trained
 
     common = [
         *splits,
@@ -210,7 +210,7 @@ def run_caption_stages(
     pre_steps, fine_steps = steps * 2 // 3, steps - steps * 2 // 3
     t = time.time()
     pre_summary = train(
-        load_config(
+        load_run_config(
             CONFIGS / "caption_pretrain.yaml",
             [
                 f"run.out_dir={pre}",
@@ -227,7 +227,7 @@ def run_caption_stages(
     rows = [_row("caption pretrain", pre, pre_summary.get("test") or {}, t)]
     t = time.time()
     fine_summary = train(
-        load_config(
+        load_run_config(
             CONFIGS / "caption_finetune.yaml",
             [
                 f"run.out_dir={fine}",
@@ -258,10 +258,10 @@ def run_rl_stage(
     root: Path, splits: list[str], size: str, steps: int, extra: list[str]
 ) -> dict[str, Any]:
     """RL (configs/rl.yaml recipe) from the finetuned captioner; greedy and beam eval."""
-    from vltrain.engine.loop import train
+    from vltrain.runs import train
 
     return train(
-        load_config(
+        load_run_config(
             CONFIGS / "rl.yaml",
             [
                 f"run.out_dir={root / 'caption_rl'}",

@@ -1,4 +1,5 @@
-"""Backbones of the contrastive stage: the built-in dual encoder or a Hugging Face embedder.
+"""Models from a config: the contrastive backbones (built-in dual encoder or a Hugging Face
+embedder) and the captioner.
 
 Each backbone comes with a batcher that turns samples into model inputs. Both batchers offer
 the same three calls: `__call__(samples)` (training collate), `image_batch(images)` and
@@ -8,13 +9,17 @@ the same three calls: `__call__(samples)` (training collate), `image_batch(image
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from vltrain.config.core import ConfigError
 from vltrain.config.schema import Config, ObjectiveConfig
 from vltrain.data.tokenizer import TextTokenizer
+from vltrain.engine.checkpoint import load_weights, resolve_checkpoint
+from vltrain.models.captioner import Captioner
 from vltrain.models.dual_encoder import DualEncoder
 from vltrain.models.presets import text_config, vision_config
 
@@ -54,6 +59,10 @@ class ImageTextCollate:
         if negs:
             batch["neg_ids"], batch["neg_mask"] = self.text_batch(negs)
         return batch
+
+
+#: model.kind -> the encoder builder; the contrastive stage trains these kinds
+ENCODER_KINDS = ("dual_encoder", *HF_KINDS)
 
 
 def uses_tokenizer(cfg: Config) -> bool:
@@ -142,3 +151,69 @@ def objective_for(encoder: nn.Module, objective: ObjectiveConfig) -> ObjectiveCo
         return objective
     fields = {_LOSS_INIT_FIELDS[k]: v for k, v in init(objective.loss).items()}
     return dataclasses.replace(objective, **fields)
+
+
+# ----------------------------------------------------------------------------- captioner
+
+
+def build_captioner(cfg: Config, tokenizer: TextTokenizer) -> Captioner:
+    """The captioner that `cfg.model` describes, sized for `tokenizer` and `data.max_text_len`."""
+    m = cfg.model
+    side = vision_config(m.vision).image_size
+    if side != cfg.data.image_size:
+        raise ConfigError(
+            f"'data.image_size' is {cfg.data.image_size} but the '{m.vision}' vision preset "
+            f"takes {side}x{side} images; set data.image_size={side}"
+        )
+    try:
+        return Captioner.from_config(
+            m.vision,
+            m.text,
+            vocab_size=tokenizer.vocab_size,
+            connector=m.connector,
+            connector_options=m.connector_options,
+            max_text_len=cfg.data.max_text_len,
+            bos_id=tokenizer.bos_id,
+            eos_id=tokenizer.eos_id,
+            pad_id=tokenizer.pad_id,
+            dropout=m.dropout,
+        )
+    except ValueError as e:  # connector options and sizes are user config
+        raise ConfigError(f"model.connector / model.connector_options: {e}") from None
+
+
+def load_initial_weights(model: Captioner, ckpt: Path) -> None:
+    """Load a checkpoint into `model`, explaining an architecture mismatch."""
+    try:
+        load_weights(model, ckpt)
+    except RuntimeError as e:
+        raise ConfigError(
+            f"model.init_from={ckpt} does not fit this model ({str(e)[:300]}...); model.vision, "
+            "model.text, model.connector(_options) and data.max_text_len must match the "
+            "source run's config.yaml"
+        ) from None
+
+
+def load_vision_tower(model: Captioner, source: str) -> None:
+    """Initialise `model.vision` from a contrastive run's image tower (`encoder.vision.*`)."""
+    from safetensors.torch import load_file
+
+    try:
+        ckpt = resolve_checkpoint(source)
+    except FileNotFoundError as e:
+        raise ConfigError(f"model.vision_init_from: {e}") from None
+    weights = load_file(str(ckpt / "model.safetensors"))
+    prefix = "encoder.vision."
+    tower = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+    if not tower:
+        raise ConfigError(
+            f"model.vision_init_from={ckpt} holds no {prefix}* weights: pass a "
+            "checkpoint of the contrastive stage's built-in dual encoder"
+        )
+    try:
+        model.vision.load_state_dict(tower, strict=True)
+    except RuntimeError as e:
+        raise ConfigError(
+            f"model.vision_init_from={ckpt} does not fit model.vision "
+            f"({str(e)[:200]}...): use the same model.vision preset"
+        ) from None

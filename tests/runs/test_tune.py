@@ -28,10 +28,10 @@ import yaml
 from tests.conftest import REPO, tiny_overrides
 from vltrain.cli import main
 from vltrain.config import ConfigError, load_config
-from vltrain.tuning.command import parse_rest
-from vltrain.tuning.search import run_search
-from vltrain.tuning.space import corner_params, parse_space
-from vltrain.tuning.storage import TuneError, redact, resolve_storage, worker_alive
+from vltrain.runs.tune.command import parse_rest
+from vltrain.runs.tune.search import run_search
+from vltrain.runs.tune.space import corner_params, parse_space
+from vltrain.runs.tune.storage import TuneError, redact, resolve_storage, worker_alive
 
 TUNE = {
     "metric": "eval_loss",
@@ -274,7 +274,7 @@ def test_storage_passwords_never_printed(
     assert rc == 2 and "cannot open study storage postgresql://alice:***@" in err
     assert secret not in err
     # a trial's dumped config carries the redacted URL only
-    from vltrain.tuning.search import Search
+    from vltrain.runs.tune.search import Search
 
     search = Search(str(cfg), storage=url, study="p")
     search._prepare()
@@ -317,7 +317,7 @@ def test_metric_must_be_logged_eval_metric(shapes_dir: Path, tmp_path: Path) -> 
 def test_dead_worker_trials_fail_on_a_journal_storage(tmp_path: Path) -> None:
     import socket
 
-    from vltrain.tuning.storage import fail_dead_trials, open_storage, worker_identity
+    from vltrain.runs.tune.storage import fail_dead_trials, open_storage, worker_identity
 
     spec = resolve_storage("journal", tmp_path)
     assert spec.kind == "journal" and spec.target.endswith("journal.log")

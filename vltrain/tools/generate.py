@@ -1,161 +1,31 @@
-"""Captioner from a config, batched caption decoding, BLEU/CIDEr-D scoring, `vltrain generate`.
-
-Shared by the caption stage's evaluation and the `generate` command, so a checkpoint decodes
-the same way in both places.
-"""
+"""`vltrain generate`: caption image files with a trained captioner, or score a caption file."""
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from vltrain.config.core import ConfigError
 from vltrain.config.schema import Config, load_config
-from vltrain.data import chat as C
+from vltrain.data import chat
 from vltrain.data.images import BadSample, load_image
 from vltrain.data.tokenizer import TextTokenizer
 from vltrain.engine.checkpoint import load_weights, resolve_checkpoint
-from vltrain.eval.caption_metrics import Bleu, CiderD, ptb_tokenize
-from vltrain.inference.decoding import generate
+from vltrain.eval.caption_metrics import caption_scores
+from vltrain.inference.captioning import decode_captions
+from vltrain.models.backbones import build_captioner
 from vltrain.models.captioner import Captioner
-from vltrain.models.presets import vision_config
 
 
-def build_captioner(cfg: Config, tokenizer: TextTokenizer) -> Captioner:
-    """The captioner that `cfg.model` describes, sized for `tokenizer` and `data.max_text_len`."""
-    m = cfg.model
-    side = vision_config(m.vision).image_size
-    if side != cfg.data.image_size:
-        raise ConfigError(
-            f"'data.image_size' is {cfg.data.image_size} but the '{m.vision}' vision preset "
-            f"takes {side}x{side} images; set data.image_size={side}"
-        )
-    try:
-        return Captioner.from_config(
-            m.vision,
-            m.text,
-            vocab_size=tokenizer.vocab_size,
-            connector=m.connector,
-            connector_options=m.connector_options,
-            max_text_len=cfg.data.max_text_len,
-            bos_id=tokenizer.bos_id,
-            eos_id=tokenizer.eos_id,
-            pad_id=tokenizer.pad_id,
-            dropout=m.dropout,
-        )
-    except ValueError as e:  # connector options and sizes are user config
-        raise ConfigError(f"model.connector / model.connector_options: {e}") from None
-
-
-def load_initial_weights(model: Captioner, ckpt: Path) -> None:
-    """Load a checkpoint into `model`, explaining an architecture mismatch."""
-    try:
-        load_weights(model, ckpt)
-    except RuntimeError as e:
-        raise ConfigError(
-            f"model.init_from={ckpt} does not fit this model ({str(e)[:300]}...); model.vision, "
-            "model.text, model.connector(_options) and data.max_text_len must match the "
-            "source run's config.yaml"
-        ) from None
-
-
-def load_vision_tower(model: Captioner, source: str) -> None:
-    """Initialise `model.vision` from a contrastive run's image tower (`encoder.vision.*`)."""
-    from safetensors.torch import load_file
-
-    try:
-        ckpt = resolve_checkpoint(source)
-    except FileNotFoundError as e:
-        raise ConfigError(f"model.vision_init_from: {e}") from None
-    weights = load_file(str(ckpt / "model.safetensors"))
-    prefix = "encoder.vision."
-    tower = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
-    if not tower:
-        raise ConfigError(
-            f"model.vision_init_from={ckpt} holds no {prefix}* weights: pass a "
-            "checkpoint of the contrastive stage's built-in dual encoder"
-        )
-    try:
-        model.vision.load_state_dict(tower, strict=True)
-    except RuntimeError as e:
-        raise ConfigError(
-            f"model.vision_init_from={ckpt} does not fit model.vision "
-            f"({str(e)[:200]}...): use the same model.vision preset"
-        ) from None
-
-
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Left-padded (B, T) ids and mask: prompts end at the last column, as prefill wants."""
-    t = max(len(r) for r in rows)
-    ids = torch.full((len(rows), t), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), t), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, t - len(r) :] = torch.tensor(list(r))
-            mask[i, t - len(r) :] = 1
-    return ids, mask
-
-
-def decode_captions(
-    model: Captioner,
-    tokenizer: TextTokenizer,
-    images: Tensor,
-    prompt_ids: Sequence[Sequence[int]],
-    *,
-    strategy: str = "greedy",
-    num_beams: int = 3,
-    max_new_tokens: int = 24,
-    length_penalty: float = 1.0,
-    generator: torch.Generator | None = None,
-) -> list[str]:
-    """Captions for images (B, 3, S, S) continuing each prompt (``<bos>`` + prompt tokens)."""
-    ids, mask = left_pad(prompt_ids, tokenizer.pad_id)
-    room = model.max_text_len - ids.shape[1]
-    if room < 1:
-        raise ValueError(
-            f"the prompt takes {ids.shape[1]} of the decoder's {model.max_text_len} text "
-            "positions; shorten it or train with a larger data.max_text_len"
-        )
-    dev = images.device
-    out = generate(
-        model,
-        {"images": images, "input_ids": ids.to(dev), "attention_mask": mask.to(dev)},
-        strategy=strategy,
-        max_new_tokens=min(max_new_tokens, room),
-        num_beams=num_beams,
-        length_penalty=length_penalty,
-        generator=generator,
-    )
-    rows = [s[: int(n)].tolist() for s, n in zip(out.sequences, out.lengths, strict=True)]
-    return tokenizer.decode_batch(rows)
-
-
-def caption_scores(hyps: Mapping[Any, str], refs: Mapping[Any, Sequence[str]]) -> dict[str, float]:
-    """BLEU-1/4 and CIDEr-D (pycocoevalcap numbers) after PTB tokenization."""
-    if not refs:
-        return {}
-    keys = sorted(refs)
-    gts = ptb_tokenize({k: list(refs[k]) for k in keys})
-    res = ptb_tokenize({k: [hyps[k]] for k in keys})
-    bleu, _ = Bleu(4).compute_score(gts, res)
-    cider, _ = CiderD().compute_score(gts, res)
-    return {"BLEU-1": float(bleu[0]), "BLEU-4": float(bleu[3]), "CIDEr-D": float(cider)}
-
-
-# ----------------------------------------------------------------------------- vltrain generate
-
-
-def generation_prompt(cfg: Config, text: str | None) -> list[C.Segment]:
+def generation_prompt(cfg: Config, text: str | None) -> list[chat.Segment]:
     """The prompt a run of `cfg` was trained with: its caption prompt, or a chat user turn."""
     if cfg.caption.mode == "sft":
         user = text if text is not None else cfg.caption.instruction
-        return [(f"{C.USER} {user}", False), (C.ASSISTANT, False)]
+        return [(f"{chat.USER} {user}", False), (chat.ASSISTANT, False)]
     text = cfg.caption.prompt if text is None else text
     return [(text, False)] if text else []
 
@@ -223,7 +93,7 @@ def generate_command(args: Any) -> int:
         scores = score_records(model, tok, cfg, args.eval_data, args.batch_size, **decode)
         print(json.dumps(scores))
         return 0
-    prompt = C.encode_prompt(tok, generation_prompt(cfg, args.prompt))
+    prompt = chat.encode_prompt(tok, generation_prompt(cfg, args.prompt))
     paths = list(args.images)
     rows: dict[int, dict[str, str]] = {}
     for start in range(0, len(paths), args.batch_size):

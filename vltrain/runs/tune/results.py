@@ -13,7 +13,7 @@ import yaml
 from vltrain.config.core import to_dict
 
 if TYPE_CHECKING:
-    from vltrain.tuning.search import Search
+    from vltrain.runs.tune.search import Search
 
 
 def trial_rows(study: Any) -> list[dict[str, Any]]:

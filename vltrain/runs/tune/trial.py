@@ -21,8 +21,8 @@ from typing import Any
 
 from vltrain.config.core import ConfigError, build, deep_merge
 from vltrain.config.schema import Config, TuneConfig, validate_cross_fields
-from vltrain.tuning.space import ParamSpec, corner_params, params_tree
-from vltrain.tuning.storage import TuneError
+from vltrain.runs.tune.space import ParamSpec, corner_params, params_tree
+from vltrain.runs.tune.storage import TuneError
 
 #: decide(report_step, value, metrics, final) -> None to continue, or (state, reason)
 Decide = Callable[[int, float, dict[str, float], bool], "tuple[str, str] | None"]
@@ -181,7 +181,7 @@ def run_trial(
     A TuneError (e.g. the objective metric is not logged) and KeyboardInterrupt propagate:
     they concern the whole search, not this trial.
     """
-    from vltrain.engine.loop import Trainer
+    from vltrain.runs import train
 
     t0 = time.time()
     last: dict[str, Any] = {"step": 0, "value": None}
@@ -202,7 +202,7 @@ def run_trial(
             raise _Stop(*verdict)
 
     try:
-        Trainer(cfg, on_eval=on_eval).run()
+        train(cfg, on_eval=on_eval)
         out = Outcome("complete", last["value"], "", last["step"], 0.0)
     except _Stop as e:
         out = Outcome(e.state, last["value"], e.reason, last["step"], 0.0)

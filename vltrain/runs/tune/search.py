@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import fnmatch
 import re
 import time
 from pathlib import Path
@@ -21,8 +22,8 @@ from typing import Any
 from vltrain.config.core import ConfigError, deep_merge, load_yaml, parse_overrides
 from vltrain.config.schema import Config
 from vltrain.engine import distributed as D
-from vltrain.tuning.space import ParamSpec, check_enqueued, parse_space
-from vltrain.tuning.storage import (
+from vltrain.runs.tune.space import ParamSpec, check_enqueued, parse_space
+from vltrain.runs.tune.storage import (
     StorageSpec,
     TuneError,
     fail_dead_trials,
@@ -30,7 +31,7 @@ from vltrain.tuning.storage import (
     resolve_storage,
     worker_identity,
 )
-from vltrain.tuning.trial import (
+from vltrain.runs.tune.trial import (
     Outcome,
     TrialPlan,
     config_from_tree,
@@ -44,7 +45,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 def resolve_objective(cfg: Config) -> tuple[str, str]:
     """(metric, direction) from `tune.metric`/`tune.direction`, defaulting to the stage's."""
-    from vltrain.stages.base import get_stage
+    from vltrain.stages import get_stage
 
     stage = get_stage(cfg.stage)
     metric = cfg.tune.metric or stage.best_metric
@@ -64,6 +65,12 @@ def resolve_objective(cfg: Config) -> tuple[str, str]:
         direction = "maximize" if stage.best_mode == "max" else "minimize"
     if not cfg.data.eval:
         raise ConfigError("vltrain tune needs evaluation metrics: set data.eval")
+    names = list(stage.eval_metrics(cfg))
+    if not any(fnmatch.fnmatchcase(metric, pattern) for pattern in names):
+        raise ConfigError(
+            f"tune.metric '{metric}' is not a metric of stage '{cfg.stage}' "
+            f"(it reports {', '.join(names)})"
+        )
     return metric, direction
 
 
@@ -345,7 +352,7 @@ class Search:
             self._open_study()
             self._print_header()
             self._run_main()
-            from vltrain.tuning.results import write_results
+            from vltrain.runs.tune.results import write_results
 
             summary = write_results(self, time.time() - t0)
         else:

@@ -49,7 +49,7 @@ def parse_rest(args: argparse.Namespace) -> dict[str, Any]:
 
 def tune_command(args: argparse.Namespace) -> int:
     """Run the search described by the parsed `vltrain tune` arguments."""
-    from vltrain.tuning.search import run_search
+    from vltrain.runs.tune.search import run_search
 
     opts = parse_rest(args)
     if opts["trials"] is not None and opts["trials"] < 1:

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from vltrain.config.core import ConfigError, load_yaml
-from vltrain.config.schema import Config, load_config
-from vltrain.engine import checkpoint as C
+from vltrain.config.schema import Config
+from vltrain.stages import load_run_config
+from vltrain.engine import checkpoint
 
 _KEYS = {"root", "overrides", "stages"}
 _STAGE_KEYS = {"name", "config", "overrides"}
@@ -88,7 +89,7 @@ def load_pipeline(path: str | Path, overrides: list[str] | None = None) -> list[
             chain.append(f"model.init_from={Path(root) / out[-1].name}")
         over = shared + _overrides(st.get("overrides"), where) + list(overrides or []) + chain
         try:
-            cfg = load_config(cfg_path, over)
+            cfg = load_run_config(cfg_path, over)
         except ConfigError as e:
             raise ConfigError(f"pipeline stage '{name}' ({cfg_path}): {e}") from None
         out.append(PipelineStage(name, cfg))
@@ -102,7 +103,7 @@ def plan(stages: list[PipelineStage]) -> None:
         summary = _summary(run)
         if summary is not None and summary.get("steps") == st.cfg.train.max_steps:
             st.action = "skip"
-        elif C.latest_checkpoint(run / "checkpoints") is not None:
+        elif checkpoint.latest_checkpoint(run / "checkpoints") is not None:
             st.action = "resume"
             st.cfg.train.resume = True
         else:
@@ -117,7 +118,7 @@ def _summary(run: Path) -> dict[str, Any] | None:
 def run_pipeline(path: str | Path, overrides: list[str] | None = None) -> list[dict[str, Any]]:
     """Run (or continue) a pipeline; return one row per stage: name, action and summary."""
     from vltrain.engine import distributed as D
-    from vltrain.engine.loop import train
+    from vltrain.runs import train
     from vltrain.engine.runtime import setup
 
     stages = load_pipeline(path, overrides)

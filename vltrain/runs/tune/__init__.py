@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from vltrain.tuning.storage import TuneError, redact
+from vltrain.runs.tune.storage import TuneError, redact
 
 __all__ = ["TuneError", "redact", "run_search"]
 
 
 def run_search(*args: Any, **kwargs: Any) -> dict[str, Any]:
-    """`vltrain.tuning.search.run_search`, imported on first use (it pulls in the engine)."""
-    from vltrain.tuning.search import run_search as _run
+    """`vltrain.runs.tune.search.run_search`, imported on first use (it pulls in the engine)."""
+    from vltrain.runs.tune.search import run_search as _run
 
     return _run(*args, **kwargs)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from vltrain.data.records import DataError, ImageTextDataset, split_bad
 from vltrain.eval.retrieval import topk_similarity
-from vltrain.stages.loading import load_trained
+from vltrain.tools.loading import load_trained
 
 
 @dataclass

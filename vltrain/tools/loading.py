@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from vltrain.config import Config, load_config
-from vltrain.engine import checkpoint as C
 from vltrain.engine.runtime import RunContext
-from vltrain.stages.base import Stage, get_stage
+from vltrain.engine.task import Stage
+from vltrain.stages import get_stage
 
 
 def run_config_for(ckpt: Path) -> Path:
@@ -31,7 +31,7 @@ def load_trained(
     The stage reads files it saved with the checkpoint (e.g. `tokenizer/`) from the checkpoint
     folder itself, so a copied checkpoint works without the rest of the run dir.
     """
-    ckpt = C.resolve_checkpoint(checkpoint)
+    ckpt = resolve_checkpoint(checkpoint)
     cfg = load_config(run_config_for(ckpt), overrides)
     ctx = RunContext(
         device=torch.device(device),
@@ -43,5 +43,5 @@ def load_trained(
     stage = get_stage(cfg.stage)(cfg, ckpt, ctx)
     stage.prepare()
     model = stage.build_model()
-    C.load_weights(model, ckpt)
+    load_weights(model, ckpt)
     return cfg, stage, model.to(ctx.device).eval()

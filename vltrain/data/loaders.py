@@ -1,0 +1,146 @@
+"""Resumable training loaders (the engine's :class:`~vltrain.engine.task.Loader` protocol).
+
+:class:`MapLoader` is the map-style implementation: a dataset indexed by SampleKey, a
+position-aware batch sampler (vltrain.data.samplers) and a torch DataLoader. Its state is the
+sampler position ``(epoch, batch_in_epoch)`` of the next batch, so resume never replays
+batches. A streaming source implements the same three methods with its own opaque state.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from vltrain.data.records import split_bad
+
+
+@dataclass
+class Batch:
+    """One micro-batch as the loader hands it to the engine.
+
+    ``data`` is what the stage's collate built from the good samples (empty when every sample
+    was bad); the rest is the engine's bookkeeping, out of band.
+    """
+
+    data: dict[str, Any]
+    n_seen: int
+    n_good: int
+    bad: list[tuple[str, str]] = field(default_factory=list)  # (reason, example) per bad sample
+    position: Any = None  # the loader's position after this batch (opaque to the engine)
+
+    def pin_memory(self) -> Batch:
+        """DataLoader(pin_memory=True) calls this: pin the tensors, keep the bookkeeping."""
+        from torch.utils.data._utils.pin_memory import pin_memory
+
+        self.data = pin_memory(self.data)
+        return self
+
+
+@runtime_checkable
+class Loader(Protocol):
+    """A resumable source of micro-batches for one rank.
+
+    ``state_dict`` is opaque to the engine (a map-style sampler position, a stream's shard
+    cursors...) and must load with ``torch.load(weights_only=True)``: numbers, strings, lists,
+    dicts and tensors only. After ``load_state_dict(s)`` the next batch is the one that followed
+    the batch whose ``position`` was ``s``.
+    """
+
+    def __iter__(self) -> Iterator[Batch]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class PositionSampler(Protocol):
+    """What MapLoader needs of a batch sampler."""
+
+    def __iter__(self) -> Any: ...
+
+    def set_position(self, position: tuple[int, int]) -> None: ...
+
+    def position_after(self, key: tuple[int, int, int]) -> tuple[int, int]: ...
+
+
+def worker_init(worker_id: int) -> None:
+    """Seed numpy/python in a DataLoader worker from torch's per-worker seed.
+
+    vltrain's own per-sample randomness does not use these (it derives from seed, epoch and
+    index), but user transforms might.
+    """
+    s = torch.initial_seed() % (2**32)
+    np.random.seed(s)
+    random.seed(s)
+
+
+class BatchCollate:
+    """Picklable collate: drops bad samples (the engine counts them), then the stage collates.
+
+    The bookkeeping (samples seen, bad reasons, the last key) travels beside the stage's
+    tensors in a :class:`Batch`, never inside them.
+    """
+
+    def __init__(self, stage_collate: Callable[[list[dict]], dict[str, Any]]) -> None:
+        self.stage_collate = stage_collate
+
+    def __call__(self, samples: list[dict]) -> Batch:
+        good, bad = split_bad(samples)
+        return Batch(
+            data=self.stage_collate(good) if good else {},
+            n_seen=len(samples),
+            n_good=len(good),
+            bad=bad,
+            position=tuple(samples[-1]["key"]),  # the last key; MapLoader turns it into a position
+        )
+
+
+class MapLoader:
+    """Sampler + DataLoader over a map-style dataset, resumable at any batch boundary."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        sampler: PositionSampler,
+        collate: Callable[[list[dict]], dict[str, Any]],
+        *,
+        num_workers: int,
+        seed: int,
+        pin_memory: bool = False,
+    ) -> None:
+        self.dataset, self.sampler = dataset, sampler
+        self.collate = BatchCollate(collate)
+        self.num_workers, self.seed, self.pin_memory = num_workers, seed, pin_memory
+        self.position: tuple[int, int] = (0, 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.position[0], "batch_in_epoch": self.position[1]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = (int(state["epoch"]), int(state["batch_in_epoch"]))
+
+    def __iter__(self) -> Iterator[Batch]:
+        self.sampler.set_position(self.position)
+        # A private generator keeps DataLoader seeding off the global RNG, so creating the
+        # iterator at a different moment (resume) leaves the dropout RNG stream untouched.
+        loader = DataLoader(
+            self.dataset,
+            batch_sampler=self.sampler,
+            collate_fn=self.collate,
+            num_workers=self.num_workers,
+            worker_init_fn=worker_init,
+            generator=torch.Generator().manual_seed(self.seed),
+            persistent_workers=self.num_workers > 0,
+            pin_memory=self.pin_memory,
+            prefetch_factor=4 if self.num_workers > 0 else None,
+        )
+        for batch in loader:
+            self.position = self.sampler.position_after(batch.position)
+            batch.position = self.state_dict()
+            yield batch
