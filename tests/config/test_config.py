@@ -10,6 +10,8 @@ from vltrain.config.core import all_keys, describe
 from vltrain.config.schema import Config
 
 REPO = Path(__file__).resolve().parents[2]
+# every shipped preset (configs/ at the root links to the package's preset folder)
+PRESETS = sorted((REPO / "configs").glob("*.yaml"))
 
 
 def test_defaults_yaml_and_overrides_merge_in_order(tmp_path: Path) -> None:
@@ -85,7 +87,16 @@ def test_every_field_is_documented() -> None:
     assert "optim.lr" in all_keys(Config)
 
 
-@pytest.mark.parametrize("preset", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_the_preset_list_is_every_shipped_file() -> None:
+    """The parametrized preset tests cover each file of the preset folder (and not zero)."""
+    folder = (REPO / "configs").resolve()
+    files = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+    assert len(files) > 0, f"no presets in {folder}"
+    assert [p.name for p in PRESETS] == files  # a .yml or stray file would be skipped silently
+    assert len(PRESETS) == 11  # the presets shipped today; update when adding one
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
 def test_every_shipped_preset_loads(preset: Path) -> None:
     if preset.name == "pipeline.yaml":  # a list of stage configs, not a config
         from vltrain.runs.pipeline import load_pipeline
