@@ -80,16 +80,7 @@ def violations(root: Path, source: str, forbidden: tuple[str, ...], top: str = "
     return sorted(out)
 
 
-ENGINE_XFAIL = pytest.mark.xfail(
-    strict=True, reason="engine->stages arrow removed by the renovation"
-)
-
-
-@pytest.mark.parametrize(
-    "source, forbidden",
-    [pytest.param(*r, marks=ENGINE_XFAIL) if r[0] == "engine" else r for r in RULES],
-    ids=[r[0] for r in RULES],
-)
+@pytest.mark.parametrize("source, forbidden", RULES, ids=[r[0] for r in RULES])
 def test_import_boundary(source: str, forbidden: tuple[str, ...]) -> None:
     files = list((REPO / "vltrain" / source).rglob("*.py"))
     assert files, f"vltrain/{source} holds no modules: update RULES"

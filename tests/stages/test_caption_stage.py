@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from vltrain.stages.caption_decode import build_captioner
+from vltrain.models.backbones import build_captioner
 
 from tests.conftest import REPO, torchrun_vltrain
 from vltrain.cli import main

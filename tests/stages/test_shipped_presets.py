@@ -53,10 +53,10 @@ def caption_run(shapes_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 def build_preset_model(cfg, out_dir: Path) -> nn.Module:  # noqa: ANN001 (a Config)
     """The model a run of `cfg` trains, built the way the engine builds it (single process)."""
     from vltrain.engine.runtime import RunContext
-    from vltrain.stages.base import get_stage
+    from vltrain.stages import check_config
 
     ctx = RunContext(torch.device("cpu"), rank=0, world_size=1, precision="fp32", seed=0)
-    stage = get_stage(cfg.stage)(cfg, out_dir, ctx)
+    stage = check_config(cfg)(cfg, out_dir, ctx)
     stage.prepare()
     return stage.build_model()
 

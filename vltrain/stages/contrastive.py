@@ -219,32 +219,46 @@ class ContrastiveStage:
 
     # ---- evaluation -------------------------------------------------------------------
 
+    def eval_dataset(self, path: str | Path, hard_negatives: int = 10**6) -> ImageTextDataset:
+        """Records of `path` as evaluation samples (every caption, fixed order), decoded the
+        way this backbone's batcher expects (native-size PIL images for HF backbones)."""
+        return ImageTextDataset(
+            path,
+            self.cfg.data.image_size,
+            self.cfg.run.seed,
+            hard_negatives=hard_negatives,
+            train=False,
+            native=self.cfg.model.kind in HF_KINDS,
+        )
+
     def _eval_set(self, split: str) -> ImageTextDataset:
-        path = self.cfg.data.eval if split == "val" else self.cfg.data.test
         if split not in self._eval_sets:
-            self._eval_sets[split] = ImageTextDataset(
-                path,
-                self.cfg.data.image_size,
-                self.cfg.run.seed,
-                hard_negatives=10**6,
-                train=False,
-                native=self.cfg.model.kind in HF_KINDS,
-            )
+            path = self.cfg.data.eval if split == "val" else self.cfg.data.test
+            self._eval_sets[split] = self.eval_dataset(path)
         return self._eval_sets[split]
 
-    def _embed_shard(
-        self, model: ContrastiveModel, ds: ImageTextDataset
-    ) -> tuple[dict[str, Tensor], dict[str, list[int]]]:
-        """Embeddings of this rank's contiguous shard of the eval set, and its hard-negative
-        hits per negative kind ({kind: [correct, total]})."""
-        bs = self.cfg.data.eval_batch_size or self.cfg.data.batch_size
+    def embed_shard(
+        self,
+        model: ContrastiveModel,
+        ds: ImageTextDataset,
+        rank: int = 0,
+        world_size: int = 1,
+        batch_size: int = 0,
+    ) -> tuple[dict[str, Tensor], dict[str, list[int]], list[str]]:
+        """Embeddings of the shard `rank` of `ds` through the evaluation batcher.
+
+        Returns tensors (img (I, E), idx (I,), txt (T, E), owner (T,), hard-negative hit
+        counts, n_bad), hard-negative hits per negative kind ({kind: [correct, total]}), and
+        the caption strings in `txt` order. Evaluation and `vltrain mine` both embed here, so a
+        mined embedding is exactly an evaluation embedding.
+        """
+        bs = batch_size or self.cfg.data.eval_batch_size or self.cfg.data.batch_size
         enc, dev = model.encoder, self.ctx.device
         out: dict[str, list[Tensor]] = {
             k: [] for k in ("img", "idx", "txt", "owner", "hn_correct", "hn_total")
         }
-        n_bad = 0
-        kind_hits: dict[str, list[int]] = {}
-        for keys in EvalShardSampler(len(ds), bs, self.ctx.rank, self.ctx.world_size):
+        n_bad, kind_hits, all_texts = 0, {}, []
+        for keys in EvalShardSampler(len(ds), bs, rank, world_size):
             good, bad = split_bad([ds[k] for k in keys])
             n_bad += len(bad)
             if not good:
@@ -258,12 +272,13 @@ class ContrastiveStage:
             out["idx"].append(torch.tensor([s["index"] for s in good]))
             out["txt"].append(txt.float().cpu())
             out["owner"].append(owner)
+            all_texts += texts
             c, t = self._hard_negative_hits(enc, img, txt, good, kind_hits)
             out["hn_correct"].append(c)
             out["hn_total"].append(t)
         cat = {k: (torch.cat(v) if v else torch.zeros(0)) for k, v in out.items()}
         cat["n_bad"] = torch.tensor([n_bad])
-        return cat, kind_hits
+        return cat, kind_hits, all_texts
 
     def encode_texts(self, enc: nn.Module, texts: list[str]) -> Tensor:
         """Unit-norm text embeddings (N, E) through this stage's batcher."""
@@ -299,7 +314,9 @@ class ContrastiveStage:
 
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
         """Sharded embedding, gathered once; every rank then computes the same metrics."""
-        shard, shard_kind_hits = self._embed_shard(model, self._eval_set(split))
+        shard, shard_kind_hits, _ = self.embed_shard(
+            model, self._eval_set(split), self.ctx.rank, self.ctx.world_size
+        )
         g = {k: D.all_gather_no_grad(v) for k, v in shard.items()}
         img, idx, txt, owner = g["img"], g["idx"], g["txt"], g["owner"]
         pos = torch.searchsorted(idx, owner)  # text -> row of its image in `img`

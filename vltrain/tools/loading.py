@@ -7,7 +7,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vltrain.config import Config, load_config
+from vltrain.config import Config
+from vltrain.stages import load_run_config
+from vltrain.engine.checkpoint import load_weights, resolve_checkpoint
 from vltrain.engine.runtime import RunContext
 from vltrain.engine.task import Stage
 from vltrain.stages import get_stage
@@ -32,7 +34,7 @@ def load_trained(
     folder itself, so a copied checkpoint works without the rest of the run dir.
     """
     ckpt = resolve_checkpoint(checkpoint)
-    cfg = load_config(run_config_for(ckpt), overrides)
+    cfg = load_run_config(run_config_for(ckpt), overrides)
     ctx = RunContext(
         device=torch.device(device),
         rank=0,

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from vltrain.data.records import DataError, ImageTextDataset, split_bad
+from vltrain.data.records import DataError
 from vltrain.eval.retrieval import topk_similarity
 from vltrain.tools.loading import load_trained
 
@@ -34,30 +35,15 @@ class MineOptions:
 
 
 def _embed(
-    stage, model, data: Path, batch_size: int
+    stage: Any, model: Any, data: Path, batch_size: int
 ) -> tuple[list[dict], Tensor, list[int], Tensor, list[str], Tensor]:
-    """Image embeddings of good records, and embeddings of every caption (with its owner)."""
-    ds = ImageTextDataset(data, stage.cfg.data.image_size, stage.cfg.run.seed, train=False)
-    imgs, owners, texts, txt_owner = [], [], [], []
-    enc = model.encoder
+    """Image embeddings of good records, and embeddings of every caption (with its owner),
+    through the stage's evaluation path (the backbone's own batcher and image decoding)."""
+    ds = stage.eval_dataset(data, hard_negatives=0)
     with torch.no_grad():
-        for start in range(0, len(ds), batch_size):
-            good, _ = split_bad([ds[i] for i in range(start, min(start + batch_size, len(ds)))])
-            if not good:
-                continue
-            batch = torch.stack([s["image"] for s in good]).to(stage.ctx.device)
-            imgs.append(enc.encode_image(batch).float().cpu())
-            owners += [s["index"] for s in good]
-            for s in good:
-                texts += s["texts"]
-                txt_owner += [s["index"]] * len(s["texts"])
-        txt_emb = torch.cat(
-            [
-                stage.encode_texts(enc, texts[i : i + batch_size]).float().cpu()
-                for i in range(0, len(texts), batch_size)
-            ]
-        )
-    return ds.records, torch.cat(imgs), owners, txt_emb, texts, torch.tensor(txt_owner)
+        shard, _, texts = stage.embed_shard(model, ds, batch_size=batch_size)
+    owners = [int(i) for i in shard["idx"]]
+    return ds.records, shard["img"], owners, shard["txt"], texts, shard["owner"]
 
 
 def mine_negatives(
