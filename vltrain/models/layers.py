@@ -127,11 +127,20 @@ def build_attention_mask(
 
 
 def _key_mask_and_diag(allowed: Tensor, key_mask: Tensor | None, past_len: int) -> Tensor:
-    """``allowed`` (B or 1, T, S) & real keys (B, S), with every query's own key kept -> 4D."""
+    """``allowed`` (B or 1, T, S) & real keys, with every query's own key kept -> 4D.
+
+    ``key_mask`` is (B, S), or (B, past_len) for the cache alone (the new positions are real).
+    """
     t, s_len = allowed.shape[-2:]
     if key_mask is not None:
+        if key_mask.shape[-1] == past_len != s_len:
+            new = torch.ones(key_mask.shape[0], t, dtype=torch.bool, device=key_mask.device)
+            key_mask = torch.cat([key_mask.bool(), new], dim=1)  # (B, S)
         if key_mask.shape[-1] != s_len:
-            raise ValueError(f"key mask covers {key_mask.shape[-1]} positions, expected {s_len}")
+            raise ValueError(
+                f"key mask covers {key_mask.shape[-1]} positions, expected {s_len} (cache + new) "
+                f"or {past_len} (cache)"
+            )
         allowed = allowed & key_mask.to(device=allowed.device).bool()[:, None, :]  # (B, T, S)
         own = torch.arange(t, device=allowed.device)
         diag = torch.zeros(t, s_len, dtype=torch.bool, device=allowed.device)
@@ -148,7 +157,8 @@ def causal_mask(
 ) -> Tensor:
     """Causal bool mask (B or 1, 1, T, S), S = past_len + T: query t sees keys <= past_len + t.
 
-    ``key_mask`` (B, S) (nonzero = real) also hides padding keys, as ``build_attention_mask``.
+    ``key_mask`` (B, S) or (B, past_len) (nonzero = real) also hides padding keys, as
+    ``build_attention_mask`` does (every query keeps its own key).
     """
     device = key_mask.device if key_mask is not None else device
     q_pos = torch.arange(past_len, past_len + q_len, device=device)[:, None]  # (T, 1)
