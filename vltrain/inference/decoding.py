@@ -2,8 +2,11 @@
 
 Every strategy runs against a small adapter (`DecodeModel`): `prefill` consumes the prompt (and
 images) once and returns the next-token logits plus a cache, `step` feeds one token per row, and
-`reorder_cache` selects/repeats rows of the cache. The built-in captioner implements it in
-`vltrain/models/captioner.py`; HF models are wrapped by `vltrain.inference.hf_adapter`.
+`reorder_cache` selects/repeats rows of the cache. A `VerifyModel` adds `verify` (K tokens per
+row in one call, as a chain or a tree under an explicit mask) and `crop_cache` / `select_cache`
+to keep the accepted positions: what speculative decoding needs. The built-in captioner
+implements both in `vltrain/models/captioner.py`; HF models are wrapped by
+`vltrain.inference.hf_adapter`.
 
 Semantics follow `transformers` 5.x `GenerationMixin` exactly (tests compare token for token):
 
@@ -50,6 +53,36 @@ class DecodeModel(Protocol):
 
     def reorder_cache(self, cache: Any, index: Tensor) -> Any:
         """Select / repeat cache rows along the batch dimension: row i <- row index[i]."""
+        ...
+
+
+class VerifyModel(DecodeModel, Protocol):
+    """A `DecodeModel` that also scores several tokens per row at once (speculative decoding).
+
+    `verify` feeds `tokens` (B, K) after the cache and returns the logits after each of them
+    (B, K, V) float32 plus the cache holding all K. Without `position_ids` / `attention_mask`
+    the tokens form a causal chain (equal to K `step` calls); with position ids (B, K) and a
+    mask (B or 1, 1, K, S + K) over cached + new positions (True = attend; see
+    `vltrain.models.layers.tree_mask`) they can be a tree. `crop_cache` keeps the first n
+    cached positions; `select_cache` keeps positions `index` (B, N) per row, in that order.
+    """
+
+    def verify(
+        self,
+        tokens: Tensor,
+        cache: Any,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Any]:
+        """Feed `tokens` (B, K); return logits (B, K, V) float32 and the updated cache."""
+        ...
+
+    def crop_cache(self, cache: Any, n: int) -> Any:
+        """Keep the first `n` cached positions of every row."""
+        ...
+
+    def select_cache(self, cache: Any, index: Tensor, valid: Tensor | None = None) -> Any:
+        """Keep cached positions `index` (B, N) per row; `valid` False marks padding entries."""
         ...
 
 

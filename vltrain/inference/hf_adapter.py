@@ -8,6 +8,15 @@ HF `generate` feeds it, so that logits (and therefore tokens) agree bit for bit:
   each step then uses `last + 1`;
 - an all-ones attention mask is dropped (HF does the same; SDPA then takes its causal path);
 - `logits_to_keep=1`; pixel values and other image inputs only at prefill.
+
+`verify` feeds K tokens per row in one forward (`logits_to_keep=K`). By default they continue
+the cache as a causal chain (positions `last + 1 ...`, the 2-D padding mask extended), which
+equals K `step` calls. Explicit `position_ids` (B, K) and a 4-D mask (B or 1, 1, K, S + K) over
+cached + new positions verify a tree or a block; HF uses a 4-D mask as given (no causal or
+padding mask is added), so it must already hide cached padding. Limits: the 4-D mask needs the
+`sdpa` or `eager` attention implementation (not flash / flex) and a text model whose positions
+are (B, K) (M-RoPE models need (C, B, K) ids, built by the caller); `select_cache` supports
+only `DynamicCache` full-attention layers and (B, T) position ids.
 """
 
 from __future__ import annotations
@@ -104,6 +113,93 @@ class HFDecodeAdapter:
         out = self._forward(tokens[:, None], mask, pos, cache.kv, extra)
         return out.logits[:, -1].float(), HFCache(out.cache, mask, pos)
 
+    def verify(
+        self,
+        tokens: Tensor,
+        cache: HFCache,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+    ) -> tuple[Tensor, HFCache]:
+        """Feed `tokens` (B, K); return the logits after each (B, K, V) float32 and the cache.
+
+        `position_ids` (B, K) default to the chain `last + 1 ... last + K`; `attention_mask`
+        is an optional 4-D bool mask (B or 1, 1, K, S + K), True = attend (see module doc).
+        """
+        if tokens.ndim != 2:
+            raise ValueError(f"verify takes (B, K) tokens, got {tuple(tokens.shape)}")
+        k = tokens.shape[1]
+        mask2d = cache.attention_mask
+        if mask2d is not None:
+            mask2d = torch.cat([mask2d, mask2d.new_ones((mask2d.shape[0], k))], dim=-1)
+        if position_ids is None and cache.position_ids is not None:
+            step = torch.arange(1, k + 1, device=tokens.device)
+            position_ids = cache.position_ids + step  # (B, K) or (C, B, K)
+        if position_ids is not None and not self._takes_positions:
+            raise ValueError("this model's forward takes no position_ids; verify without them")
+        fed_mask = mask2d if attention_mask is None else self._mask_4d(attention_mask, k)
+        extra = {kk: v for kk, v in self.static_inputs.items() if kk not in _PREFILL_ONLY}
+        out = self._forward(tokens, fed_mask, position_ids, cache.kv, extra, keep=k)
+        last = None if position_ids is None else position_ids[..., -1:]
+        return out.logits[:, -k:].float(), HFCache(out.cache, mask2d, last)
+
+    def crop_cache(self, cache: HFCache, n: int) -> HFCache:
+        """Keep the first `n` cached positions (in place on the KV tensors).
+
+        The next position steps back by the number of dropped positions, which is exact when
+        those were a chain (the tokens of a chain `verify` or of `step` calls).
+        """
+        length = cache.kv.get_seq_length()
+        if not 0 <= n <= length:
+            raise ValueError(f"crop_cache({n}): keep between 0 and {length} cached positions")
+        cache.kv.crop(n - length)  # HF's crop takes minus the number of tokens to remove
+        mask = None if cache.attention_mask is None else cache.attention_mask[:, :n]
+        pos = None if cache.position_ids is None else cache.position_ids - (length - n)
+        return HFCache(cache.kv, mask, pos)
+
+    def select_cache(self, cache: HFCache, index: Tensor, valid: Tensor | None = None) -> HFCache:
+        """Keep cached positions `index` (B, N) per row (in place on the KV tensors).
+
+        Entries with `valid` False become padding. The next position is the number of real
+        cached tokens, as HF counts positions of a padded prompt (`cumsum - 1`).
+        """
+        from transformers.cache_utils import DynamicLayer
+
+        layers = getattr(cache.kv, "layers", [])
+        if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+            raise ValueError("select_cache supports DynamicCache full-attention layers only")
+        if cache.position_ids is not None and cache.position_ids.dim() != 2:
+            raise ValueError("select_cache supports (B, T) position ids only (not M-RoPE)")
+        b, s_len = layers[0].keys.shape[0], layers[0].keys.shape[2]
+        index = index.to(device=layers[0].keys.device, dtype=torch.long).expand(b, -1)
+        for layer in layers:
+            idx = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys, layer.values = layer.keys.gather(2, idx), layer.values.gather(2, idx)
+        mask = cache.attention_mask
+        mask = (
+            torch.ones((b, s_len), dtype=torch.long, device=index.device) if mask is None else mask
+        )
+        mask = mask.gather(1, index)  # (B, N)
+        if valid is not None:
+            mask = mask * valid.to(mask.device).expand_as(mask).to(mask.dtype)
+        pos = None if cache.position_ids is None else mask.long().sum(-1, keepdim=True) - 1
+        keep = None if bool((mask == 1).all()) else mask
+        return HFCache(cache.kv, keep, pos)
+
+    def _mask_4d(self, mask: Tensor, k: int) -> Tensor:
+        """A bool (B, 1, K, S) mask in the form the model's attention implementation adds."""
+        impl = getattr(self.model.config, "_attn_implementation", None)
+        if mask.ndim != 4 or mask.shape[2] != k:
+            raise ValueError(f"verify needs a 4-D (B, 1, K={k}, S) mask, got {tuple(mask.shape)}")
+        if impl == "sdpa":
+            return mask.bool()
+        if impl == "eager":
+            dtype = next(self.model.parameters()).dtype
+            zero = torch.zeros((), dtype=dtype, device=mask.device)
+            return torch.where(mask.bool(), zero, torch.finfo(dtype).min)
+        raise ValueError(
+            f"verify with a custom mask needs attn_implementation 'sdpa' or 'eager', not {impl!r}"
+        )
+
     def reorder_cache(self, cache: HFCache, index: Tensor) -> HFCache:
         """Select/repeat batch rows (in place on the KV tensors; the old state is consumed)."""
         cache.kv.reorder_cache(index)
@@ -121,13 +217,19 @@ class HFDecodeAdapter:
         return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # (B, T)
 
     def _forward(
-        self, ids: Tensor, mask: Tensor | None, pos: Tensor | None, kv: Any, kwargs: dict[str, Any]
+        self,
+        ids: Tensor,
+        mask: Tensor | None,
+        pos: Tensor | None,
+        kv: Any,
+        kwargs: dict[str, Any],
+        keep: int = 1,
     ) -> Any:
         call = dict(kwargs)
         if pos is not None:
             call["position_ids"] = pos
         if self._takes_logits_to_keep:
-            call["logits_to_keep"] = 1
+            call["logits_to_keep"] = keep
         return self.model(
             input_ids=ids, attention_mask=mask, cache=kv, use_cache=True, return_dict=True, **call
         )

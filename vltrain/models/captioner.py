@@ -6,7 +6,9 @@ the text logits and the token accuracy.
 
 Decoding (the protocol ``vltrain.inference.decoding`` drives): ``prefill`` encodes the images
 and runs a left-padded prompt, ``step`` feeds one token per row, ``reorder_cache`` selects /
-repeats rows for beam search. The cache (``CaptionerCache``) holds the decoder's KV cache with
+repeats rows for beam search. ``verify`` feeds K tokens per row at once (a draft chain, or a
+tree / block under an explicit mask) and ``crop_cache`` / ``select_cache`` keep the accepted
+positions. The cache (``CaptionerCache``) holds the decoder's KV cache with
 its padding mask and, for cross-attention connectors, the visual latents of every row.
 
 Context: a prefix connector puts its visual tokens into the decoder context, so
@@ -213,6 +215,50 @@ class Captioner(nn.Module):
             self.decoder, cache.visual, ids, mask, cache.kv, use_cache=True
         )
         return self.decoder.logits(h[:, -1]).float(), CaptionerCache(kv=kv, visual=cache.visual)
+
+    @torch.no_grad()
+    def verify(
+        self,
+        tokens: Tensor,
+        cache: CaptionerCache,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+    ) -> tuple[Tensor, CaptionerCache]:
+        """Feed K tokens per row (B, K) at once; logits after each (B, K, V) float32, cache.
+
+        Default: a causal chain continuing the cache, equal to K ``step`` calls.
+        ``position_ids`` (B, K) and ``attention_mask`` (B or 1, 1 or H, K, S + K) over the S
+        cached and K new positions (bool, True = attend; ``layers.tree_mask`` /
+        ``block_causal_mask`` build them) verify a tree or a block. Every fed token enters the
+        cache; ``crop_cache`` / ``select_cache`` then keep the accepted ones.
+        """
+        rows = cache.kv.mask.shape[0]
+        if tokens.ndim != 2 or tokens.shape[0] != rows:
+            raise ValueError(
+                f"verify takes (B={rows}, K) tokens per cached row, got {tuple(tokens.shape)}"
+            )
+        out = self.connector.run(
+            self.decoder,
+            cache.visual,
+            tokens,
+            torch.ones_like(tokens, dtype=torch.bool),
+            cache.kv,
+            use_cache=True,
+            position_ids=position_ids,
+            attn_mask=attention_mask,
+        )
+        logits = self.decoder.logits(out.hidden).float()  # (B, K, V)
+        return logits, CaptionerCache(kv=out.cache, visual=cache.visual)
+
+    def crop_cache(self, cache: CaptionerCache, n: int) -> CaptionerCache:
+        """Keep the first ``n`` cached positions (prefix included) of every row."""
+        return CaptionerCache(kv=cache.kv.crop(n), visual=cache.visual)
+
+    def select_cache(
+        self, cache: CaptionerCache, index: Tensor, valid: Tensor | None = None
+    ) -> CaptionerCache:
+        """Keep cached positions ``index`` (B, N) per row (see ``KVCache.select``)."""
+        return CaptionerCache(kv=cache.kv.select(index, valid), visual=cache.visual)
 
     def reorder_cache(self, cache: CaptionerCache, index: Tensor) -> CaptionerCache:
         """Select/reorder/repeat rows of the cache along batch (index: LongTensor (B',))."""

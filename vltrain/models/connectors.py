@@ -18,7 +18,8 @@ relative to a pretrained vision tower and a pretrained decoder, so freezing or L
   keeping the fusion modules beside the decoder rather than wrapping its layers).
 
 Every connector implements ``forward(vision_tokens) -> visual`` (what the decoder conditions on)
-and ``hidden_states(decoder, visual, ...)``, which runs the decoder conditioned on it.
+and ``run(decoder, visual, ...)``, which runs the decoder's one loop (``CausalDecoder.run``)
+conditioned on it: as a prefix, or as a layer hook. ``hidden_states`` is its short form.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -33,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vltrain.models.layers import MLP, KVCache, build_attention_mask, init_weights
-from vltrain.models.text import CausalDecoder, mask_positions
+from vltrain.models.layers import MLP, KVCache, init_weights
+from vltrain.models.text import CausalDecoder, DecoderOutput
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,27 @@ class Connector(nn.Module):
 
         ``visual`` is this connector's ``forward`` output. A prefix connector only needs it on
         the first call (``kv_cache is None``); afterwards the prefix lives in the cache.
+        """
+        out = self.run(decoder, visual, input_ids, attention_mask, kv_cache, use_cache)
+        return out.hidden, out.cache
+
+    def run(
+        self,
+        decoder: CausalDecoder,
+        visual: Tensor | None,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        kv_cache: KVCache | None = None,
+        use_cache: bool = False,
+        *,
+        position_ids: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        taps: Sequence[int] = (),
+    ) -> DecoderOutput:
+        """``hidden_states`` with the loop's options: explicit positions, mask and taps.
+
+        Shapes as in ``CausalDecoder.run``: ``position_ids`` (B, N + T) and ``attn_mask``
+        (B or 1, 1 or H, N + T, S) cover the visual prefix too when it is fed (N = 0 otherwise).
         """
         raise NotImplementedError
 
@@ -161,7 +184,7 @@ class ProjectorConnector(Connector):
             vision_tokens = torch.cat([cls, pooled], dim=1)
         return self.proj(vision_tokens)
 
-    def hidden_states(
+    def run(
         self,
         decoder: CausalDecoder,
         visual: Tensor | None,
@@ -169,12 +192,25 @@ class ProjectorConnector(Connector):
         attention_mask: Tensor,
         kv_cache: KVCache | None = None,
         use_cache: bool = False,
-    ) -> tuple[Tensor, KVCache | None]:
+        *,
+        position_ids: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        taps: Sequence[int] = (),
+    ) -> DecoderOutput:
         """Prefix + text through the unchanged decoder: (B, N + T, Wd) (N = 0 with a cache)."""
         if kv_cache is None and visual is None:
             raise ValueError("projector: the first decoder call needs the visual prefix")
         prefix = visual if kv_cache is None else None
-        return decoder.hidden_states(input_ids, attention_mask, prefix, kv_cache, use_cache)
+        return decoder.run(
+            input_ids,
+            attention_mask,
+            prefix,
+            kv_cache,
+            use_cache,
+            position_ids=position_ids,
+            attn_mask=attn_mask,
+            taps=taps,
+        )
 
 
 # --------------------------------------------------------------------------- gated x-attn
@@ -322,7 +358,7 @@ class GatedXAttnConnector(Connector):
         """(B, 1 + P, Wv) -> resampled latents (B, n_latents, Wd)."""
         return self.resampler(vision_tokens)
 
-    def hidden_states(
+    def run(
         self,
         decoder: CausalDecoder,
         visual: Tensor | None,
@@ -330,11 +366,15 @@ class GatedXAttnConnector(Connector):
         attention_mask: Tensor,
         kv_cache: KVCache | None = None,
         use_cache: bool = False,
-    ) -> tuple[Tensor, KVCache | None]:
-        """The decoder's own computation with gated cross-attention before chosen blocks.
+        *,
+        position_ids: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        taps: Sequence[int] = (),
+    ) -> DecoderOutput:
+        """The decoder's own loop with gated cross-attention to ``visual`` before chosen blocks.
 
-        Mirrors ``CausalDecoder.hidden_states`` step for step (tests pin the gated-at-init
-        logits to the plain decoder's exactly, so any drift between the two is caught).
+        The cross-attention is the loop's layer hook, so this is the plain decoder's computation
+        plus the gated branches (at init, with the gates at 0, exactly the plain decoder).
         """
         if visual is None:
             raise ValueError("gated_xattn: every decoder call needs the visual latents")
@@ -343,20 +383,18 @@ class GatedXAttnConnector(Connector):
                 f"gated_xattn was built for a decoder with more than {self.xattn_layers[-1]} "
                 f"blocks, but this decoder has {len(decoder.blocks)}"
             )
-        x = decoder.token_embed(input_ids)  # (B, T, W)
-        new_mask = attention_mask.bool()  # (B, T)
-        past_len = 0 if kv_cache is None else kv_cache.length
-        decoder._check_length(past_len + x.shape[1])
-        offset = None if kv_cache is None else kv_cache.next_positions()
-        x = x + F.embedding(mask_positions(new_mask, offset), decoder.pos_embed).to(x.dtype)
-        full_mask = new_mask if kv_cache is None else torch.cat([kv_cache.mask, new_mask], 1)
-        attn_mask, is_causal = build_attention_mask(full_mask, x.shape[1], True, past_len)
-        new_layers = []
-        for i, block in enumerate(decoder.blocks):
-            if i in self.xattn_layers:
-                x = self.xattn[str(i)](x, visual)
-            past = None if kv_cache is None else kv_cache.layers[i]
-            x, kv = block(x, attn_mask, is_causal, past)
-            new_layers.append(kv)
-        cache = KVCache(layers=new_layers, mask=full_mask) if use_cache else None
-        return decoder.norm(x), cache
+
+        def cross_attend(i: int, x: Tensor) -> Tensor:
+            return self.xattn[str(i)](x, visual) if i in self.xattn_layers else x
+
+        return decoder.run(
+            input_ids,
+            attention_mask,
+            None,
+            kv_cache,
+            use_cache,
+            position_ids=position_ids,
+            attn_mask=attn_mask,
+            layer_hook=cross_attend,
+            taps=taps,
+        )

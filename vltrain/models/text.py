@@ -6,7 +6,8 @@ the same positions, and the same outputs at its real tokens, as the unpadded seq
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,22 @@ class TextTowerConfig:
                 f"TextTowerConfig: vocab_size ({self.vocab_size}) and context_length "
                 f"({self.context_length}) must be positive"
             )
+
+
+LayerHook = Callable[[int, Tensor], Tensor]
+"""``hook(i, x) -> x``: runs before decoder block i on its input (B, T, W) (cross-attention)."""
+
+
+@dataclass
+class DecoderOutput:
+    """What one run of the decoder loop returns."""
+
+    hidden: Tensor
+    """Final-LN hidden states (B, P + T, W) of the new positions."""
+    cache: KVCache | None
+    """The cache extended by the new positions (None unless ``use_cache``)."""
+    taps: dict[int, Tensor] = field(default_factory=dict)
+    """Requested block index -> that block's output (B, P + T, W), before the final LN."""
 
 
 def mask_positions(mask: Tensor, offset: Tensor | None = None) -> Tensor:
@@ -147,6 +164,66 @@ class CausalDecoder(_TextBase):
         use_cache: bool = False,
     ) -> tuple[Tensor, KVCache | None]:
         """Final-LN hidden states (B, P + T, W) for ``[prefix_embeds, tokens]`` and the cache."""
+        out = self.run(input_ids, attention_mask, prefix_embeds, kv_cache, use_cache)
+        return out.hidden, out.cache
+
+    def run(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        prefix_embeds: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        use_cache: bool = False,
+        *,
+        position_ids: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        layer_hook: LayerHook | None = None,
+        taps: Sequence[int] = (),
+    ) -> DecoderOutput:
+        """The decoder loop: embed, then ``[layer_hook(i, x)], block i`` for every block, LN.
+
+        ``attention_mask`` (B, T) marks real tokens of ``input_ids`` (prefix tokens are always
+        real); it is what the returned cache records. ``position_ids`` (B, P + T) override the
+        positions derived from the masks (``cumsum - 1`` continuing the cache). ``attn_mask``
+        (B or 1, 1 or H, P + T, S), S = cache length + P + T, bool (True = attend) or additive
+        float, replaces the causal + padding mask (see the mask builders in ``layers``).
+        ``taps`` are block indices whose outputs (B, P + T, W), before the final LN and any
+        later hook, are returned in ``DecoderOutput.taps``.
+        """
+        x, new_mask, masked = self._embed(input_ids, attention_mask, prefix_embeds)
+        past_len = 0 if kv_cache is None else kv_cache.length
+        if position_ids is None:
+            self._check_length(past_len + x.shape[1])
+            offset = None if kv_cache is None else kv_cache.next_positions()
+            position_ids = mask_positions(new_mask, offset)  # (B, P + T)
+        else:
+            position_ids = self._check_positions(position_ids, x.shape[:2])
+        x = x + F.embedding(position_ids, self.pos_embed).to(x.dtype)
+        full_mask = new_mask if kv_cache is None else torch.cat([kv_cache.mask, new_mask], 1)
+        if attn_mask is None:
+            # Without a mask or a cache SDPA's is_causal is exact (and takes the fast kernels).
+            key_mask = None if (kv_cache is None and not masked) else full_mask
+            mask, is_causal = build_attention_mask(key_mask, x.shape[1], True, past_len)
+        else:
+            mask, is_causal = self._check_attn_mask(attn_mask, x.shape[:2], past_len), False
+        wanted = self._tap_indices(taps)
+        tapped: dict[int, Tensor] = {}
+        new_layers = []
+        for i, block in enumerate(self.blocks):
+            if layer_hook is not None:
+                x = layer_hook(i, x)
+            past = None if kv_cache is None else kv_cache.layers[i]
+            x, kv = block(x, mask, is_causal, past)
+            new_layers.append(kv)
+            if i in wanted:
+                tapped[i] = x
+        cache = KVCache(layers=new_layers, mask=full_mask) if use_cache else None
+        return DecoderOutput(self.norm(x), cache, {t: tapped[wanted[t]] for t in taps})
+
+    def _embed(
+        self, input_ids: Tensor, attention_mask: Tensor | None, prefix_embeds: Tensor | None
+    ) -> tuple[Tensor, Tensor, bool]:
+        """Token (+ prefix) embeddings (B, P + T, W), their real mask (B, P + T), mask given."""
         b, t = input_ids.shape
         x = self.token_embed(input_ids)  # (B, T, W)
         masked = attention_mask is not None
@@ -162,21 +239,49 @@ class CausalDecoder(_TextBase):
             x = torch.cat([prefix_embeds.to(x.dtype), x], dim=1)  # (B, P + T, W)
             prefix_mask = torch.ones(prefix_embeds.shape[:2], dtype=torch.bool, device=x.device)
             new_mask = torch.cat([prefix_mask, new_mask], dim=1)  # (B, P + T)
-        past_len = 0 if kv_cache is None else kv_cache.length
-        self._check_length(past_len + x.shape[1])
-        offset = None if kv_cache is None else kv_cache.next_positions()
-        x = x + F.embedding(mask_positions(new_mask, offset), self.pos_embed).to(x.dtype)
-        full_mask = new_mask if kv_cache is None else torch.cat([kv_cache.mask, new_mask], 1)
-        # Without a mask or a cache SDPA's is_causal is exact (and takes the fast kernels).
-        key_mask = None if (kv_cache is None and not masked) else full_mask
-        attn_mask, is_causal = build_attention_mask(key_mask, x.shape[1], True, past_len)
-        new_layers = []
-        for i, block in enumerate(self.blocks):
-            past = None if kv_cache is None else kv_cache.layers[i]
-            x, kv = block(x, attn_mask, is_causal, past)
-            new_layers.append(kv)
-        cache = KVCache(layers=new_layers, mask=full_mask) if use_cache else None
-        return self.norm(x), cache
+        return x, new_mask, masked
+
+    def _check_positions(self, position_ids: Tensor, shape: torch.Size) -> Tensor:
+        if tuple(position_ids.shape) != tuple(shape):
+            raise ValueError(
+                f"position_ids must be (B, P + T) = {tuple(shape)}, got {tuple(position_ids.shape)}"
+            )
+        if position_ids.numel() and not 0 <= int(position_ids.min()) <= int(position_ids.max()) < (
+            self.cfg.context_length
+        ):
+            raise ValueError(
+                f"position_ids must lie in [0, context_length={self.cfg.context_length}), got "
+                f"[{int(position_ids.min())}, {int(position_ids.max())}]"
+            )
+        return position_ids.long()
+
+    @staticmethod
+    def _check_attn_mask(attn_mask: Tensor, shape: torch.Size, past_len: int) -> Tensor:
+        b, t = shape
+        s_len = past_len + t
+        ok = (
+            attn_mask.ndim == 4
+            and attn_mask.shape[0] in (1, b)
+            and attn_mask.shape[2:]
+            == (
+                t,
+                s_len,
+            )
+        )
+        if not ok:
+            raise ValueError(
+                f"attn_mask must be (B={b} or 1, 1 or H, T={t}, S={s_len}) over cached + new "
+                f"positions, got {tuple(attn_mask.shape)}"
+            )
+        return attn_mask
+
+    def _tap_indices(self, taps: Sequence[int]) -> dict[int, int]:
+        """Requested tap -> block index (negative taps count from the last block)."""
+        n = len(self.blocks)
+        bad = [t for t in taps if not -n <= t < n]
+        if bad:
+            raise ValueError(f"taps {bad} are not block indices of a {n}-block decoder")
+        return {t: t % n for t in taps}
 
     def forward(
         self,

@@ -1,0 +1,166 @@
+"""HF causal LMs through `HFDecodeAdapter.verify`, `crop_cache`, `select_cache`.
+
+Tiny random Llama / Qwen2 built from config objects, saved to a tmp dir and loaded back (no
+downloads). Left-padded prompts. Tolerance 1e-5 (fp32; the computations differ in batching).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vltrain.models.layers import tree_depths, tree_mask
+
+transformers = pytest.importorskip("transformers")
+from vltrain.inference.hf_adapter import HFDecodeAdapter  # noqa: E402
+
+V, PAD, BOS, EOS = 96, 0, 1, 2
+ATOL = 1e-5
+PARENTS = [-1, 0, 0, 1, 1, 2, 3]  # 7 draft nodes; node 6 is a leaf at depth 3
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with torch.no_grad():  # as under `generate`
+        yield
+    torch.set_num_threads(before)
+
+
+def _config(arch: str):
+    dims = dict(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+    )
+    if arch == "llama":
+        return transformers.LlamaConfig(**dims), transformers.LlamaForCausalLM
+    return transformers.Qwen2Config(**dims), transformers.Qwen2ForCausalLM
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def saved(request, tmp_path_factory):
+    torch.manual_seed(0)
+    cfg, cls = _config(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    cls(cfg).save_pretrained(path)
+    return cls, path
+
+
+def _load(saved, attn: str = "sdpa") -> HFDecodeAdapter:
+    cls, path = saved
+    return HFDecodeAdapter(cls.from_pretrained(path, attn_implementation=attn).eval())
+
+
+def _prompt() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.cat([torch.full((3, 1), BOS), torch.randint(3, V, (3, 5), generator=g)], 1)
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = PAD, 0  # row 1 left-padded
+    return ids, mask
+
+
+def _tokens(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    return torch.randint(3, V, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _fresh(adapter: HFDecodeAdapter, ids, mask, more):
+    full = torch.cat([ids, more], 1)
+    return adapter.prefill(
+        input_ids=full, attention_mask=torch.cat([mask, torch.ones_like(more)], 1)
+    )
+
+
+def test_verify_equals_step_by_step(saved) -> None:
+    adapter = _load(saved)
+    ids, mask = _prompt()
+    draft = _tokens((3, 4), 1)
+    _, cache = adapter.prefill(input_ids=ids, attention_mask=mask)
+    got, vcache = adapter.verify(draft, cache)
+    assert got.shape == (3, 4, V) and got.dtype == torch.float32
+    _, scache = adapter.prefill(input_ids=ids, attention_mask=mask)
+    steps = []
+    for j in range(4):
+        logits, scache = adapter.step(draft[:, j], scache)
+        steps.append(logits)
+    torch.testing.assert_close(got, torch.stack(steps, 1), atol=ATOL, rtol=0)
+    nxt = _tokens((3,), 2)
+    torch.testing.assert_close(
+        adapter.step(nxt, vcache)[0], adapter.step(nxt, scache)[0], atol=ATOL, rtol=0
+    )
+
+
+def test_cropped_cache_continues_like_a_fresh_prefill(saved) -> None:
+    adapter = _load(saved)
+    ids, mask = _prompt()
+    draft, nxt = _tokens((3, 4), 3), _tokens((3,), 4)
+    _, cache = adapter.prefill(input_ids=ids, attention_mask=mask)
+    _, cache = adapter.verify(draft, cache)
+    kept = adapter.crop_cache(cache, ids.shape[1] + 2)  # accept 2 of the 4 draft tokens
+    got, _ = adapter.step(nxt, kept)
+    _, fresh = _fresh(adapter, ids, mask, draft[:, :2])
+    ref, _ = adapter.step(nxt, fresh)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+    _, cache = adapter.prefill(input_ids=ids, attention_mask=mask)
+    _, cache = adapter.verify(draft, cache)
+    stale, _ = adapter.step(nxt, adapter.crop_cache(cache, ids.shape[1] + 3))
+    assert (stale - ref).abs().max() > 1e-3  # negative control: a rejected token left in
+
+
+def _path(node: int) -> list[int]:
+    out = [node]
+    while PARENTS[out[-1]] >= 0:
+        out.append(PARENTS[out[-1]])
+    return out[::-1]
+
+
+def _tree_inputs(cache, mask: torch.Tensor):
+    par = torch.tensor(PARENTS)
+    pos = cache.position_ids + 1 + tree_depths(par)  # (B, N): last prompt position + 1 + depth
+    return pos, tree_mask(par, mask.shape[1], key_mask=mask)  # (B, 1, N, S + N)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tree_verify_gives_every_node_its_chain_logits(saved, attn: str) -> None:
+    adapter = _load(saved, attn)
+    ids, mask = _prompt()
+    nodes = _tokens((3, len(PARENTS)), 5)
+    _, cache = adapter.prefill(input_ids=ids, attention_mask=mask)
+    pos, tmask = _tree_inputs(cache, mask)
+    got, _ = adapter.verify(nodes, cache, position_ids=pos, attention_mask=tmask)
+    _, cache = adapter.prefill(input_ids=ids, attention_mask=mask)
+    chain, _ = adapter.verify(nodes, cache)  # negative control: a causal chain over the nodes
+    off_chain = 0.0
+    for i in range(len(PARENTS)):
+        ref, _ = _fresh(adapter, ids, mask, nodes[:, _path(i)])
+        torch.testing.assert_close(got[:, i], ref, atol=ATOL, rtol=0)
+        off_chain = max(off_chain, float((chain[:, i] - ref).abs().max()))
+    assert off_chain > 1e-3, "a causal mask must not reproduce the tree's logits"
+
+
+def test_select_tree_path_equals_fresh_prefill_of_the_path(saved) -> None:
+    adapter = _load(saved)
+    ids, mask = _prompt()
+    nodes, nxt = _tokens((3, len(PARENTS)), 6), _tokens((3,), 7)
+    _, cache = adapter.prefill(input_ids=ids, attention_mask=mask)
+    pos, tmask = _tree_inputs(cache, mask)
+    _, cache = adapter.verify(nodes, cache, position_ids=pos, attention_mask=tmask)
+    path = _path(6)  # (0, 1, 3, 6), the same for every row
+    index = torch.cat([torch.arange(ids.shape[1]), torch.tensor(path) + ids.shape[1]])
+    got, _ = adapter.step(nxt, adapter.select_cache(cache, index))
+    _, fresh = _fresh(adapter, ids, mask, nodes[:, path])
+    ref, _ = adapter.step(nxt, fresh)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+    _, cache = adapter.prefill(input_ids=ids, attention_mask=mask)
+    _, cache = adapter.verify(nodes, cache, position_ids=pos, attention_mask=tmask)
+    wrong = torch.cat([torch.arange(ids.shape[1]), torch.tensor([0, 2, 5]) + ids.shape[1]])
+    bad, _ = adapter.step(nxt, adapter.select_cache(cache, wrong))
+    assert (bad - ref).abs().max() > 1e-3  # negative control: another path of the tree
