@@ -23,7 +23,7 @@ import faiss
 import numpy as np
 import torch
 
-import vltrain.eval.retrieval as retrieval
+from vltrain.eval import topk
 from vltrain.eval.retrieval import evaluate_retrieval, topk_similarity
 
 Q, N, DIM, K = 4_575, 36_430, 1_024, 10
@@ -63,11 +63,11 @@ def _compare(ours: tuple[torch.Tensor, torch.Tensor], theirs: tuple[np.ndarray, 
 
 def _topk_torch_mm(q: torch.Tensor, d: torch.Tensor):
     """The same function with its CPU numpy-matmul path switched off (torch.mm / MKL)."""
-    saved, retrieval._np = retrieval._np, None
+    saved, topk._np = topk._np, None
     try:
         return topk_similarity(q, d, K)
     finally:
-        retrieval._np = saved
+        topk._np = saved
 
 
 def _machine() -> str:

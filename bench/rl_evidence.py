@@ -22,7 +22,8 @@ from pathlib import Path
 from vltrain.config import load_config
 from vltrain.data.synth import synth_command
 from vltrain.runs import train
-from vltrain.runs.quickstart import CONFIGS, PRESET, run_caption_stages
+from vltrain.runs.pipeline import run_pipeline
+from vltrain.runs.quickstart import CONFIGS, PIPELINE, stage_overrides
 
 
 def caption_stats(run: Path, data: Path) -> dict[str, float]:
@@ -74,7 +75,7 @@ def rl_run(
                 "optim.warmup_steps=10",
                 "log.progress=false",
                 "log.tensorboard=false",
-                "rl.eval_beam=false",
+                "caption.eval_beam=false",
                 *extra,
             ],
         )
@@ -102,23 +103,12 @@ def main() -> None:
         f"data.test={data / 'test.jsonl'}",
         "data.num_workers=1",
     ]
-    if not (root / "clip" / "summary.json").is_file():
-        train(
-            load_config(
-                PRESET,
-                [
-                    f"run.out_dir={root / 'clip'}",
-                    *splits,
-                    "log.progress=false",
-                    f"train.max_steps={args.clip_steps}",
-                    "train.eval_every=0",
-                ],
-            )
-        )
-    if not (root / "caption_finetune" / "summary.json").is_file():
-        run_caption_stages(
-            root, splits, str(root / "clip"), "tiny", args.caption_steps, ["log.progress=false"]
-        )
+    per_stage = stage_overrides(
+        "tiny", args.clip_steps, 128, args.caption_steps, 0, [], ["log.progress=false"]
+    )
+    per_stage["clip"] += ["log.progress=false", "train.eval_every=0"]
+    stages = ["clip", "caption_pretrain", "caption_finetune"]  # finished stages are skipped
+    run_pipeline(PIPELINE, splits, stage_overrides=per_stage, root=root, only=stages)
     start = root / "caption_finetune"
     base = json.loads((start / "summary.json").read_text())["test"]
     results: dict[str, list[dict]] = {"finetuned (start)": [{**base, **caption_stats(start, data)}]}

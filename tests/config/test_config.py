@@ -93,7 +93,7 @@ def test_the_preset_list_is_every_shipped_file() -> None:
     files = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
     assert len(files) > 0, f"no presets in {folder}"
     assert [p.name for p in PRESETS] == files  # a .yml or stray file would be skipped silently
-    assert len(PRESETS) == 11  # the presets shipped today; update when adding one
+    assert len(PRESETS) == 12  # the presets shipped today; update when adding one
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
@@ -102,6 +102,12 @@ def test_every_shipped_preset_loads(preset: Path) -> None:
         from vltrain.runs.pipeline import load_pipeline
 
         assert [s.name for s in load_pipeline(preset)] == ["pretrain", "finetune", "rl"]
+        return
+    if preset.name == "quickstart_pipeline.yaml":  # the quickstart's chain
+        from vltrain.runs.pipeline import load_pipeline
+
+        names = [s.name for s in load_pipeline(preset)]
+        assert names == ["clip", "caption_pretrain", "caption_finetune", "caption_rl"]
         return
     cfg = load_config(preset)
     assert cfg.train.max_steps >= 1

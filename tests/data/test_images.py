@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image, ImageFile
 
+from tests.fixtures import png_header_only
 from vltrain.data.images import (
     REASONS,
     BadSample,
@@ -17,7 +18,6 @@ from vltrain.data.images import (
     load_image,
     load_image_native,
 )
-from vltrain.data.synth import png_header_only
 
 
 def _reason(path: Path, size: int = 8, **kw: int) -> str:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.fixtures import write_bad_corpus
 from vltrain.data.images import REASONS, BadSample
 from vltrain.data.records import (
     BadSampleTracker,
@@ -21,7 +22,6 @@ from vltrain.data.records import (
     resolve_image_path,
     split_bad,
 )
-from vltrain.data.synth import write_bad_corpus
 
 
 def _img(path: Path, value: int = 100) -> None:

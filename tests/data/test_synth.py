@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures import write_bad_corpus
 from vltrain.data.images import load_image
 from vltrain.data.records import read_jsonl
 from vltrain.data.synth import (
@@ -21,7 +22,6 @@ from vltrain.data.synth import (
     held_out_combos,
     main,
     synth_command,
-    write_bad_corpus,
     write_shapes_dataset,
 )
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import vltrain.eval.retrieval as retrieval
+from vltrain.eval import topk
 from vltrain.eval.retrieval import (
     evaluate_retrieval,
     image_text_retrieval,
@@ -94,7 +95,7 @@ def test_grouped_topk_selects_from_groups_on_untied_data(monkeypatch):
     def no_full_topk(*args):
         raise AssertionError("full top-k used on untied data")
 
-    monkeypatch.setattr(retrieval, "_plain_topk", no_full_topk)
+    monkeypatch.setattr(topk, "_plain_topk", no_full_topk)
     vals, idx = topk_similarity(q, d, 10, chunk_size=50, doc_chunk_size=5003)
     assert torch.equal(idx, ref_idx[:, :10])
     torch.testing.assert_close(vals.double(), ref_vals[:, :10], rtol=0, atol=1e-5)
@@ -346,7 +347,7 @@ def test_errors_are_explained(call, match):
 def test_auto_doc_chunking_when_rows_exceed_budget(monkeypatch):
 
     monkeypatch.setattr(retrieval, "_BLOCK_BYTES", 4 * 40 * 14)  # whole rows do not fit
-    assert retrieval._chunk_sizes(40, 70, None, None) == (40, 14)
+    assert topk.chunk_sizes(40, 70, None, None) == (40, 14)
     q, d = _int_data(40, 70, 4, seed=13)
     positives = _random_positives(40, 70, seed=14)
     _, idx = topk_similarity(q, d, 10)
@@ -356,7 +357,7 @@ def test_auto_doc_chunking_when_rows_exceed_budget(monkeypatch):
 
 def test_torch_matmul_path_equals_numpy_path(monkeypatch):
 
-    assert retrieval._np is not None  # the default CPU path is the numpy one
+    assert topk._np is not None  # the default CPU path is the numpy one
     q, d = _int_data(30, 45, 5, seed=15)
     positives = _random_positives(30, 45, seed=16)
     by_numpy = (topk_similarity(q, d, 10, 7, 11), rank_of_positives(q, d, positives, 7, 11))
@@ -383,13 +384,13 @@ def test_parallel_cpu_workers_equal_one_worker(monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert retrieval._cpu_workers(q.device, 10) == 2
+        assert topk.cpu_workers(q.device, 10) == 2
         par_top = topk_similarity(q, d, 10, chunk_size=32)
         par_ranks = rank_of_positives(q, d, positives, chunk_size=32, doc_chunk_size=700)
         par_metrics = evaluate_retrieval(q, d, positives, chunk_size=32)
         assert torch.get_num_threads() == 2
         monkeypatch.setattr(retrieval, "_threadpoolctl", None)  # one worker
-        assert retrieval._cpu_workers(q.device, 10) == 1
+        assert topk.cpu_workers(q.device, 10) == 1
         assert torch.equal(topk_similarity(q, d, 10, chunk_size=32)[1], par_top[1])
         one = rank_of_positives(q, d, positives, chunk_size=32, doc_chunk_size=700)
         assert torch.equal(one, par_ranks)
@@ -404,12 +405,12 @@ def test_default_cpu_topk_blocks_split_evenly_and_stay_exact():
     """CPU top-k default: doc blocks of _TOPK_DOC_CHUNK, equal query chunks per worker, the
     shared block budget respected; a corpus wider than one doc block is still exact."""
     for n_q, n_docs, workers in [(4575, 36430, 2), (10, 5, 1), (100_000, 9000, 8), (7, 9000, 2)]:
-        qc, dc = retrieval._topk_chunk_sizes(n_q, n_docs, workers)
-        assert dc == min(n_docs, retrieval._TOPK_DOC_CHUNK)
-        assert workers * qc * dc * 4 <= retrieval._BLOCK_BYTES or qc == 1
+        qc, dc = topk._topk_chunk_sizes(n_q, n_docs, workers)
+        assert dc == min(n_docs, topk._TOPK_DOC_CHUNK)
+        assert workers * qc * dc * 4 <= topk._BLOCK_BYTES or qc == 1
         chunks = math.ceil(n_q / qc)
         assert chunks % workers == 0 or chunks < workers  # every worker gets as many chunks
-    assert retrieval._topk_chunk_sizes(4575, 36430, 2) == (1144, 8192)
+    assert topk._topk_chunk_sizes(4575, 36430, 2) == (1144, 8192)
     q, d = _int_data(30, 9000, 5, seed=9)
     ref_vals, ref_idx = _ref_order(q, d)
     vals, idx = topk_similarity(q, d, 10)

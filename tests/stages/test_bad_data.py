@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tiny_overrides, torchrun_vltrain
+from tests.fixtures import write_bad_corpus
 from vltrain.cli import main
 from vltrain.config import load_config
-from vltrain.data.synth import write_bad_corpus
 from vltrain.runs import train
 
 

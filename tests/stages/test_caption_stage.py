@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from vltrain.models.backbones import build_captioner
 
 from tests.conftest import REPO, torchrun_vltrain
 from vltrain.cli import main
@@ -20,6 +19,7 @@ from vltrain.data.tokenizer import TextTokenizer
 from vltrain.engine import loop
 from vltrain.engine.optim import param_groups
 from vltrain.engine.runtime import seed_everything
+from vltrain.models.backbones import build_captioner
 from vltrain.runs import Trainer, train
 from vltrain.stages import get_stage
 

@@ -358,6 +358,11 @@ class CaptionConfig:
         24, "Eval decoding: most new tokens per caption (capped by the decoder context).", ge=1
     )
     length_penalty: float = option(1.0, "Beam search length penalty (HF semantics).")
+    eval_beam: bool = option(
+        False,
+        "Also report beam-search BLEU/CIDEr-D (eval_beam_*) next to caption.strategy's (the "
+        "rl stage always decodes greedily first).",
+    )
 
 
 @dataclass
@@ -395,9 +400,6 @@ class RLConfig:
         "rl: loss terms averaged over sampled tokens (token) or summed per sequence and "
         "averaged over sequences (sequence; retune coefficients).",
         choices=("token", "sequence"),
-    )
-    eval_beam: bool = option(
-        True, "rl: also report beam-search BLEU/CIDEr-D (eval_beam_*) next to greedy."
     )
 
 

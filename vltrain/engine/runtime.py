@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vltrain.config.core import ConfigError
 from vltrain.config.schema import Config
 from vltrain.engine import distributed as D
 
@@ -73,7 +74,10 @@ def setup(cfg: Config) -> RunContext:
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"
     if want == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("run.device=cuda but no CUDA device is visible; use run.device=cpu")
+        raise ConfigError(
+            "run.device=cuda but no CUDA device is visible to this process; use "
+            "run.device=cpu (or auto), or check CUDA_VISIBLE_DEVICES and the torch build"
+        )
     D.init_from_env(want)
     device = torch.device(f"cuda:{D.local_rank()}" if want == "cuda" else "cpu")
     if cfg.run.threads:

@@ -11,26 +11,34 @@ the pipeline file) plus dotted overrides, and a shared ``root``:
       - {name: rl, config: rl.yaml}
 
 Stage ``name`` runs in ``<root>/<name>``; every stage after the first starts from the previous
-stage's best checkpoint (``model.init_from=<root>/<previous>``). Restarting the pipeline skips a
-finished stage (``summary.json`` with ``steps == train.max_steps``) and resumes an interrupted one
-(``train.resume=true``). At the end a table of every stage's summary goes to stdout and
-``<root>/report.md``. Command-line overrides apply to every stage, last.
+stage's best checkpoint: its ``init`` key (default ``model.init_from``; e.g.
+``model.vision_init_from`` to take only a CLIP run's image tower; ``""`` for none) is set to
+``<root>/<previous>``. Restarting the pipeline skips a finished stage (``summary.json`` with
+``steps == train.max_steps`` and the same config) and resumes an interrupted one
+(``train.resume=true``); a stage whose saved config differs trains afresh. At the end a table of
+every stage's summary goes to stdout and ``<root>/report.md``. Command-line overrides apply to
+every stage, last. The quickstart is one such pipeline (configs/quickstart_pipeline.yaml).
 """
 
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vltrain.config.core import ConfigError, load_yaml
+import yaml
+
+from vltrain.config.core import ConfigError, load_yaml, to_dict
 from vltrain.config.schema import Config
-from vltrain.stages import load_run_config
 from vltrain.engine import checkpoint
+from vltrain.runs.report import cell, markdown_table
+from vltrain.stages import load_run_config
 
 _KEYS = {"root", "overrides", "stages"}
-_STAGE_KEYS = {"name", "config", "overrides"}
+_STAGE_KEYS = {"name", "config", "overrides", "init"}
 #: summary columns shown first in the report, when present
 _FIRST = ("eval_loss", "eval_BLEU-4", "eval_CIDEr-D", "eval_beam_BLEU-4", "eval_beam_CIDEr-D")
 
@@ -56,20 +64,37 @@ def _overrides(value: Any, where: str) -> list[str]:
     raise ConfigError(f"{where}: overrides must be a list of 'key=value' strings or a mapping")
 
 
-def load_pipeline(path: str | Path, overrides: list[str] | None = None) -> list[PipelineStage]:
-    """Read and validate a pipeline file; every stage config is loaded before any compute."""
+def load_pipeline(
+    path: str | Path,
+    overrides: list[str] | None = None,
+    stage_overrides: dict[str, list[str]] | None = None,
+    root: str | Path | None = None,
+    only: list[str] | None = None,
+) -> list[PipelineStage]:
+    """Read and validate a pipeline file; every stage config is loaded before any compute.
+
+    `stage_overrides` adds overrides to named stages (after the file's, before `overrides`);
+    `root` replaces the file's root; `only` keeps the named stages (in file order), each still
+    chained to the previous one kept.
+    """
     path = Path(path)
     spec = load_yaml(path)
     unknown = sorted(set(spec) - _KEYS)
     if unknown:
         raise ConfigError(f"{path}: unknown pipeline keys {unknown}; valid: {sorted(_KEYS)}")
-    root = spec.get("root")
+    root = root if root is not None else spec.get("root")
     stages = spec.get("stages")
     if not root or not isinstance(stages, list) or not stages:
         raise ConfigError(f"{path}: needs 'root' (a folder) and a non-empty 'stages' list")
     shared = _overrides(spec.get("overrides"), f"{path}: overrides")
+    names = [st.get("name") for st in stages if isinstance(st, dict)]
+    for name in [*(stage_overrides or {}), *(only or [])]:
+        if name not in names:
+            raise ConfigError(f"{path}: no stage named {name!r}; stages: {names}")
     out: list[PipelineStage] = []
     for i, st in enumerate(stages):
+        if only is not None and isinstance(st, dict) and st.get("name") not in only:
+            continue
         where = f"{path}: stages[{i}]"
         if not isinstance(st, dict) or not {"name", "config"} <= set(st):
             raise ConfigError(f"{where} needs 'name' and 'config'")
@@ -85,9 +110,11 @@ def load_pipeline(path: str | Path, overrides: list[str] | None = None) -> list[
                 f"{where}: config {cfg_path} not found (paths are relative to {path})"
             )
         chain = [f"run.out_dir={Path(root) / name}"]
-        if out:
-            chain.append(f"model.init_from={Path(root) / out[-1].name}")
-        over = shared + _overrides(st.get("overrides"), where) + list(overrides or []) + chain
+        init = st.get("init", "model.init_from")
+        if out and init:
+            chain.append(f"{init}={Path(root) / out[-1].name}")
+        own = _overrides(st.get("overrides"), where) + list((stage_overrides or {}).get(name, []))
+        over = shared + own + list(overrides or []) + chain
         try:
             cfg = load_run_config(cfg_path, over)
         except ConfigError as e:
@@ -96,14 +123,26 @@ def load_pipeline(path: str | Path, overrides: list[str] | None = None) -> list[
     return out
 
 
+def _same_run(cfg: Config, run: Path) -> bool:
+    """True when `run` holds a config.yaml equal to `cfg` (train.resume aside)."""
+    saved = run / "config.yaml"
+    if not saved.is_file():
+        return False
+    old, new = yaml.safe_load(saved.read_text()) or {}, to_dict(cfg)
+    for tree in (old, new):
+        tree.get("train", {}).pop("resume", None)
+    return old == new
+
+
 def plan(stages: list[PipelineStage]) -> None:
     """Decide per stage: skip (finished), resume (checkpoints present) or train (fresh)."""
     for st in stages:
         run = Path(st.cfg.run.out_dir)
         summary = _summary(run)
-        if summary is not None and summary.get("steps") == st.cfg.train.max_steps:
+        same = _same_run(st.cfg, run)
+        if same and summary is not None and summary.get("steps") == st.cfg.train.max_steps:
             st.action = "skip"
-        elif checkpoint.latest_checkpoint(run / "checkpoints") is not None:
+        elif same and checkpoint.latest_checkpoint(run / "checkpoints") is not None:
             st.action = "resume"
             st.cfg.train.resume = True
         else:
@@ -115,13 +154,26 @@ def _summary(run: Path) -> dict[str, Any] | None:
     return json.loads(p.read_text()) if p.is_file() else None
 
 
-def run_pipeline(path: str | Path, overrides: list[str] | None = None) -> list[dict[str, Any]]:
-    """Run (or continue) a pipeline; return one row per stage: name, action and summary."""
-    from vltrain.engine import distributed as D
-    from vltrain.runs import train
-    from vltrain.engine.runtime import setup
+def run_pipeline(
+    path: str | Path,
+    overrides: list[str] | None = None,
+    *,
+    stage_overrides: dict[str, list[str]] | None = None,
+    root: str | Path | None = None,
+    only: list[str] | None = None,
+    announce: Callable[[PipelineStage], None] | None = None,
+    report: bool = True,
+) -> list[dict[str, Any]]:
+    """Run (or continue) a pipeline; one row per stage: name, action, summary, seconds.
 
-    stages = load_pipeline(path, overrides)
+    `announce(stage)` runs on rank 0 before each stage; `report=False` leaves the table and
+    report.md to the caller (the quickstart writes its own).
+    """
+    from vltrain.engine import distributed as D
+    from vltrain.engine.runtime import setup
+    from vltrain.runs import train
+
+    stages = load_pipeline(path, overrides, stage_overrides, root, only)
     setup(stages[0].cfg)  # join torchrun's process group now, so only rank 0 prints below
     root = Path(stages[0].cfg.run.out_dir).parent
     rows: list[dict[str, Any]] = []
@@ -134,10 +186,14 @@ def run_pipeline(path: str | Path, overrides: list[str] | None = None) -> list[d
             st.cfg.train.resume = True
         if D.is_main():
             print(f"vltrain pipeline: stage '{st.name}': {st.action} -> {st.cfg.run.out_dir}")
+            if announce is not None:
+                announce(st)
         run = Path(st.cfg.run.out_dir)
+        t = time.time()
         summary = (_summary(run) or {}) if st.action == "skip" else train(st.cfg)
-        rows.append({"name": st.name, "action": st.action, "summary": summary})
-    if D.is_main():
+        row = {"name": st.name, "action": st.action, "summary": summary}
+        rows.append({**row, "seconds": time.time() - t})
+    if D.is_main() and report:
         table = report_table(rows)
         print(table)
         (root / "report.md").write_text(f"# Pipeline report: {path}\n\n{table}\n")
@@ -150,21 +206,13 @@ def report_table(rows: list[dict[str, Any]]) -> str:
     keys = [k for k in _FIRST if any(k in v for v in vals)]
     keys += sorted({k for v in vals for k in v} - set(keys))
     head = ["stage", "action", "steps", "best", "best step", *keys]
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    body = []
     for r, v in zip(rows, vals, strict=True):
         s = r["summary"]
         best = s.get("best_value")
-        cells = [
-            r["name"],
-            r["action"],
-            str(s.get("steps")),
-            f"{s.get('best_metric')} = {best:.4f}" if best is not None else "-",
-            str(s.get("best_step")),
-            *(_fmt(v.get(k)) for k in keys),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _fmt(x: Any) -> str:
-    return "-" if x is None else f"{x:.4f}" if isinstance(x, float) else str(x)
+        best_cell = f"{s.get('best_metric')} = {best:.4f}" if best is not None else "-"
+        body.append(
+            [r["name"], r["action"], cell(s.get("steps")), best_cell, cell(s.get("best_step"))]
+            + [cell(v.get(k)) for k in keys]
+        )
+    return markdown_table(head, body)

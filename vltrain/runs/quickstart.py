@@ -1,6 +1,8 @@
 """`vltrain quickstart`: synthetic data -> CLIP -> caption pretrain -> finetune -> RL -> report.
 
 Every stage trains a real (tiny) model on the synthetic shapes data, in minutes on a laptop CPU.
+The chain itself is the pipeline configs/quickstart_pipeline.yaml; this module writes the data,
+turns the command-line flags into per-stage overrides, and prints the tables.
 """
 
 from __future__ import annotations
@@ -10,10 +12,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vltrain.stages import load_run_config
+from vltrain.runs.pipeline import PipelineStage, run_pipeline
+from vltrain.runs.report import cell, markdown_table
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = Path(__file__).parent.parent / "configs"
 PRESET = CONFIGS / "quickstart.yaml"
+PIPELINE = CONFIGS / "quickstart_pipeline.yaml"
+#: pipeline stage -> the name its row has in the all-stages table
+STAGE_NAMES = {
+    "clip": "CLIP (contrastive)",
+    "caption_pretrain": "caption pretrain",
+    "caption_finetune": "caption finetune",
+    "caption_rl": "caption RL",
+}
 
 ROWS = (
     ("image->text R@1", "i2t_R@1"),
@@ -41,16 +52,48 @@ def _ensure_data(data_dir: Path, n_train: int, n_eval: int, seed: int, total: in
 def results_table(summary: dict[str, Any]) -> str:
     """Markdown table of val/test retrieval and hard-negative accuracy, with chance levels."""
     val, test = summary.get("val", {}), summary.get("test", {})
-    lines = ["| metric | val | test (unseen combos) | chance (val) |", "|---|---|---|---|"]
     n_val = val.get("eval_n_images", 0) or 1
+    rows = []
     for name, key in ROWS:
-        v = val.get(f"eval_{key}")
-        t = test.get(key)
         k = 5 if key.endswith("5") else 1
         chance = 0.5 if key == "hardneg_acc" else min(1.0, k / n_val)
-        fmt = lambda x: "-" if x is None else f"{100 * x:.1f}"  # noqa: E731
-        lines.append(f"| {name} | {fmt(v)} | {fmt(t)} | {fmt(chance)} |")
-    return "\n".join(lines)
+        values = (val.get(f"eval_{key}"), test.get(key), chance)
+        rows.append([name, *(cell(x, 100, ".1f") for x in values)])
+    return markdown_table(["metric", "val", "test (unseen combos)", "chance (val)"], rows)
+
+
+def stage_overrides(
+    size: str,
+    steps: int,
+    batch_size: int,
+    caption_steps: int,
+    rl_steps: int,
+    extra: list[str],
+    caption_extra: list[str],
+) -> dict[str, list[str]]:
+    """The quickstart's flags as per-stage overrides of configs/quickstart_pipeline.yaml."""
+    sizes = [f"model.vision={size}", f"model.text={size}"]
+    pre_steps, fine_steps = caption_steps * 2 // 3, caption_steps - caption_steps * 2 // 3
+
+    def budget(n: int, warmup: int, every: int) -> list[str]:
+        return [
+            f"train.max_steps={n}",
+            f"train.eval_every={every}",
+            f"train.save_every={every}",
+            f"optim.warmup_steps={min(warmup, n // 5)}",
+        ]
+
+    return {
+        "clip": [
+            *sizes,
+            *budget(steps, 50, max(steps // 3, 1)),
+            f"data.batch_size={batch_size}",
+            *extra,
+        ],
+        "caption_pretrain": [*budget(pre_steps, 50, pre_steps), *sizes, *caption_extra],
+        "caption_finetune": [*budget(fine_steps, 20, fine_steps), *sizes, *caption_extra],
+        "caption_rl": [*sizes, *budget(rl_steps, 10, rl_steps), *caption_extra],
+    }
 
 
 def run_quickstart(
@@ -71,13 +114,13 @@ def run_quickstart(
     caption_steps=0 skips the captioner (and RL); rl_steps=0 skips RL. `stages` holds one row
     per trained stage (name, steps, seconds, test metrics) and is what `report.md` tabulates.
     """
-    from vltrain.runs import train
-
     root = Path(out)
     data = root / "data"
     t0 = time.time()
     rl_steps = rl_steps if caption_steps else 0
-    total = 3 + bool(caption_steps) + bool(rl_steps)
+    only = ["clip"] + (["caption_pretrain", "caption_finetune"] if caption_steps else [])
+    only += ["caption_rl"] if rl_steps else []
+    total = 2 + len(only)
     _ensure_data(data, n_train, n_eval, seed=0, total=total)
     splits = [
         f"data.train={data / 'train.jsonl'}",
@@ -85,45 +128,44 @@ def run_quickstart(
         f"data.test={data / 'test.jsonl'}",
         f"data.num_workers={num_workers}",
     ]
-    overrides = [
-        f"run.out_dir={root / 'clip'}",
-        *splits,
-        f"model.vision={size}",
-        f"model.text={size}",
-        f"train.max_steps={steps}",
-        f"train.eval_every={max(steps // 3, 1)}",
-        f"train.save_every={max(steps // 3, 1)}",
-        f"data.batch_size={batch_size}",
-        f"optim.warmup_steps={min(50, steps // 5)}",
-        *(extra or []),
-    ]
-    cfg = load_run_config(PRESET, overrides)
-    print(
-        f"[2/{total}] training the CLIP stage ({size}, {steps} steps, batch {batch_size}) "
-        f"-> {cfg.run.out_dir}"
+    per_stage = stage_overrides(
+        size, steps, batch_size, caption_steps, rl_steps, extra or [], caption_extra or []
     )
-    t = time.time()
-    summary = train(cfg)
+    messages = {
+        "clip": f"training the CLIP stage ({size}, {steps} steps, batch {batch_size})",
+        "caption_pretrain": "captioner: pretrain (vision tower from the CLIP run, frozen)",
+        "caption_finetune": "captioner: finetune (vision at 0.1x lr)",
+        "caption_rl": f"RL: REINFORCE on CIDEr-D from the finetuned captioner ({rl_steps} steps, "
+        "K=4 nucleus samples per image, EMA baseline, KL to the frozen start)",
+    }
+
+    def announce(st: PipelineStage) -> None:
+        print(f"[{only.index(st.name) + 2}/{total}] {messages[st.name]} -> {st.cfg.run.out_dir}")
+
+    ran = run_pipeline(
+        PIPELINE,
+        splits,
+        stage_overrides={k: v for k, v in per_stage.items() if k in only},
+        root=root,
+        only=only,
+        announce=announce,
+        report=False,
+    )
+    by_name = {r["name"]: r for r in ran}
+    summary = by_name["clip"]["summary"]
     result: dict[str, Any] = {"clip": summary}
-    rows = [_row("CLIP (contrastive)", root / "clip", summary["test"], t)]
+    rows = [_row(r, root) for r in ran]
     if caption_steps:
-        print(
-            f"[3/{total}] captioner: pretrain (vision tower from the CLIP run, frozen) -> "
-            "finetune (vision at 0.1x lr)"
-        )
-        result["caption"] = run_caption_stages(
-            root, splits, cfg.run.out_dir, size, caption_steps, caption_extra or []
-        )
-        rows += result["caption"].pop("rows")
+        fine = by_name["caption_finetune"]["summary"]
+        val, test = _strip(fine.get("val", {})), fine.get("test", {})
+        result["caption"] = {
+            "val greedy": val,
+            "test greedy": test,
+            "val beam": _beam(val),
+            "test beam": _beam(test),
+        }
     if rl_steps:
-        print(
-            f"[4/{total}] RL: REINFORCE on CIDEr-D from the finetuned captioner ({rl_steps} steps, "
-            "K=4 nucleus samples per image, EMA baseline, KL to the frozen start)"
-        )
-        t = time.time()
-        rl = run_rl_stage(root, splits, size, rl_steps, caption_extra or [])
-        result["rl"] = rl
-        rows.append(_row("caption RL", root / "caption_rl", _strip(rl["test"]), t))
+        result["rl"] = by_name["caption_rl"]["summary"]
     result["stages"] = rows
     print(
         f"[{total}/{total}] results (percent for retrieval; val = attribute combos seen in "
@@ -147,15 +189,21 @@ def run_quickstart(
     return result
 
 
-def _row(name: str, run: Path, test: dict[str, Any], t_start: float) -> dict[str, Any]:
-    summary = json.loads((run / "summary.json").read_text())
+def _row(ran: dict[str, Any], root: Path) -> dict[str, Any]:
+    """One all-stages table row from a pipeline row."""
+    summary = ran["summary"]
     return {
-        "stage": name,
-        "run": run.name,
+        "stage": STAGE_NAMES[ran["name"]],
+        "run": ran["name"],
         "steps": summary["steps"],
-        "seconds": time.time() - t_start,
-        "test": dict(test),
+        "seconds": ran["seconds"],
+        "test": dict(summary.get("test") or {}),
     }
+
+
+def _beam(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The beam-search scores (beam_*) of an evaluation, under their plain names."""
+    return {k.removeprefix("beam_"): v for k, v in metrics.items() if k.startswith("beam_")}
 
 
 #: (column header, test-metric key, scale) of the all-stages table
@@ -175,110 +223,15 @@ STAGE_COLUMNS = (
 def stages_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table: one row per stage, its held-out test metrics and wall time."""
     head = ["stage", "steps", "time (s)", *(c[0] for c in STAGE_COLUMNS)]
-    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    for r in rows:
-        cells = [r["stage"], str(r["steps"]), f"{r['seconds']:.0f}"]
-        for _, key, scale in STAGE_COLUMNS:
-            v = r["test"].get(key)
-            cells.append("-" if v is None else f"{scale * v:.1f}" if scale == 100 else f"{v:.3f}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def run_caption_stages(
-    root: Path, splits: list[str], clip_run: str, size: str, steps: int, extra: list[str]
-) -> dict[str, Any]:
-    """Caption pretrain -> finetune on the synthetic data; greedy and beam BLEU/CIDEr-D.
-
-    Returns the finetuned model's metrics by "<split> <decoding>" and, under "rows", one
-    all-stages table row per stage.
-    """
-    from vltrain.runs import train
-    from vltrain.engine.runtime import eval_mode
-    from vltrain.tools.loading import load_trained
-
-    common = [
-        *splits,
-        f"model.vision={size}",
-        f"model.text={size}",
-        "data.batch_size=64",
-        "caption.strategy=greedy",
-        "log.tensorboard=false",
-        *extra,
+    body = [
+        [r["stage"], cell(r["steps"]), cell(r["seconds"], spec=".0f")]
+        + [
+            cell(r["test"].get(key), scale, ".1f" if scale == 100 else ".3f")
+            for _, key, scale in STAGE_COLUMNS
+        ]
+        for r in rows
     ]
-    pre, fine = root / "caption_pretrain", root / "caption_finetune"
-    pre_steps, fine_steps = steps * 2 // 3, steps - steps * 2 // 3
-    t = time.time()
-    pre_summary = train(
-        load_run_config(
-            CONFIGS / "caption_pretrain.yaml",
-            [
-                f"run.out_dir={pre}",
-                f"model.vision_init_from={clip_run}",
-                "model.freeze=[vision]",
-                f"train.max_steps={pre_steps}",
-                f"train.eval_every={pre_steps}",
-                f"train.save_every={pre_steps}",
-                f"optim.warmup_steps={min(50, pre_steps // 5)}",
-                *common,
-            ],
-        )
-    )
-    rows = [_row("caption pretrain", pre, pre_summary.get("test") or {}, t)]
-    t = time.time()
-    fine_summary = train(
-        load_run_config(
-            CONFIGS / "caption_finetune.yaml",
-            [
-                f"run.out_dir={fine}",
-                f"model.init_from={pre}",
-                f"train.max_steps={fine_steps}",
-                f"train.eval_every={fine_steps}",
-                f"train.save_every={fine_steps}",
-                f"optim.warmup_steps={min(20, fine_steps // 5)}",
-                *common,
-            ],
-        )
-    )
-    out: dict[str, Any] = {
-        "val greedy": _strip(fine_summary.get("val", {})),
-        "test greedy": fine_summary.get("test", {}),
-    }
-    _, stage, model = load_trained(fine, ["caption.strategy=beam", "caption.num_beams=3"])
-    with eval_mode(model):
-        for split in ("val", "test"):
-            out[f"{split} beam"] = stage.evaluate(model, split)
-    test = {**out["test greedy"], **{f"beam_{k}": v for k, v in out["test beam"].items()}}
-    rows.append(_row("caption finetune", fine, test, t))
-    out["rows"] = rows
-    return out
-
-
-def run_rl_stage(
-    root: Path, splits: list[str], size: str, steps: int, extra: list[str]
-) -> dict[str, Any]:
-    """RL (configs/rl.yaml recipe) from the finetuned captioner; greedy and beam eval."""
-    from vltrain.runs import train
-
-    return train(
-        load_run_config(
-            CONFIGS / "rl.yaml",
-            [
-                f"run.out_dir={root / 'caption_rl'}",
-                *splits,
-                f"model.init_from={root / 'caption_finetune'}",
-                f"model.vision={size}",
-                f"model.text={size}",
-                f"train.max_steps={steps}",
-                f"train.eval_every={steps}",
-                f"train.save_every={steps}",
-                f"optim.warmup_steps={min(10, steps // 5)}",
-                "rl.eval_beam=true",
-                "log.tensorboard=false",
-                *extra,
-            ],
-        )
-    )
+    return markdown_table(head, body)
 
 
 def _strip(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -288,10 +241,8 @@ def _strip(metrics: dict[str, Any]) -> dict[str, Any]:
 def caption_table(results: dict[str, dict[str, float]]) -> str:
     """Markdown table of BLEU-4 and CIDEr-D for val/test with greedy and beam decoding."""
     cols = ["val greedy", "val beam", "test greedy", "test beam"]
-    lines = ["| captioner | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for name in ("BLEU-4", "CIDEr-D"):
-        vals = [results.get(c, {}).get(name) for c in cols]
-        lines.append(
-            f"| {name} | " + " | ".join("-" if v is None else f"{v:.3f}" for v in vals) + " |"
-        )
-    return "\n".join(lines)
+    body = [
+        [name, *(cell(results.get(c, {}).get(name), spec=".3f") for c in cols)]
+        for name in ("BLEU-4", "CIDEr-D")
+    ]
+    return markdown_table(["captioner", *cols], body)

@@ -261,7 +261,7 @@ class CaptionStage:
 
     @classmethod
     def eval_metrics(cls, cfg: Config) -> tuple[str, ...]:
-        return caption_eval_metrics(("",))
+        return caption_eval_metrics(("", "beam_") if cfg.caption.eval_beam else ("",))
 
     def prepare(self) -> None:
         self.core.prepare()
@@ -310,7 +310,10 @@ class CaptionStage:
 
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
         """Sharded loss + decoding; strings gathered once, every rank scores the same set."""
-        return self.core.evaluate_decoding(model, split, {"": self.cfg.caption.strategy})
+        strategies = {"": self.cfg.caption.strategy}
+        if self.cfg.caption.eval_beam:
+            strategies["beam_"] = "beam"
+        return self.core.evaluate_decoding(model, split, strategies)
 
     def checkpoint_files(self) -> dict[str, Path]:
         return self.core.checkpoint_files()

@@ -99,7 +99,7 @@ class RLStage:
 
     @classmethod
     def eval_metrics(cls, cfg: Config) -> tuple[str, ...]:
-        return caption_eval_metrics(("", "beam_") if cfg.rl.eval_beam else ("",))
+        return caption_eval_metrics(("", "beam_") if cfg.caption.eval_beam else ("",))
 
     @property
     def tokenizer(self):
@@ -241,7 +241,7 @@ class RLStage:
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
         """Caption-stage eval with greedy decoding, plus beam search as ``beam_*``."""
         strategies = {"": "greedy"}
-        if self.cfg.rl.eval_beam:
+        if self.cfg.caption.eval_beam:
             strategies["beam_"] = "beam"
         return self.core.evaluate_decoding(model, split, strategies)
 

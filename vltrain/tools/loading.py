@@ -8,11 +8,10 @@ import torch
 from torch import nn
 
 from vltrain.config import Config
-from vltrain.stages import load_run_config
 from vltrain.engine.checkpoint import load_weights, resolve_checkpoint
 from vltrain.engine.runtime import RunContext
 from vltrain.engine.task import Stage
-from vltrain.stages import get_stage
+from vltrain.stages import get_stage, load_run_config
 
 
 def run_config_for(ckpt: Path) -> Path:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from vltrain.config.core import to_dict
+from vltrain.runs.report import cell, markdown_table
 
 if TYPE_CHECKING:
     from vltrain.runs.tune.search import Search
@@ -37,30 +38,12 @@ def trial_rows(study: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def _cell(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
 def format_table(rows: list[dict[str, Any]], metric: str, unit: str) -> str:
     """Markdown table of trials (params, value, state, duration)."""
     keys = sorted({k for r in rows for k in r if k.startswith("params.")})
     head = ["#", "state", metric, f"last {unit}", "seconds", *(k[7:] for k in keys)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [
-            r["number"],
-            r["state"],
-            r["value"],
-            r["last_step"],
-            r["seconds"],
-            *(r.get(k) for k in keys),
-        ]
-        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
-    return "\n".join(lines)
+    cols = ("number", "state", "value", "last_step", "seconds", *keys)
+    return markdown_table(head, ([cell(r.get(c), spec=".4g") for c in cols] for r in rows))
 
 
 def _write_csv(rows: list[dict[str, Any]], path: Path) -> None:

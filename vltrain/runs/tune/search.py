@@ -11,9 +11,9 @@ and stop at the same step.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
-import fnmatch
 import re
 import time
 from pathlib import Path
