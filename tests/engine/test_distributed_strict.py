@@ -79,6 +79,11 @@ def test_environment_values(
     assert (got and str(got)) == expected
 
 
+def test_unknown_declared_device_is_a_clear_error(strict_state: None) -> None:
+    with pytest.raises(ValueError, match="VLTRAIN_STRICT_COLLECTIVES to 0 .off., 1"):
+        D.set_strict("gpu0")
+
+
 # ---------------------------------------------------------------- two spawned gloo ranks
 
 

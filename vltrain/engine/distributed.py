@@ -130,7 +130,13 @@ def _parse_declared(value: str | torch.device | None) -> str | torch.device | No
         return None
     if value in ("1", _GROUP):
         return _GROUP
-    return torch.device(value)
+    try:
+        return torch.device(value)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(
+            f"strict collectives: {value!r} is not a device; set {STRICT_ENV} to 0 (off), "
+            "1 (the group's own device) or a device such as 'cuda'"
+        ) from e
 
 
 def set_strict(declared_device: str | torch.device | None = _GROUP) -> None:
