@@ -26,6 +26,7 @@ from vltrain.engine import distributed as D
 from vltrain.engine.runtime import to_device
 from vltrain.runs import Trainer
 from vltrain.stages import get_stage
+from vltrain.stages.caption import CaptionCollate
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -45,7 +46,12 @@ def main(argv: list[str]) -> None:
     steps: list[dict[str, Any]] = []
     seen: dict[str, Any] = {}
     models: list[nn.Module] = []
-    build, loss, sample, rewards = stage.build_model, stage.loss, stage._sample, stage._rewards
+    build, step, sample, rewards = (
+        stage.build_model,
+        stage.forward_backward,
+        stage._sample,
+        stage._rewards,
+    )
 
     def build_model() -> nn.Module:
         models.append(build())
@@ -53,8 +59,9 @@ def main(argv: list[str]) -> None:
 
     def sample_(policy: nn.Module, batch: dict, gen: torch.Generator) -> dict:
         if "probe" not in seen:  # identical inputs on every rank, this rollout's noise
-            ds = stage.train_dataset()
-            probe = to_device(stage.collate([ds[(0, 0, i)] for i in (0, 1)]), gen.device)
+            ds = stage.core.train_dataset(train=False)
+            collate = CaptionCollate(stage.tokenizer.pad_id)
+            probe = to_device(collate([ds[(0, 0, i)] for i in (0, 1)]), gen.device)
             twin = torch.Generator(gen.device)
             twin.set_state(gen.get_state())
             seen["probe"] = sample(policy, probe, twin)["seq"].tolist()
@@ -65,17 +72,17 @@ def main(argv: list[str]) -> None:
         steps[-1]["rewards"] = r.tolist()
         return r
 
-    def loss_(model: nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
+    def step_(model: Any, batch: dict, scale: float) -> Any:
         steps.append(
             {"index": batch["index"].tolist(), "weights_before": digest(models[0].state_dict())}
         )
-        out = loss(model, batch)
+        out = step(model, batch, scale)
         steps[-1]["baseline"] = stage.baseline.value
         return out
 
-    stage.build_model, stage.loss, stage._sample, stage._rewards = (
+    stage.build_model, stage.forward_backward, stage._sample, stage._rewards = (
         build_model,
-        loss_,
+        step_,
         sample_,
         rewards_,
     )

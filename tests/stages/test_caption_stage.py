@@ -22,6 +22,7 @@ from vltrain.engine.runtime import seed_everything
 from vltrain.models.backbones import build_captioner
 from vltrain.runs import Trainer, train
 from vltrain.stages import get_stage
+from vltrain.stages.caption import CaptionCollate
 
 PRESETS = {m: REPO / "configs" / f"caption_{m}.yaml" for m in ("pretrain", "finetune", "sft")}
 
@@ -158,8 +159,8 @@ def test_sft_preset_masks_the_prompt_and_freezes_vision(pretrain_run, cap_data, 
     trainer = Trainer(cfg, stage=get_stage(cfg.stage))
     trainer.stage.prepare()
     stage, tok = trainer.stage, trainer.stage.tokenizer
-    ds = stage.train_dataset()
-    batch = stage.collate([ds[(0, 0, i)] for i in range(4)])
+    ds = stage.core.train_dataset()
+    batch = CaptionCollate(tok.pad_id)([ds[(0, 0, i)] for i in range(4)])
     for row in range(4):
         rec = ds.records[row]["messages"]
         want = [*tok.encode(rec[1]["content"]), tok.eos_id, *tok.encode(rec[3]["content"])]

@@ -12,21 +12,22 @@ from safetensors.torch import load_file
 from tests.conftest import tiny_overrides
 from vltrain.config import load_config
 from vltrain.runs import TrainingAborted, train
-from vltrain.stages.contrastive import ContrastiveStage
+from vltrain.stages.contrastive import ContrastiveModel
 
 
 def _poison(monkeypatch: pytest.MonkeyPatch, bad_calls: set[int] | None) -> None:
-    real = ContrastiveStage.loss
+    """Make the training forward's loss NaN on the given calls (so its gradients are NaN too)."""
+    real = ContrastiveModel.forward
     calls = {"n": 0}
 
-    def loss(self, model, batch):
+    def forward(self, batch):
         calls["n"] += 1
-        value, metrics = real(self, model, batch)
+        value, metrics = real(self, batch)
         if bad_calls is None or calls["n"] in bad_calls:
             value = value * float("nan")
         return value, metrics
 
-    monkeypatch.setattr(ContrastiveStage, "loss", loss)
+    monkeypatch.setattr(ContrastiveModel, "forward", forward)
 
 
 def test_nan_step_is_skipped_counted_and_leaves_weights_untouched(

@@ -19,14 +19,14 @@ from tests.conftest import tiny_overrides
 from tests.models.test_hf_embedders import clip_dir, qwen2vl_dir, siglip_dir  # noqa: F401
 from vltrain.cli import main
 from vltrain.config import load_config
-from vltrain.data.records import split_bad
+from vltrain.data.records import ImageTextDataset, split_bad
 from vltrain.runs import train
 from vltrain.tools.loading import load_trained
 from vltrain.tools.mine import _embed
 
 KINDS = {
     "hf_clip": ("clip_dir", {}),
-    "hf_siglip": ("siglip_dir", {"objective.loss": "siglip"}),
+    "hf_siglip": ("siglip_dir", {"objective.loss": "siglip", "data.max_text_len": 16}),
     "vlm": ("qwen2vl_dir", {"data.max_visual_tokens": 4, "data.max_text_len": 24}),
 }
 
@@ -54,15 +54,22 @@ def test_mined_embeddings_equal_training_path_embeddings(
     assert texts[first[0]] == good[0]["text"]
     torch.testing.assert_close(img[:8], ref_img.float(), atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(txt[first], ref_txt.float(), atol=2e-5, rtol=1e-4)
-    if kind != "vlm":  # negative control: the old path (raw tensors, no processor) differs
-        raw = torch.stack([ds.__class__(data, 64, 0, train=False)[i]["image"] for i in range(8)])
+    if kind != "vlm":  # negative control: the old path (raw [0, 1] pixels, no processor)
+        pixels, _ = stage.batcher.image_batch([s["image"] for s in good])
+        side = pixels.shape[-1]
+        raw = torch.stack(
+            [ImageTextDataset(data, side, 0, train=False)[i]["image"] for i in range(8)]
+        )
         with torch.no_grad():
             old = model.encoder.encode_image(raw)
         assert (old - ref_img).abs().max() > 1e-2
 
     out = shapes_dir / f"val_{kind}_hn.jsonl"  # and the CLI writes negatives for every record
-    code = main(["mine", "--checkpoint", str(run), "--data", str(data), "--out", str(out)])
+    args = ["--data", str(data), "--out", str(out), "--margin", "100"]  # tiny model: no filter
+    code = main(["mine", "--checkpoint", str(run), *args])
     assert code == 0
     rows = [json.loads(x) for x in out.read_text().splitlines()]
-    assert len(rows) == len(records) and all(len(r["negatives"]) == 5 for r in rows)
+    assert len(rows) == len(records) and all(len(r["negatives"]) <= 5 for r in rows)
+    assert sum(len(r["negatives"]) == 5 for r in rows) > len(rows) // 2
+    assert all(not set(r["negatives"]) & set(rec["text"]) for r, rec in zip(rows, records))
     out.unlink()

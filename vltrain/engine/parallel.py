@@ -49,7 +49,11 @@ class ParallelModel:
     def __init__(self, module: nn.Module, mode: str) -> None:
         self.module = module
         self.mode = mode
-        self.wrapped: nn.Module = DistributedDataParallel(module) if mode == "ddp" else module
+        self.wrapped: nn.Module = module
+        if mode == "ddp":
+            device = next(module.parameters()).device
+            ids = [device.index] if device.type == "cuda" else None  # this rank's one GPU
+            self.wrapped = DistributedDataParallel(module, device_ids=ids)
         self._sync = True
         self._reduced = False
 

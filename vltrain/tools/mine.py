@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from vltrain.data.records import DataError
-from vltrain.eval.retrieval import topk_similarity
+from vltrain.eval.topk import topk_similarity
 from vltrain.tools.loading import load_trained
 
 
