@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from vltrain.eval import topk
-from vltrain.eval.retrieval import evaluate_retrieval, topk_similarity
+from vltrain.eval.retrieval import evaluate_retrieval
+from vltrain.eval.topk import topk_similarity
 
 Q, N, DIM, K = 4_575, 36_430, 1_024, 10
 

@@ -15,8 +15,8 @@ from vltrain.eval.retrieval import (
     image_text_retrieval,
     per_query_metrics,
     rank_of_positives,
-    topk_similarity,
 )
+from vltrain.eval.topk import topk_similarity
 
 CHUNKINGS = [(None, None), (1, None), (7, None), (4, 5), (13, 11), (1000, 3), (3, 1000)]
 

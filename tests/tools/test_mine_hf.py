@@ -71,5 +71,7 @@ def test_mined_embeddings_equal_training_path_embeddings(
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(rows) == len(records) and all(len(r["negatives"]) <= 5 for r in rows)
     assert sum(len(r["negatives"]) == 5 for r in rows) > len(rows) // 2
-    assert all(not set(r["negatives"]) & set(rec["text"]) for r, rec in zip(rows, records))
+    assert all(
+        not set(r["negatives"]) & set(rec["text"]) for r, rec in zip(rows, records, strict=True)
+    )
     out.unlink()

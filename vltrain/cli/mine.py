@@ -1,0 +1,50 @@
+"""`vltrain mine`: hard-negative mining with a trained contrastive model."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    m = sub.add_parser(
+        "mine",
+        help="mine hard-negative captions with a trained contrastive model",
+        description="Encode every image (query) and caption (corpus) of --data, take the "
+        "top-ranked captions that are not the image's own inside the rank window, drop likely "
+        "false negatives (score > margin x the best positive's score), and write --out with "
+        "`negatives` filled in (train on it with objective.hard_negatives=K).",
+    )
+    m.add_argument("--checkpoint", required=True, help="run dir or checkpoint folder")
+    m.add_argument("--data", required=True, help="input JSONL")
+    m.add_argument("--out", required=True, help="output JSONL (same folder as --data)")
+    m.add_argument("--k", type=int, default=5, help="negatives per record")
+    m.add_argument("--range-min", type=int, default=0, help="first rank considered (0-based)")
+    m.add_argument("--range-max", type=int, default=100, help="ranks considered stop here")
+    m.add_argument(
+        "--margin",
+        type=float,
+        default=0.95,
+        help="skip candidates scoring above margin x the positive's score",
+    )
+    m.add_argument("--batch-size", type=int, default=128)
+    m.add_argument("--append", action="store_true", help="keep the records' own negatives")
+    m.set_defaults(fn=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vltrain.tools.mine import MineOptions, mine_command
+
+    opts = MineOptions(
+        k=args.k,
+        range_min=args.range_min,
+        range_max=args.range_max,
+        margin=args.margin,
+        batch_size=args.batch_size,
+        append=args.append,
+    )
+    stats = mine_command(args.checkpoint, args.data, args.out, opts)
+    print(
+        f"wrote {args.out}: {stats['records']} records, {stats['mined_mean']:.2f} negatives "
+        f"per record on average, {stats['records_with_k']} with all {args.k}"
+    )
+    return 0

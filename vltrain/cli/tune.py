@@ -1,0 +1,31 @@
+"""`vltrain tune CONFIG [overrides]`: hyperparameter search with Optuna."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from vltrain.runs.tune.command import DESCRIPTION as TUNE_DESCRIPTION
+    from vltrain.runs.tune.command import add_tune_options
+
+    tu = sub.add_parser(
+        "tune",
+        help="hyperparameter search with Optuna (resumable, pruned)",
+        description=TUNE_DESCRIPTION,
+    )
+    add_tune_options(tu)
+    tu.add_argument("config", help="YAML config with a tune section (see configs/tune.yaml)")
+    tu.add_argument(
+        "rest",
+        nargs=argparse.REMAINDER,
+        metavar="overrides",
+        help="dotted key=value overrides (options may also follow the config)",
+    )
+    tu.set_defaults(fn=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vltrain.runs.tune.command import tune_command
+
+    return tune_command(args)
