@@ -35,8 +35,8 @@ presets = sorted(p for p in resources.files("vltrain").joinpath(rel).iterdir()
                  if p.name.endswith(".yaml"))
 for p in presets:
     with resources.as_file(p) as path:
-        if p.name == "pipeline.yaml":  # a list of stage configs, not a config
-            from vltrain.pipeline import load_pipeline
+        if p.name.endswith("pipeline.yaml"):  # a list of stage configs, not a config
+            from vltrain.runs.pipeline import load_pipeline
 
             assert load_pipeline(path), p.name
         else:
