@@ -37,12 +37,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `vltrain` console script."""
     from vltrain.config.core import ConfigError
     from vltrain.data.records import DataError, DataQualityError
-    from vltrain.engine.loop import TrainingAborted
+    from vltrain.engine.checkpoint import CheckpointError
+    from vltrain.engine.loop import TrainingAborted, TrainingStopped
 
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, DataError, DataQualityError, TrainingAborted, FileNotFoundError) as e:
+    except TrainingStopped as e:  # SIGTERM/SIGINT: a checkpoint was written; not an error
+        print(f"vltrain: {e}", file=sys.stderr)
+        return 128 + e.signal
+    except (
+        ConfigError,
+        DataError,
+        DataQualityError,
+        TrainingAborted,
+        CheckpointError,
+        FileNotFoundError,
+    ) as e:
         print(f"vltrain: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

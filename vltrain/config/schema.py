@@ -230,7 +230,23 @@ class TrainConfig:
     best_mode: str = option(
         "", "'max' or 'min' for best_metric ('' = stage default).", choices=("", "max", "min")
     )
-    resume: bool = option(False, "Continue from the newest complete checkpoint in run.out_dir.")
+    resume: bool = option(
+        False,
+        "Continue the run in run.out_dir from its newest checkpoint that loads "
+        "(`vltrain train RUN/config.yaml train.resume=true`); the config must equal the run's "
+        "saved config.yaml except for keys in train.allow_changes and harmless ones (logging, "
+        "workers, eval/save cadence).",
+    )
+    allow_changes: list[str] = option(
+        [],
+        "Resume: keys allowed to differ from the run's saved config (e.g. [train.max_steps]); "
+        "'global_batch' allows another data.batch_size x world size. Each change is logged.",
+    )
+    overwrite: bool = option(
+        False,
+        "Start over in a run.out_dir that already holds a run: delete its checkpoints, "
+        "tokenizer, metrics and summary first (without it, vltrain refuses).",
+    )
     parallel: str = option(
         "auto",
         "How the model is spread over processes: auto (ddp under torchrun, else none), none, "
@@ -423,6 +439,10 @@ class Config:
 
 def validate_cross_fields(cfg: Config) -> None:
     """Rules that involve more than one field."""
+    if not cfg.run.out_dir.strip():
+        raise ConfigError("'run.out_dir' is empty: name a folder for the run")
+    if cfg.train.resume and cfg.train.overwrite:
+        raise ConfigError("'train.resume' and 'train.overwrite' contradict each other: pick one")
     if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
         raise ConfigError(f"'optim.betas' must be two numbers in [0, 1), got {cfg.optim.betas}")
     if cfg.optim.warmup_steps > cfg.train.max_steps:
@@ -451,5 +471,14 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 def dump_config(cfg: Config, path: str | Path) -> None:
-    """Write the resolved config; loading it back reproduces the run."""
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    """Write the resolved config; loading it back reproduces the run.
+
+    What was asked of the run folder this time (train.resume, train.overwrite,
+    train.allow_changes) is an action, not part of the run, and is written as its default, so
+    `vltrain train RUN/config.yaml train.resume=true` always works.
+    """
+    tree = to_dict(cfg)
+    tree["train"].update(resume=False, overwrite=False, allow_changes=[])
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    tmp.write_text(yaml.safe_dump(tree, sort_keys=False))
+    tmp.replace(path)

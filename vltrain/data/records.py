@@ -161,8 +161,9 @@ def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 def resolve_image_path(jsonl_path: str | os.PathLike[str], rel: str) -> Path:
     """Resolve a record's image path against the data file's folder.
 
-    Raises BadSample("path_escape") for absolute paths and paths that leave the folder. The check
-    is lexical: a symlink placed inside the folder is trusted, a ``..`` in the record is not.
+    Raises BadSample("path_escape") for absolute paths and paths that leave the folder, checked
+    both as written (a ``..`` in the record) and after resolving symlinks (a link inside the
+    folder that points outside it), so no file outside the data folder is ever opened.
     """
     root = Path(os.path.abspath(Path(jsonl_path).parent))
     if not rel or "\x00" in rel:
@@ -172,6 +173,9 @@ def resolve_image_path(jsonl_path: str | os.PathLike[str], rel: str) -> Path:
     full = Path(os.path.normpath(root / rel))
     if full != root and root not in full.parents:
         raise BadSample("path_escape", rel, f"image path leaves the data folder {root}")
+    real, real_root = Path(os.path.realpath(full)), Path(os.path.realpath(root))
+    if real != real_root and real_root not in real.parents:
+        raise BadSample("path_escape", rel, f"image path is a link to {real}, outside {root}")
     return full
 
 

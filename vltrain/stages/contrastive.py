@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vltrain.config.core import ConfigError, check_choice
+from vltrain.config.core import ConfigError, check_choice, reject_unused
 from vltrain.config.schema import Config
 from vltrain.data.images import BadSample, check_text
 from vltrain.data.loaders import MapLoader
@@ -31,6 +31,7 @@ from vltrain.models.backbones import (
     objective_for,
     uses_tokenizer,
 )
+from vltrain.models.presets import VISION_PRESETS
 from vltrain.objectives.contrastive import LOSSES, Features, build_loss_from_config
 from vltrain.objectives.grad_cache import dual_encoder_grad_cache
 
@@ -81,6 +82,51 @@ EVAL_METRICS = (
 )
 
 
+#: keys every stage reads
+COMMON = ("stage", "run.*", "optim.*", "train.*", "log.*", "tune.*")
+WHY = {
+    "model.freeze": "the captioner's; LoRA (model.lora_r) trains part of an HF backbone",
+    "model.vision_init_from": "the captioner's; use model.init_from for a contrastive run",
+    "model.connector*": "the captioner's",
+    "caption.*": "the caption stage's",
+    "rl.*": "the rl stage's",
+    "data.length_buckets": "the caption stage's",
+    "objective.temperature": "objective.loss=infonce's start; hf_clip/hf_siglip start from the "
+    "pretrained model's own scale",
+    "objective.siglip_init_*": "objective.loss=siglip's start; hf_clip/hf_siglip start from the "
+    "pretrained model's own scale",
+    "model.lora_*": "LoRA options apply when model.lora_r > 0 on an HF backbone",
+}
+
+
+def used_keys(cfg: Config) -> tuple[str, ...]:
+    """fnmatch patterns of the keys this stage reads for `cfg`'s model kind and loss."""
+    m, o = cfg.model, cfg.objective
+    used = [*COMMON, "model.kind", "model.init_from"]
+    used += [f"data.{k}" for k in ("train", "eval", "test", "batch_size", "max_train_samples")]
+    used += [f"data.{k}" for k in ("max_visual_tokens", "eval_batch_size", "num_workers")]
+    used += [f"data.{k}" for k in ("image_size", "max_text_len", "max_bad_fraction")]
+    used += ["data.image_column", "data.text_column"]
+    used += [f"objective.{k}" for k in ("loss", "learn_temperature", "gather", "hard_negatives")]
+    used.append("objective.grad_cache_chunk")
+    pretrained_scale = m.kind in ("hf_clip", "hf_siglip")
+    if o.loss == "infonce":
+        used += ["objective.symmetric", "objective.label_smoothing"]
+        used += [] if pretrained_scale else ["objective.temperature", "objective.max_logit_scale"]
+    elif not pretrained_scale:
+        used += ["objective.siglip_init_*", "objective.max_logit_scale"]
+    if m.kind == "dual_encoder":
+        used += ["data.tokenizer_vocab", "model.vision", "model.text", "model.embed_dim"]
+        used += ["model.vision_layers", "model.vision_width", "model.text_layers"]
+        used += ["model.text_width", "model.dropout"]
+    else:
+        used += ["model.path", "model.local_files_only", "model.lora_r"]
+        used += ["model.lora_*"] if m.lora_r else []
+    if m.kind == "vlm":
+        used += ["model.pooling", "model.instruction_*", "model.matryoshka_dims"]
+    return tuple(used)
+
+
 class ContrastiveStage:
     """Train a dual encoder contrastively; evaluate loss, accuracy, R@K and hard negatives."""
 
@@ -98,11 +144,14 @@ class ContrastiveStage:
         check_choice("objective.loss", cfg.objective.loss, LOSSES)
         if m.kind in HF_KINDS and not m.path:
             raise ConfigError(f"model.kind={m.kind} needs 'model.path' (a local HF model dir)")
-        if m.freeze:
-            raise ConfigError(
-                "'model.freeze' applies to the captioner (stage caption/rl); the contrastive "
-                "stage trains every parameter of its encoder (use model.lora_r for HF backbones)"
-            )
+        reject_unused(cfg, used_keys(cfg), f"stage contrastive with model.kind={m.kind}", WHY)
+        if m.kind == "dual_encoder":  # the tower's patch grid must tile the image
+            patch = VISION_PRESETS[m.vision]["patch_size"]
+            if cfg.data.image_size % patch:
+                raise ConfigError(
+                    f"'data.image_size' {cfg.data.image_size} is not a multiple of the "
+                    f"'{m.vision}' vision tower's patch size {patch}"
+                )
 
     @classmethod
     def eval_metrics(cls, cfg: Config) -> tuple[str, ...]:

@@ -13,7 +13,7 @@ from vltrain.config.core import ConfigError
 from vltrain.config.schema import Config, load_config
 from vltrain.data import chat
 from vltrain.data.images import BadSample, load_image
-from vltrain.data.tokenizer import TextTokenizer
+from vltrain.data.tokenizer import TextTokenizer, require_tokenizer
 from vltrain.engine.checkpoint import load_weights, resolve_checkpoint
 from vltrain.eval.caption_metrics import caption_scores
 from vltrain.inference.captioning import decode_captions
@@ -43,6 +43,7 @@ def load_for_generation(
     cfg = load_config(cfg_path)
     if cfg.stage not in ("caption", "rl"):
         raise ConfigError(f"{cfg_path} is a '{cfg.stage}' run, not a caption or rl run")
+    require_tokenizer(ckpt / "tokenizer")
     tokenizer = TextTokenizer.load(ckpt / "tokenizer")
     model = build_captioner(cfg, tokenizer)
     load_weights(model, ckpt)
