@@ -73,6 +73,22 @@ class ImageHashes:
     dhash_mirror: int
     width: int
     height: int
+    thumb: bytes
+    """16x16 RGB BOX thumbnail (768 bytes): verifies hash candidates (`thumb_similarity`)"""
+
+
+def thumb_similarity(a: bytes, b: bytes) -> float:
+    """Best Pearson correlation of thumbnail a with b or b mirrored (1.0: same picture)."""
+    x = np.frombuffer(a, np.uint8).astype(np.float32)
+    x -= x.mean()
+    best = -1.0
+    tb = np.frombuffer(b, np.uint8).reshape(16, 16, 3)
+    for y in (tb, tb[:, ::-1]):
+        yc = y.reshape(-1).astype(np.float32)
+        yc -= yc.mean()
+        den = float(np.sqrt((x @ x) * (yc @ yc)))
+        best = max(best, float(x @ yc) / den if den > 0 else float(np.array_equal(x, yc)))
+    return best
 
 
 def image_hashes(img: Image.Image, seed: int = 0) -> ImageHashes:
@@ -80,7 +96,9 @@ def image_hashes(img: Image.Image, seed: int = 0) -> ImageHashes:
     grey = img.convert("L")
     p, pm = phash_bits(np.asarray(grey.resize((32, 32), Image.Resampling.LANCZOS)))
     d, dm = dhash_bits(np.asarray(grey.resize((9, 8), Image.Resampling.LANCZOS)))
-    return ImageHashes(content_hash(img, seed), p, pm, d, dm, img.width, img.height)
+    rgb = img if img.mode == "RGB" else img.convert("RGB")
+    thumb = rgb.resize((16, 16), Image.Resampling.BOX).tobytes()
+    return ImageHashes(content_hash(img, seed), p, pm, d, dm, img.width, img.height, thumb)
 
 
 def hamming(a: int, b: int) -> int:

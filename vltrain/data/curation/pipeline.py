@@ -31,6 +31,7 @@ from vltrain.data.curation.filters import (
     ImageRules,
 )
 from vltrain.data.curation.hamming import HammingIndex
+from vltrain.data.curation.hashing import ImageHashes, thumb_similarity
 from vltrain.data.curation.minhash import LSHIndex
 from vltrain.data.curation.text import jaccard, words
 from vltrain.data.records import DataError, normalise_record
@@ -61,6 +62,8 @@ class CurateOptions:
     """pHash Hamming radius of an image near-duplicate (mirrored copy included)"""
     dhash_radius: int = 14
     """dHash radius; a near-duplicate must be within both radii"""
+    thumb_min_corr: float = 0.85
+    """and its 16x16 colour thumbnail must correlate this well (mirror allowed)"""
     semantic_eps: float = 0.05
     """semantic duplicates: image-embedding cosine > 1 - eps (needs an embedder)"""
     leak_n: int = 13
@@ -142,6 +145,7 @@ class Decider:
         self.captions: dict[int, int] = {}
         self.phash = HammingIndex(opts.phash_radius)
         self.dhash: dict[int, int] = {}
+        self.thumbs: dict[int, bytes] = {}
         self.lsh = LSHIndex(bands, rows)
         self.shingles: dict[int, np.ndarray] = {}
 
@@ -152,16 +156,9 @@ class Decider:
             w = self.content.get(f.image.content)
             if w is not None:
                 return Decision(f"{p}_exact_image", w, 1.0)
-            for code in (f.image.phash, f.image.phash_mirror):
-                for dist, j in self.phash.query(code):
-                    if (
-                        min(
-                            (self.dhash[j] ^ d).bit_count()
-                            for d in (f.image.dhash, f.image.dhash_mirror)
-                        )
-                        <= o.dhash_radius
-                    ):
-                        return Decision(f"{p}_near_image", j, 1.0 - dist / 64)
+            near = self._near_image(f.image)
+            if near is not None:
+                return Decision(f"{p}_near_image", near[0], near[1])
         w = self.captions.get(f.caption_key)
         if w is not None and self._text_counts():
             return Decision(f"{p}_exact_caption", w, 1.0)
@@ -175,6 +172,19 @@ class Decider:
                 return Decision(f"{p}_near_caption", best[0], best[1])
         return Decision()
 
+    def _near_image(self, h: ImageHashes) -> tuple[int, float] | None:
+        """(kept id, thumbnail correlation) of the best verified pHash/dHash candidate."""
+        best = None
+        for code in (h.phash, h.phash_mirror):
+            for _, j in self.phash.query(code):
+                dd = min((self.dhash[j] ^ d).bit_count() for d in (h.dhash, h.dhash_mirror))
+                if dd > self.o.dhash_radius:
+                    continue
+                c = thumb_similarity(h.thumb, self.thumbs[j])
+                if c >= self.o.thumb_min_corr and (best is None or c > best[1]):
+                    best = (j, c)
+        return best
+
     def _text_counts(self) -> bool:
         return self.prefix == "leak" or self.o.caption_dups == "drop"
 
@@ -183,6 +193,7 @@ class Decider:
             self.content.setdefault(f.image.content, f.index)
             self.phash.insert(f.index, f.image.phash)
             self.dhash[f.index] = f.image.dhash
+            self.thumbs[f.index] = f.image.thumb
         self.captions.setdefault(f.caption_key, f.index)
         self.lsh.insert(f.index, f.signature)
         self.shingles[f.index] = f.shingles
