@@ -18,6 +18,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--n-test", type=int, default=300)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--image-size", type=int, default=64)
+    s.add_argument(
+        "--dup-rate", type=float, default=0.0, help="append this fraction of planted train dups"
+    )
+    s.add_argument(
+        "--leak-rate", type=float, default=0.0, help="copy this fraction of test records to train"
+    )
     s.set_defaults(fn=run)
 
 
@@ -25,7 +31,14 @@ def run(args: argparse.Namespace) -> int:
     from vltrain.data.synth import synth_command
 
     counts = synth_command(
-        args.out, args.n_train, args.n_val, args.n_test, args.seed, image_size=args.image_size
+        args.out,
+        args.n_train,
+        args.n_val,
+        args.n_test,
+        args.seed,
+        image_size=args.image_size,
+        dup_rate=args.dup_rate,
+        leak_rate=args.leak_rate,
     )
     print(f"wrote {counts} to {args.out}")
     return 0

@@ -41,6 +41,7 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
+from vltrain.data.curation import planted
 from vltrain.data.rng import sample_seed
 
 COLORS: dict[str, tuple[int, int, int]] = {
@@ -355,11 +356,19 @@ def write_shapes_dataset(
     n_test: int = 300,
     seed: int = 0,
     image_size: int = 64,
+    dup_rate: float = 0.0,
+    leak_rate: float = 0.0,
 ) -> dict[str, Any]:
     """Write the shapes data set (see module docstring) and return counts and held-out combos.
 
-    Existing files of the same names are overwritten; other files in `out_dir` are left alone.
+    `dup_rate` > 0 appends round(dup_rate * n_train) planted near-duplicates of train records to
+    train, `leak_rate` > 0 appends copies of round(leak_rate * n_test) test records (see
+    `plant_duplicates`). Existing files of the same names are overwritten; other files in
+    `out_dir` are left alone.
     """
+    for name, rate in (("dup_rate", dup_rate), ("leak_rate", leak_rate)):
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {rate}")
     sizes = {"train": n_train, "val": n_val, "test": n_test}
     for name, n in sizes.items():
         if n < 0:
@@ -369,8 +378,12 @@ def write_shapes_dataset(
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     held = held_out_combos(seed)
-    for split, n in sizes.items():
-        records = [_make_record(split, i, seed, image_size, held, out) for i in range(n)]
+    by_split = {
+        split: [_make_record(split, i, seed, image_size, held, out) for i in range(n)]
+        for split, n in sizes.items()
+    }
+    planted_counts = plant_duplicates(out, by_split, seed, image_size, dup_rate, leak_rate)
+    for split, records in by_split.items():
         _write_jsonl(out / f"{split}.jsonl", records)
     meta = {
         "seed": seed,
@@ -382,15 +395,75 @@ def write_shapes_dataset(
         "held_out": [list(c) for c in held],
         "counts": sizes,
     }
+    if dup_rate or leak_rate:
+        meta["planted"] = planted_counts
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     return {**sizes, "images": sum(sizes.values()), "held_out": [f"{c} {s}" for c, s in held]}
 
 
+def plant_duplicates(
+    out: Path,
+    by_split: dict[str, list[dict[str, Any]]],
+    seed: int,
+    s: int,
+    dup_rate: float,
+    leak_rate: float,
+) -> dict[str, int]:
+    """Append planted near-duplicates and test leaks to `by_split["train"]` (in place).
+
+    Duplicate k copies a random earlier train record with kind `planted.KINDS + ("rerender",)`
+    [k % 8] (rerender: the same shapes drawn again on another background) and one word edit
+    per caption; leak k copies test record k of a seeded shuffle (image exact or transformed,
+    captions unchanged or edited). Each planted record has `planted: {"kind", "of"}`.
+    """
+    train, test = by_split["train"], by_split["test"]
+    rng = random.Random(sample_seed(seed, 0, 0, salt="synth-plant"))
+    kinds = (*planted.KINDS, "rerender")
+    n_dup, n_leak = round(dup_rate * len(train)), round(leak_rate * len(test))
+    new: list[dict[str, Any]] = []
+    for k in range(n_dup if train else 0):
+        src = train[rng.randrange(len(train))]
+        new.append(_planted_copy(out, src, f"train_dup_{k:05d}", kinds[k % len(kinds)], rng, s))
+    for k, src in enumerate(rng.sample(test, n_leak)):
+        kind = ("exact", "jpeg30", "resized", "flip")[k % 4]
+        new.append(_planted_copy(out, src, f"train_leak_{k:05d}", kind, rng, s, leak=True))
+    train += new
+    return {"duplicates": n_dup if train else 0, "leaks": n_leak}
+
+
+def _planted_copy(
+    out: Path, src: dict[str, Any], name: str, kind: str, rng: random.Random, s: int,
+    leak: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    if kind == "rerender":
+        objs = [
+            _Obj(o["shape"], o["color"], o["size"], o["x"], o["y"], o["r"]) for o in src["objects"]
+        ]
+        img = _draw(objs, rng, s)
+    else:
+        img = planted.transform(Image.open(out / src["image"]), kind, rng)
+    img.save(out / "images" / f"{name}.png", format="PNG", compress_level=6)
+    edit = not leak or rng.random() < 0.5
+    texts = [planted.noisy_caption(t, rng) if edit else t for t in src["text"]]
+    rec = {**src, "image": f"images/{name}.png", "text": texts, "id": name}
+    rec["planted"] = {"kind": "leak" if leak else kind, "transform": kind, "of": src["id"]}
+    return rec
+
+
 def synth_command(
-    out: str, n_train: int, n_val: int, n_test: int, seed: int, image_size: int = 64
+    out: str,
+    n_train: int,
+    n_val: int,
+    n_test: int,
+    seed: int,
+    image_size: int = 64,
+    dup_rate: float = 0.0,
+    leak_rate: float = 0.0,
 ) -> dict[str, Any]:
     """`vltrain data synth`: write the shapes data set to `out` and print a one-line summary."""
-    result = write_shapes_dataset(out, n_train, n_val, n_test, seed, image_size)
+    result = write_shapes_dataset(
+        out, n_train, n_val, n_test, seed, image_size, dup_rate, leak_rate
+    )
     print(
         f"wrote {result['images']} images to {out} (train={n_train} val={n_val} test={n_test}); "
         f"held-out combos: {', '.join(result['held_out'])}"
