@@ -228,7 +228,7 @@ def _run_cli(args: list[str], **kw) -> subprocess.Popen:  # noqa: ANN003
 def test_sigterm_stops_at_a_step_boundary_saves_and_resumes_exactly(
     shapes_dir: Path, tmp_path: Path
 ) -> None:
-    over = {"train.max_steps": 40, "train.save_every": 0, "train.eval_every": 0}
+    over = {"train.max_steps": 14, "train.save_every": 0, "train.eval_every": 0}
     full, part = tmp_path / "full", tmp_path / "part"
     args = lambda out: ["train", "", *tiny_overrides(shapes_dir, out, **over)]  # noqa: E731
     assert _run_cli(args(full)).wait(timeout=600) == 0  # "" = no YAML, the defaults
@@ -246,7 +246,7 @@ def test_sigterm_stops_at_a_step_boundary_saves_and_resumes_exactly(
     assert "SIGTERM received: stopped at step" in text and "Traceback" not in text
     saved = checkpoint.latest_checkpoint(part / "checkpoints")
     stopped_at = int(saved.name.split("_")[1])
-    assert 3 <= stopped_at < 40
+    assert 3 <= stopped_at < 14
     resume = _run_cli(["train", str(part / "config.yaml"), "train.resume=true"])
     assert resume.wait(timeout=600) == 0
     want, got = _losses(full), _losses(part)
