@@ -72,7 +72,8 @@ def test_csv_bad_content_is_counted_by_reason_not_raised(shapes_dir: Path, tmp_p
     shutil.copy(tmp_path / recs[0]["image"], tmp_path / "images" / "empty_caption.png")
     _write_csv(tmp_path / "captions.csv", rows)
     ds = ImageTextDataset(tmp_path / "captions.csv", 32, 0, train=True)
-    assert [ds[i].get("bad", "ok") for i in range(4)] == ["ok", "missing", "path_escape", "bad_text"]
+    got = [ds[i].get("bad", "ok") for i in range(4)]
+    assert got == ["ok", "missing", "path_escape", "bad_text"]
 
 
 def test_image_folder_with_a_captions_file(shapes_dir: Path, tmp_path: Path) -> None:
