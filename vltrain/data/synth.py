@@ -34,6 +34,7 @@ import json
 import math
 import os
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ from PIL import Image, ImageDraw
 
 from vltrain.data.curation import planted
 from vltrain.data.rng import sample_seed
+from vltrain.files import OutputError
 
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
@@ -450,6 +452,43 @@ def _planted_copy(
     return rec
 
 
+def owned_files(out_dir: str | os.PathLike[str]) -> list[Path]:
+    """The files of a shapes data set in `out_dir` (what `--force` replaces); nothing else."""
+    out = Path(out_dir)
+    names = [f"{s}.jsonl{t}" for s in SPLITS for t in ("", ".tmp")] + ["meta.json"]
+    files = [out / n for n in names if (out / n).is_file()]
+    images = out / "images"
+    if images.is_dir():
+        pattern = re.compile(rf"({'|'.join(SPLITS)})_((dup|leak)_)?\d{{5,}}\.png")
+        files += sorted(p for p in images.iterdir() if p.is_file() and pattern.fullmatch(p.name))
+    return files
+
+
+def prepare_output_folder(out_dir: str | os.PathLike[str], force: bool) -> None:
+    """Refuse a non-empty `out_dir` unless `force`; with `force`, delete the shapes data set
+    files already there (stale images of a larger earlier set included), keep anything else."""
+    if not str(out_dir).strip():
+        raise OutputError("--out is empty; give the dataset folder, e.g. --out data/shapes")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"--out {out} is a file; give a folder for the dataset")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not held:
+        return
+    if not force:
+        shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+        raise OutputError(
+            f"--out {out} is not empty (it holds {shown}); writing there would mix two data "
+            "sets. Choose an empty folder, or pass --force to replace the shapes data set in it "
+            "(only its own files are deleted)."
+        )
+    for path in owned_files(out):
+        path.unlink()
+    images = out / "images"
+    if images.is_dir() and not any(images.iterdir()):
+        images.rmdir()
+
+
 def synth_command(
     out: str,
     n_train: int,
@@ -459,8 +498,11 @@ def synth_command(
     image_size: int = 64,
     dup_rate: float = 0.0,
     leak_rate: float = 0.0,
+    force: bool = False,
 ) -> dict[str, Any]:
-    """`vltrain data synth`: write the shapes data set to `out` and print a one-line summary."""
+    """`vltrain data synth`: write the shapes data set to `out` (an empty folder, or any
+    folder with `force`, see `prepare_output_folder`) and print a one-line summary."""
+    prepare_output_folder(out, force)
     result = write_shapes_dataset(
         out, n_train, n_val, n_test, seed, image_size, dup_rate, leak_rate
     )
@@ -480,8 +522,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--n-test", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--force", action="store_true", help="replace a shapes data set in --out")
     a = p.parse_args(argv)
-    return synth_command(a.out, a.n_train, a.n_val, a.n_test, a.seed, a.image_size)
+    return synth_command(a.out, a.n_train, a.n_val, a.n_test, a.seed, a.image_size, a.force)
 
 
 if __name__ == "__main__":
