@@ -168,7 +168,7 @@ def load_weights(model: torch.nn.Module, ckpt: Path, strict: bool = True) -> Non
     path = ckpt / "model.safetensors"
     try:
         missing, unexpected = load_model(model, str(path), strict=strict)
-    except (OSError, ValueError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type derives from Exception
         if "Missing key" in str(e) or "Unexpected key" in str(e) or "size mismatch" in str(e):
             raise RuntimeError(f"{ckpt}: {e}") from None  # a model mismatch, not a bad file
         raise CheckpointError(f"cannot read {path}: {_short(e)} (truncated or corrupt?)") from None
@@ -251,6 +251,23 @@ def repair_best(ckpt_root: Path, metric: str, value: float | None) -> str | None
         return None  # pruned long ago: best already held it (checked by best.json above)
     update_best(ckpt_root, src, metric, value if value is not None else float("nan"), step)
     return f"checkpoints/best repaired: it now holds step {step}, the best recorded"
+
+
+def resolve_loadable(path: str | Path) -> tuple[Path, str | None]:
+    """`resolve_checkpoint`, falling back from a run's checkpoint that does not load to the
+    newest one that does; (folder, a message naming what was skipped and why, or None).
+    A checkpoint folder named directly is never swapped for another."""
+    ckpt = resolve_checkpoint(path)
+    try:
+        check_loadable(ckpt)
+        return ckpt, None
+    except CheckpointError as e:
+        if Path(path).resolve() == ckpt.resolve():
+            raise
+        fallback, _ = newest_loadable(ckpt.parent)
+        if fallback is None:
+            raise
+        return fallback, f"{e}; using {fallback} instead"
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

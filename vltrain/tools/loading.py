@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 from vltrain.config import Config
 from vltrain.config.schema import load_config
 from vltrain.data.tokenizer import require_tokenizer
-from vltrain.engine.checkpoint import load_weights, resolve_checkpoint
+from vltrain.engine.checkpoint import load_weights, resolve_loadable
 from vltrain.engine.runtime import RunContext
 from vltrain.engine.task import Stage
 from vltrain.stages import get_stage
@@ -37,7 +38,9 @@ def load_trained(
     `model.init_from` / `model.vision_init_from` (the weights are all in the checkpoint). An rl
     checkpoint loads as the captioner it is.
     """
-    ckpt = resolve_checkpoint(checkpoint)
+    ckpt, skipped = resolve_loadable(checkpoint)
+    if skipped:
+        print(f"vltrain: {skipped}", file=sys.stderr)
     cfg = load_config(run_config_for(ckpt), overrides)
     cfg.model.init_from = cfg.model.vision_init_from = ""
     if cfg.model.kind in ("dual_encoder", "captioner"):
