@@ -208,6 +208,8 @@ class ContrastiveStage:
             hard_negatives=self.cfg.objective.hard_negatives,
             train=True,
             native=self.cfg.model.kind in HF_KINDS,
+            image_column=self.cfg.data.image_column,
+            text_column=self.cfg.data.text_column,
         )
         if self.cfg.data.max_train_samples:
             ds.records = ds.records[: self.cfg.data.max_train_samples]
@@ -278,6 +280,8 @@ class ContrastiveStage:
             hard_negatives=hard_negatives,
             train=False,
             native=self.cfg.model.kind in HF_KINDS,
+            image_column=self.cfg.data.image_column,
+            text_column=self.cfg.data.text_column,
         )
 
     def _eval_set(self, split: str) -> ImageTextDataset:
