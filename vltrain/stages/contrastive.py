@@ -15,6 +15,8 @@ from vltrain.data.images import BadSample, check_text
 from vltrain.data.loaders import MapLoader
 from vltrain.data.records import ImageTextDataset, read_records, split_bad
 from vltrain.data.samplers import EvalShardSampler, ShardedBatchSampler
+from vltrain.data.shards import is_shard_source, read_texts, resolve_shards
+from vltrain.data.streaming import SampleDecoder, StreamLoader
 from vltrain.data.tokenizer import TextTokenizer, prepare_tokenizer
 from vltrain.engine import distributed as D
 from vltrain.engine.checkpoint import load_weights, resolve_init
@@ -67,6 +69,9 @@ def is_valid_text(text: object) -> bool:
     return True
 
 
+#: captions read from tar shards to train the built-in BPE tokenizer
+TOKENIZER_TEXTS = 200_000
+
 #: metrics `ContrastiveStage.evaluate` returns (patterns: per-kind, per-dim and per-k keys)
 EVAL_METRICS = (
     "eval_loss",
@@ -98,6 +103,17 @@ class ContrastiveStage:
         check_choice("objective.loss", cfg.objective.loss, LOSSES)
         if m.kind in HF_KINDS and not m.path:
             raise ConfigError(f"model.kind={m.kind} needs 'model.path' (a local HF model dir)")
+        if is_shard_source(cfg.data.train) and cfg.data.max_train_samples:
+            raise ConfigError(
+                "data.max_train_samples needs map-style records (JSONL/COCO); data.train names "
+                "tar shards: write fewer shards (`vltrain data shard`) instead"
+            )
+        for key in ("eval", "test"):
+            if is_shard_source(getattr(cfg.data, key)):
+                raise ConfigError(
+                    f"data.{key} must be JSONL/COCO records (evaluation indexes "
+                    "every sample); tar shards are for data.train"
+                )
         if m.freeze:
             raise ConfigError(
                 "'model.freeze' applies to the captioner (stage caption/rl); the contrastive "
@@ -130,7 +146,11 @@ class ContrastiveStage:
 
     def _training_texts(self) -> list[str]:
         """Every valid training caption (bad records are skipped and counted later)."""
-        return [t for r in read_records(self.cfg.data.train) for t in r["text"] if is_valid_text(t)]
+        if is_shard_source(self.cfg.data.train):  # captions of the first shards, images skipped
+            texts = read_texts(resolve_shards(self.cfg.data.train), limit=TOKENIZER_TEXTS)
+        else:
+            texts = [t for r in read_records(self.cfg.data.train) for t in r["text"]]
+        return [t for t in texts if is_valid_text(t)]
 
     def build_model(self) -> nn.Module:
         encoder = build_encoder(self.cfg, self.tokenizer)
@@ -164,7 +184,9 @@ class ContrastiveStage:
             ds.records = ds.records[: self.cfg.data.max_train_samples]
         return ds
 
-    def build_loader(self) -> MapLoader:
+    def build_loader(self) -> MapLoader | StreamLoader:
+        if is_shard_source(self.cfg.data.train):
+            return self.stream_loader()
         dataset = self.train_dataset()
         sampler = ShardedBatchSampler(
             len(dataset),
@@ -179,6 +201,30 @@ class ContrastiveStage:
             self.batcher,
             num_workers=self.cfg.data.num_workers,
             seed=self.cfg.run.seed,
+            pin_memory=self.ctx.device.type == "cuda",
+        )
+
+    def stream_loader(self) -> StreamLoader:
+        """Tar shards, streamed with exact resume (vltrain.data.streaming)."""
+        d = self.cfg.data
+        decode = SampleDecoder(
+            d.image_size,
+            self.cfg.run.seed,
+            self.cfg.objective.hard_negatives,
+            native=self.cfg.model.kind in HF_KINDS,
+        )
+        return StreamLoader(
+            resolve_shards(d.train),
+            d.batch_size,
+            self.ctx.rank,
+            self.ctx.world_size,
+            streams=d.streams,
+            seed=self.cfg.run.seed,
+            buffer=d.shuffle_buffer,
+            decode=decode,
+            collate=self.batcher,
+            num_workers=d.num_workers,
+            gather=D.all_gather_object,
             pin_memory=self.ctx.device.type == "cuda",
         )
 
