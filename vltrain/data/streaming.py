@@ -104,6 +104,7 @@ class ShardStream:
         self.seed, self.buffer_size = seed, buffer
         self.emitted = 0
         self.buffer: list[Entry] = []
+        self._keys: list[list[Any]] = []  # buffer entries' keys, kept in step with `buffer`
         self._file: IO[bytes] | None = None
         self._reader: Iterator[RawSample] | None = None
         if state is None:
@@ -121,7 +122,7 @@ class ShardStream:
             "offset": self.offset,  # its byte offset
             "remaining": self.remaining,  # samples of this epoch's range still to read
             "emitted": self.emitted,
-            "buffer": [e.as_key() for e in self.buffer],
+            "buffer": list(self._keys),  # sample keys, in buffer order
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -147,6 +148,7 @@ class ShardStream:
                             f"shuffle buffer expected {entry.key!r}; resume with the same shards"
                         )
         self.buffer = entries
+        self._keys = [e.as_key() for e in entries]
 
     # ---- reading -------------------------------------------------------------------------
 
@@ -211,13 +213,16 @@ class ShardStream:
     def next(self) -> Entry:
         """The next sample this stream emits (through the shuffle buffer)."""
         while len(self.buffer) < self.buffer_size:
-            self.buffer.append(self._read())
+            entry = self._read()
+            self.buffer.append(entry)
+            self._keys.append(entry.as_key())
         if not self.buffer:  # no shuffle buffer (or a smaller one drained on resume)
             entry = self._read()
-        else:
+        else:  # swap-remove entry i
             i = sample_seed(self.seed, self.stream, self.emitted, salt="buffer") % len(self.buffer)
-            entry, self.buffer[i] = self.buffer[i], self.buffer[-1]
+            entry, self.buffer[i], self._keys[i] = self.buffer[i], self.buffer[-1], self._keys[-1]
             self.buffer.pop()
+            self._keys.pop()
         self.emitted += 1
         return entry
 
@@ -316,7 +321,11 @@ class StreamLoader:
 
     def local_state(self) -> dict[str, Any]:
         """This rank's streams' states (what `gather` exchanges)."""
-        return {"streams": {s: self.position.get(s, _fresh()) for s in self.owned}}
+        for s in self.owned:  # a stream not read yet: where it will start
+            if s not in self.position:
+                stream = ShardStream(self.shards, self.counts, self.streams, s, self.seed, 0)
+                self.position[s] = stream.state_dict()
+        return {"streams": {s: self.position[s] for s in self.owned}}
 
     def state_dict(self) -> dict[str, Any]:
         """Every stream's state (a collective when distributed: call it on every rank)."""
@@ -385,10 +394,6 @@ class StreamLoader:
             # this rank's streams; one rank's `merge_states([position])` is the loader state
             batch.position = self.local_state()
             yield batch
-
-
-def _fresh() -> dict[str, Any]:
-    return {"epoch": 0, "cursor": 0, "offset": 0, "emitted": 0, "buffer": []}
 
 
 def merge_states(
