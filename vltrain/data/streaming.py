@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
+from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from vltrain.data.images import (
@@ -261,10 +262,8 @@ class _StreamSet(IterableDataset):
         try:
             while True:  # one item = this worker's part of the rank's next batch
                 samples = {s: self._decode(st, self.quota[s]) for s, st in streams.items()}
-                yield {
-                    "samples": samples,
-                    "state": {s: st.state_dict() for s, st in streams.items()},
-                }
+                state = {s: st.state_dict() for s, st in streams.items()}
+                yield {"samples": samples, "state": state, **pack_images(samples)}
         finally:
             for stream in streams.values():
                 stream.close()
@@ -272,6 +271,30 @@ class _StreamSet(IterableDataset):
     def _decode(self, stream: ShardStream, n: int) -> list[dict[str, Any]]:
         entries = [stream.next() for _ in range(n)]
         return [self.decode(e, self.shards[e.shard]) for e in entries]
+
+
+def pack_images(samples: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Move equal-shape image tensors into one stacked tensor: a worker then hands the main
+    process one shared-memory block per batch part instead of one per image."""
+    where = [
+        (s, i)
+        for s in samples
+        for i, x in enumerate(samples[s])
+        if isinstance(x.get("image"), Tensor)
+    ]
+    if not where or len({tuple(samples[s][i]["image"].shape) for s, i in where}) != 1:
+        return {}
+    images = torch.stack([samples[s][i].pop("image") for s, i in where])  # (n, 3, S, S)
+    return {"packed_images": images, "packed_where": where}
+
+
+def unpack_images(part: dict[str, Any]) -> None:
+    """Undo `pack_images` (views into the stacked tensor, no copy)."""
+    images = part.pop("packed_images", None)
+    if images is None:
+        return
+    for (s, i), image in zip(part.pop("packed_where"), images.unbind(0), strict=True):
+        part["samples"][s][i]["image"] = image
 
 
 def _items(x: Any) -> Any:
@@ -388,6 +411,7 @@ class StreamLoader:
             parts = [next(items) for _ in range(n_workers)]
             samples: dict[int, list[dict[str, Any]]] = {}
             for part in parts:
+                unpack_images(part)
                 samples.update(part["samples"])
                 self.position.update(part["state"])
             batch = self.collate([x for s in sorted(samples) for x in samples[s]])
