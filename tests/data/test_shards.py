@@ -183,5 +183,7 @@ def test_caption_stage_refuses_shards_with_a_clear_error(tmp_path: Path) -> None
         load_run_config(
             None, ["stage=caption", "model.kind=captioner", f"data.train={tmp_path}/wds"]
         )
+    with pytest.raises(ConfigError, match="larger than the global batch"):  # at load
+        load_run_config(None, [f"data.train={tmp_path}/wds", "data.batch_size=2"])
     with pytest.raises(ConfigError, match="data.max_train_samples needs map-style"):
         load_run_config(None, [f"data.train={tmp_path}/wds", "data.max_train_samples=3"])

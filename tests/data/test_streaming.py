@@ -122,7 +122,7 @@ def test_kill_resume_equals_uninterrupted_stream(
     ref_batches, ref_state = reference[buffer]
     rng = random.Random(f"{workers}/{world}/{buffer}")
     boundary = epoch_boundary_step(ref_batches)
-    kills = sorted({boundary, boundary + 1, *rng.sample(range(1, STEPS), 2)})
+    kills = sorted({boundary, *rng.sample(range(1, STEPS), 2)})
     batches, state = run_with_kills(shard_list, world, workers, buffer, kills)
     # the 1-rank in-process stream is the reference: N ranks and K workers equal it exactly
     assert batches == ref_batches

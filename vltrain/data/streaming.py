@@ -441,6 +441,16 @@ def merge_states(
 
 def check_layout(n_samples: int, streams: int, batch_size: int, world_size: int) -> None:
     """The rules that make the sample order world-size free; errors name the fix."""
+    check_stream_layout(streams, batch_size, world_size)
+    if n_samples < streams:
+        raise DataError(
+            f"{n_samples} samples cannot feed data.streams={streams} streams (each stream reads "
+            "a 1/data.streams part of every epoch); lower data.streams"
+        )
+
+
+def check_stream_layout(streams: int, batch_size: int, world_size: int) -> None:
+    """The config-only part of `check_layout` (run at config load, before any compute)."""
     g = batch_size * world_size
     if streams < 1 or streams % world_size:
         raise DataError(
@@ -453,11 +463,6 @@ def check_layout(n_samples: int, streams: int, batch_size: int, world_size: int)
             f"data.streams={streams} is larger than the global batch ({g} = data.batch_size "
             f"{batch_size} x world size {world_size}); every stream must feed every batch: "
             f"lower data.streams or raise data.batch_size"
-        )
-    if n_samples < streams:
-        raise DataError(
-            f"{n_samples} samples cannot feed data.streams={streams} streams (each stream reads "
-            "a 1/data.streams part of every epoch); lower data.streams"
         )
 
 

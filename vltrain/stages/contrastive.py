@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,10 @@ from vltrain.config.core import ConfigError, check_choice
 from vltrain.config.schema import Config
 from vltrain.data.images import BadSample, check_text
 from vltrain.data.loaders import MapLoader
-from vltrain.data.records import ImageTextDataset, read_records, split_bad
+from vltrain.data.records import DataError, ImageTextDataset, read_records, split_bad
 from vltrain.data.samplers import EvalShardSampler, ShardedBatchSampler
 from vltrain.data.shards import is_shard_source, read_texts, resolve_shards
-from vltrain.data.streaming import SampleDecoder, StreamLoader
+from vltrain.data.streaming import SampleDecoder, StreamLoader, check_stream_layout
 from vltrain.data.tokenizer import TextTokenizer, prepare_tokenizer
 from vltrain.engine import distributed as D
 from vltrain.engine.checkpoint import load_weights, resolve_init
@@ -103,6 +104,13 @@ class ContrastiveStage:
         check_choice("objective.loss", cfg.objective.loss, LOSSES)
         if m.kind in HF_KINDS and not m.path:
             raise ConfigError(f"model.kind={m.kind} needs 'model.path' (a local HF model dir)")
+        if is_shard_source(cfg.data.train):  # before any compute; torchrun sets WORLD_SIZE
+            try:
+                check_stream_layout(
+                    cfg.data.streams, cfg.data.batch_size, int(os.environ.get("WORLD_SIZE", "1"))
+                )
+            except DataError as e:
+                raise ConfigError(str(e)) from None
         if is_shard_source(cfg.data.train) and cfg.data.max_train_samples:
             raise ConfigError(
                 "data.max_train_samples needs map-style records (JSONL/COCO); data.train names "
