@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from vltrain.data import shards, streaming
+from vltrain.data import shard_decode, shards, streaming
 from vltrain.data.synth import synth_command
 
 
@@ -53,7 +53,7 @@ def key_collate(good: list[dict]) -> list[tuple[int, str]]:
 
 def vltrain_loader(urls, args, workers=0, decode_images=False, state=None):
     size = args.image_size
-    decode = streaming.SampleDecoder(size, 0) if decode_images else KeyOnly()
+    decode = shard_decode.SampleDecoder(size, 0) if decode_images else KeyOnly()
     loader = streaming.StreamLoader(
         urls,
         args.batch,
@@ -114,7 +114,7 @@ def wds_pipeline(urls, args, decode_images=False):
 
 class SameDecode:
     def __init__(self, size: int) -> None:
-        self.decode = streaming.SampleDecoder(size, 0)
+        self.decode = shard_decode.SampleDecoder(size, 0)
 
     def __call__(self, s: dict) -> dict:
         raw = shards.RawSample(s["__key__"], 0, 0, {"png": s["png"], "json": s["json"]})

@@ -13,7 +13,7 @@ import pytest
 from tests.data.stream_fixtures import png_bytes, write_records
 from vltrain.cli import main
 from vltrain.config.core import ConfigError
-from vltrain.data import shards, streaming
+from vltrain.data import shard_decode, shards, streaming
 from vltrain.data.records import DataError
 from vltrain.stages import load_run_config
 
@@ -76,7 +76,7 @@ def test_fsspec_memory_url_streams_like_local_disk(tmp_path: Path) -> None:
             streams=2,
             seed=0,
             buffer=3,
-            decode=streaming.SampleDecoder(8, 0),
+            decode=shard_decode.SampleDecoder(8, 0),
             collate=lambda g: [s["key"] for s in g],
         )
         it = iter(loader)
@@ -116,7 +116,7 @@ def test_bad_samples_are_counted_by_reason(tmp_path: Path) -> None:
             ("d/" + "k" * 120 + ".json", good),
         ],
     )
-    decode = streaming.SampleDecoder(8, 0)
+    decode = shard_decode.SampleDecoder(8, 0)
     with open(path, "rb") as f:
         raws = list(shards.iter_samples(f))
     assert [r.key for r in raws][-1] == "d/" + "k" * 120  # GNU long names keep their key
@@ -152,7 +152,7 @@ def test_damaged_shard_is_one_bad_sample_and_the_stream_goes_on(tmp_path: Path) 
         streams=1,
         seed=0,
         buffer=0,
-        decode=streaming.SampleDecoder(8, 0),
+        decode=shard_decode.SampleDecoder(8, 0),
         collate=lambda g: [s["key"] for s in g],
         counts=[4, 4],
     )

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.data.stream_fixtures import make_shards
+from vltrain.data import shard_decode, streaming
 from vltrain.data import shards as shards_mod
-from vltrain.data import streaming
 from vltrain.data.records import DataError
 
 N_SAMPLES, GLOBAL_BATCH, STREAMS, STEPS = 300, 8, 4, 72  # 72 steps = 576 samples = 1.9 epochs
@@ -41,7 +41,7 @@ def make_loaders(shard_list, world, workers, buffer, state=None, seed=0):
             streams=STREAMS,
             seed=seed,
             buffer=buffer,
-            decode=streaming.SampleDecoder(8, seed),
+            decode=shard_decode.SampleDecoder(8, seed),
             collate=keys_collate,
             num_workers=workers,
         )
@@ -170,7 +170,7 @@ def test_per_sample_randomness_ignores_world_size_and_workers(shard_list) -> Non
                 streams=4,
                 seed=3,
                 buffer=10,
-                decode=streaming.SampleDecoder(8, 3, hard_negatives=1),
+                decode=shard_decode.SampleDecoder(8, 3, hard_negatives=1),
                 collate=collate,
                 num_workers=workers,
             )
@@ -232,7 +232,7 @@ def test_resume_refuses_other_streams_seed_or_shards(shard_list) -> None:
         streams=8,
         seed=0,
         buffer=10,
-        decode=streaming.SampleDecoder(8, 0),
+        decode=shard_decode.SampleDecoder(8, 0),
         collate=keys_collate,
     )
     with pytest.raises(DataError, match="data.streams=8 but the checkpoint has 4"):

@@ -3,8 +3,9 @@
 The sample order is defined by ``S`` *virtual streams* (``data.streams``), never by the world
 size or the worker count (see docs/streaming.md):
 
-- Epoch ``e`` of stream ``s`` reads shards ``perm_e[s::S]``, ``perm_e`` a permutation of the
-  shard list drawn from ``(seed, e)``; a stream that finishes its share starts epoch ``e + 1``.
+- Epoch ``e`` reads the shards in a permutation drawn from ``(seed, e)``; of that sequence's
+  ``N`` samples, stream ``s`` reads ``[s * N // S, (s + 1) * N // S)``, so every sample is
+  read once per epoch and the streams' epochs stay aligned.
 - A stream keeps a shuffle buffer of ``buffer`` raw samples: it fills the buffer, then emits
   the entry at ``rng(seed, s, n) % len(buffer)`` (``n`` = samples it emitted so far) and puts
   the last entry in its place. So every draw is a pure function of the stream's state.
@@ -31,25 +32,10 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from vltrain.data.images import (
-    DEFAULT_MAX_PIXELS,
-    BadSample,
-    check_text,
-    load_image,
-    load_image_native,
-)
 from vltrain.data.loaders import Batch, BatchCollate, worker_init
-from vltrain.data.records import DataError, pick_caption, pick_negatives
+from vltrain.data.records import DataError
 from vltrain.data.rng import sample_seed
-from vltrain.data.shards import (
-    IMAGE_EXTS,
-    RawSample,
-    iter_samples,
-    open_shard,
-    parse_meta,
-    read_sample_at,
-    shard_counts,
-)
+from vltrain.data.shards import RawSample, iter_samples, open_shard, read_sample_at, shard_counts
 
 Gather = Callable[[Any], list[Any]]  # every rank's object, in rank order (all_gather_object)
 STATE_VERSION = 1
@@ -464,69 +450,3 @@ def check_stream_layout(streams: int, batch_size: int, world_size: int) -> None:
             f"{batch_size} x world size {world_size}); every stream must feed every batch: "
             f"lower data.streams or raise data.batch_size"
         )
-
-
-def sample_index(key: str) -> int:
-    """The integer that per-sample randomness uses: a decimal key itself (so shards written by
-    `vltrain data shard` pick the captions a map-style run of the same records picks), else a
-    63-bit hash of the key. Never the position in the stream, the rank or the worker."""
-    return int(key) if key.isdigit() else sample_seed(0, 0, 0, salt=key)
-
-
-class SampleDecoder:
-    """Raw tar sample -> training sample, the way `ImageTextDataset` builds one (picklable).
-
-    Bad data never raises: a missing/undecodable image, an empty caption or an unreadable
-    shard comes back as a ``{"bad": reason}`` marker with the reasons of vltrain.data.images.
-    """
-
-    def __init__(
-        self,
-        image_size: int,
-        seed: int,
-        hard_negatives: int = 0,
-        native: bool = False,
-        max_pixels: int = DEFAULT_MAX_PIXELS,
-    ) -> None:
-        self.image_size, self.seed, self.hard_negatives = image_size, seed, hard_negatives
-        self.native, self.max_pixels = native, max_pixels
-
-    def __call__(self, entry: Entry, shard: str) -> dict[str, Any]:
-        key = (entry.epoch, entry.key)
-        if entry.sample is None:  # the rest of a shard could not be read
-            return {"bad": "corrupt", "path": entry.key, "key": key, "index": -1}
-        label = f"{Path(shard).name}:{entry.key}"
-        index = sample_index(entry.key)
-        try:
-            return self._sample(entry.sample, label, entry.epoch, index, key)
-        except BadSample as e:
-            return {"bad": e.reason, "path": label, "detail": e.detail, "key": key, "index": index}
-
-    def _sample(
-        self, raw: RawSample, label: str, epoch: int, index: int, key: Any
-    ) -> dict[str, Any]:
-        meta = parse_meta(raw)
-        if meta is None:
-            raise BadSample("bad_text", label, "the sample's .json is not a JSON object")
-        texts = [check_text(t, label) for t in meta.get("text") or []]
-        if not texts:
-            raise BadSample("bad_text", label, "sample has no caption (.json text or .txt)")
-        negs = meta.get("negatives") or []
-        if self.hard_negatives and negs:
-            negs = [check_text(t, label) for t in negs]
-        ext = next((e for e in IMAGE_EXTS if e in raw.members), None)
-        if ext is None:
-            raise BadSample("missing", label, f"no image member ({', '.join(IMAGE_EXTS)})")
-        data = raw.members[ext]
-        if self.native:
-            image = load_image_native(label, self.max_pixels, data=data)  # PIL RGB
-        else:
-            image = load_image(label, self.image_size, self.max_pixels, data=data)  # (3, S, S)
-        return {
-            "image": image,
-            "text": pick_caption(texts, self.seed, epoch, index),
-            "negatives": pick_negatives(negs, self.hard_negatives, self.seed, epoch, index),
-            "index": index,
-            "key": key,
-            "id": str(meta.get("id", raw.key)),
-        }

@@ -16,8 +16,9 @@ from vltrain.data.images import BadSample, check_text
 from vltrain.data.loaders import MapLoader
 from vltrain.data.records import DataError, ImageTextDataset, read_records, split_bad
 from vltrain.data.samplers import EvalShardSampler, ShardedBatchSampler
+from vltrain.data.shard_decode import SampleDecoder
 from vltrain.data.shards import is_shard_source, read_texts, resolve_shards
-from vltrain.data.streaming import SampleDecoder, StreamLoader, check_stream_layout
+from vltrain.data.streaming import StreamLoader, check_stream_layout
 from vltrain.data.tokenizer import TextTokenizer, prepare_tokenizer
 from vltrain.engine import distributed as D
 from vltrain.engine.checkpoint import load_weights, resolve_init
