@@ -23,6 +23,7 @@ resume seeks to the offset and re-reads only the buffered samples, one seek each
 from __future__ import annotations
 
 import tarfile
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -322,6 +323,13 @@ class StreamLoader:
         self.quota = stream_quota(streams, self.global_batch)
         self.decode, self.collate = decode, BatchCollate(collate)
         self.num_workers = min(num_workers, per_rank)  # a worker needs at least one stream
+        if num_workers > per_rank:
+            warnings.warn(
+                f"data.num_workers={num_workers} but this rank owns {per_rank} of "
+                f"data.streams={streams} streams: using {per_rank} workers; raise data.streams "
+                "(a multiple of the world size) for more loader parallelism",
+                stacklevel=2,
+            )
         self.gather = gather or (lambda obj: [obj])
         self.pin_memory = pin_memory
         self.position: dict[int, dict[str, Any]] = {}  # stream -> state after the last batch
