@@ -45,7 +45,11 @@ class RunConfig:
 
 @dataclass
 class DataConfig:
-    train: str = option("", "Training records: JSONL (or COCO captions .json).")
+    train: str = option(
+        "",
+        "Training records: JSONL (or COCO captions .json), or webdataset tar shards (a folder of "
+        ".tar, a brace pattern, an fsspec URL; contrastive stage, see docs/streaming.md).",
+    )
     eval: str = option("", "Evaluation records (val split); empty disables evaluation.")
     test: str = option("", "Optional held-out test records, evaluated at the end of training.")
     batch_size: int = option(32, "Batch size per process (global batch = this x world size).", ge=1)
@@ -87,6 +91,16 @@ class DataConfig:
     )
     max_same_bucket_run: int = option(
         3, "Length buckets: at most this many consecutive batches from one bucket.", ge=1
+    )
+    streams: int = option(
+        4,
+        "Tar shards (data.train = a folder of .tar, a brace pattern or an fsspec URL): virtual "
+        "streams that define the sample order; a multiple of the world size, at most the global "
+        "batch. Keep it fixed and any world size dividing it sees the same batches.",
+        ge=1,
+    )
+    shuffle_buffer: int = option(
+        1000, "Tar shards: samples in each stream's shuffle buffer (0: shard order only).", ge=0
     )
 
 

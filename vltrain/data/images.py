@@ -104,8 +104,8 @@ def _open_checked(
 ) -> Image.Image:
     """Open, bomb-check, fully decode, EXIF-orient and mode-normalise an image.
 
+    `data`, when given, holds the encoded image (e.g. a tar member) and `path` only labels it.
     Returns 8-bit "RGB", or "F" in [0, 1] for high-bit-depth grayscale; raises BadSample.
-    `data`: the encoded image held in memory (a parquet/HF row); `path` then only labels errors.
     """
     if ImageFile.LOAD_TRUNCATED_IMAGES:
         raise RuntimeError(
@@ -114,9 +114,29 @@ def _open_checked(
         )
     p = str(path)
     if data is not None:
-        size, head, source = len(data), bytes(data[:16]), io.BytesIO(data)
-    else:
-        (size, head), source = _peek(p), p
+        return _decode_checked(io.BytesIO(data), p, len(data), data[:16], max_pixels, draft_size)
+    try:
+        size = os.stat(p).st_size
+        with open(p, "rb") as f:
+            head = f.read(16)
+    except (FileNotFoundError, NotADirectoryError):
+        raise BadSample("missing", p, "file does not exist") from None
+    except IsADirectoryError:
+        raise BadSample("not_image", p, "path is a directory") from None
+    except (OSError, ValueError) as e:
+        raise BadSample("missing", p, f"cannot read: {e}") from None
+    return _decode_checked(p, p, size, head, max_pixels, draft_size)
+
+
+def _decode_checked(
+    source: str | io.BytesIO,
+    p: str,
+    size: int,
+    head: bytes,
+    max_pixels: int,
+    draft_size: int | None,
+) -> Image.Image:
+    """`_open_checked` after the bytes are known to exist: `size` and the first bytes `head`."""
     if size == 0:
         raise BadSample("empty_file", p, "file has 0 bytes")
     try:
@@ -139,20 +159,6 @@ def _open_checked(
     except Exception as e:  # e.g. a mode Pillow cannot convert to RGB
         img.close()
         raise BadSample("corrupt", p, f"cannot convert {img.mode} image: {e}") from None
-
-
-def _peek(p: str) -> tuple[int, bytes]:
-    """Size and first 16 bytes of image file `p` (BadSample when it cannot be read)."""
-    try:
-        size = os.stat(p).st_size
-        with open(p, "rb") as f:
-            return size, f.read(16)
-    except (FileNotFoundError, NotADirectoryError):
-        raise BadSample("missing", p, "file does not exist") from None
-    except IsADirectoryError:
-        raise BadSample("not_image", p, "path is a directory") from None
-    except (OSError, ValueError) as e:
-        raise BadSample("missing", p, f"cannot read: {e}") from None
 
 
 def _decode(img: Image.Image, p: str, max_pixels: int, draft_size: int | None) -> None:
@@ -217,13 +223,14 @@ def _high_bit_scale(img: Image.Image, arr: np.ndarray) -> float:
 
 
 def load_image_native(
-    path: str | os.PathLike[str], max_pixels: int = DEFAULT_MAX_PIXELS, data: bytes | None = None
+    path: str | os.PathLike[str],
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    data: bytes | None = None,
 ) -> Image.Image:
     """Decode an image at its native size as an 8-bit RGB PIL image, or raise BadSample.
 
     For callers that resize themselves (HF processors, image-token budgets). High-bit-depth
-    grayscale is scaled to 8 bits by its true range. `data`: encoded bytes held in memory
-    (`path` then only labels errors).
+    grayscale is scaled to 8 bits by its true range. `data`: encoded bytes (`path` labels them).
     """
     img = _open_checked(path, max_pixels, data=data)
     if img.mode == "F":
@@ -233,12 +240,15 @@ def load_image_native(
 
 
 def load_image(
-    path: str | Path, size: int, max_pixels: int = DEFAULT_MAX_PIXELS, data: bytes | None = None
+    path: str | Path,
+    size: int,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    data: bytes | None = None,
 ) -> torch.Tensor:
     """Decode, resize (square BICUBIC) and return a (3, size, size) float32 tensor in [0, 1].
 
     Raises BadSample with a reason from `REASONS` for any input that cannot be used. `data`:
-    encoded bytes held in memory (`path` then only labels errors).
+    the encoded bytes (a tar member), in which case `path` only labels errors.
     """
     if size <= 0:
         raise ValueError(f"image size must be positive, got {size}")

@@ -262,9 +262,8 @@ class ImageTextDataset(Dataset):
         )
         out: dict[str, Any] = {"image": image, "index": index, "key": key}
         if self.train:
-            g = sample_generator(self.seed, epoch, index, salt="caption")
-            out["text"] = texts[int(torch.randint(len(texts), (1,), generator=g))]
-            out["negatives"] = self._pick_negatives(negs, epoch, index)
+            out["text"] = pick_caption(texts, self.seed, epoch, index)
+            out["negatives"] = pick_negatives(negs, self.hard_negatives, self.seed, epoch, index)
         else:
             out["text"] = texts[0]
             out["texts"] = texts
@@ -274,14 +273,21 @@ class ImageTextDataset(Dataset):
                 out["negative_kinds"] = [str(k) for k in kinds[: self.hard_negatives]]
         return out
 
-    def _pick_negatives(self, negs: list[str], epoch: int, index: int) -> list[str]:
-        """Up to `hard_negatives` texts, no replacement, deterministic in (seed, epoch, index)."""
-        k = min(self.hard_negatives, len(negs))
-        if k == 0:
-            return []
-        g = sample_generator(self.seed, epoch, index, salt="negatives")
-        order = torch.randperm(len(negs), generator=g)[:k]
-        return [negs[int(i)] for i in order]
+
+def pick_caption(texts: list[str], seed: int, epoch: int, index: int) -> str:
+    """One training caption, deterministic in (seed, epoch, index)."""
+    g = sample_generator(seed, epoch, index, salt="caption")
+    return texts[int(torch.randint(len(texts), (1,), generator=g))]
+
+
+def pick_negatives(negs: list[str], k: int, seed: int, epoch: int, index: int) -> list[str]:
+    """Up to `k` hard-negative texts, no replacement, deterministic in (seed, epoch, index)."""
+    k = min(k, len(negs))
+    if k == 0:
+        return []
+    g = sample_generator(seed, epoch, index, salt="negatives")
+    order = torch.randperm(len(negs), generator=g)[:k]
+    return [negs[int(i)] for i in order]
 
 
 def split_bad(samples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:

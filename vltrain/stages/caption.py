@@ -30,6 +30,7 @@ from vltrain.data.chat import IGNORE_INDEX
 from vltrain.data.loaders import Loader, MapLoader
 from vltrain.data.records import split_bad
 from vltrain.data.samplers import EvalShardSampler, LengthBucketBatchSampler, ShardedBatchSampler
+from vltrain.data.shards import is_shard_source
 from vltrain.data.tokenizer import TextTokenizer, prepare_tokenizer
 from vltrain.engine import distributed as D
 from vltrain.engine.checkpoint import resolve_init
@@ -113,6 +114,12 @@ def check_captioner_config(cfg: Config, stage: str, used: tuple[str, ...] = CAPT
     m = cfg.model
     reject_unused(cfg, used, f"stage {stage}", WHY)
     check_choice("model.kind", m.kind, ("captioner",), f"stage {stage}")
+    if is_shard_source(cfg.data.train):
+        raise ConfigError(
+            f"stage {stage} reads map-style records (JSONL/COCO/HF datasets): its length buckets "
+            "(data.length_buckets) and caption evaluation need every sample indexed up front. "
+            "data.train names tar shards, which stream in stage contrastive; pass the JSONL here"
+        )
     check_choice("model.connector", m.connector, CONNECTORS)
     for part in m.freeze:
         if part not in PARTS:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,11 @@ from vltrain.config.core import ConfigError, check_choice, reject_unused
 from vltrain.config.schema import Config
 from vltrain.data.images import BadSample, check_text
 from vltrain.data.loaders import MapLoader
-from vltrain.data.records import ImageTextDataset, read_records, split_bad
+from vltrain.data.records import DataError, ImageTextDataset, read_records, split_bad
 from vltrain.data.samplers import EvalShardSampler, ShardedBatchSampler
+from vltrain.data.shard_decode import SampleDecoder
+from vltrain.data.shards import is_shard_source, read_texts, resolve_shards
+from vltrain.data.streaming import StreamLoader, check_stream_layout
 from vltrain.data.tokenizer import TextTokenizer, prepare_tokenizer
 from vltrain.engine import distributed as D
 from vltrain.engine.checkpoint import load_weights, resolve_init
@@ -67,6 +71,9 @@ def is_valid_text(text: object) -> bool:
         return False
     return True
 
+
+#: captions read from tar shards to train the built-in BPE tokenizer
+TOKENIZER_TEXTS = 200_000
 
 #: metrics `ContrastiveStage.evaluate` returns (patterns: per-kind, per-dim and per-k keys)
 EVAL_METRICS = (
@@ -152,6 +159,24 @@ class ContrastiveStage:
                     f"'data.image_size' {cfg.data.image_size} is not a multiple of the "
                     f"'{m.vision}' vision tower's patch size {patch}"
                 )
+        if is_shard_source(cfg.data.train):  # before any compute; torchrun sets WORLD_SIZE
+            try:
+                check_stream_layout(
+                    cfg.data.streams, cfg.data.batch_size, int(os.environ.get("WORLD_SIZE", "1"))
+                )
+            except DataError as e:
+                raise ConfigError(str(e)) from None
+        if is_shard_source(cfg.data.train) and cfg.data.max_train_samples:
+            raise ConfigError(
+                "data.max_train_samples needs map-style records (JSONL/COCO); data.train names "
+                "tar shards: write fewer shards (`vltrain data shard`) instead"
+            )
+        for key in ("eval", "test"):
+            if is_shard_source(getattr(cfg.data, key)):
+                raise ConfigError(
+                    f"data.{key} must be JSONL/COCO records (evaluation indexes "
+                    "every sample); tar shards are for data.train"
+                )
 
     @classmethod
     def eval_metrics(cls, cfg: Config) -> tuple[str, ...]:
@@ -179,7 +204,11 @@ class ContrastiveStage:
 
     def _training_texts(self) -> list[str]:
         """Every valid training caption (bad records are skipped and counted later)."""
-        return [t for r in read_records(self.cfg.data.train) for t in r["text"] if is_valid_text(t)]
+        if is_shard_source(self.cfg.data.train):  # captions of the first shards, images skipped
+            texts = read_texts(resolve_shards(self.cfg.data.train), limit=TOKENIZER_TEXTS)
+        else:
+            texts = [t for r in read_records(self.cfg.data.train) for t in r["text"]]
+        return [t for t in texts if is_valid_text(t)]
 
     def build_model(self) -> nn.Module:
         encoder = build_encoder(self.cfg, self.tokenizer)
@@ -215,7 +244,9 @@ class ContrastiveStage:
             ds.records = ds.records[: self.cfg.data.max_train_samples]
         return ds
 
-    def build_loader(self) -> MapLoader:
+    def build_loader(self) -> MapLoader | StreamLoader:
+        if is_shard_source(self.cfg.data.train):
+            return self.stream_loader()
         dataset = self.train_dataset()
         sampler = ShardedBatchSampler(
             len(dataset),
@@ -230,6 +261,30 @@ class ContrastiveStage:
             self.batcher,
             num_workers=self.cfg.data.num_workers,
             seed=self.cfg.run.seed,
+            pin_memory=self.ctx.device.type == "cuda",
+        )
+
+    def stream_loader(self) -> StreamLoader:
+        """Tar shards, streamed with exact resume (vltrain.data.streaming)."""
+        d = self.cfg.data
+        decode = SampleDecoder(
+            d.image_size,
+            self.cfg.run.seed,
+            self.cfg.objective.hard_negatives,
+            native=self.cfg.model.kind in HF_KINDS,
+        )
+        return StreamLoader(
+            resolve_shards(d.train),
+            d.batch_size,
+            self.ctx.rank,
+            self.ctx.world_size,
+            streams=d.streams,
+            seed=self.cfg.run.seed,
+            buffer=d.shuffle_buffer,
+            decode=decode,
+            collate=self.batcher,
+            num_workers=d.num_workers,
+            gather=D.all_gather_object,
             pin_memory=self.ctx.device.type == "cuda",
         )
 
