@@ -113,7 +113,7 @@ def used_keys(cfg: Config) -> tuple[str, ...]:
     used += [f"data.{k}" for k in ("train", "eval", "test", "batch_size", "max_train_samples")]
     used += [f"data.{k}" for k in ("max_visual_tokens", "eval_batch_size", "num_workers")]
     used += [f"data.{k}" for k in ("image_size", "max_text_len", "max_bad_fraction")]
-    used += ["data.image_column", "data.text_column"]
+    used += ["data.image_column", "data.text_column", "data.streams", "data.shuffle_buffer"]
     used += [f"objective.{k}" for k in ("loss", "learn_temperature", "gather", "hard_negatives")]
     used.append("objective.grad_cache_chunk")
     pretrained_scale = m.kind in ("hf_clip", "hf_siglip")
