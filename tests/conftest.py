@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -55,3 +56,15 @@ def torchrun_vltrain(args: list[str], cwd: Path | None = None) -> subprocess.Com
     res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res
+
+
+def hardlink_tree(src: Path, dst: Path) -> None:
+    """Make `dst` a folder of hard links to `src`'s files: shares the bytes like a symlink
+    would, but stays inside the data folder (a symlink out of it is a path_escape)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file():
+            try:
+                os.link(f, dst / f.name)
+            except OSError:  # another file system: copy
+                shutil.copy2(f, dst / f.name)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import hardlink_tree
 from vltrain.data import chat as C
 from vltrain.data.caption_data import CaptionDataset, read_caption_source
 from vltrain.data.records import DataError, read_jsonl
@@ -68,7 +69,7 @@ def test_coco_json_reader(shapes_dir: Path, tok, tmp_path: Path) -> None:
     recs = read_jsonl(shapes_dir / "val.jsonl")[:3]
     images = [{"id": i, "file_name": Path(r["image"]).name} for i, r in enumerate(recs)]
     anns = [{"image_id": i, "caption": t} for i, r in enumerate(recs) for t in r["text"]]
-    (tmp_path / "images").symlink_to(shapes_dir / "images")
+    hardlink_tree(shapes_dir / "images", tmp_path / "images")
     (tmp_path / "caps.json").write_text(json.dumps({"images": images, "annotations": anns}))
     ds = _dataset(tmp_path / "caps.json", tok, train=False)
     assert len(ds) == 3
@@ -116,7 +117,7 @@ def test_hf_bad_image_bytes_become_a_marker(shapes_dir: Path, tok, tmp_path: Pat
 
 def test_chat_jsonl_structure_errors_and_mode_check(shapes_dir: Path, tok, tmp_path: Path) -> None:
     img = read_jsonl(shapes_dir / "val.jsonl")[0]["image"]
-    (tmp_path / "images").symlink_to(shapes_dir / "images")
+    hardlink_tree(shapes_dir / "images", tmp_path / "images")
     good = {
         "image": img,
         "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a cat"}],

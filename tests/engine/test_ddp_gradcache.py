@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from tests.conftest import tiny_overrides
+from tests.conftest import hardlink_tree, tiny_overrides
 from vltrain.config.schema import load_config
 from vltrain.engine.parallel import ParallelModel, average_gradients
 from vltrain.models.dual_encoder import DualEncoder
@@ -142,7 +142,7 @@ def _max_diff(a: dict, b: dict) -> float:
 def _few_negatives_data(shapes_dir: Path, out: Path) -> Path:
     """shapes train records keeping i % 4 negatives each (0..3): records with fewer than k."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "images").symlink_to(shapes_dir / "images")
+    hardlink_tree(shapes_dir / "images", out / "images")
     lines = (shapes_dir / "train.jsonl").read_text().splitlines()
     recs = [json.loads(line) for line in lines if line.strip()]
     for i, r in enumerate(recs):

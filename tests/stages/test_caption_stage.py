@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, torchrun_vltrain
+from tests.conftest import REPO, hardlink_tree, torchrun_vltrain
 from vltrain.cli import main
 from vltrain.config import load_config
 from vltrain.data.chat import IGNORE_INDEX
@@ -31,7 +31,7 @@ PRESETS = {m: REPO / "configs" / f"caption_{m}.yaml" for m in ("pretrain", "fine
 def cap_data(shapes_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """shapes train (128) + an 8-image val split + chat versions of both, sharing the images."""
     out = tmp_path_factory.mktemp("capdata")
-    (out / "images").symlink_to(shapes_dir / "images")
+    hardlink_tree(shapes_dir / "images", out / "images")
     shutil.copy(shapes_dir / "train.jsonl", out / "train.jsonl")
     val = read_jsonl(shapes_dir / "val.jsonl")[:8]
     (out / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in val))

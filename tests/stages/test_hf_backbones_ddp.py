@@ -29,7 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import tiny_overrides
+from tests.conftest import hardlink_tree, tiny_overrides
 from tests.models.test_hf_embedders import (  # noqa: F401  (fixtures)
     _samples,
     clip_dir,
@@ -109,7 +109,7 @@ def small_eval(
         if r["text"] and len(records) < 8:
             records.append(r)
     out = tmp_path_factory.mktemp("small_eval")
-    (out / "images").symlink_to(shapes_dir / "images")
+    hardlink_tree(shapes_dir / "images", out / "images")
     (out / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert len(records) == 8 and sum(len(r["negatives"]) for r in records) >= 8
     return out / "val.jsonl"

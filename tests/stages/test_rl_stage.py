@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO
+from tests.conftest import REPO, hardlink_tree
 from tests.stages.rl_ddp_worker import digest
 from tests.stages.test_caption_stage import caption_overrides
 from vltrain.config import load_config
@@ -33,7 +33,7 @@ WORKER = Path(__file__).with_name("rl_ddp_worker.py")
 def rl_data(shapes_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """32 training records (several captions each) and a 4-image val split."""
     out = tmp_path_factory.mktemp("rldata")
-    (out / "images").symlink_to(shapes_dir / "images")
+    hardlink_tree(shapes_dir / "images", out / "images")
     for split, n in (("train", 32), ("val", 4)):
         lines = (shapes_dir / f"{split}.jsonl").read_text().splitlines()[:n]
         (out / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
