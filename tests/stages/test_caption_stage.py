@@ -135,7 +135,7 @@ def test_finetune_preset_init_from_and_lr_scale(pretrain_run, cap_data: Path, tm
     scales = {n: g["lr_scale"] for g in param_groups(model, cfg.optim) for n in g["names"]}
     assert {s for n, s in scales.items() if n.startswith("vision.")} == {0.1}
     assert {s for n, s in scales.items() if not n.startswith("vision.")} == {1.0}
-    summary = train(cfg)
+    summary = trainer.run()  # the same trainer: its folder already holds the tokenizer
     assert summary["steps"] == 3
     src, final = _weights(Path(pre_cfg.run.out_dir)), _weights(tmp_path / "ft")
     for part in ("vision.", "connector.", "decoder."):
@@ -170,7 +170,7 @@ def test_sft_preset_masks_the_prompt_and_freezes_vision(pretrain_run, cap_data, 
         kept = labels != IGNORE_INDEX
         assert torch.equal(batch["input_ids"][row][kept], labels[kept])
         assert int(kept.sum()) < int(batch["attention_mask"][row].sum()) - 8  # prompt masked
-    summary = train(cfg)
+    summary = trainer.run()  # the same trainer: its folder already holds the tokenizer
     assert "eval_CIDEr-D" in summary["val"]
     src, final = _weights(Path(pre_cfg.run.out_dir)), _weights(tmp_path / "sft")
     assert _same(src, final, "vision.") and not _same(src, final, "decoder.")
