@@ -95,8 +95,17 @@ def write_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
-    torch.save(trainer_state, tmp / "trainer_state.pt")
+    try:
+        save_model(model, str(tmp / "model.safetensors"))
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+    except RuntimeError as e:  # torch reports a full disk as "enforce fail ... PytorchStreamWriter"
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(ckpt_root).free
+        hint = "disk full? " if free < 64 * 2**20 else ""
+        raise CheckpointError(
+            f"cannot write checkpoint {final} ({hint}{free / 2**20:.0f} MiB free): {_short(e)}; "
+            "the previous checkpoints are intact"
+        ) from None
     for name, src in (extra_files or {}).items():
         if src.is_dir():
             shutil.copytree(src, tmp / name)
