@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 
-from vltrain.cli import data_synth
+from vltrain.cli import data_regenerate, data_synth
 
 #: `vltrain data` subcommands, in --help order
-SUBCOMMANDS = (data_synth,)
+SUBCOMMANDS = (data_synth, data_regenerate)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
