@@ -115,5 +115,3 @@ def write_bad_corpus(out_dir: str | os.PathLike[str]) -> Path:
     path = out / "bad.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
     return path
-
-
