@@ -115,3 +115,5 @@ def write_bad_corpus(out_dir: str | os.PathLike[str]) -> Path:
     path = out / "bad.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
     return path
+
+

@@ -123,11 +123,11 @@ def test_train_and_generate_with_the_drafter(lm, answers, tmp_path, capsys) -> N
 
 
 def test_training_tau_equals_decoding_tau_on_the_same_blocks(lm, answers, tmp_path) -> None:  # noqa: ANN001
+    from vltrain.inference.spec_targets import HFTarget, load_hf_causal_lm
     from vltrain.inference.speculative import speculative_generate
     from vltrain.models.drafter import load_drafter
     from vltrain.objectives.drafter import block_labels, block_metrics
     from vltrain.tools.speculate import attach
-    from vltrain.inference.spec_targets import HFTarget, load_hf_causal_lm
 
     _train(lm, answers, tmp_path / "run", "train.max_steps=8", "optim.lr=3e-3")
     model, tok = load_hf_causal_lm(lm)
@@ -215,9 +215,9 @@ def test_features_are_block_outputs(lm) -> None:  # noqa: ANN001
 
 
 def test_configured_gamma_reaches_the_loss(lm, tmp_path) -> None:  # noqa: ANN001
-    from vltrain.config import load_config
-    from tests.stages.test_shipped_presets import build_preset_model
     from tests.config.test_config import PRESETS
+    from tests.stages.test_shipped_presets import build_preset_model
+    from vltrain.config import load_config
 
     preset = next(p for p in PRESETS if p.name == "drafter_smollm2.yaml")
 
