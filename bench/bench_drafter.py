@@ -24,24 +24,53 @@ from pathlib import Path
 
 import torch
 
-PROMPTS = [
-    "Write a short story about a robot who learns to paint.",
-    "Explain photosynthesis simply.",
-    "Give three tips for learning a new language.",
-    "What is the capital of Japan?",
-    "Describe a sunset over the ocean.",
-    "How do vaccines work?",
-    "List five fruits and colors.",
-    "Why is the sky blue?",
-    "Write a haiku about winter.",
-    "Explain what a CPU does.",
-    "What are the benefits of exercise?",
-    "Summarize the water cycle.",
-    "Tell me a fun fact.",
-    "How does a bicycle stay upright?",
-    "What is machine learning?",
-    "Describe your ideal day.",
+TOPICS = [
+    "the moon",
+    "volcanoes",
+    "bees",
+    "rain",
+    "the ocean",
+    "bread",
+    "trains",
+    "music",
+    "maps",
+    "glaciers",
+    "coffee",
+    "owls",
+    "electricity",
+    "deserts",
+    "chess",
+    "gardens",
+    "bicycles",
+    "clouds",
+    "libraries",
+    "rivers",
+    "forests",
+    "tea",
+    "stars",
+    "bridges",
+    "whales",
+    "snow",
+    "computers",
+    "honey",
+    "mountains",
+    "birds",
+    "cities",
+    "wind",
 ]
+TEMPLATES = [
+    "Explain {} in two sentences.",
+    "Write a short poem about {}.",
+    "Give three facts about {}.",
+    "Why do people like {}?",
+]
+HELD_OUT = [
+    "Explain tides in two sentences.",
+    "Write a short poem about lanterns.",
+    "Give three facts about penguins.",
+    "Why do people like puzzles?",
+]
+PROMPTS = [t.format(x) for x in TOPICS for t in TEMPLATES]
 
 
 def gguf_path() -> Path:
@@ -85,6 +114,25 @@ def verify_costs(model, ctx_len: int = 200, reps: int = 5) -> dict:  # noqa: ANN
     }
 
 
+@torch.no_grad()
+def hf_baselines(model, tok, max_new: int) -> dict:  # noqa: ANN001
+    """HF `generate` greedy vs HF prompt-lookup assisted generation (no draft LM is available
+    offline for SmolLM2-135M, the smallest of its family) on the held-out prompts."""
+    from vltrain.data.draft_data import chat_prompt_ids
+
+    out = {}
+    for name, kw in (("hf_greedy", {}), ("hf_prompt_lookup", {"prompt_lookup_num_tokens": 8})):
+        t, n, texts = time.perf_counter(), 0, []
+        for q in HELD_OUT:
+            ids = torch.tensor([chat_prompt_ids(tok, q)])
+            gen = model.generate(ids, max_new_tokens=max_new, do_sample=False, **kw)
+            n += gen.shape[1] - ids.shape[1]
+            texts.append(gen[0, ids.shape[1] :].tolist())
+        out[name] = {"seconds": time.perf_counter() - t, "tokens": n, "ids": texts}
+    out["identical"] = out["hf_greedy"]["ids"] == out["hf_prompt_lookup"]["ids"]
+    return out
+
+
 def predicted_speedup(tau: float, ratio: float, draft_ms: float, step_ms: float) -> float:
     """Tokens per round / (verify cost + draft cost) in units of one target decode step."""
     return tau / (ratio + draft_ms / step_ms)
@@ -96,6 +144,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--prompts", type=int, default=len(PROMPTS))
     p.add_argument("--costs-only", action="store_true")
+    p.add_argument("--max-new", type=int, default=96, help="answer length (regenerate, decode)")
+    p.add_argument("--batch-size", type=int, default=4, help="drafter training batch")
     p.add_argument("--blocks", default="8,16")
     p.add_argument("--gammas", default="4,7,10")
     p.add_argument("--budgets", default="0,16,32,64")
@@ -111,9 +161,9 @@ def main() -> None:
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = (PROMPTS * (args.prompts // len(PROMPTS) + 1))[: args.prompts]
+    prompts = PROMPTS[: args.prompts]
     (out / "prompts.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in prompts))
-    (out / "eval.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in PROMPTS[:4]))
+    (out / "eval.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in HELD_OUT))
     from vltrain.cli import main as cli
 
     g = str(gguf_path())
@@ -212,6 +262,7 @@ def main() -> None:
         ]
     )
     res["target_greedy_s"] = time.perf_counter() - t
+    res["hf"] = hf_baselines(model, tok, args.max_new)
     res["rows"] = rows
     (out / "results.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))

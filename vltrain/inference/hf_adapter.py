@@ -16,7 +16,9 @@ cached + new positions verify a tree or a block; HF uses a 4-D mask as given (no
 padding mask is added), so it must already hide cached padding. Limits: the 4-D mask needs the
 `sdpa` or `eager` attention implementation (not flash / flex) and a text model whose positions
 are (B, K) (M-RoPE models need (C, B, K) ids, built by the caller); `select_cache` supports
-only `DynamicCache` full-attention layers and (B, T) position ids.
+only `DynamicCache` full-attention layers and (B, T) position ids. With
+`output_hidden_states=True` among the static inputs, `prefill` / `verify` keep the forward's
+hidden states in `HFCache.hidden_states` (what a block drafter reads).
 """
 
 from __future__ import annotations
