@@ -95,7 +95,7 @@ def machine() -> dict:
 
 
 @torch.no_grad()
-def verify_costs(model, ctx_len: int = 200, reps: int = 5) -> dict:  # noqa: ANN001
+def verify_costs(model, ctx_len: int = 200, reps: int = 3) -> dict:  # noqa: ANN001
     from transformers import DynamicCache
 
     ids = torch.randint(100, 1000, (1, ctx_len))
