@@ -75,8 +75,15 @@ def _train(lm, answers, out, *extra) -> dict:  # noqa: ANN001
     return next(r for r in reversed(rows) if "eval_tau" in r)
 
 
-def test_train_and_generate_with_the_drafter(lm, answers, tmp_path, capsys) -> None:  # noqa: ANN001
-    m = _train(lm, answers, tmp_path / "run")
+@pytest.fixture(scope="module")
+def trained(lm, answers, tmp_path_factory) -> tuple[Path, dict]:  # noqa: ANN001
+    """One short drafter run shared by the tests below (6 steps, lr 3e-3)."""
+    run = tmp_path_factory.mktemp("drafter") / "run"
+    return run, _train(lm, answers, run, "optim.lr=3e-3")
+
+
+def test_train_and_generate_with_the_drafter(lm, answers, trained, tmp_path, capsys) -> None:  # noqa: ANN001
+    run, m = trained
     for key in (
         "eval_tau",
         "eval_tau_target",
@@ -109,7 +116,7 @@ def test_train_and_generate_with_the_drafter(lm, answers, tmp_path, capsys) -> N
                     "--max-new-tokens",
                     "16",
                     "--draft",
-                    str(tmp_path / "run"),
+                    str(run),
                     "--tree-budget",
                     budget,
                     "--stats",
@@ -122,16 +129,15 @@ def test_train_and_generate_with_the_drafter(lm, answers, tmp_path, capsys) -> N
         assert json.loads(stats.read_text())["tau"] >= 1.0
 
 
-def test_training_tau_equals_decoding_tau_on_the_same_blocks(lm, answers, tmp_path) -> None:  # noqa: ANN001
+def test_training_tau_equals_decoding_tau_on_the_same_blocks(lm, trained) -> None:  # noqa: ANN001
     from vltrain.inference.spec_targets import HFTarget, load_hf_causal_lm
     from vltrain.inference.speculative import speculative_generate
     from vltrain.models.drafter import load_drafter
     from vltrain.objectives.drafter import block_labels, block_metrics
     from vltrain.tools.speculate import attach
 
-    _train(lm, answers, tmp_path / "run", "train.max_steps=8", "optim.lr=3e-3")
     model, tok = load_hf_causal_lm(lm)
-    drafter, _ = load_drafter(tmp_path / "run")
+    drafter, _ = load_drafter(trained[0])
     target = HFTarget(model, drafter.cfg.target_layer_ids)
     attach(drafter, target)
     from vltrain.data.draft_data import chat_prompt_ids
