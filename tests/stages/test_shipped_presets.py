@@ -23,6 +23,8 @@ PIPELINES = ("pipeline.yaml", "quickstart_pipeline.yaml")  # lists of stages, no
 MODEL_PRESETS = [p for p in PRESETS if p.name not in PIPELINES]
 HF_FIXTURE = {"hf_clip.yaml": "clip_dir", "hf_siglip.yaml": "siglip_dir"}
 # the tiny Qwen2-VL stands in for the preset's VLM; its width (32) caps the matryoshka dims
+# the drafter presets train against a captioner run / a tiny random HF LM instead of the real ones
+DRAFTER_TARGET = {"drafter.yaml": "caption_run", "drafter_smollm2.yaml": "tiny_lm_dir"}
 VLM = {"vlm_embed.yaml": {"model.matryoshka_dims": "[8]", "data.max_visual_tokens": 4}}
 
 
@@ -49,6 +51,13 @@ def caption_run(shapes_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     preset = next(p for p in PRESETS if p.name == "caption_finetune.yaml")
     assert main(["train", str(preset), *[f"{k}={v}" for k, v in over.items()]]) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.stages.drafter_fixtures import tiny_lm
+
+    return tiny_lm(tmp_path_factory.mktemp("tiny_lm"))
 
 
 def build_preset_model(cfg, out_dir: Path) -> nn.Module:  # noqa: ANN001 (a Config)
@@ -80,6 +89,8 @@ def test_every_shipped_preset_builds_its_model(
     }
     if preset.name == "rl.yaml":
         over["model.init_from"] = request.getfixturevalue("caption_run")
+    if preset.name in DRAFTER_TARGET:
+        over["model.target"] = request.getfixturevalue(DRAFTER_TARGET[preset.name])
     if preset.name in HF_FIXTURE:
         over["model.path"] = request.getfixturevalue(HF_FIXTURE[preset.name])
     if preset.name in VLM:

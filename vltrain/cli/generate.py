@@ -10,7 +10,8 @@ from vltrain.cli.options import non_negative_int, path_arg, positive_int
 def add_parser(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser(
         "generate",
-        help="caption images with a trained captioner checkpoint",
+        help="caption images with a trained captioner (or complete prompts with an HF LM), "
+        "optionally with a drafter (speculative decoding)",
         description="Rebuild the model from the config.yaml of the run that owns CHECKPOINT, "
         "load its weights and tokenizer, and print (or --out) one JSON line per image: "
         '{"image": ..., "caption": ...}.',
@@ -22,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def add_generate_options(p: argparse.ArgumentParser) -> None:
     """Arguments of `vltrain generate`; numbers are checked here, by the parser."""
     p.add_argument(
-        "--checkpoint", required=True, type=path_arg, help="run dir, checkpoints/ or step folder"
+        "--checkpoint", default="", help="captioner run dir, checkpoints/ or step folder"
     )
     p.add_argument("--images", nargs="*", default=[], help="image files to caption")
     p.add_argument("--eval-data", default="", help="instead: score BLEU/CIDEr-D on a caption file")
@@ -38,6 +39,13 @@ def add_generate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out", type=path_arg, default=None, help="write JSON lines here instead of stdout"
     )
+    p.add_argument("--draft", default="", help="drafter run/checkpoint: speculative decoding")
+    p.add_argument(
+        "--tree-budget", type=non_negative_int, default=0, help="DDTree nodes (0: chain verify)"
+    )
+    p.add_argument("--model", default="", help="instead: an HF causal LM dir or .gguf file")
+    p.add_argument("--prompts", default="", help="--model: prompts JSONL ({'prompt'} per line)")
+    p.add_argument("--stats", default="", help="--draft: write acceptance statistics here")
 
 
 def run(args: argparse.Namespace) -> int:

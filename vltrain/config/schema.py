@@ -164,6 +164,11 @@ class ModelConfig:
         [],
         "Captioner parts to freeze (no gradient, no optimizer state): vision, connector, decoder.",
     )
+    target: str = option(
+        "",
+        "Drafter stage: the frozen target, a caption run / checkpoint (model.kind=captioner) or "
+        "a local HF causal-LM directory or .gguf file (model.kind=hf_lm).",
+    )
     init_from: str = option(
         "",
         "Start from these weights (a run dir, its checkpoints/ or a checkpoint folder; the best "
@@ -434,10 +439,52 @@ class RLConfig:
 
 
 @dataclass
+class DrafterConfig:
+    block_size: int = option(8, "Drafter: positions per block (anchor + block_size - 1).", ge=2)
+    layers: int = option(1, "Drafter: decoder layers.", ge=1)
+    heads: int = option(0, "Drafter: attention heads (0: width // 64, at least 2).", ge=0)
+    mlp_ratio: float = option(2.0, "Drafter: SwiGLU hidden size / width.", gt=0.0)
+    target_layers: int = option(
+        3, "Drafter: target layers read (evenly spaced over [1, L-3], DFlash's rule).", ge=1
+    )
+    layer_ids: list[int] = option([], "Drafter: explicit target layer ids (overrides the rule).")
+    gamma: float = option(
+        0.0,
+        "Drafter: position-weight decay w_k = exp(-(k-1)/gamma); 0 derives it from block_size "
+        "(8 -> 4, 16 -> 7; objectives.drafter.default_gamma). 10 suits tree deployment.",
+        ge=0.0,
+    )
+    dpace: float = option(
+        0.0, "Drafter: D-PACE alpha (0: off; 0.5 as in the paper).", ge=0.0, le=1.0
+    )
+    soft_labels: bool = option(False, "Drafter: CE against the target's own distribution.")
+    anchors: int = option(64, "Drafter: anchors sampled per training sequence (0: all).", ge=0)
+    chunk_blocks: int = option(
+        32, "Drafter: blocks per loss chunk (checkpointed; memory flat in anchors).", ge=1
+    )
+    eval_prompts: int = option(
+        16,
+        "Drafter eval: held-out prompts decoded speculatively with the target (tau_decode).",
+        ge=0,
+    )
+    eval_max_new_tokens: int = option(48, "Drafter eval: new tokens per decoded prompt.", ge=1)
+    eval_tree_budget: int = option(
+        0, "Drafter eval: also decode with a DDTree of this many nodes (0: chain only).", ge=0
+    )
+    min_label_agreement: float = option(
+        0.95,
+        "Drafter: flag (eval_labels_not_target=1 and a warning) when fewer supervised labels "
+        "than this equal the target's greedy token: training tau then is not deployment tau.",
+        ge=0.0,
+        le=1.0,
+    )
+
+
+@dataclass
 class Config:
     stage: str = option(
         "contrastive",
-        "Stage registry key (vltrain.stages.STAGES): contrastive, caption, rl.",
+        "Stage registry key (vltrain.stages.STAGES): contrastive, caption, rl, drafter.",
     )
     run: RunConfig = section(RunConfig, "Run directory, seed, device and precision.")
     data: DataConfig = section(DataConfig, "Records, batching and decoding.")
@@ -449,6 +496,7 @@ class Config:
     tune: TuneConfig = section(TuneConfig, "Hyperparameter search (`vltrain tune`).")
     caption: CaptionConfig = section(CaptionConfig, "Caption stage: mode, prompts, eval decoding.")
     rl: RLConfig = section(RLConfig, "RL stage (REINFORCE on the captioner): sampling, reward.")
+    drafter: DrafterConfig = section(DrafterConfig, "Drafter stage: block drafter, loss, eval.")
 
 
 def validate_cross_fields(cfg: Config) -> None:

@@ -16,7 +16,9 @@ cached + new positions verify a tree or a block; HF uses a 4-D mask as given (no
 padding mask is added), so it must already hide cached padding. Limits: the 4-D mask needs the
 `sdpa` or `eager` attention implementation (not flash / flex) and a text model whose positions
 are (B, K) (M-RoPE models need (C, B, K) ids, built by the caller); `select_cache` supports
-only `DynamicCache` full-attention layers and (B, T) position ids.
+only `DynamicCache` full-attention layers and (B, T) position ids. With
+`output_hidden_states=True` among the static inputs, `prefill` / `verify` keep the forward's
+hidden states in `HFCache.hidden_states` (what a block drafter reads).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class HFCache:
     kv: Any  # transformers.Cache (B, H, T, Dh) per layer
     attention_mask: Tensor | None  # (B, T) or None when there is no padding
     position_ids: Tensor | None  # (B, 1) or (C, B, 1): position of the last fed token
+    hidden_states: tuple[Tensor, ...] | None = None  # the last call's, with output_hidden_states
 
 
 class HFDecodeAdapter:
@@ -101,7 +104,8 @@ class HFDecodeAdapter:
         cache = DynamicCache(config=self.model.config.get_text_config(decoder=True))
         out = self._forward(input_ids, kv_mask, positions, cache, kwargs)
         last_pos = None if positions is None else positions[..., -1:]
-        return out.logits[:, -1].float(), HFCache(out.cache, kv_mask, last_pos)
+        hidden = getattr(out, "hidden_states", None)
+        return out.logits[:, -1].float(), HFCache(out.cache, kv_mask, last_pos, hidden)
 
     def step(self, tokens: Tensor, cache: HFCache) -> tuple[Tensor, HFCache]:
         """Feed one token per row (B,); returns next-token logits (B, V) float32."""
@@ -140,7 +144,8 @@ class HFDecodeAdapter:
         extra = {kk: v for kk, v in self.static_inputs.items() if kk not in _PREFILL_ONLY}
         out = self._forward(tokens, fed_mask, position_ids, cache.kv, extra, keep=k)
         last = None if position_ids is None else position_ids[..., -1:]
-        return out.logits[:, -k:].float(), HFCache(out.cache, mask2d, last)
+        hidden = getattr(out, "hidden_states", None)
+        return out.logits[:, -k:].float(), HFCache(out.cache, mask2d, last, hidden)
 
     def crop_cache(self, cache: HFCache, n: int) -> HFCache:
         """Keep the first `n` cached positions (in place on the KV tensors).

@@ -14,12 +14,14 @@ from vltrain.config.schema import Config, load_config
 from vltrain.engine.task import check_stage
 from vltrain.stages.caption import CaptionStage
 from vltrain.stages.contrastive import ContrastiveStage
+from vltrain.stages.drafter import DrafterStage
 from vltrain.stages.rl import RLStage
 
 STAGES: dict[str, type] = {
     "contrastive": ContrastiveStage,
     "caption": CaptionStage,
     "rl": RLStage,
+    "drafter": DrafterStage,
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,16 @@ def score_records(
 def generate_command(args: Any) -> int:
     """`vltrain generate`: caption image files (JSON lines), or score a caption file."""
     torch.manual_seed(args.seed)
+    if args.model:
+        from vltrain.tools.speculate import lm_command
+
+        if not args.prompts:
+            raise ConfigError("vltrain generate --model needs --prompts FILE.jsonl")
+        return lm_command(args)
+    if not args.checkpoint:
+        raise ConfigError("vltrain generate needs --checkpoint (a captioner) or --model (an LM)")
+    if args.draft and args.strategy != "greedy":
+        raise ConfigError("--draft decodes greedily (lossless); drop --strategy")
     if bool(args.images) == bool(args.eval_data):
         raise ConfigError("vltrain generate needs exactly one of --images or --eval-data")
     if args.out:
@@ -101,6 +112,12 @@ def generate_command(args: Any) -> int:
     prompt = chat.encode_prompt(tok, generation_prompt(cfg, args.prompt))
     paths = list(args.images)
     rows: dict[int, dict[str, str]] = {}
+    drafter, stats, t0 = None, [], time.perf_counter()
+    if args.draft:
+        from vltrain.models.drafter import load_drafter
+        from vltrain.tools.speculate import caption_speculative, report
+
+        drafter, _ = load_drafter(args.draft)
     for start in range(0, len(paths), args.batch_size):
         good, images = [], []
         for i in range(start, min(start + args.batch_size, len(paths))):
@@ -111,15 +128,20 @@ def generate_command(args: Any) -> int:
                 rows[i] = {"image": paths[i], "error": e.reason, "detail": e.detail}
         if not good:
             continue
-        caps = decode_captions(
-            model,
-            tok,
-            torch.stack(images),
-            [prompt] * len(good),
-            strategy=args.strategy,
-            num_beams=args.beams,
-            max_new_tokens=args.max_new_tokens,
-        )
+        if drafter is not None:
+            caps = caption_speculative(
+                model, tok, torch.stack(images), prompt, args, drafter, stats
+            )
+        else:
+            caps = decode_captions(
+                model,
+                tok,
+                torch.stack(images),
+                [prompt] * len(good),
+                strategy=args.strategy,
+                num_beams=args.beams,
+                max_new_tokens=args.max_new_tokens,
+            )
         rows.update({i: {"image": paths[i], "caption": c} for i, c in zip(good, caps, strict=True)})
     lines = [json.dumps(rows[i]) for i in range(len(paths))]
     text = "\n".join(lines) + "\n"
@@ -128,4 +150,7 @@ def generate_command(args: Any) -> int:
         print(f"wrote {len(lines)} captions to {args.out}", file=sys.stderr)
     else:
         sys.stdout.write(text)
+    if drafter is not None:
+        n_tok = sum(len(tok.encode(r.get("caption", ""))) for r in rows.values())
+        report(stats, time.perf_counter() - t0, n_tok, args.stats)
     return 0

@@ -1,0 +1,55 @@
+"""Shared pieces of the speculative-decoding tests: tiny targets, drafters, an oracle drafter."""
+
+from __future__ import annotations
+
+import torch
+
+from vltrain.inference.decoding import generate
+from vltrain.models.drafter import Drafter, DrafterConfig, SharedParts
+
+
+def random_drafter(target, block_size: int = 4, seed: int = 0) -> Drafter:  # noqa: ANN001
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(
+        width=target.width,
+        vocab_size=target.vocab_size,
+        target_layer_ids=target.layer_ids,
+        heads=2,
+        block_size=block_size,
+    )
+    return Drafter(cfg).share(SharedParts(target.embed, target.head)).eval()
+
+
+def greedy_reference(model, inputs: dict, max_new: int) -> list[list[int]]:  # noqa: ANN001
+    out = generate(model, inputs, "greedy", max_new_tokens=max_new)
+    return [s[: int(n)].tolist() for s, n in zip(out.sequences, out.lengths, strict=True)]
+
+
+def oracle_draft(
+    refs: list[list[int]], first_pos: list[int], vocab: int, p_top: float, seed: int = 0
+):  # noqa: ANN201
+    """A stand-in for `speculative._draft` that knows the target's greedy continuation.
+
+    Slot k of the block rooted at position p proposes ref[p - first_pos + k] as its top token
+    with probability p_top, else as its second (a random token ranks first): chains accept
+    often, trees (which hold second choices) accept more.
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def draft(drafter, ctx, root, anchor):  # noqa: ANN001, ANN202
+        k = drafter.cfg.block_size - 1
+        logits = torch.randn(len(root), k, vocab, generator=g)
+        for i in range(len(root)):
+            base = int(anchor[i]) - first_pos[i]
+            for s in range(k):
+                j = base + 1 + s
+                if j >= len(refs[i]):
+                    continue
+                true = refs[i][j]
+                logits[i, s, true] = 8.0
+                if float(torch.rand((), generator=g)) > p_top:
+                    wrong = (true + 1 + int(torch.randint(vocab - 1, (), generator=g))) % vocab
+                    logits[i, s, wrong] = 9.0
+        return torch.log_softmax(logits, -1)
+
+    return draft

@@ -1,0 +1,191 @@
+"""Speculative decoding with a block drafter: lossless greedy (chain and DDTree) on the
+built-in captioner (batched, both connectors) and tiny random HF Llama / Qwen2; tree walk vs a
+reference walk on random trees; the sampling rule against the target's own distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.inference import spec_helpers as H
+from vltrain.inference import speculative as S
+from vltrain.inference.spec_targets import CaptionerTarget, HFTarget
+from vltrain.models.captioner import Captioner
+
+transformers = pytest.importorskip("transformers")
+from vltrain.inference.hf_adapter import HFDecodeAdapter  # noqa: E402
+
+V, PAD, BOS, EOS = 96, 0, 1, 2
+BUDGETS = (0, 4, 12)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def hf_model(arch: str, tmp_path, scale: float = 1.0):  # noqa: ANN001, ANN201
+    torch.manual_seed(0)
+    dims = dict(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+    )
+    cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM
+    cfg = (transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config)(**dims)
+    cls(cfg).save_pretrained(tmp_path)
+    model = cls.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    if scale != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(scale)
+    return model
+
+
+def prompts(b: int = 3) -> dict:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.cat([torch.full((b, 1), BOS), torch.randint(3, V, (b, 6), generator=g)], 1)
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = PAD, 0  # row 1 left-padded
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def hf_target(request, tmp_path_factory):  # noqa: ANN001, ANN201
+    model = hf_model(request.param, tmp_path_factory.mktemp(request.param))
+    return HFTarget(model, [0, 1])
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_hf_greedy_is_lossless(hf_target, budget, monkeypatch) -> None:  # noqa: ANN001
+    inputs = prompts()
+    ref = H.greedy_reference(HFDecodeAdapter(hf_target.model), inputs, 24)
+    drafter = H.random_drafter(hf_target)
+    out, _ = S.speculative_generate(hf_target, drafter, inputs, 24, tree_budget=budget)
+    assert out == ref
+    first = inputs["attention_mask"].sum(1).tolist()  # position of the first new token
+    monkeypatch.setattr(S, "_draft", H.oracle_draft(ref, first, V, 0.7))
+    out, stats = S.speculative_generate(hf_target, drafter, inputs, 24, tree_budget=budget)
+    assert out == ref and stats.tau > 1.5  # long accepted paths exercise the compaction
+
+
+def _captioner(connector: str) -> Captioner:
+    torch.manual_seed(0)
+    opts = {"pool": 2} if connector == "projector" else {"n_latents": 4}
+    m = Captioner.from_config(
+        vocab_size=V, connector=connector, connector_options=opts, max_text_len=40
+    )
+    return m.eval()
+
+
+@pytest.mark.parametrize("connector", ["projector", "gated_xattn"])
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_captioner_batched_greedy_is_lossless(connector, budget, monkeypatch) -> None:  # noqa: ANN001
+    model = _captioner(connector)
+    target = CaptionerTarget(model, [0, 1])
+    images = torch.rand(4, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[PAD, BOS], [BOS, 5], [PAD, BOS], [BOS, 7]])
+    inputs = {"images": images, "input_ids": ids, "attention_mask": (ids != PAD).long()}
+    ref = H.greedy_reference(model, inputs, 20)
+    drafter = H.random_drafter(target)
+    assert S.speculative_generate(target, drafter, inputs, 20, tree_budget=budget)[0] == ref
+    prefix = model.connector.num_prefix_tokens() if model.connector.uses_prefix else 0
+    first = (prefix + inputs["attention_mask"].sum(1)).tolist()
+    monkeypatch.setattr(S, "_draft", H.oracle_draft(ref, first, V, 0.7))
+    out, stats = S.speculative_generate(target, drafter, inputs, 20, tree_budget=budget)
+    assert out == ref and stats.tau > 1.5
+
+
+def test_tree_accepts_at_least_the_chain_on_every_prompt(hf_target, monkeypatch) -> None:  # noqa: ANN001
+    inputs = prompts(4)
+    ref = H.greedy_reference(HFDecodeAdapter(hf_target.model), inputs, 40)
+    first = inputs["attention_mask"].sum(1).tolist()
+    drafter = H.random_drafter(hf_target, block_size=6)
+    taus = {}
+    for budget in (0, 16):
+        monkeypatch.setattr(S, "_draft", H.oracle_draft(ref, first, V, 0.6, seed=1))
+        out, stats = S.speculative_generate(hf_target, drafter, inputs, 40, tree_budget=budget)
+        assert out == ref
+        taus[budget] = stats.row_tau()
+    assert all(t >= c for t, c in zip(taus[16], taus[0], strict=True)), taus
+    assert sum(taus[16]) >= 1.2 * sum(taus[0]), taus
+
+
+def _reference_walk(tokens, parents, choose):  # noqa: ANN001, ANN202
+    """The parent-based oracle: scan all nodes for a child of the current node with the
+    target's token (first in node order), as a brute-force reference."""
+    path, node = [], -1
+    while True:
+        want = choose(node)
+        kids = [i for i in range(len(tokens)) if parents[i] == node and tokens[i] == want]
+        if not kids:
+            return path, want
+        path.append(kids[0])
+        node = kids[0]
+
+
+def test_tree_walk_matches_a_reference_walk_on_random_trees() -> None:
+    g = torch.Generator().manual_seed(0)
+    lengths = []
+    for _ in range(200):
+        n = int(torch.randint(1, 24, (), generator=g))
+        parents = [int(torch.randint(-1, i, (), generator=g)) if i else -1 for i in range(n)]
+        tokens = torch.randint(0, 4, (n,), generator=g).tolist()
+        choice = torch.randint(0, 4, (n + 1,), generator=g).tolist()
+        got = S.accept_walk(
+            torch.tensor(tokens), torch.tensor(parents), lambda x, c=choice: c[x + 1]
+        )
+        assert got == _reference_walk(tokens, parents, lambda x, c=choice: c[x + 1])
+        lengths.append(len(got[0]))
+    assert max(lengths) >= 3  # the walks went deep, not only root misses
+
+
+def test_ddtree_is_prefix_closed_and_holds_the_chain() -> None:
+    logq = torch.log_softmax(torch.randn(5, 30, generator=torch.Generator().manual_seed(0)), -1)
+    tokens, parents = S.ddtree(logq, 16)
+    assert len(tokens) == 16 and all(p < i for i, p in enumerate(parents.tolist()))
+    chain, _ = S.chain_tree(logq)
+    assert tokens[:5].tolist() == chain.tolist() and parents[:5].tolist() == [-1, 0, 1, 2, 3]
+    seen = {(int(p), int(t)) for p, t in zip(parents, tokens, strict=True)}
+    assert len(seen) == 16  # no duplicate child
+
+
+def _spec_sample_counts(target, drafter, n: int, accept_all: bool, monkeypatch) -> torch.Tensor:  # noqa: ANN001
+    if accept_all:  # the bug: drafts kept whatever the target thinks
+        monkeypatch.setattr(S, "rejection_step", lambda p, q, x, g: x)
+    ids = torch.tensor([[BOS, 5, 9]]).expand(n, -1)
+    gen = torch.Generator().manual_seed(0)
+    out, _ = S.speculative_generate(
+        target, drafter, {"input_ids": ids}, 3, sample=True, generator=gen
+    )
+    pairs = torch.tensor([r[1] for r in out])  # the second token: a drafted one
+    return torch.bincount(pairs, minlength=V).double()
+
+
+def test_sampling_follows_the_target_distribution(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    model = hf_model("llama", tmp_path, scale=25.0)  # a peaked target, far from the drafter
+    target = HFTarget(model, [0, 1])
+    drafter = H.random_drafter(target, block_size=3)
+    ids = torch.tensor([[BOS, 5, 9]])
+    with torch.no_grad():
+        p1 = torch.softmax(model(ids).logits[0, -1].float(), -1)  # (V,)
+        nxt = torch.cat([ids.expand(V, -1), torch.arange(V)[:, None]], 1)
+        p2 = torch.softmax(model(nxt).logits[:, -1].float(), -1)  # (V, V)
+    exact = p1 @ p2  # the target's distribution of its second token
+    n = 3000
+    tv = {}
+    for bug in (False, True):
+        counts = _spec_sample_counts(target, drafter, n, bug, monkeypatch)
+        tv[bug] = 0.5 * float((counts / n - exact).abs().sum())
+    # 3000 draws over ~a dozen likely tokens: sampling noise in TV is ~0.03
+    assert tv[False] < 0.06, tv
+    assert tv[True] > 3 * tv[False] and tv[True] > 0.1, tv

@@ -1,0 +1,34 @@
+"""`vltrain data regenerate`: the target answers a dataset's prompts (drafter training data)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser(
+        "regenerate",
+        help="make a target model answer a dataset's prompts (drafter training data)",
+        description="Batched, greedy or sampled, resumable (ids already in --out are skipped), "
+        "sharded over ranks (OUT.rank{r}). --model: an HF causal LM dir or .gguf and a prompts "
+        'JSONL ({"prompt"}); --checkpoint: a captioner run and caption records.',
+    )
+    s.add_argument("--data", required=True, help="prompts JSONL (--model) or caption records")
+    s.add_argument("--out", required=True, help="output JSONL (appended to when resuming)")
+    s.add_argument("--model", default="", help="HF causal LM directory or .gguf file")
+    s.add_argument("--checkpoint", default="", help="captioner run dir or checkpoint")
+    s.add_argument("--strategy", default="greedy", choices=("greedy", "sample"))
+    s.add_argument("--temperature", type=float, default=1.0)
+    s.add_argument("--max-new-tokens", type=int, default=128)
+    s.add_argument("--batch-size", type=int, default=8)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--rank", type=int, default=0, help="this shard (or RANK of torchrun)")
+    s.add_argument("--world-size", type=int, default=1, help="shards (or WORLD_SIZE)")
+    s.set_defaults(fn=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vltrain.tools.regenerate import regenerate
+
+    regenerate(args)
+    return 0

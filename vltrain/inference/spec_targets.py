@@ -1,0 +1,266 @@
+"""Targets of speculative decoding and drafter training: the built-in captioner, HF causal LMs.
+
+A ``SpecTarget`` is a frozen model seen the way a block drafter needs it:
+
+- ``prefill(**inputs)`` -> next-token logits (B, V), the cache, and ``Context`` features of the
+  prompt (the outputs of ``layer_ids`` blocks, concatenated: (B, S, F), F = n * W);
+- ``verify(tokens, parents, cache)`` feeds a tree of nodes (a chain is the tree
+  ``parents = [-1, 0, 1, ...]``) after the cache in one forward, with the ancestor-only mask
+  and positions by depth; returns logits (B, N, V), the cache with all N nodes, and their
+  features (B, N, F) and positions (B, N);
+- ``keep(cache, index, valid)`` compacts the cache to the accepted path (``select_cache``);
+- ``embed`` / ``head``: the frozen token embedding and LM head the drafter shares;
+- ``features(...)``: the same features for whole training sequences (no cache).
+
+Features are read *after* block i: vltrain's ``DecoderOutput.taps[i]``, HF's
+``hidden_states[i + 1]`` (index 0 holds the embeddings).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from vltrain.inference.hf_adapter import HFCache, HFDecodeAdapter
+from vltrain.models.captioner import Captioner, CaptionerCache
+from vltrain.models.layers import tree_depths, tree_mask
+from vltrain.models.text import mask_positions
+
+
+@dataclass
+class Context:
+    """Target features of some positions, with their positions and realness."""
+
+    features: Tensor  # (B, S, F)
+    positions: Tensor  # (B, S) long
+    valid: Tensor  # (B, S) bool
+
+    def extend(self, other: Context) -> Context:
+        """Append positions (along S)."""
+        return Context(
+            torch.cat([self.features, other.features], 1),
+            torch.cat([self.positions, other.positions], 1),
+            torch.cat([self.valid, other.valid], 1),
+        )
+
+
+class SpecTarget(Protocol):
+    """What speculative decoding and the drafter stage need from a frozen target."""
+
+    eos_token_id: int
+    pad_token_id: int
+    num_layers: int
+    width: int
+    vocab_size: int
+    layer_ids: list[int]
+
+    def prefill(self, **inputs: Any) -> tuple[Tensor, Any, Context]: ...
+
+    def verify(
+        self, tokens: Tensor, parents: Tensor, cache: Any
+    ) -> tuple[Tensor, Any, Context]: ...
+
+    def keep(self, cache: Any, index: Tensor, valid: Tensor) -> Any: ...
+
+    def next_positions(self, cache: Any) -> Tensor: ...
+
+    def embed(self, ids: Tensor) -> Tensor: ...
+
+    def head(self, hidden: Tensor) -> Tensor: ...
+
+
+def _concat(taps: dict[int, Tensor] | tuple[Tensor, ...], ids: list[int], offset: int) -> Tensor:
+    return torch.cat([taps[i + offset] for i in ids], dim=-1)  # (B, S, n * W)
+
+
+class CaptionerTarget:
+    """The built-in captioner (either connector) as a speculative-decoding target.
+
+    The context includes the visual prefix positions of a ``projector`` captioner (image tokens
+    are in the decoder context); drafting is text only.
+    """
+
+    def __init__(self, model: Captioner, layer_ids: list[int]) -> None:
+        self.model = model.eval()
+        dec = model.decoder
+        self.num_layers, self.width = len(dec.blocks), dec.width
+        self.vocab_size = dec.cfg.vocab_size
+        self.layer_ids = list(layer_ids)
+        self.eos_token_id, self.pad_token_id = model.eos_token_id, model.pad_token_id
+        self.bos_token_id = model.bos_token_id
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return self.model.decoder.token_embed(ids)
+
+    def head(self, hidden: Tensor) -> Tensor:
+        return self.model.decoder.logits(hidden)
+
+    def _run(self, visual, ids, mask, kv, pos=None, attn=None):  # noqa: ANN001, ANN202
+        m = self.model
+        return m.connector.run(
+            m.decoder,
+            visual,
+            ids,
+            mask,
+            kv,
+            True,
+            position_ids=pos,
+            attn_mask=attn,
+            taps=self.layer_ids,
+        )
+
+    @torch.no_grad()
+    def features(self, images: Tensor, input_ids: Tensor, attention_mask: Tensor):
+        """(Context over prefix + text positions, text logits (B, T, V), prefix length P)."""
+        visual = self.model.encode_images(images)
+        out = self._run(visual, input_ids, attention_mask.bool(), None)
+        full = out.cache.mask  # (B, P + T)
+        p = full.shape[1] - input_ids.shape[1]
+        ctx = Context(_concat(out.taps, self.layer_ids, 0), mask_positions(full), full)
+        return ctx, self.model.decoder.logits(out.hidden[:, p:]).float(), p
+
+    @torch.no_grad()
+    def prefill(self, images: Tensor, input_ids: Tensor, attention_mask: Tensor):
+        """Left-padded prompts after the images: logits (B, V), cache, prompt context."""
+        visual = self.model.encode_images(images)
+        out = self._run(visual, input_ids, attention_mask.bool(), None)
+        full = out.cache.mask
+        ctx = Context(_concat(out.taps, self.layer_ids, 0), mask_positions(full), full)
+        keep = None if self.model.connector.uses_prefix else visual
+        logits = self.model.decoder.logits(out.hidden[:, -1]).float()
+        return logits, CaptionerCache(kv=out.cache, visual=keep), ctx
+
+    @torch.no_grad()
+    def verify(self, tokens: Tensor, parents: Tensor, cache: CaptionerCache):
+        kv = cache.kv
+        pos = kv.next_positions()[:, None] + tree_depths(parents)  # (B, N)
+        attn = tree_mask(parents, kv.length, key_mask=kv.mask)
+        ones = torch.ones_like(tokens, dtype=torch.bool)
+        out = self._run(cache.visual, tokens, ones, kv, pos, attn)
+        logits = self.model.decoder.logits(out.hidden).float()  # (B, N, V)
+        ctx = Context(_concat(out.taps, self.layer_ids, 0), pos, ones)
+        return logits, CaptionerCache(kv=out.cache, visual=cache.visual), ctx
+
+    def keep(self, cache: CaptionerCache, index: Tensor, valid: Tensor) -> CaptionerCache:
+        return self.model.select_cache(cache, index, valid)
+
+    def next_positions(self, cache: CaptionerCache) -> Tensor:
+        return cache.kv.next_positions()
+
+
+class HFTarget:
+    """An HF causal LM (Llama, Qwen2, Qwen3, ... with (B, T) positions) as a target.
+
+    Verification passes a 4-D ancestor mask, so the model must use ``sdpa`` or ``eager``
+    attention (see ``HFDecodeAdapter``); the cache must be a full-attention ``DynamicCache``.
+    """
+
+    def __init__(self, model: Any, layer_ids: list[int], **token_ids: int) -> None:
+        self.model = model.eval()
+        self.adapter = HFDecodeAdapter(model, output_hidden_states=True, **token_ids)
+        text = model.config.get_text_config(decoder=True)
+        self.num_layers, self.width = text.num_hidden_layers, text.hidden_size
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.layer_ids = list(layer_ids)
+        self.eos_token_id = self.adapter.eos_token_id
+        self.pad_token_id = self.adapter.pad_token_id
+        self.bos_token_id = self.adapter.bos_token_id
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return self.model.get_input_embeddings()(ids)
+
+    def head(self, hidden: Tensor) -> Tensor:
+        return self.model.get_output_embeddings()(hidden)
+
+    @torch.no_grad()
+    def features(self, input_ids: Tensor, attention_mask: Tensor):
+        """(Context of every position, logits (B, T, V), prefix length 0) of right-padded rows."""
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True
+        )
+        mask = attention_mask.bool()
+        ctx = Context(_concat(out.hidden_states, self.layer_ids, 1), mask_positions(mask), mask)
+        return ctx, out.logits.float(), 0
+
+    @torch.no_grad()
+    def prefill(self, input_ids: Tensor, attention_mask: Tensor | None = None):
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        logits, cache = self.adapter.prefill(input_ids=input_ids, attention_mask=attention_mask)
+        mask = attention_mask.bool()
+        feats = _concat(cache.hidden_states, self.layer_ids, 1)
+        cache.hidden_states = None
+        return logits, cache, Context(feats, mask_positions(mask), mask)
+
+    def _key_mask(self, cache: HFCache) -> Tensor:
+        n = cache.kv.get_seq_length()
+        if cache.attention_mask is None:
+            return torch.ones(cache.position_ids.shape[0], n, dtype=torch.bool)
+        return cache.attention_mask.bool()
+
+    def next_positions(self, cache: HFCache) -> Tensor:
+        return cache.position_ids[:, 0] + 1
+
+    @torch.no_grad()
+    def verify(self, tokens: Tensor, parents: Tensor, cache: HFCache):
+        key_mask = self._key_mask(cache).to(tokens.device)
+        pos = self.next_positions(cache)[:, None] + tree_depths(parents)  # (B, N)
+        attn = tree_mask(parents, key_mask.shape[1], key_mask=key_mask)
+        logits, cache = self.adapter.verify(tokens, cache, position_ids=pos, attention_mask=attn)
+        feats = _concat(cache.hidden_states, self.layer_ids, 1)
+        cache.hidden_states = None
+        ones = torch.ones_like(tokens, dtype=torch.bool)
+        return logits, cache, Context(feats, pos, ones)
+
+    def keep(self, cache: HFCache, index: Tensor, valid: Tensor) -> HFCache:
+        return self.adapter.select_cache(cache, index, valid)
+
+
+def load_hf_causal_lm(path: str | Path, attn: str = "sdpa") -> tuple[Any, Any]:
+    """(model in eval mode, tokenizer) of a local HF directory or a ``.gguf`` file, offline.
+
+    A GGUF file is dequantised to fp32 by transformers (needs the ``gguf`` package).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"target model {p} does not exist (a local HF dir or .gguf file)")
+    kw: dict[str, Any] = {"local_files_only": True}
+    where = p
+    if p.suffix == ".gguf":
+        where, kw["gguf_file"] = p.parent, p.name
+    tok = AutoTokenizer.from_pretrained(where, **kw)
+    model = AutoModelForCausalLM.from_pretrained(
+        where, dtype=torch.float32, attn_implementation=attn, **kw
+    )
+    return model.eval(), tok
+
+
+def load_captioner(path: str | Path) -> tuple[Captioner, Any, Any]:
+    """(captioner in eval mode, its tokenizer, its run config) of a caption/rl run or checkpoint."""
+    from vltrain.config.core import ConfigError
+    from vltrain.config.schema import load_config
+    from vltrain.data.tokenizer import TextTokenizer
+    from vltrain.engine.checkpoint import load_weights, resolve_checkpoint
+    from vltrain.models.backbones import build_captioner
+
+    ckpt = resolve_checkpoint(path)
+    cfg_path = next(
+        (q / "config.yaml" for q in (ckpt, *ckpt.parents[:3]) if (q / "config.yaml").is_file()),
+        None,
+    )
+    if cfg_path is None:
+        raise FileNotFoundError(f"no config.yaml above {ckpt}: pass a caption run or checkpoint")
+    cfg = load_config(cfg_path)
+    if cfg.stage not in ("caption", "rl"):
+        raise ConfigError(f"model.target {path} is a '{cfg.stage}' run, not a caption or rl run")
+    tok = TextTokenizer.load(ckpt / "tokenizer")
+    model = build_captioner(cfg, tok)
+    load_weights(model, ckpt)
+    model.requires_grad_(False)
+    return model.eval(), tok, cfg

@@ -1,0 +1,276 @@
+"""Speculative decoding with a block drafter: chain and DDTree tree verification, batched.
+
+One round per row: the drafter reads the target's features of every accepted position and
+proposes a block after the last accepted token (the root, already emitted but not yet fed to the
+target); the proposal is a chain (the drafter's argmax per slot) or a DDTree (arXiv 2604.12989:
+best-first over the per-slot log-probabilities under a node budget, seeded with the argmax
+chain so it never holds less than the chain). The target scores root + nodes in ONE forward
+under the ancestor-only mask with positions by depth; the walk follows the target's own choice
+from the root while it matches a child; the cache and the drafter context are compacted to the
+accepted path. Emitted tokens are the accepted nodes plus the target's next token, cut at EOS
+and ``max_new_tokens``: never filtered by value.
+
+Greedy output equals the target's own greedy decoding token for token (lossless). Sampling
+(chain only) uses the standard rejection rule: accept draft x with probability
+``min(1, p(x) / q(x))``, else sample from ``norm(max(p - q, 0))``; the output is distributed as
+the target's own samples.
+
+tau (``SpecStats.tau``) = mean over rounds of accepted draft tokens + 1, the convention of DFlash
+and DDTree; ``tokens_per_round`` counts what was emitted after EOS / length cuts.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from vltrain.inference.spec_targets import Context, SpecTarget
+from vltrain.models.drafter import Drafter
+
+
+@dataclass
+class SpecStats:
+    """Acceptance statistics of one speculative run, per row."""
+
+    accepted: list[list[int]] = field(default_factory=list)
+    """Per row, per round: accepted draft tokens + 1."""
+    anchors: list[list[int]] = field(default_factory=list)
+    """Per row, per round: position of the round's root (the block anchor)."""
+    target_calls: int = 0
+    """Target forwards (prefill + verifications)."""
+
+    @property
+    def rounds(self) -> int:
+        return sum(len(a) for a in self.accepted)
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length over all rounds of all rows."""
+        return sum(map(sum, self.accepted)) / max(self.rounds, 1)
+
+    def row_tau(self) -> list[float]:
+        return [sum(a) / max(len(a), 1) for a in self.accepted]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tau": self.tau,
+            "rounds": self.rounds,
+            "target_calls": self.target_calls,
+            "row_tau": self.row_tau(),
+        }
+
+
+def chain_tree(logq: Tensor) -> tuple[Tensor, Tensor]:
+    """The argmax chain of per-slot log-probs (D, V): tokens (D,), parents [-1, 0, 1, ...]."""
+    d = logq.shape[0]
+    return logq.argmax(-1), torch.arange(-1, d - 1, device=logq.device)
+
+
+def ddtree(logq: Tensor, budget: int, chain_first: bool = True) -> tuple[Tensor, Tensor]:
+    """Best-first tree of ``budget`` nodes over per-slot log-probs (D, V).
+
+    A node's score is the sum of log q over its path (slots are independent given the context,
+    as in a DFlash block). Each pop adds a node and pushes its next sibling and first child, so
+    the tree is prefix-closed and topologically ordered. With ``chain_first`` the argmax chain
+    (min(D, budget) nodes) is placed first. Returns tokens (N,) and parents (N,) (-1 = root).
+    """
+    depth = logq.shape[0]
+    width = min(budget, logq.shape[1])
+    vals, idx = logq.float().topk(width, dim=-1)  # (D, width)
+    vals, idx = vals.tolist(), idx.tolist()
+    tokens: list[int] = []
+    parents: list[int] = []
+    # children[(parent, rank)] -> node, to skip ranks the chain already placed
+    placed: dict[tuple[int, int], int] = {}
+    if chain_first:
+        for d in range(min(depth, budget)):
+            placed[(d - 1, 0)] = d
+            tokens.append(idx[d][0])
+            parents.append(d - 1)
+    heap: list[tuple[float, int, int, int, float]] = [(-vals[0][0], 0, 0, -1, 0.0)]
+    # entries: (-score, depth, rank, parent node, parent score)
+    while heap and len(tokens) < budget:
+        neg, d, r, parent, pscore = heapq.heappop(heap)
+        node = placed.get((parent, r))
+        if node is None:
+            node = len(tokens)
+            tokens.append(idx[d][r])
+            parents.append(parent)
+        if r + 1 < width:
+            heapq.heappush(heap, (-(pscore + vals[d][r + 1]), d, r + 1, parent, pscore))
+        if d + 1 < depth:
+            heapq.heappush(heap, (-(-neg + vals[d + 1][0]), d + 1, 0, node, -neg))
+        placed[(parent, r)] = node
+    # chain nodes have (parent, rank 0) keys keyed by depth-1 parent: children of chain nodes
+    return torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long)
+
+
+def accept_walk(tokens: Tensor, parents: Tensor, choose) -> tuple[list[int], int]:  # noqa: ANN001
+    """Follow the target from the root: ``choose(node)`` -> its token after node (-1 = root).
+
+    Returns the accepted node indices (root excluded) and the target's token after the last.
+    """
+    children: dict[tuple[int, int], int] = {}
+    for i, (t, p) in enumerate(zip(tokens.tolist(), parents.tolist(), strict=True)):
+        children.setdefault((p, t), i)
+    path, node = [], -1
+    while True:
+        nxt = choose(node)
+        child = children.get((node, nxt))
+        if child is None:
+            return path, nxt
+        path.append(child)
+        node = child
+
+
+def rejection_step(p: Tensor, q: Tensor, x: int, gen: torch.Generator | None) -> int | None:
+    """Standard speculative sampling: keep draft x ~ q with prob min(1, p(x)/q(x)); else None."""
+    u = torch.rand((), generator=gen, device=p.device)
+    if float(u) * float(q[x]) <= float(p[x]):
+        return x
+    return None
+
+
+def residual_sample(p: Tensor, q: Tensor, gen: torch.Generator | None) -> int:
+    """A sample from norm(max(p - q, 0)) (p itself if the residual vanishes)."""
+    r = (p - q).clamp(min=0)
+    r = p if float(r.sum()) <= 0 else r
+    return int(torch.multinomial(r / r.sum(), 1, generator=gen))
+
+
+@dataclass
+class _Rows:
+    """Per-row decoding state."""
+
+    out: list[list[int]]
+    done: list[bool]
+
+
+def _draft(drafter: Drafter, ctx: Context, root: Tensor, anchor_pos: Tensor) -> Tensor:
+    """Per-slot draft log-probs (B, K - 1, V) of the block after each row's root."""
+    h = drafter(ctx.features, ctx.positions, ctx.valid, root[:, None], anchor_pos[:, None])
+    logits = drafter.logits(h[:, 0, 1:]).float()  # (B, K - 1, V)
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _proposals(logq: Tensor, budget: int, sample: bool, gen) -> tuple[Tensor, Tensor]:  # noqa: ANN001
+    """Tokens and parents (B, N) of every row's proposal (chain or tree)."""
+    rows = []
+    for lq in logq:
+        if sample:
+            toks = torch.multinomial(lq.exp(), 1, generator=gen)[:, 0]
+            rows.append((toks, torch.arange(-1, len(toks) - 1)))
+        elif budget > 0:
+            rows.append(ddtree(lq, budget))
+        else:
+            rows.append(chain_tree(lq))
+    return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+
+
+@torch.no_grad()
+def speculative_generate(
+    target: SpecTarget,
+    drafter: Drafter,
+    inputs: dict[str, Any],
+    max_new_tokens: int = 32,
+    tree_budget: int = 0,
+    sample: bool = False,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[list[list[int]], SpecStats]:
+    """Decode every row of ``inputs`` (as ``target.prefill`` takes them) with the drafter.
+
+    ``tree_budget`` 0 verifies the chain of the block's K - 1 slots; N > 0 a DDTree of N
+    nodes. Returns the new tokens per row (EOS included) and the acceptance statistics.
+    """
+    if sample and tree_budget:
+        raise ValueError("sampling verifies a chain; use tree_budget=0 with sample=True")
+    eos = target.eos_token_id
+    logits, cache, ctx = target.prefill(**inputs)
+    stats = SpecStats(target_calls=1)
+    b = logits.shape[0]
+    stats.accepted, stats.anchors = [[] for _ in range(b)], [[] for _ in range(b)]
+    root = _pick(logits, sample, temperature, generator)  # (B,)
+    rows = _Rows([[int(t)] for t in root], [int(t) == eos or max_new_tokens <= 1 for t in root])
+    while not all(rows.done):
+        anchor = target.next_positions(cache).to(root.device)  # (B,)
+        logq = _draft(drafter, ctx, root, anchor)
+        toks, parents = _proposals(logq, tree_budget, sample, generator)
+        fed = torch.cat([root[:, None], toks.to(root.device)], 1)  # (B, 1 + N)
+        fed_par = torch.cat([torch.full_like(parents[:, :1], -1), parents + 1], 1)
+        fed_par[:, 1:] = fed_par[:, 1:].masked_fill(parents < 0, 0)
+        n_old = _cache_len(cache)
+        tlogits, cache, new_ctx = target.verify(fed, fed_par.to(root.device), cache)
+        stats.target_calls += 1
+        paths, nxt = [], []
+        for i in range(b):
+            path, bonus = _walk_row(i, fed, fed_par, tlogits, logq, sample, temperature, generator)
+            paths.append(path)
+            nxt.append(bonus)
+            if not rows.done[i]:
+                stats.accepted[i].append(len(path))
+                stats.anchors[i].append(int(anchor[i]))
+                _emit(rows, i, [int(fed[i, n]) for n in path[1:]] + [bonus], eos, max_new_tokens)
+        cache, ctx = _compact(target, cache, n_old, ctx, new_ctx, paths)
+        root = torch.tensor(nxt, dtype=torch.long, device=root.device)
+    return rows.out, stats
+
+
+def _pick(logits: Tensor, sample: bool, temperature: float, gen) -> Tensor:  # noqa: ANN001
+    if not sample:
+        return logits.argmax(-1)
+    return torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)[:, 0]
+
+
+def _walk_row(i, fed, fed_par, tlogits, logq, sample, temperature, gen):  # noqa: ANN001, ANN202
+    """Accepted fed indices of row i (root first) and the target's token after them."""
+    if not sample:
+        choice = tlogits[i].argmax(-1).tolist()  # (1 + N,)
+        path, bonus = accept_walk(fed[i, 1:], fed_par[i, 1:] - 1, lambda n: choice[n + 1])
+        return [0] + [n + 1 for n in path], bonus
+    path = [0]
+    for k in range(1, fed.shape[1]):  # a chain: node k is slot k - 1
+        p = torch.softmax(tlogits[i, k - 1] / temperature, -1)
+        q = logq[i, k - 1].exp()
+        if rejection_step(p, q, int(fed[i, k]), gen) is None:
+            return path, residual_sample(p, q, gen)
+        path.append(k)
+    p = torch.softmax(tlogits[i, path[-1]] / temperature, -1)
+    return path, int(torch.multinomial(p, 1, generator=gen))
+
+
+def _emit(rows: _Rows, i: int, new: list[int], eos: int, max_new: int) -> None:
+    """Append accepted tokens to row i, stopping at EOS or the length limit (never by value)."""
+    for t in new:
+        if rows.done[i]:
+            return
+        rows.out[i].append(t)
+        rows.done[i] = t == eos or len(rows.out[i]) >= max_new
+
+
+def _compact(target, cache, n_old: int, ctx: Context, new_ctx: Context, paths):  # noqa: ANN001, ANN202
+    """Keep the ``n_old`` cached positions and each row's accepted path; extend the context."""
+    width = max(len(p) for p in paths)
+    dev = new_ctx.features.device
+    idx = torch.zeros(len(paths), width, dtype=torch.long, device=dev)
+    valid = torch.zeros(len(paths), width, dtype=torch.bool, device=dev)
+    for i, p in enumerate(paths):
+        idx[i, : len(p)] = torch.tensor(p, device=dev)
+        valid[i, : len(p)] = True
+    keep_idx = torch.cat([torch.arange(n_old, device=dev).expand(len(paths), -1), n_old + idx], 1)
+    keep_valid = torch.cat([torch.ones(len(paths), n_old, dtype=torch.bool, device=dev), valid], 1)
+    cache = target.keep(cache, keep_idx, keep_valid)
+    g = idx[:, :, None].expand(-1, -1, new_ctx.features.shape[-1])
+    add = Context(new_ctx.features.gather(1, g), new_ctx.positions.gather(1, idx), valid)
+    return cache, ctx.extend(add)
+
+
+def _cache_len(cache) -> int:  # noqa: ANN001
+    kv = getattr(cache, "kv", cache)
+    if hasattr(kv, "length"):
+        return int(kv.length)
+    return int(kv.get_seq_length())

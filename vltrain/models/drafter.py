@@ -1,0 +1,266 @@
+"""A DFlash-style block drafter (arXiv 2602.06036) for speculative decoding.
+
+Shapes: B rows, S context positions of the target, J blocks per row, K = block_size positions
+per block, N = J * K draft queries, W the target's width, F = n_taps * W target features.
+
+The drafter reads the frozen target's hidden states at ``n`` layers (``target_layer_ids``),
+concatenated (B, S, F), projected by ``fc`` and normalised (``hidden_norm``); in every draft
+layer these context states are keys and values next to the block's own. A block is the last
+accepted token (the anchor, at position p) followed by K - 1 mask positions; its queries see
+the target context strictly before p and their whole block (bidirectional), never another
+block (``draft_attention_mask``). The token embeddings and the LM head are the target's, shared
+and frozen: the drafter holds them by reference (``SharedParts``), so they are neither in its
+state dict, nor in the optimizer, nor in a DDP wrapper.
+
+Mask positions get a learned embedding chosen *by position* (k > 0), never by token value, so
+an anchor equal to ``mask_token_id`` stays itself (the z-lab #73 class of bug).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class DrafterConfig:
+    """Dimensions of a drafter; ``width`` and ``vocab_size`` are the target's."""
+
+    width: int
+    """Hidden size (the target's: embeddings and LM head are shared)."""
+    vocab_size: int
+    """The target's vocabulary."""
+    target_layer_ids: list[int]
+    """Target blocks whose outputs (after the block) feed the drafter."""
+    layers: int = 1
+    """Draft decoder layers."""
+    heads: int = 4
+    """Attention heads of a draft layer; must divide width."""
+    mlp_ratio: float = 2.0
+    """SwiGLU hidden size as a multiple of width."""
+    block_size: int = 8
+    """Positions per block (anchor + block_size - 1 drafted tokens)."""
+    rope_theta: float = 10000.0
+    """RoPE base of the draft attention."""
+    mask_token_id: int = 0
+    """Token id whose embedding initialises the learned mask embedding (any id is safe)."""
+
+    def __post_init__(self) -> None:
+        if self.width % self.heads or (self.width // self.heads) % 2:
+            raise ValueError(
+                f"drafter width {self.width} must split into {self.heads} heads of even size"
+            )
+        if self.block_size < 2:
+            raise ValueError(f"drafter block_size must be >= 2, got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ValueError("drafter needs at least one target layer id")
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able dict (saved beside every drafter checkpoint)."""
+        return asdict(self)
+
+
+def target_layer_ids(num_layers: int, n: int) -> list[int]:
+    """DFlash's convention: ``n`` target blocks evenly spaced over [1, L - 3] ([L // 2] for one).
+
+    Shallow targets (L < 5) fall back to evenly spaced blocks over [0, L - 1]. The drafter
+    reads each block's *output* (HF ``hidden_states[i + 1]``; vltrain ``DecoderOutput.taps[i]``).
+    """
+    if n < 1 or num_layers < 1:
+        raise ValueError(f"need n >= 1 target layers of a >= 1-layer target, got {n}, {num_layers}")
+    if n == 1:
+        return [num_layers // 2]
+    lo, hi = (1, num_layers - 3) if num_layers >= 5 else (0, num_layers - 1)
+    if hi - lo + 1 < n:
+        raise ValueError(f"cannot space {n} distinct layers over a {num_layers}-layer target")
+    return [int(round(lo + i * (hi - lo) / (n - 1))) for i in range(n)]
+
+
+def draft_attention_mask(
+    anchor_pos: Tensor, ctx_pos: Tensor, ctx_valid: Tensor, block_size: int
+) -> Tensor:
+    """Bool (B, 1, N, S + N) mask, True = attend, for J blocks of ``block_size`` queries.
+
+    ``anchor_pos`` (B, J) positions of the anchors, ``ctx_pos`` / ``ctx_valid`` (B, S) the
+    positions and realness of the context. A query of block j sees a context key iff the key
+    is real and its *position* is strictly below anchor j (positions, not block ids: dense,
+    overlapping anchors must not leak context), and every key of block j, none of another.
+    """
+    b, j = anchor_pos.shape
+    n = j * block_size
+    ctx = ctx_valid[:, None, :] & (ctx_pos[:, None, :] < anchor_pos[:, :, None])  # (B, J, S)
+    ctx = ctx.repeat_interleave(block_size, dim=1)  # (B, N, S)
+    blk = torch.arange(n, device=anchor_pos.device) // block_size  # (N,)
+    own = (blk[:, None] == blk[None, :]).expand(b, n, n)  # (B, N, N)
+    return torch.cat([ctx, own], dim=2)[:, None]  # (B, 1, N, S + N)
+
+
+def rotate(x: Tensor, pos: Tensor, theta: float) -> Tensor:
+    """RoPE (half-split) of x (B, H, T, Dh) at integer positions pos (B, T)."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)  # (Dh/2,)
+    ang = pos.float()[:, None, :, None] * freq  # (B, 1, T, Dh/2)
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm layer whose attention keys/values are [context states; the block's own]."""
+
+    def __init__(self, width: int, heads: int, mlp_ratio: float, theta: float) -> None:
+        super().__init__()
+        self.heads, self.theta = heads, theta
+        self.norm1, self.norm2 = nn.RMSNorm(width), nn.RMSNorm(width)
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width, bias=False) for _ in range(4))
+        hidden = int(width * mlp_ratio)
+        self.gate, self.up = nn.Linear(width, hidden, bias=False), nn.Linear(width, hidden, False)
+        self.down = nn.Linear(hidden, width, bias=False)
+
+    def _heads(self, x: Tensor) -> Tensor:
+        b, t, w = x.shape
+        return x.view(b, t, self.heads, w // self.heads).transpose(1, 2)  # (B, H, T, Dh)
+
+    def forward(self, x: Tensor, ctx: Tensor, pos: Tensor, ctx_pos: Tensor, mask: Tensor) -> Tensor:
+        """x (B, N, W) block states, ctx (B, S, W) context states -> (B, N, W)."""
+        h = self.norm1(x)
+        kv_in = torch.cat([ctx, h], dim=1)  # (B, S + N, W)
+        kv_pos = torch.cat([ctx_pos, pos], dim=1)  # (B, S + N)
+        q = rotate(self._heads(self.q(h)), pos, self.theta)
+        k = rotate(self._heads(self.k(kv_in)), kv_pos, self.theta)
+        v = self._heads(self.v(kv_in))
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, N, Dh)
+        x = x + self.o(att.transpose(1, 2).flatten(2))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+@dataclass
+class SharedParts:
+    """The target's frozen token embedding and LM head, used by the drafter by reference."""
+
+    embed: Callable[[Tensor], Tensor]
+    """Token ids (B, T) -> embeddings (B, T, W)."""
+    head: Callable[[Tensor], Tensor]
+    """Hidden states (..., W) -> logits (..., V)."""
+
+
+class Drafter(nn.Module):
+    """The draft network: ``fc`` + ``hidden_norm`` over target features, N layers, a norm."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        n_feat = len(cfg.target_layer_ids) * cfg.width
+        self.fc = nn.Linear(n_feat, cfg.width, bias=False)
+        self.hidden_norm = nn.RMSNorm(cfg.width)
+        self.mask_embed = nn.Parameter(torch.zeros(cfg.width))
+        self.layers = nn.ModuleList(
+            DraftLayer(cfg.width, cfg.heads, cfg.mlp_ratio, cfg.rope_theta)
+            for _ in range(cfg.layers)
+        )
+        self.norm = nn.RMSNorm(cfg.width)
+        for mod in self.modules():
+            if isinstance(mod, nn.Linear):
+                nn.init.normal_(mod.weight, std=1 / math.sqrt(mod.in_features))
+        self._shared: SharedParts | None = None
+
+    def share(self, parts: SharedParts) -> Drafter:
+        """Attach the target's embeddings and LM head (not registered: never saved/trained)."""
+        object.__setattr__(self, "_shared", parts)
+        return self
+
+    @property
+    def shared(self) -> SharedParts:
+        if self._shared is None:
+            raise RuntimeError("drafter has no target parts: call drafter.share(SharedParts(...))")
+        return self._shared
+
+    def init_mask_embed(self) -> None:
+        """Start the mask embedding at the target's embedding of ``mask_token_id``."""
+        ids = torch.tensor([[self.cfg.mask_token_id]], device=self.mask_embed.device)
+        with torch.no_grad():
+            self.mask_embed.copy_(self.shared.embed(ids)[0, 0].float())
+
+    def block_inputs(self, anchor_ids: Tensor) -> Tensor:
+        """Anchors (B, J) -> block input states (B, J * K, W): anchor, then K - 1 mask slots."""
+        b, j = anchor_ids.shape
+        k = self.cfg.block_size
+        emb = self.shared.embed(anchor_ids).to(self.mask_embed.dtype)  # (B, J, W)
+        x = self.mask_embed.expand(b, j, k, -1).clone()  # (B, J, K, W)
+        x[:, :, 0] = emb  # by position: slot 0 is the anchor whatever its id
+        return x.flatten(1, 2)
+
+    def context(self, features: Tensor) -> Tensor:
+        """Target features (B, S, F) -> context states (B, S, W)."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def forward(
+        self,
+        features: Tensor,
+        ctx_pos: Tensor,
+        ctx_valid: Tensor,
+        anchor_ids: Tensor,
+        anchor_pos: Tensor,
+        mask_fn: Callable[..., Tensor] = draft_attention_mask,
+    ) -> Tensor:
+        """Final draft states (B, J, K, W) of J blocks per row.
+
+        ``features`` (B, S, F) at positions ``ctx_pos`` (B, S) (``ctx_valid`` marks real ones);
+        ``anchor_ids`` / ``anchor_pos`` (B, J) the anchors. Slot k of block j is at position
+        ``anchor_pos + k`` and predicts the token there.
+        """
+        k = self.cfg.block_size
+        ctx = self.context(features)  # (B, S, W)
+        x = self.block_inputs(anchor_ids)  # (B, N, W)
+        offs = torch.arange(k, device=anchor_pos.device)
+        pos = (anchor_pos[:, :, None] + offs).flatten(1)  # (B, N)
+        mask = mask_fn(anchor_pos, ctx_pos, ctx_valid, k)
+        for layer in self.layers:
+            x = layer(x, ctx, pos, ctx_pos, mask)
+        return self.norm(x).view(*anchor_ids.shape, k, -1)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Draft states (..., W) -> logits (..., V) through the target's LM head."""
+        return self.shared.head(hidden)
+
+
+DRAFTER_FILE = "drafter.json"
+"""Written beside ``model.safetensors`` in every drafter checkpoint: config + target."""
+
+
+def save_drafter_meta(folder: Path, cfg: DrafterConfig, target: dict) -> None:
+    """Write the drafter's config and its target (kind, path) into a checkpoint folder."""
+    (Path(folder) / DRAFTER_FILE).write_text(
+        json.dumps({"drafter": cfg.to_dict(), "target": target}, indent=2)
+    )
+
+
+def load_drafter(path: str | Path) -> tuple[Drafter, dict]:
+    """(drafter in eval mode, its target dict) of a drafter run or checkpoint folder.
+
+    The weights are the ``drafter.*`` entries of the checkpoint's ``model.safetensors`` (the
+    stage trains ``BlockDraftLoss``, which holds the drafter); the caller attaches the target's
+    shared parts with ``drafter.share``.
+    """
+    from safetensors.torch import load_file
+
+    from vltrain.engine.checkpoint import resolve_checkpoint
+
+    ckpt = resolve_checkpoint(path)
+    meta_path = ckpt / DRAFTER_FILE
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{ckpt} holds no {DRAFTER_FILE}: not a drafter checkpoint")
+    meta = json.loads(meta_path.read_text())
+    drafter = Drafter(DrafterConfig(**meta["drafter"]))
+    state = load_file(str(ckpt / "model.safetensors"))
+    own = {k.removeprefix("drafter."): v for k, v in state.items() if k.startswith("drafter.")}
+    drafter.load_state_dict(own, strict=True)
+    return drafter.eval(), meta["target"]

@@ -1,0 +1,131 @@
+"""`vltrain data regenerate`: make the target answer a dataset's prompts (drafter training data).
+
+A drafter must predict the target, not the dataset: this writes the target's own answers.
+
+- HF causal LM (``--model DIR_OR_GGUF``): prompts JSONL (``{"prompt", "id"?}``) -> one line per
+  prompt ``{"id", "prompt", "completion", "completion_ids"}`` (the exact generated ids, EOS
+  included when generated), the prompt wrapped in the tokenizer's chat template.
+- Captioner (``--checkpoint RUN``): caption records -> ``{"id", "image", "text"}`` with the
+  target's caption; written next to the source file so image paths stay valid.
+
+Batched (left-padded prompts), greedy or sampled (``--strategy sample``, seeded per record so a
+resumed or sharded run draws the same answers). Resumable: ids already in the output are
+skipped and new lines are appended (each flushed). Sharded: with ``--world-size W`` (or the
+RANK / WORLD_SIZE of torchrun) rank r answers records r, r + W, ... into ``OUT.rank{r}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vltrain.config.core import ConfigError
+from vltrain.data.draft_data import chat_prompt_ids, read_prompts
+from vltrain.inference.captioning import decode_captions, left_pad
+from vltrain.inference.decoding import generate
+from vltrain.inference.hf_adapter import HFDecodeAdapter
+from vltrain.inference.spec_targets import load_captioner, load_hf_causal_lm
+
+
+def _done_ids(out: Path) -> set[str]:
+    if not out.is_file():
+        return set()
+    ids = set()
+    for line in out.read_text().splitlines():
+        try:
+            ids.add(str(json.loads(line)["id"]))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line cut by a kill: answered again
+    return ids
+
+
+def _shard(out: Path, rank: int, world: int) -> Path:
+    return out if world == 1 else out.with_name(f"{out.name}.rank{rank}")
+
+
+def _answer_lm(model: Any, tok: Any, recs: list[dict], args: Any) -> list[dict]:
+    adapter = HFDecodeAdapter(model, pad_token_id=tok.pad_token_id or tok.eos_token_id)
+    ids, mask = left_pad([chat_prompt_ids(tok, r["prompt"]) for r in recs], adapter.pad_token_id)
+    g = torch.Generator().manual_seed(
+        args.seed * 1_000_003 + zlib.crc32(str(recs[0]["id"]).encode())
+    )
+    out = generate(
+        adapter,
+        {"input_ids": ids, "attention_mask": mask},
+        args.strategy,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        generator=g,
+    )
+    rows = []
+    for r, seq, n in zip(recs, out.sequences, out.lengths, strict=True):
+        comp = seq[: int(n)].tolist()
+        text = tok.decode(comp, skip_special_tokens=True)
+        rows.append(
+            {"id": r["id"], "prompt": r["prompt"], "completion": text, "completion_ids": comp}
+        )
+    return rows
+
+
+def regenerate(args: Any) -> int:
+    """Answer every record not yet in the output; returns how many were written now."""
+    rank = int(os.environ.get("RANK", args.rank))
+    world = int(os.environ.get("WORLD_SIZE", args.world_size))
+    out = _shard(Path(args.out), rank, world)
+    done = _done_ids(out)
+    if bool(args.model) == bool(args.checkpoint):
+        raise ConfigError("vltrain data regenerate needs exactly one of --model or --checkpoint")
+    if args.model:
+        model, tok = load_hf_causal_lm(args.model)
+        recs = read_prompts(args.data)
+    else:
+        model, tok, cfg = load_captioner(args.checkpoint)
+        if Path(args.out).resolve().parent != Path(args.data).resolve().parent:
+            raise ConfigError(
+                "captioner regenerate writes next to --data (image paths are relative)"
+            )
+        recs = [json.loads(x) for x in Path(args.data).read_text().splitlines() if x.strip()]
+        for i, r in enumerate(recs):
+            r.setdefault("id", str(i))
+    todo = [r for i, r in enumerate(recs) if i % world == rank and str(r["id"]) not in done]
+    torch.manual_seed(args.seed)
+    with out.open("a") as f:
+        for lo in range(0, len(todo), args.batch_size):
+            batch = todo[lo : lo + args.batch_size]
+            rows = (
+                _answer_lm(model, tok, batch, args)
+                if args.model
+                else _answer_captions(model, tok, cfg, batch, args)
+            )
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+            f.flush()
+    print(f"regenerated {len(todo)} records into {out} ({len(done)} were there)", file=sys.stderr)
+    return len(todo)
+
+
+def _answer_captions(model: Any, tok: Any, cfg: Any, recs: list[dict], args: Any) -> list[dict]:
+    from vltrain.data.images import load_image
+
+    folder = Path(args.data).resolve().parent
+    images = torch.stack([load_image(str(folder / r["image"]), cfg.data.image_size) for r in recs])
+    prompt = [tok.bos_id] + (tok.encode(cfg.caption.prompt) if cfg.caption.prompt else [])
+    g = torch.Generator().manual_seed(args.seed)
+    caps = decode_captions(
+        model,
+        tok,
+        images,
+        [prompt] * len(recs),
+        strategy=args.strategy,
+        max_new_tokens=args.max_new_tokens,
+        generator=g,
+    )
+    return [
+        {"id": r["id"], "image": r["image"], "text": c} for r, c in zip(recs, caps, strict=True)
+    ]

@@ -1,0 +1,128 @@
+"""`vltrain generate --draft`: speculative decoding with a trained drafter, and causal-LM prompts.
+
+The drafter checkpoint (``drafter.json`` + weights) names its target; the command's own target
+(``--checkpoint`` captioner or ``--model`` causal LM) must have the drafter's width and
+vocabulary. Output lines equal the plain greedy command's; acceptance statistics go to stderr or
+``--stats FILE`` (JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vltrain.config.core import ConfigError
+from vltrain.data.draft_data import chat_prompt_ids, read_prompts
+from vltrain.inference.captioning import left_pad
+from vltrain.inference.decoding import generate
+from vltrain.inference.hf_adapter import HFDecodeAdapter
+from vltrain.inference.spec_targets import CaptionerTarget, HFTarget, load_hf_causal_lm
+from vltrain.inference.speculative import SpecStats, speculative_generate
+from vltrain.models.drafter import Drafter, SharedParts, load_drafter
+
+
+def attach(drafter: Drafter, target: Any) -> Drafter:
+    """Share the target's embeddings and head; refuse a drafter made for another model."""
+    c = drafter.cfg
+    if (c.width, c.vocab_size) != (target.width, target.vocab_size) or max(
+        c.target_layer_ids
+    ) >= target.num_layers:
+        raise ConfigError(
+            f"the drafter (width {c.width}, vocab {c.vocab_size}, layers {c.target_layer_ids}) "
+            f"was not trained for this target (width {target.width}, vocab "
+            f"{target.vocab_size}, {target.num_layers} layers)"
+        )
+    return drafter.share(SharedParts(target.embed, target.head))
+
+
+def report(stats: list[SpecStats], seconds: float, tokens: int, path: str) -> None:
+    """Acceptance statistics as JSON on stderr, or into ``path``."""
+    acc = [a for s in stats for a in s.accepted]
+    rounds = sum(len(a) for a in acc)
+    out = {
+        "tau": sum(map(sum, acc)) / max(rounds, 1),
+        "rounds": rounds,
+        "target_calls": sum(s.target_calls for s in stats),
+        "new_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": tokens / max(seconds, 1e-9),
+        "row_tau": [t for s in stats for t in s.row_tau()],
+    }
+    text = json.dumps(out)
+    if path:
+        Path(path).write_text(text + "\n")
+    else:
+        print(text, file=sys.stderr)
+
+
+def caption_speculative(
+    model: Any,
+    tok: Any,
+    images: torch.Tensor,
+    prompt: list[int],
+    args: Any,
+    drafter: Drafter,
+    stats: list[SpecStats],
+) -> list[str]:
+    """Greedy captions of a batch of images through the drafter (== plain greedy captions)."""
+    target = CaptionerTarget(model, drafter.cfg.target_layer_ids)
+    attach(drafter, target)
+    ids, mask = left_pad([prompt] * len(images), tok.pad_id)
+    room = model.max_text_len - ids.shape[1] - drafter.cfg.block_size
+    if room < 1:
+        raise ConfigError("the prompt leaves no room for a draft block in the decoder context")
+    rows, st = speculative_generate(
+        target,
+        drafter,
+        {"images": images, "input_ids": ids, "attention_mask": mask},
+        max_new_tokens=min(args.max_new_tokens, room),
+        tree_budget=args.tree_budget,
+    )
+    stats.append(st)
+    eos = tok.eos_id
+    return tok.decode_batch([r[: r.index(eos) + 1] if eos in r else r for r in rows])
+
+
+def lm_command(args: Any) -> int:
+    """``--model DIR_OR_GGUF --prompts FILE.jsonl [--draft D] [--tree-budget N]``."""
+    model, tok = load_hf_causal_lm(args.model)
+    recs = read_prompts(args.prompts)
+    drafter = None
+    if args.draft:
+        drafter, _ = load_drafter(args.draft)
+        target = HFTarget(model, drafter.cfg.target_layer_ids)
+        attach(drafter, target)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    adapter = HFDecodeAdapter(model, pad_token_id=pad)
+    lines, stats, n_tok, t0 = [], [], 0, time.perf_counter()
+    bs = 1 if drafter is not None and args.batch_size <= 0 else max(1, args.batch_size)
+    for lo in range(0, len(recs), bs):
+        batch = recs[lo : lo + bs]
+        ids, mask = left_pad([chat_prompt_ids(tok, r["prompt"]) for r in batch], pad)
+        inputs = {"input_ids": ids, "attention_mask": mask}
+        if drafter is None:
+            out = generate(adapter, inputs, "greedy", max_new_tokens=args.max_new_tokens)
+            rows = [s[: int(n)].tolist() for s, n in zip(out.sequences, out.lengths, strict=True)]
+        else:
+            rows, st = speculative_generate(
+                target, drafter, inputs, args.max_new_tokens, tree_budget=args.tree_budget
+            )
+            stats.append(st)
+        for r, comp in zip(batch, rows, strict=True):
+            n_tok += len(comp)
+            text = tok.decode(comp, skip_special_tokens=True)
+            lines.append(json.dumps({"id": r["id"], "prompt": r["prompt"], "completion": text}))
+    seconds = time.perf_counter() - t0
+    text = "\n".join(lines) + "\n"
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        sys.stdout.write(text)
+    if drafter is not None:
+        report(stats, seconds, n_tok, args.stats)
+    return 0
