@@ -23,7 +23,10 @@ PIPELINES = ("pipeline.yaml", "quickstart_pipeline.yaml")  # lists of stages, no
 MODEL_PRESETS = [p for p in PRESETS if p.name not in PIPELINES]
 HF_FIXTURE = {"hf_clip.yaml": "clip_dir", "hf_siglip.yaml": "siglip_dir"}
 # the tiny Qwen2-VL stands in for the preset's VLM; its width (32) caps the matryoshka dims
-VLM = {"vlm_embed.yaml": {"model.matryoshka_dims": "[8]", "data.max_visual_tokens": 4}}
+VLM = {
+    "vlm_embed.yaml": {"model.matryoshka_dims": "[8]", "data.max_visual_tokens": 4},
+    "qwen3vl_embed_pages.yaml": {"data.max_visual_tokens": 4},
+}
 
 
 @pytest.fixture(scope="module")
