@@ -25,7 +25,10 @@ HF_FIXTURE = {"hf_clip.yaml": "clip_dir", "hf_siglip.yaml": "siglip_dir"}
 # the tiny Qwen2-VL stands in for the preset's VLM; its width (32) caps the matryoshka dims
 # the drafter presets train against a captioner run / a tiny random HF LM instead of the real ones
 DRAFTER_TARGET = {"drafter.yaml": "caption_run", "drafter_smollm2.yaml": "tiny_lm_dir"}
-VLM = {"vlm_embed.yaml": {"model.matryoshka_dims": "[8]", "data.max_visual_tokens": 4}}
+VLM = {
+    "vlm_embed.yaml": {"model.matryoshka_dims": "[8]", "data.max_visual_tokens": 4},
+    "qwen3vl_embed_pages.yaml": {"data.max_visual_tokens": 4},
+}
 
 
 @pytest.fixture(scope="module")

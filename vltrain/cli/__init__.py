@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from vltrain.cli import (
     config_docs,
     data,
+    eval,
     generate,
     mine,
     pipeline,
@@ -24,7 +25,7 @@ from vltrain.cli import (
 )
 
 #: top-level commands, in --help order
-COMMANDS = (train, pipeline, data, quickstart, tune, generate, mine, presets, config_docs)
+COMMANDS = (train, pipeline, data, quickstart, tune, eval, generate, mine, presets, config_docs)
 
 # errno -> what it means for the user (strerror is kept after it)
 OS_ERRORS = {

@@ -36,11 +36,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     m.add_argument("--batch-size", type=positive_int, default=128, help="images encoded together")
     m.add_argument("--append", action="store_true", help="keep the records' own negatives")
+    m.add_argument(
+        "--corpus",
+        help="query/positive records: mine document ids from this corpus.jsonl (any modality)",
+    )
+    m.add_argument("--qrels", help="with --corpus: qrels.tsv whose positives are never mined")
     m.set_defaults(fn=run, parser=m)
 
 
 def run(args: argparse.Namespace) -> int:
-    from vltrain.tools.mine import MineOptions, mine_command
+    from vltrain.tools.mine import MineOptions, mine_command, mine_pairs_command
 
     if args.range_min >= args.range_max:  # a cross-option rule: a parser error all the same
         args.parser.error(
@@ -55,7 +60,12 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         append=args.append,
     )
-    stats = mine_command(args.checkpoint, args.data, args.out, opts)
+    if args.corpus:
+        stats = mine_pairs_command(
+            args.checkpoint, args.data, args.corpus, args.out, opts, qrels=args.qrels
+        )
+    else:
+        stats = mine_command(args.checkpoint, args.data, args.out, opts)
     print(
         f"wrote {args.out}: {stats['records']} records, {stats['mined_mean']:.2f} negatives "
         f"per record on average, {stats['records_with_k']} with all {args.k}"

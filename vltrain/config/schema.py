@@ -47,11 +47,21 @@ class RunConfig:
 class DataConfig:
     train: str = option(
         "",
-        "Training records: JSONL (or COCO captions .json), or webdataset tar shards (a folder of "
-        ".tar, a brace pattern, an fsspec URL; contrastive stage, see docs/streaming.md).",
+        "Training records: JSONL (image-caption or query/positive pairs), COCO captions .json, "
+        "or webdataset tar shards (a folder of .tar, a brace pattern, an fsspec URL; contrastive "
+        "stage, see docs/streaming.md).",
     )
-    eval: str = option("", "Evaluation records (val split); empty disables evaluation.")
-    test: str = option("", "Optional held-out test records, evaluated at the end of training.")
+    train_corpus: str = option(
+        "", "corpus.jsonl that {doc: id} sides of data.train refer to (e.g. mined negatives)."
+    )
+    eval: str = option(
+        "",
+        "Evaluation records (val split), or a folder with queries.jsonl, corpus.jsonl and "
+        "qrels.tsv (corpus retrieval); empty disables evaluation.",
+    )
+    test: str = option(
+        "", "Optional held-out test records (or corpus folder), evaluated at the end of training."
+    )
     batch_size: int = option(32, "Batch size per process (global batch = this x world size).", ge=1)
     max_train_samples: int = option(
         0,

@@ -160,8 +160,18 @@ class HFCollate:
             batch["neg_ids"], batch["neg_mask"] = self.text_batch(negs)
         return batch
 
-    def text_batch(self, texts: list[str]) -> tuple[Tensor, Tensor]:
-        """Token ids (N, T) and mask (N, T) for the text side (with instruction for VLMs)."""
+    def _instructions(self, n: int, instructions: list[str] | None, role: str) -> list[str]:
+        """Per-row VLM instructions: a record's own, else the configured one of `role`."""
+        default = self.instruction_query if role == "query" else self.instruction_doc
+        return [
+            (instructions[i] if instructions and instructions[i] else default) for i in range(n)
+        ]
+
+    def text_batch(
+        self, texts: list[str], instructions: list[str] | None = None, role: str = "query"
+    ) -> tuple[Tensor, Tensor]:
+        """Token ids (N, T) and mask (N, T) for a text side. VLMs: the chat prompt holds the
+        row's instruction (else `instruction_query` / `instruction_doc` by `role`)."""
         st = self._load()
         tok = st["tok"]
         if self.kind != "vlm":
@@ -173,30 +183,51 @@ class HFCollate:
                 return_tensors="pt",
             )
             return enc["input_ids"], enc["attention_mask"]
+        instr = self._instructions(len(texts), instructions, role)
         prompts = [
-            self._chat(tok, None, self.instruction_query + self._clip_text(tok, t)) for t in texts
+            self._chat(tok, None, i + self._clip_text(tok, t))
+            for i, t in zip(instr, texts, strict=True)
         ]
         enc = tok(prompts, padding="longest", add_special_tokens=False, return_tensors="pt")
         return enc["input_ids"], enc["attention_mask"]
 
-    def image_batch(self, images: list[Any]) -> tuple[Any, Tensor]:
-        """Image-side inputs and per-image visual-token counts (B,)."""
+    def image_batch(
+        self,
+        images: list[Any],
+        texts: list[str] | None = None,
+        instructions: list[str] | None = None,
+        role: str = "doc",
+    ) -> tuple[Any, Tensor]:
+        """Image-side inputs and per-image visual-token counts (B,).
+
+        VLMs: one chat prompt per row, the image then the row's instruction (else the
+        configured one of `role`) and, for an image+text side, its text (`texts`)."""
         st = self._load()
         pils = [to_pil(im) for im in images]
+        if texts is not None and self.kind != "vlm":
+            raise ValueError(f"{self.kind} encodes images or texts, not image+text inputs")
+        words = None
+        if self.kind == "vlm":
+            tok = st["tok"]
+            instr = self._instructions(len(pils), instructions, role)
+            extra = [self._clip_text(tok, t) for t in texts] if texts else [""] * len(pils)
+            words = [i + t for i, t in zip(instr, extra, strict=True)]
         if self.kind != "vlm":
             pix = st["ip"](images=pils, return_tensors="pt")["pixel_values"]  # (B, 3, S, S)
             v = st["config"].vision_config
             n = (v.image_size // v.patch_size) ** 2
             return pix, torch.full((len(pils),), n, dtype=torch.long)
         if st["grid"] is not None:
-            return self._grid_images(st, pils)
+            return self._grid_images(st, pils, words)
         pix = st["ip"](images=pils, return_tensors="pt")["pixel_values"]  # (B, 3, S, S)
         counts = [st["fixed_tokens"]] * len(pils)
-        inputs = self._image_prompts(st, counts)
+        inputs = self._image_prompts(st, counts, words)
         inputs["pixel_values"] = pix
         return inputs, torch.tensor(counts, dtype=torch.long)
 
-    def _grid_images(self, st: dict[str, Any], pils: list[Image.Image]) -> tuple[Any, Tensor]:
+    def _grid_images(
+        self, st: dict[str, Any], pils: list[Image.Image], words: list[str]
+    ) -> tuple[Any, Tensor]:
         g: PatchGrid = st["grid"]
         kw: dict[str, Any] = {}
         if self.max_visual_tokens is not None:
@@ -210,22 +241,27 @@ class HFCollate:
         out = st["ip"](images=pils, return_tensors="pt", **kw)
         grid_thw = out["image_grid_thw"]  # (B, 3) patches, before merging
         counts = [int(t.prod()) // g.merge_size**2 for t in grid_thw]
-        inputs = self._image_prompts(st, counts)
+        inputs = self._image_prompts(st, counts, words)
         inputs["mm_token_type_ids"] = (inputs["input_ids"] == st["image_token_id"]).to(torch.int)
         inputs["pixel_values"] = out["pixel_values"]  # (sum patches, C * t * p * p)
         inputs["image_grid_thw"] = grid_thw
         return inputs, torch.tensor(counts, dtype=torch.long)
 
-    def _image_prompts(self, st: dict[str, Any], counts: list[int]) -> dict[str, Tensor]:
-        """Chat-template prompts with the image placeholder repeated to each image's count."""
+    def _image_prompts(
+        self, st: dict[str, Any], counts: list[int], words: list[str]
+    ) -> dict[str, Tensor]:
+        """Chat-template prompts (image, then the row's words) with the image placeholder
+        repeated to each image's count."""
         tok, image_token = st["tok"], st["image_token"]
-        base = self._chat(tok, image_token, self.instruction_doc)
-        if base.count(image_token) != 1:
-            raise ValueError(
-                f"{self.path}: the chat template rendered {base.count(image_token)} image "
-                f"placeholders ({image_token!r}) for one image; expected exactly 1."
-            )
-        prompts = [base.replace(image_token, image_token * n) for n in counts]
+        prompts = []
+        for n, text in zip(counts, words, strict=True):
+            base = self._chat(tok, image_token, text)
+            if base.count(image_token) != 1:
+                raise ValueError(
+                    f"{self.path}: the chat template rendered {base.count(image_token)} image "
+                    f"placeholders ({image_token!r}) for one image; expected exactly 1."
+                )
+            prompts.append(base.replace(image_token, image_token * n))
         enc = tok(prompts, padding="longest", add_special_tokens=False, return_tensors="pt")
         return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 

@@ -41,10 +41,17 @@ class ImageTextCollate:
         self.tokenizer = tokenizer
         self.max_len = max_len
 
-    def image_batch(self, images: list[Tensor]) -> tuple[Tensor, None]:
+    def image_batch(
+        self, images: list[Tensor], texts: None = None, instructions: Any = None, role: str = ""
+    ) -> tuple[Tensor, None]:
+        """(B, 3, S, S); the built-in towers take no instruction and no image+text input."""
+        if texts is not None:
+            raise ValueError("the built-in dual encoder encodes images or texts, not both")
         return torch.stack(images), None  # (B, 3, S, S)
 
-    def text_batch(self, texts: list[str]) -> tuple[Tensor, Tensor]:
+    def text_batch(
+        self, texts: list[str], instructions: Any = None, role: str = ""
+    ) -> tuple[Tensor, Tensor]:
         return self.tokenizer.encode_batch(texts, self.max_len)  # (B, T), (B, T)
 
     def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -63,6 +70,23 @@ class ImageTextCollate:
 
 #: model.kind -> the encoder builder; the contrastive stage trains these kinds
 ENCODER_KINDS = ("dual_encoder", *HF_KINDS)
+
+
+def check_side_modality(kind: str, role: str, modality: str | None, where: str) -> None:
+    """Dual encoders (built-in, hf_clip, hf_siglip) encode one modality per side."""
+    if modality == "image_text" and kind != "vlm":
+        raise ConfigError(
+            f"{where}: the {role} sides hold image+text, but model.kind={kind} encodes an image "
+            "or a text per side; use model.kind=vlm, or drop one of the two from those sides"
+        )
+
+
+def encode_side(encoder: nn.Module, modality: str, inputs: Any) -> Tensor:
+    """Unit-norm embeddings (B, E) of one batch side: texts through `encode_text`, images and
+    interleaved image+text prompts (VLMs) through `encode_image`."""
+    if modality == "text":
+        return encoder.encode_text(*inputs)
+    return encoder.encode_image(inputs)
 
 
 def uses_tokenizer(cfg: Config) -> bool:

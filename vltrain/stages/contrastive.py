@@ -38,6 +38,7 @@ from vltrain.models.backbones import (
 from vltrain.models.presets import VISION_PRESETS
 from vltrain.objectives.contrastive import LOSSES, Features, build_loss_from_config
 from vltrain.objectives.grad_cache import dual_encoder_grad_cache
+from vltrain.stages import embedding_pairs as pairs
 
 __all__ = ["ContrastiveModel", "ContrastiveStage", "ImageTextCollate"]
 
@@ -60,6 +61,8 @@ class ContrastiveModel(nn.Module):
         return img, txt, neg
 
     def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        if pairs.is_pair_batch(batch):  # query / positive / negatives sides of any modality
+            return self.loss(*pairs.embed_pairs(self.encoder, batch))
         return self.loss(*self.embed(batch))
 
 
@@ -114,6 +117,7 @@ def used_keys(cfg: Config) -> tuple[str, ...]:
     used += [f"data.{k}" for k in ("max_visual_tokens", "eval_batch_size", "num_workers")]
     used += [f"data.{k}" for k in ("image_size", "max_text_len", "max_bad_fraction")]
     used += ["data.image_column", "data.text_column", "data.streams", "data.shuffle_buffer"]
+    used.append("data.train_corpus")
     used += [f"objective.{k}" for k in ("loss", "learn_temperature", "gather", "hard_negatives")]
     used.append("objective.grad_cache_chunk")
     pretrained_scale = m.kind in ("hf_clip", "hf_siglip")
@@ -177,11 +181,12 @@ class ContrastiveStage:
                     f"data.{key} must be JSONL/COCO records (evaluation indexes "
                     "every sample); tar shards are for data.train"
                 )
+        pairs.check_config(cfg)
 
     @classmethod
     def eval_metrics(cls, cfg: Config) -> tuple[str, ...]:
         dims = tuple(f"eval_d{d}_*" for d in cfg.model.matryoshka_dims)
-        return EVAL_METRICS + dims
+        return EVAL_METRICS + pairs.CORPUS_METRICS + dims
 
     def prepare(self) -> None:
         """The BPE tokenizer: `model.init_from`'s, else trained on the training captions once
@@ -201,11 +206,14 @@ class ContrastiveStage:
             D.barrier()
             self.tokenizer = TextTokenizer.load(tok_dir)
         self.batcher = build_batcher(self.cfg, self.tokenizer)
+        self.corpus = pairs.CorpusEvaluator(self.cfg, self.ctx, self.batcher)
 
     def _training_texts(self) -> list[str]:
         """Every valid training caption (bad records are skipped and counted later)."""
         if is_shard_source(self.cfg.data.train):  # captions of the first shards, images skipped
             texts = read_texts(resolve_shards(self.cfg.data.train), limit=TOKENIZER_TEXTS)
+        elif pairs.uses_pairs(self.cfg):
+            texts = pairs.training_texts(self.cfg)
         else:
             texts = [t for r in read_records(self.cfg.data.train) for t in r["text"]]
         return [t for t in texts if is_valid_text(t)]
@@ -229,17 +237,22 @@ class ContrastiveStage:
                 ) from None
         return model
 
-    def train_dataset(self) -> ImageTextDataset:
-        ds = ImageTextDataset(
-            self.cfg.data.train,
-            self.cfg.data.image_size,
-            self.cfg.run.seed,
-            hard_negatives=self.cfg.objective.hard_negatives,
-            train=True,
-            native=self.cfg.model.kind in HF_KINDS,
-            image_column=self.cfg.data.image_column,
-            text_column=self.cfg.data.text_column,
-        )
+    def train_dataset(self) -> ImageTextDataset | pairs.PairDataset:
+        if pairs.uses_pairs(self.cfg):
+            ds = pairs.pair_dataset(
+                self.cfg, self.cfg.data.train, True, self.cfg.objective.hard_negatives
+            )
+        else:
+            ds = ImageTextDataset(
+                self.cfg.data.train,
+                self.cfg.data.image_size,
+                self.cfg.run.seed,
+                hard_negatives=self.cfg.objective.hard_negatives,
+                train=True,
+                native=self.cfg.model.kind in HF_KINDS,
+                image_column=self.cfg.data.image_column,
+                text_column=self.cfg.data.text_column,
+            )
         if self.cfg.data.max_train_samples:
             ds.records = ds.records[: self.cfg.data.max_train_samples]
         return ds
@@ -258,7 +271,7 @@ class ContrastiveStage:
         return MapLoader(
             dataset,
             sampler,
-            self.batcher,
+            self.train_collate(dataset),
             num_workers=self.cfg.data.num_workers,
             seed=self.cfg.run.seed,
             pin_memory=self.ctx.device.type == "cuda",
@@ -288,6 +301,12 @@ class ContrastiveStage:
             pin_memory=self.ctx.device.type == "cuda",
         )
 
+    def train_collate(self, dataset: Any) -> Any:
+        """The batcher, or its pair collate for query/positive records."""
+        if isinstance(dataset, pairs.PairDataset):
+            return pairs.collate(self.batcher, dataset)
+        return self.batcher
+
     def forward_backward(
         self, model: ParallelModel, batch: dict[str, Any], scale: float
     ) -> StepOutput:
@@ -298,7 +317,10 @@ class ContrastiveStage:
             (loss * scale).backward()
             loss = loss.detach()
         else:  # chunks run on the plain module; gradients are reduced once afterwards
-            loss, metrics = dual_encoder_grad_cache(model.module, batch, chunk, scale)
+            cached = (
+                pairs.pair_grad_cache if pairs.is_pair_batch(batch) else dual_encoder_grad_cache
+            )
+            loss, metrics = cached(model.module, batch, chunk, scale)
             model.reduce_gradients()
         if batch.get("visual_tokens") is not None:  # the per-image budget actually used
             metrics["visual_tokens_mean"] = batch["visual_tokens"].float().mean()
@@ -422,6 +444,10 @@ class ContrastiveStage:
 
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
         """Sharded embedding, gathered once; every rank then computes the same metrics."""
+        path = self.cfg.data.eval if split == "val" else self.cfg.data.test
+        if pairs.C.is_corpus_dir(path):  # queries x corpus with qrels
+            ranks = self.out_dir / f"eval_ranks_{split}.jsonl"
+            return self.corpus.evaluate(model, path, ranks_path=ranks)
         shard, shard_kind_hits, _ = self.embed_shard(
             model, self._eval_set(split), self.ctx.rank, self.ctx.world_size
         )

@@ -5,11 +5,15 @@ ranked captions inside the rank window [range_min, range_max), skip its own capt
 any caption with the same text), skip likely false negatives (score above `margin` x the score
 of its best positive caption), and keep the first `k`. The output JSONL is the input with
 `negatives` filled in, so `objective.hard_negatives` can train on it directly.
+
+Query/positive records with ``--corpus``: queries are the records' query sides, the corpus is
+any-modality documents, negatives are written as document ids (`mine_pairs_command`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,8 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from vltrain.data.pairs import read_corpus, read_pair_records
 from vltrain.data.records import DataError
 from vltrain.data.sources import read_source
+from vltrain.eval.corpus import read_qrels
 from vltrain.eval.topk import topk_similarity
 from vltrain.files import atomic_write_lines, check_not_input, check_output_path
 from vltrain.tools.loading import load_trained
@@ -131,4 +137,111 @@ def mine_command(checkpoint: str, data: str, out: str, opts: MineOptions) -> dic
         "records": len(records),
         "mined_mean": sum(counts) / max(len(counts), 1),
         "records_with_k": full,
+    }
+
+
+# ---- pair records over a corpus -----------------------------------------------------------
+
+
+def _content_key(side: dict[str, Any]) -> tuple[str | None, str | None]:
+    """What a side shows: its resolved image path and its text (ids differ, pages do not)."""
+    image = None
+    if side["image"] is not None:
+        image = os.path.normpath(Path(side["base"]).resolve().parent / side["image"])
+    return image, side["text"]
+
+
+def mine_pair_negatives(
+    q_emb: Tensor, p_emb: Tensor, d_emb: Tensor, excluded: list[set[int]], opts: MineOptions
+) -> list[list[int]]:
+    """Per query (row of q_emb): corpus rows of its mined negatives. `p_emb` (Q, E) is each
+    query's positive, for the margin filter; `excluded[i]` holds rows never to return."""
+    depth = min(opts.range_max, d_emb.shape[0])
+    scores, idx = topk_similarity(q_emb, d_emb, depth)  # (Q, depth)
+    pos_score = (q_emb * p_emb).sum(-1)  # (Q,)
+    out = []
+    for i in range(q_emb.shape[0]):
+        chosen: list[int] = []
+        for rank in range(opts.range_min, depth):
+            j = int(idx[i, rank])
+            if j in excluded[i] or j in chosen:
+                continue
+            pos = float(pos_score[i])
+            if pos > 0 and float(scores[i, rank]) > opts.margin * pos:
+                continue  # probably an unjudged positive (no rule for a positive scored <= 0)
+            chosen.append(j)
+            if len(chosen) == opts.k:
+                break
+        out.append(chosen)
+    return out
+
+
+def mine_pairs_command(
+    checkpoint: str,
+    data: str,
+    corpus: str,
+    out: str,
+    opts: MineOptions,
+    qrels: str | None = None,
+) -> dict[str, float]:
+    """Mine document-id negatives for the query/positive records of `data` from `corpus`.
+
+    Excluded for each query: its positives (by doc id, and any corpus doc showing the same
+    image path and text), and every doc with a positive grade for the record's id in `qrels`.
+    The output keeps each record and sets ``negatives`` to ``[{"doc": id}, ...]``; train on it
+    with ``data.train_corpus=CORPUS``.
+    """
+    data_p, out_p = Path(data).resolve(), Path(out).resolve()
+    if data_p.parent != out_p.parent:
+        raise DataError(f"--out must be in the same folder as --data ({data_p.parent})")
+    docs = read_corpus(corpus)
+    records = read_pair_records(data_p, docs)
+    raw = [json.loads(x) for x in data_p.read_text().splitlines() if x.strip()]
+    doc_ids = list(docs)
+    row_of = {d: i for i, d in enumerate(doc_ids)}
+    by_content: dict[tuple[str | None, str | None], list[int]] = {}
+    for i, side in enumerate(docs.values()):
+        by_content.setdefault(_content_key(side), []).append(i)
+    judged: dict[str, set[int]] = {}
+    for qid, did, grade in read_qrels(qrels) if qrels else []:
+        if grade > 0 and did in row_of:
+            judged.setdefault(qid, set()).add(row_of[did])
+    _, stage, model = load_trained(checkpoint)
+    ev = stage.corpus
+    with torch.no_grad():
+        q_emb, q_rows, _ = ev.embed(model, [r["query"] for r in records], "query", opts.batch_size)
+        p_emb, p_rows, _ = ev.embed(
+            model, [r["positives"][0] for r in records], "doc", opts.batch_size
+        )
+        d_emb, d_rows, _ = ev.embed(model, list(docs.values()), "doc", opts.batch_size)
+    good = sorted(set(q_rows.tolist()) & set(p_rows.tolist()))  # records whose sides decode
+    q_at = {int(r): i for i, r in enumerate(q_rows.tolist())}
+    p_at = {int(r): i for i, r in enumerate(p_rows.tolist())}
+    d_ids = [doc_ids[int(r)] for r in d_rows.tolist()]
+    d_at = {int(r): i for i, r in enumerate(d_rows.tolist())}
+    excluded = []
+    for r in good:
+        rec = records[r]
+        rows = set(judged.get(rec["id"], set()))
+        for side in rec["positives"]:
+            if side.get("doc") in row_of:
+                rows.add(row_of[side["doc"]])
+            rows.update(by_content.get(_content_key(side), []))
+        excluded.append({d_at[x] for x in rows if x in d_at})
+    mined = mine_pair_negatives(
+        q_emb[[q_at[r] for r in good]], p_emb[[p_at[r] for r in good]], d_emb, excluded, opts
+    )
+    negs = {r: [{"doc": d_ids[j]} for j in m] for r, m in zip(good, mined, strict=True)}
+    counts = []
+    with open(out_p, "w") as f:
+        for i, obj in enumerate(raw):
+            row = dict(obj)
+            new = negs.get(i, [])
+            counts.append(len(new))
+            row["negatives"] = (list(obj.get("negatives", [])) + new) if opts.append else new
+            f.write(json.dumps(row) + "\n")
+    return {
+        "records": len(raw),
+        "mined_mean": sum(counts) / max(len(counts), 1),
+        "records_with_k": sum(c == opts.k for c in counts),
     }

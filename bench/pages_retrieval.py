@@ -1,0 +1,116 @@
+"""Synthetic page-screenshot retrieval: text query -> page image, image hard negatives vs none.
+
+    python bench/pages_retrieval.py --out bench/out/pages --n-train 20000 --distractors 10000 \
+        --steps 3000 --seeds 0 1 2          # the full run (targets: R@1 >= 0.8 over >= 10k pages)
+    python bench/pages_retrieval.py --out bench/out/pages_small --n-train 3000 --distractors 1000 \
+        --steps 300 --seeds 0 1 2           # what a shared 2-core CPU allows
+
+Writes the data once (`vltrain data synth --kind pages`), then per seed trains configs/pages.yaml
+with objective.hard_negatives=0 and =1 and prints the test metrics as a markdown table (R@1, R@5,
+chance R@1, held-out hard-negative accuracy), with the validation learning curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def vltrain(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "vltrain", *args], check=True, cwd=ROOT)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench/out/pages")
+    p.add_argument("--n-train", type=int, default=3000)
+    p.add_argument("--n-eval", type=int, default=300)
+    p.add_argument("--distractors", type=int, default=1000)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--evals", type=int, default=4, help="validation points on the curve")
+    p.add_argument("--lr", type=float, default=1e-3)
+    a = p.parse_args()
+    out = (ROOT / a.out).resolve()
+    data = out / "data"
+    t0 = time.perf_counter()
+    if not (data / "train.jsonl").is_file():
+        vltrain(
+            "data",
+            "synth",
+            "--kind",
+            "pages",
+            "--out",
+            str(data),
+            "--n-train",
+            str(a.n_train),
+            "--n-val",
+            str(a.n_eval),
+            "--n-test",
+            str(a.n_eval),
+            "--distractors",
+            str(a.distractors),
+        )
+    synth_s = time.perf_counter() - t0
+    rows = []
+    for seed in a.seeds:
+        for hn in (0, 1):
+            run = out / f"seed{seed}_hn{hn}"
+            t = time.perf_counter()
+            vltrain(
+                "train",
+                "configs/pages.yaml",
+                f"run.out_dir={run}",
+                f"run.seed={seed}",
+                f"data.train={data}/train.jsonl",
+                f"data.eval={data}/val",
+                f"data.test={data}/test",
+                f"objective.hard_negatives={hn}",
+                f"train.max_steps={a.steps}",
+                f"train.eval_every={max(a.steps // a.evals, 1)}",
+                f"optim.lr={a.lr}",
+                f"train.save_every={a.steps}",
+                f"data.batch_size={a.batch_size}",
+                f"optim.warmup_steps={min(50, a.steps // 10)}",
+                f"run.threads={a.threads}",
+                "data.num_workers=1",
+                "log.progress=false",
+                "log.tensorboard=false",
+            )
+            wall = time.perf_counter() - t
+            hist = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+            evals = [r for r in hist if "eval_R@1" in r]
+            test = [r for r in hist if "test_R@1" in r]
+            final = {k[5:]: v for k, v in (test[-1] if test else evals[-1]).items() if "_" in k}
+            curve = " ".join(f"{r['step']}:{r['eval_R@1']:.3f}" for r in evals)
+            rows.append((seed, hn, final, curve, wall))
+    cpu = platform.processor() or platform.machine()
+    print(
+        f"\nCPU: {cpu}; torch {torch.__version__}; synth {synth_s:.0f} s; "
+        f"{a.n_train} train pages, corpus {int(rows[0][2].get('n_docs', 0))} docs"
+    )
+    print(
+        "| seed | hard negatives | R@1 | R@5 | chance R@1 | hard-neg acc | train s "
+        "| val R@1 curve |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for seed, hn, m, curve, wall in rows:
+        print(
+            f"| {seed} | {hn} | {m.get('R@1', 0):.3f} | {m.get('R@5', 0):.3f} | "
+            f"{m.get('chance_R@1', 0):.4f} | {m.get('hardneg_acc', 0):.3f} | {wall:.0f} | {curve} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

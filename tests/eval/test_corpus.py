@@ -1,0 +1,62 @@
+"""Corpus evaluation: BEIR files, graded nDCG against a brute-force computation, metrics."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from vltrain.data.records import DataError
+from vltrain.eval import corpus as C
+
+
+def _brute_ndcg(scores: torch.Tensor, rel: dict[int, int]) -> float:
+    order = sorted(range(len(scores)), key=lambda j: (-float(scores[j]), j))[:10]
+    dcg = sum(rel.get(j, 0) / math.log2(i + 2) for i, j in enumerate(order))
+    ideal = sorted(rel.values(), reverse=True)[:10]
+    return dcg / sum(g / math.log2(i + 2) for i, g in enumerate(ideal))
+
+
+def test_metrics_match_brute_force_with_graded_qrels() -> None:
+    g = torch.Generator().manual_seed(0)
+    q = torch.nn.functional.normalize(torch.randn(30, 8, generator=g), dim=-1)
+    d = torch.nn.functional.normalize(torch.randn(200, 8, generator=g), dim=-1)
+    qrels = [
+        {int(j): 1 + (k % 3) for k, j in enumerate(torch.randperm(200, generator=g)[:4])}
+        for _ in range(30)
+    ]
+    m, ranks, top = C.corpus_metrics(q, d, qrels)
+    scores = q @ d.T
+    want_ranks = []
+    for i, rel in enumerate(qrels):
+        order = sorted(range(200), key=lambda j: (-float(scores[i, j]), j))
+        want_ranks.append(1 + min(order.index(j) for j in rel))
+    assert ranks.tolist() == want_ranks
+    for k in (1, 5, 10, 100):
+        assert m[f"R@{k}"] == pytest.approx(sum(r <= k for r in want_ranks) / 30)
+    ndcg = sum(_brute_ndcg(scores[i], rel) for i, rel in enumerate(qrels)) / 30
+    assert m["nDCG@10"] == pytest.approx(ndcg, abs=1e-9)
+    # negative control: binary gains give a different number on graded qrels
+    binary = [{j: 1 for j in rel} for rel in qrels]
+    assert C.corpus_metrics(q, d, binary)[0]["nDCG@10"] != pytest.approx(ndcg, abs=1e-6)
+
+
+def test_read_split_and_judged_negatives(tmp_path: Path) -> None:
+    (tmp_path / "queries.jsonl").write_text(
+        '{"_id": "a", "text": "x"}\n{"_id": "b", "text": "y"}\n'
+    )
+    (tmp_path / "corpus.jsonl").write_text(
+        '{"_id": "d0", "text": "x"}\n{"_id": "d1", "text": "y"}\n'
+    )
+    (tmp_path / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\na\td0\t2\na\td1\t0\n")
+    split = C.read_split_dir(tmp_path)
+    assert split.query_ids == ["a"] and split.n_no_relevant == 1  # b has no relevant doc
+    assert split.qrels == [{0: 2}] and split.judged_negatives == [[1]]
+    e = torch.eye(2)
+    assert C.judged_negative_accuracy(e[:1], e, split.qrels, split.judged_negatives) == 1.0
+    assert C.judged_negative_accuracy(e[1:], e, split.qrels, split.judged_negatives) == 0.0
+    (tmp_path / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\na\tzz\t1\n")
+    with pytest.raises(DataError, match="zz"):
+        C.read_split_dir(tmp_path)

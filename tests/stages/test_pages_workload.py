@@ -1,0 +1,190 @@
+"""The page-retrieval workload end to end on the built-in towers: synthetic pages, pair records
+with image hard negatives through GradCache, corpus evaluation in training and `vltrain eval`,
+mining document ids and a second round."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import tiny_overrides
+from vltrain.cli import main
+from vltrain.config import load_config
+from vltrain.config.core import ConfigError
+from vltrain.data.synth_pages import held_out_title, pages_command
+from vltrain.engine.runtime import RunContext
+from vltrain.stages import check_config
+from vltrain.stages import embedding_pairs as pairs
+
+PRESET = Path(__file__).resolve().parents[2] / "vltrain" / "configs" / "pages.yaml"
+
+
+@pytest.fixture(scope="module")
+def pages(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("pages")
+    pages_command(
+        str(out), n_train=24, n_val=6, n_test=6, seed=3, image_size=32, negatives=2, distractors=6
+    )
+    return out
+
+
+def _overrides(pages: Path, out: Path, **extra: object) -> list[str]:
+    base = {
+        "data.eval": pages / "val",
+        "data.test": "",
+        "data.image_size": 32,
+        "data.batch_size": 8,
+        "train.max_steps": 3,
+        "train.save_every": 3,
+        "optim.warmup_steps": 0,
+        "objective.hard_negatives": 2,
+        "model.vision": "tiny",
+        "model.vision_layers": 1,
+        "run.threads": 1,
+    }
+    return tiny_overrides(pages, out, **{**base, **extra})
+
+
+def test_synth_pages_contract_and_determinism(pages: Path, tmp_path: Path) -> None:
+    for split in ("val", "test"):
+        for name in ("queries.jsonl", "corpus.jsonl", "qrels.tsv"):
+            assert (pages / split / name).is_file()
+    assert (pages / "val" / "qrels.tsv").read_text().startswith("query-id\tcorpus-id\tscore\n")
+    rec = json.loads((pages / "train.jsonl").read_text().splitlines()[0])
+    assert set(rec) >= {"query", "positive", "negatives"} and len(rec["negatives"]) == 2
+    again = tmp_path / "again"
+    pages_command(
+        str(again), n_train=24, n_val=6, n_test=6, seed=3, image_size=32, negatives=2, distractors=6
+    )
+    assert (again / "train.jsonl").read_text() == (pages / "train.jsonl").read_text()
+    img = "pages/train/000005_n1.png"
+    assert (again / img).read_bytes() == (pages / img).read_bytes()
+    other = tmp_path / "other"
+    pages_command(str(other), n_train=24, n_val=1, n_test=1, seed=4, image_size=32, distractors=1)
+    assert (other / "train.jsonl").read_text() != (pages / "train.jsonl").read_text()  # control
+    # held-out: no title query of val/test names a training title
+    train_q = {
+        json.loads(x)["query"]["text"] for x in (pages / "train.jsonl").read_text().split("\n") if x
+    }
+    for split in ("val", "test"):
+        for line in (pages / split / "queries.jsonl").read_text().splitlines():
+            words = json.loads(line)["text"].split()
+            assert held_out_title(words) or json.loads(line)["text"] not in train_q
+
+
+def test_image_hard_negatives_through_grad_cache_match_the_plain_step(
+    pages: Path, tmp_path: Path
+) -> None:
+    cfg = load_config(PRESET, _overrides(pages, tmp_path / "run"))
+    ctx = RunContext(torch.device("cpu"), rank=0, world_size=1, precision="fp32", seed=0)
+    stage = check_config(cfg)(cfg, tmp_path / "run", ctx)
+    stage.prepare()
+    model = stage.build_model()
+    loader = stage.build_loader()
+    batch = next(iter(loader)).data
+    assert batch["negatives"]["modality"] == "image" and batch["negatives"]["inputs"].shape[0] == 16
+    loss, _ = model(batch)
+    loss.backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    cached, _ = pairs.pair_grad_cache(model, batch, 3, 1.0)
+    assert float(cached) == pytest.approx(float(loss.detach()), abs=1e-6)
+    for n, p in model.named_parameters():
+        if n in plain:
+            torch.testing.assert_close(p.grad, plain[n], atol=2e-5, rtol=1e-4)
+    # negative control: without the negatives side the loss is another number
+    no_neg = {k: v for k, v in batch.items() if k != "negatives"}
+    assert float(model(no_neg)[0].detach()) != pytest.approx(float(loss.detach()), abs=1e-4)
+
+
+def test_pages_train_eval_mine_second_round(pages: Path, tmp_path: Path) -> None:
+    run = tmp_path / "r1"
+    over = _overrides(pages, run, **{"objective.grad_cache_chunk": 4})
+    assert main(["train", str(PRESET), *over]) == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    ev = [r for r in rows if "eval_R@1" in r][-1]
+    assert {"eval_R@5", "eval_MRR@10", "eval_nDCG@10", "eval_hardneg_acc"} <= set(ev)
+    assert ev["eval_n_docs"] == 6 * 3 + 6 and ev["eval_n_queries"] == 6
+    assert len((run / "eval_ranks_val.jsonl").read_text().splitlines()) == 6
+    # `vltrain eval` gives the in-training numbers for the same checkpoint
+    v = pages / "val"
+    res = tmp_path / "m.json"
+    assert (
+        main(
+            [
+                "eval",
+                str(run),
+                "--queries",
+                str(v / "queries.jsonl"),
+                "--corpus",
+                str(v / "corpus.jsonl"),
+                "--qrels",
+                str(v / "qrels.tsv"),
+                "--out",
+                str(res),
+            ]
+        )
+        == 0
+    )
+    got = json.loads(res.read_text())
+    for k in ("R@1", "R@5", "R@10", "MRR@10", "nDCG@10"):
+        assert got[k] == pytest.approx(ev[f"eval_{k}"], abs=1e-9), k
+    # mining: document ids, never the record's own page
+    mined = pages / "mined.jsonl"
+    assert (
+        main(
+            [
+                "mine",
+                "--checkpoint",
+                str(run),
+                "--data",
+                str(pages / "train.jsonl"),
+                "--corpus",
+                str(pages / "train_corpus.jsonl"),
+                "--out",
+                str(mined),
+                "--k",
+                "2",
+                "--margin",
+                "10",
+            ]
+        )
+        == 0
+    )
+    recs = [json.loads(x) for x in mined.read_text().splitlines()]
+    corpus = {
+        json.loads(x)["_id"]: json.loads(x)["image"]
+        for x in (pages / "train_corpus.jsonl").read_text().splitlines()
+    }
+    for r in recs:
+        assert len(r["negatives"]) == 2
+        assert all(corpus[n["doc"]] != r["positive"]["image"] for n in r["negatives"])
+    r2 = tmp_path / "r2"
+    over2 = _overrides(
+        pages,
+        r2,
+        **{
+            "data.train": mined,
+            "model.init_from": run,
+            "data.train_corpus": pages / "train_corpus.jsonl",
+            "train.max_steps": 1,
+            "train.save_every": 1,
+        },
+    )
+    assert main(["train", str(PRESET), *over2]) == 0
+
+
+def test_image_text_sides_need_a_vlm(pages: Path, tmp_path: Path) -> None:
+    rows = [{"query": "q", "positive": {"image": "pages/train/000000.png", "text": "caption"}}]
+    path = pages / "mixed_side.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(PRESET, _overrides(pages, tmp_path / "r", **{"data.train": path}))
+    with pytest.raises(ConfigError, match="image\\+text.*model.kind=vlm"):
+        pairs.pair_dataset(cfg, path, True, 0)
+    with pytest.raises(ConfigError, match="best_metric"):
+        check_config(
+            load_config(PRESET, _overrides(pages, tmp_path / "r", **{"train.best_metric": ""}))
+        )

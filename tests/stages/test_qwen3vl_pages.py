@@ -1,0 +1,191 @@
+"""The reference workload's preset (configs/qwen3vl_embed_pages.yaml) on a tiny random Qwen3-VL
+built from a config and loaded through the same local-path code users use: text query ->
+page image with image hard negatives, LoRA, GradCache, the visual-token budget and corpus
+evaluation; 2 gloo processes equal 1 process with the same global batch; then `vltrain mine`
+and a second round from the first run's checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from tests.models.test_hf_embedders import _qwen_ids, _save, _tokenizer
+from tests.stages.test_hf_backbones_ddp import (
+    LOSS_TOL,
+    PARAM_TOL,
+    _max_diff,
+    _one_process,
+    _rows,
+    _two_processes,
+)
+from vltrain.cli import main
+from vltrain.data.synth_pages import pages_command
+
+
+@pytest.fixture(scope="module")
+def qwen3vl_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    tok = _tokenizer("<|vision_start|><|image_pad|><|vision_end|>")
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [2, 3, 3],
+        "mrope_interleaved": True,
+    }
+    cfg = transformers.Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            rope_parameters=rope,
+            bos_token_id=None,
+            eos_token_id=0,
+            pad_token_id=0,
+        ),
+        vision_config=dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            out_hidden_size=32,
+            num_heads=2,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0],
+        ),
+        **_qwen_ids(tok),
+    )
+    torch.manual_seed(0)
+    ip = Qwen2VLImageProcessorPil(
+        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=64, max_pixels=4096
+    )
+    model = transformers.Qwen3VLForConditionalGeneration(cfg)
+    return _save(model, tok, ip, tmp_path_factory.mktemp("q3vl"))
+
+
+@pytest.fixture(scope="module")
+def tiny_pages(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("q3pages")
+    pages_command(
+        str(out), n_train=16, n_val=4, n_test=1, seed=0, image_size=32, negatives=2, distractors=4
+    )
+    return out
+
+
+def _extra(path: str, pages: Path) -> dict[str, object]:
+    return {
+        "model.path": path,
+        "model.lora_r": 4,
+        "model.lora_alpha": 8,
+        "data.eval": pages / "val",
+        "data.test": "",
+        "data.max_visual_tokens": 4,
+        "data.max_text_len": 16,
+        "objective.hard_negatives": 2,
+        "optim.lr": 1e-3,
+        # one item per eval batch: no padding, so every embedding is bit-identical across
+        # world sizes (the random tiny model scores many pages within float noise of each other)
+        "data.eval_batch_size": 1,
+    }
+
+
+def _sharded_eval(ckpt: Path, split: Path, out: Path, nproc: int) -> dict:
+    worker = Path(__file__).with_name("corpus_eval_worker.py")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(worker),
+        str(ckpt),
+        str(split),
+        str(out),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_qwen3vl_pages_two_processes_equal_one_then_mine_and_round_two(
+    qwen3vl_dir: str, tiny_pages: Path, tmp_path: Path
+) -> None:
+    opts = _extra(qwen3vl_dir, tiny_pages)
+    preset = "qwen3vl_embed_pages.yaml"
+    a = _one_process(
+        preset,
+        tiny_pages,
+        tmp_path / "one",
+        {**opts, "data.batch_size": 8, "objective.grad_cache_chunk": 0},
+    )
+    b = _two_processes(
+        preset,
+        tiny_pages,
+        tmp_path / "two",
+        {**opts, "data.batch_size": 4, "objective.grad_cache_chunk": 3},
+    )
+    loss_one = [r["loss"] for r in _rows(tmp_path / "one") if "loss" in r]
+    loss_two = [r["loss"] for r in _rows(tmp_path / "two") if "loss" in r]
+    assert len(loss_one) == 3 and loss_one == pytest.approx(loss_two, rel=0, abs=LOSS_TOL)
+    assert _max_diff(a, b) < PARAM_TOL
+    # the sharded corpus evaluation of one checkpoint: 2 processes give the 1-process numbers
+    # (the two runs' weights differ by float noise, and the random model's page scores lie
+    # within that noise of each other, so this compares the same weights)
+    one_m = _sharded_eval(tmp_path / "one", tiny_pages / "val", tmp_path / "e1.json", 1)
+    two_m = _sharded_eval(tmp_path / "one", tiny_pages / "val", tmp_path / "e2.json", 2)
+    assert {k: v for k, v in one_m.items() if k != "encode_s"} == {
+        k: v for k, v in two_m.items() if k != "encode_s"
+    }
+    assert one_m["n_docs"] == 4 * 3 + 4 and "hardneg_acc" in one_m
+    rows = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval_nDCG@10" in r for r in rows)
+    assert max(r.get("train_visual_tokens_max", 0) for r in rows) <= 4
+    mined = tiny_pages / "mined.jsonl"
+    assert (
+        main(
+            [
+                "mine",
+                "--checkpoint",
+                str(tmp_path / "one"),
+                "--data",
+                str(tiny_pages / "train.jsonl"),
+                "--corpus",
+                str(tiny_pages / "train_corpus.jsonl"),
+                "--out",
+                str(mined),
+                "--k",
+                "2",
+                "--margin",
+                "2",
+            ]
+        )
+        == 0
+    )  # a random model scores every page alike
+    recs = [json.loads(x) for x in mined.read_text().splitlines()]
+    assert sum(len(r["negatives"]) for r in recs) > 0
+    assert all("doc" in n for r in recs for n in r["negatives"])
+    r2 = {
+        **opts,
+        "data.train": mined,
+        "data.train_corpus": tiny_pages / "train_corpus.jsonl",
+        "model.init_from": tmp_path / "one",
+        "data.batch_size": 8,
+    }
+    _one_process(preset, tiny_pages, tmp_path / "round2", r2)

@@ -1,0 +1,234 @@
+"""A synthetic page-screenshot retrieval workload: `vltrain data synth --kind pages`.
+
+Each page is a small image with a title (two words) and a few body lines of words from a fixed
+400-word vocabulary, drawn with Pillow's bundled font at varied sizes, positions, alignments
+and grey levels. A query names the page's content: its title, or a two-word phrase of its body.
+A hard negative of a query is a page that shares most of its words with the positive but not
+the queried words (one of them is swapped), so only reading the queried words tells them apart.
+
+Layout written under OUT::
+
+    train.jsonl                     {"query": {"text"}, "positive": {"image"}, "negatives": [...]}
+    train_corpus.jsonl              every training page as a document (for `vltrain mine`)
+    {val,test}/queries.jsonl        {"_id", "text"}
+    {val,test}/corpus.jsonl         {"_id", "image"}: positives, their hard negatives, distractors
+    {val,test}/qrels.tsv            query-id corpus-id score (1: the page; 0: its hard negatives)
+    pages/<split>/*.png
+
+Everything is deterministic in the seed. Titles are split between train and held-out by a hash
+of the word pair, so no held-out page's title was ever a training title.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PIL import Image, ImageDraw, ImageFont
+
+_ONSETS = "b c d f g h k l m n p r s t v z".split()
+_VOWELS = "a e i o u".split()
+_CODAS = ["", "n", "r", "s", "l"]
+VOCAB_SIZE = 400
+
+
+def vocabulary(n: int = VOCAB_SIZE) -> list[str]:
+    """A fixed list of `n` pronounceable 4-5 letter words (independent of any seed)."""
+    rng = random.Random(1234)
+    words: list[str] = []
+    seen: set[str] = set()
+    while len(words) < n:
+        w = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) for _ in range(2))
+        w += rng.choice(_CODAS)
+        if w not in seen:
+            seen.add(w)
+            words.append(w)
+    return words
+
+
+@dataclass
+class Page:
+    title: list[str]  # 2 words
+    lines: list[list[str]]  # body lines of 2-3 words
+    style: dict[str, Any] = field(default_factory=dict)
+
+    def words(self) -> list[str]:
+        return self.title + [w for line in self.lines for w in line]
+
+
+def held_out_title(title: list[str]) -> bool:
+    """About one title pair in five is reserved for val/test pages."""
+    return zlib.crc32(" ".join(title).encode()) % 5 == 0
+
+
+def _style(rng: random.Random, size: int) -> dict[str, Any]:
+    return {
+        "title_px": rng.randint(size // 9, size // 7),
+        "body_px": rng.randint(size // 12, size // 9),
+        "x": rng.randint(1, size // 10),
+        "y": rng.randint(1, size // 10),
+        "align": rng.choice(["left", "center"]),
+        "bg": rng.randint(215, 255),
+        "fg": rng.randint(0, 70),
+        "rule": rng.random() < 0.5,  # a line under the title
+    }
+
+
+def make_page(rng: random.Random, vocab: list[str], size: int, held_out: bool) -> Page:
+    """A page whose title lies on the requested side of the train/held-out split."""
+    while True:
+        title = rng.sample(vocab, 2)
+        if held_out_title(title) == held_out:
+            break
+    n_lines = rng.randint(3, 4)
+    lines = [rng.sample(vocab, rng.randint(2, 3)) for _ in range(n_lines)]
+    return Page(title, lines, _style(rng, size))
+
+
+def render(page: Page, size: int) -> Image.Image:
+    """Draw the page (title, optional rule, body lines) on a size x size canvas."""
+    st = page.style
+    img = Image.new("L", (size, size), st["bg"])
+    draw = ImageDraw.Draw(img)
+    title_font = ImageFont.load_default(size=st["title_px"])
+    body_font = ImageFont.load_default(size=st["body_px"])
+
+    def put(text: str, y: int, font: Any) -> int:
+        w = draw.textlength(text, font=font)
+        x = st["x"] if st["align"] == "left" else max(0, int((size - w) / 2))
+        draw.text((x, y), text, fill=st["fg"], font=font)
+        return y + int(font.size * 1.15)
+
+    y = put(" ".join(page.title), st["y"], title_font)
+    if st["rule"]:
+        draw.line([(st["x"], y + 1), (size - st["x"], y + 1)], fill=st["fg"], width=1)
+        y += 3
+    for line in page.lines:
+        y = put(" ".join(line), y, body_font)
+    return img.convert("RGB")
+
+
+def make_query(rng: random.Random, page: Page) -> tuple[str, tuple[int, int]]:
+    """A query naming the title (half the time) or a 2-word body phrase; and its span
+    (line index, -1 for the title; first word's position)."""
+    if rng.random() < 0.5:
+        return " ".join(page.title), (-1, 0)
+    li = rng.randrange(len(page.lines))
+    line = page.lines[li]
+    j = rng.randrange(len(line) - 1)
+    return f"{line[j]} {line[j + 1]}", (li, j)
+
+
+def hard_negative(rng: random.Random, page: Page, span: tuple[int, int], vocab: list[str]) -> Page:
+    """The page with one queried word swapped (and one other body word), same layout."""
+    neg = Page(list(page.title), [list(x) for x in page.lines], dict(page.style))
+    li, j = span
+    target = neg.title if li < 0 else neg.lines[li]
+    k = rng.choice([j, j + 1]) if li >= 0 else rng.randrange(2)
+    used = set(page.words())
+    target[k] = rng.choice([w for w in vocab if w not in used])
+    other = rng.randrange(len(neg.lines))
+    if other != li:
+        line = neg.lines[other]
+        line[rng.randrange(len(line))] = rng.choice([w for w in vocab if w not in used])
+    return neg
+
+
+def _save(img: Image.Image, out: Path, rel: str) -> str:
+    img.save(out / rel, optimize=False, compress_level=1)
+    return rel
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def write_train(
+    out: Path, n: int, negatives: int, size: int, rng: random.Random, vocab: list[str]
+) -> None:
+    """train.jsonl (text query -> page image, image hard negatives) and train_corpus.jsonl."""
+    (out / "pages" / "train").mkdir(parents=True, exist_ok=True)
+    records, docs = [], []
+    for i in range(n):
+        page = make_page(rng, vocab, size, held_out=False)
+        query, span = make_query(rng, page)
+        pos = _save(render(page, size), out, f"pages/train/{i:06d}.png")
+        negs = []
+        for k in range(negatives):
+            neg = hard_negative(rng, page, span, vocab)
+            negs.append(_save(render(neg, size), out, f"pages/train/{i:06d}_n{k}.png"))
+        records.append(
+            {
+                "query": {"text": query},
+                "positive": {"image": pos},
+                "negatives": [{"image": p} for p in negs],
+                "id": f"train-{i}",
+            }
+        )
+        docs.append({"_id": f"t{i:06d}", "image": pos})
+        docs += [{"_id": f"t{i:06d}_n{k}", "image": p} for k, p in enumerate(negs)]
+    _write_jsonl(out / "train.jsonl", records)
+    _write_jsonl(out / "train_corpus.jsonl", docs)
+
+
+def write_split(
+    out: Path,
+    split: str,
+    n_queries: int,
+    n_distractors: int,
+    negatives: int,
+    size: int,
+    rng: random.Random,
+    vocab: list[str],
+) -> None:
+    """`split`/{queries.jsonl, corpus.jsonl, qrels.tsv}: held-out pages only."""
+    folder = out / split
+    (folder / "pages").mkdir(parents=True, exist_ok=True)
+    queries, docs, qrels = [], [], []
+    for i in range(n_queries):
+        page = make_page(rng, vocab, size, held_out=True)
+        query, span = make_query(rng, page)
+        doc = f"{split}-{i:06d}"
+        docs.append({"_id": doc, "image": _save(render(page, size), folder, f"pages/{doc}.png")})
+        queries.append({"_id": f"q{i:06d}", "text": query})
+        qrels.append((f"q{i:06d}", doc, 1))
+        for k in range(negatives):
+            nid = f"{doc}_n{k}"
+            neg = render(hard_negative(rng, page, span, vocab), size)
+            docs.append({"_id": nid, "image": _save(neg, folder, f"pages/{nid}.png")})
+            qrels.append((f"q{i:06d}", nid, 0))
+    for j in range(n_distractors):
+        page = make_page(rng, vocab, size, held_out=True)
+        did = f"{split}-x{j:06d}"
+        docs.append({"_id": did, "image": _save(render(page, size), folder, f"pages/{did}.png")})
+    _write_jsonl(folder / "queries.jsonl", queries)
+    _write_jsonl(folder / "corpus.jsonl", docs)
+    lines = ["query-id\tcorpus-id\tscore"] + [f"{q}\t{d}\t{s}" for q, d, s in qrels]
+    (folder / "qrels.tsv").write_text("\n".join(lines) + "\n")
+
+
+def pages_command(
+    out: str,
+    n_train: int = 4000,
+    n_val: int = 200,
+    n_test: int = 200,
+    seed: int = 0,
+    image_size: int = 96,
+    negatives: int = 3,
+    distractors: int = 1000,
+) -> dict[str, int]:
+    """Write the pages workload (module docstring); returns the counts written."""
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    vocab = vocabulary()
+    write_train(root, n_train, negatives, image_size, random.Random(f"{seed}-train"), vocab)
+    for split, n in (("val", n_val), ("test", n_test)):
+        rng = random.Random(f"{seed}-{split}")
+        write_split(root, split, n, distractors, negatives, image_size, rng, vocab)
+    docs = (1 + negatives) * max(n_val, n_test) + distractors
+    return {"train": n_train, "val": n_val, "test": n_test, "corpus_docs": docs}

@@ -1,0 +1,202 @@
+"""Retrieval evaluation on a separate corpus (BEIR layout): queries, documents, graded qrels.
+
+Files (one folder per split, or three paths)::
+
+    queries.jsonl   {"_id": "q1", "text"?: "...", "image"?: "rel.png", "instruction"?: "..."}
+    corpus.jsonl    {"_id": "d1", "text"?: "...", "title"?: "...", "image"?: "rel.png"}
+    qrels.tsv       query-id <TAB> corpus-id <TAB> score   (a header line; score >= 0 ints)
+
+Metrics, exact over the whole corpus with the search kernel's total order (score desc, lower
+doc index first; `vltrain.eval.topk`):
+
+    R@k      fraction of queries with ANY relevant doc (score > 0) in the top k
+    MRR@10   mean 1/rank of the best-ranked relevant doc (0 beyond 10)
+    nDCG@10  graded: DCG = sum_i grade(doc_i) / log2(i + 1) over the top 10, divided by the DCG
+             of the grades sorted descending (trec_eval's linear gain, as BEIR reports it)
+
+Queries without any relevant doc are left out (BEIR does the same) and counted. Docs judged
+non-relevant (score 0, e.g. a query's hard negatives) give `hardneg_acc`: how often the
+query's best relevant doc outscores each of them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from vltrain.data.pairs import Side, read_corpus
+from vltrain.data.records import DataError
+from vltrain.eval.topk import (
+    TOP_LIST,
+    check_embeddings,
+    chunk_sizes,
+    cpu_workers,
+    positive_table,
+    scan,
+)
+
+KS = (1, 5, 10, 100)
+FILES = ("queries.jsonl", "corpus.jsonl", "qrels.tsv")
+
+
+@dataclass
+class CorpusSplit:
+    """Queries and documents in file order, and each query's graded relevant docs."""
+
+    query_ids: list[str]
+    queries: list[Side]
+    doc_ids: list[str]
+    docs: list[Side]
+    qrels: list[dict[int, int]]  # per query: doc row -> grade (> 0 only)
+    judged_negatives: list[list[int]]  # per query: doc rows judged non-relevant (grade 0)
+    n_no_relevant: int  # queries in queries.jsonl without a relevant doc (left out)
+
+
+def is_corpus_dir(path: str | os.PathLike[str]) -> bool:
+    """True for a folder holding queries.jsonl, corpus.jsonl and qrels.tsv."""
+    p = Path(path)
+    return bool(str(path)) and p.is_dir() and all((p / f).is_file() for f in FILES)
+
+
+def read_qrels(path: str | os.PathLike[str]) -> list[tuple[str, str, int]]:
+    """(query id, doc id, grade) rows of a BEIR qrels.tsv (header line optional)."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            parts = line.split()
+            if not parts:
+                continue
+            if len(parts) == 4:  # TREC layout: qid 0 docid score
+                parts = [parts[0], parts[2], parts[3]]
+            if len(parts) != 3:
+                raise DataError(f"{path}:{lineno}: expected 'query-id corpus-id score'")
+            try:
+                grade = int(float(parts[2]))
+            except ValueError:
+                if lineno == 1:
+                    continue  # the header
+                raise DataError(f"{path}:{lineno}: score {parts[2]!r} is not a number") from None
+            rows.append((parts[0], parts[1], grade))
+    return rows
+
+
+def read_split(
+    queries: str | os.PathLike[str], corpus: str | os.PathLike[str], qrels: str | os.PathLike[str]
+) -> CorpusSplit:
+    """Read the three files; a qrels row naming an unknown query or document is an error."""
+    q = read_corpus(queries)
+    d = read_corpus(corpus)
+    doc_row = {doc_id: i for i, doc_id in enumerate(d)}
+    grades: dict[str, dict[int, int]] = {}
+    zeros: dict[str, list[int]] = {}
+    for qid, did, grade in read_qrels(qrels):
+        if qid not in q:
+            raise DataError(f"{qrels}: query id {qid!r} is not in {queries}")
+        if did not in doc_row:
+            raise DataError(f"{qrels}: document id {did!r} is not in {corpus}")
+        if grade > 0:
+            grades.setdefault(qid, {})[doc_row[did]] = grade
+        else:
+            zeros.setdefault(qid, []).append(doc_row[did])
+    kept = [qid for qid in q if qid in grades]
+    return CorpusSplit(
+        query_ids=kept,
+        queries=[q[qid] for qid in kept],
+        doc_ids=list(d),
+        docs=list(d.values()),
+        qrels=[grades[qid] for qid in kept],
+        judged_negatives=[zeros.get(qid, []) for qid in kept],
+        n_no_relevant=len(q) - len(kept),
+    )
+
+
+def read_split_dir(folder: str | os.PathLike[str]) -> CorpusSplit:
+    """`read_split` of ``folder/{queries.jsonl, corpus.jsonl, qrels.tsv}``."""
+    p = Path(folder)
+    if not is_corpus_dir(p):
+        raise DataError(f"{folder} is not a folder with {', '.join(FILES)}")
+    return read_split(*(p / f for f in FILES))
+
+
+def graded_ndcg(top_ids: Tensor, qrels: list[dict[int, int]], k: int = TOP_LIST) -> Tensor:
+    """(Q,) nDCG@k with linear gains from top ids (Q, L) and per-query graded qrels."""
+    discount = 1.0 / torch.log2(torch.arange(2, k + 2, dtype=torch.float64))  # (k,)
+    out = torch.zeros(len(qrels), dtype=torch.float64)
+    for i, (ids, rel) in enumerate(zip(top_ids[:, :k].tolist(), qrels, strict=True)):
+        gains = torch.tensor([float(rel.get(j, 0)) for j in ids], dtype=torch.float64)
+        ideal = torch.tensor(sorted(rel.values(), reverse=True)[:k], dtype=torch.float64)
+        idcg = float((ideal * discount[: len(ideal)]).sum())
+        out[i] = float((gains * discount[: len(gains)]).sum()) / idcg
+    return out
+
+
+def corpus_metrics(
+    query_emb: Tensor,
+    doc_emb: Tensor,
+    qrels: list[dict[int, int]],
+    ks: tuple[int, ...] = KS,
+) -> tuple[dict[str, float], Tensor, Tensor]:
+    """R@k, MRR@10, nDCG@10 (graded), mean/median rank; also per-query ranks (Q,) and top-10
+    ids (Q, min(10, N)), all from one pass over the score blocks."""
+    queries, docs = check_embeddings(query_emb, doc_emb)
+    table = positive_table(
+        [list(r) for r in qrels], queries.shape[0], docs.shape[0], queries.device
+    )
+    qc, dc = chunk_sizes(queries.shape[0], docs.shape[0], None, None, cpu_workers(queries.device))
+    n_top = min(TOP_LIST, docs.shape[0])  # R@k for larger k comes from the exact ranks
+    _, top_ids, ranks = scan(queries, docs, n_top, table, qc, dc)
+    r = ranks.double().cpu()
+    m = {f"R@{k}": float((r <= k).double().mean()) for k in ks}
+    m["MRR@10"] = float(torch.where(r <= 10, 1.0 / r, torch.zeros_like(r)).mean())
+    m["nDCG@10"] = float(graded_ndcg(top_ids.cpu(), qrels).mean())
+    m["mean_rank"], m["median_rank"] = float(r.mean()), float(r.median())
+    m["n_queries"], m["n_docs"] = float(queries.shape[0]), float(docs.shape[0])
+    return m, ranks.cpu(), top_ids.cpu()
+
+
+def judged_negative_accuracy(
+    query_emb: Tensor, doc_emb: Tensor, qrels: list[dict[int, int]], negatives: list[list[int]]
+) -> float | None:
+    """Fraction of (query, judged non-relevant doc) pairs where the query's best relevant doc
+    scores strictly higher (hard-negative accuracy); None when no query has such judgments."""
+    hits = total = 0
+    for i, (rel, negs) in enumerate(zip(qrels, negatives, strict=True)):
+        if not negs:
+            continue
+        q = query_emb[i].float()  # (E,)
+        best = (doc_emb[list(rel)].float() @ q).max()
+        hits += int((doc_emb[negs].float() @ q < best).sum())
+        total += len(negs)
+    return hits / total if total else None
+
+
+def chance_recall(qrels: list[dict[int, int]], n_docs: int, k: int) -> float:
+    """Expected R@k of a random ranking: P(some relevant doc in a random k of n_docs)."""
+    total = 0.0
+    for rel in qrels:
+        p = len(rel)
+        miss = math.comb(n_docs - p, k) / math.comb(n_docs, k) if n_docs - p >= k else 0.0
+        total += 1.0 - miss
+    return total / max(len(qrels), 1)
+
+
+def write_ranks(
+    path: str | os.PathLike[str],
+    query_ids: list[str],
+    doc_ids: list[str],
+    ranks: Tensor,
+    top_ids: Tensor,
+) -> None:
+    """One JSON line per query: {"query": id, "rank": r, "top": [doc ids, best first]}."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with p.open("w") as f:
+        for qid, r, ids in zip(query_ids, ranks.tolist(), top_ids.tolist(), strict=True):
+            top = [doc_ids[j] for j in ids[:TOP_LIST]]
+            f.write(json.dumps({"query": qid, "rank": r, "top": top}) + "\n")
