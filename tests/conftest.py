@@ -45,6 +45,8 @@ def tiny_overrides(data: Path, out: Path, **extra: object) -> list[str]:
         "log.tensorboard": False,
     }
     base.update(extra)
+    if str(base.get("model.kind", "dual_encoder")) != "dual_encoder":
+        del base["data.tokenizer_vocab"]  # HF backbones bring their own tokenizer
     return [f"{k}={v}" for k, v in base.items()]
 
 
