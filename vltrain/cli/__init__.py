@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from vltrain.cli import (
     config_docs,
     data,
+    export,
     generate,
     mine,
     pipeline,
@@ -22,7 +23,7 @@ from vltrain.cli import (
 )
 
 #: top-level commands, in --help order
-COMMANDS = (train, pipeline, data, quickstart, tune, generate, mine, config_docs)
+COMMANDS = (train, pipeline, data, quickstart, tune, generate, mine, export, config_docs)
 
 
 def build_parser() -> argparse.ArgumentParser:
