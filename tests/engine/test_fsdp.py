@@ -6,7 +6,8 @@ by every test here:
 
 - plain: one process, train.parallel=none (safetensors): the reference;
 - fsdp1: one process, train.parallel=fsdp (no sharding, but sharded-format checkpoints);
-- fsdp2 / fsdp4: 2 and 4 ranks under torchrun, the same global batch of 16.
+- fsdp2 / fsdp4: 2 and 4 ranks under torchrun, the same global batch of 16 (fsdp4 with
+  train.activation_checkpointing=true as well).
 
 Resume and resharding runs start from a copy of a run dir holding only its step-3 checkpoint
 and must reach plain's step 5.
@@ -122,7 +123,8 @@ def test_fsdp_clips_gradients_like_one_process(runs: dict) -> None:
 
 def test_fsdp_four_ranks_equal_one_process(runs: dict, shapes_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "fsdp4"
-    _launch(4, _args(shapes_dir, out, 4, "train.parallel=fsdp", "train.save_every=5"), tmp_path)
+    extra = ("train.parallel=fsdp", "train.save_every=5", "train.activation_checkpointing=true")
+    _launch(4, _args(shapes_dir, out, 4, *extra), tmp_path)  # activation checkpointing too
     ref = load_file(runs["plain"] / "checkpoints" / "step_5" / "model.safetensors")
     assert _max_diff(_weights(out / "checkpoints" / "step_5", tmp_path), ref) < TOL
 

@@ -77,7 +77,13 @@ class ParallelModel:
         self.mode = mode
         self.sharded_checkpoints = sharded_checkpoints or mode == "fsdp"
         self.wrapped: nn.Module = module
-        self.blocks = len(sharding.blocks(module))
+        wanted = [k for k in ("activation_checkpointing", "compile") if getattr(options, k)]
+        if wanted and not sharding.blocks(module):
+            raise ConfigError(
+                f"train.{wanted[0]}=true but this model declares no transformer blocks (a "
+                "module class with `vltrain_block = True`, or an HF model's _no_split_modules); "
+                f"set train.{wanted[0]}=false"
+            )
         if options.activation_checkpointing:
             sharding.apply_activation_checkpointing(module)
         if options.compile:
