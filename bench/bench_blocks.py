@@ -54,7 +54,7 @@ def step_fn(model: DualEncoder, batch: int, image_size: int) -> Callable[[], flo
 
 
 def measure(name: str, model: DualEncoder, args: argparse.Namespace) -> dict:
-    step = step_fn(model, args.batch, vision_config(args.preset)["image_size"])
+    step = step_fn(model, args.batch, vision_config(args.preset).image_size)
     t = time.perf_counter()
     mib = step()
     first = time.perf_counter() - t
