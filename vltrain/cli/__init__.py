@@ -15,6 +15,7 @@ from vltrain.cli import (
     config_docs,
     data,
     eval,
+    export,
     generate,
     mine,
     pipeline,
@@ -25,7 +26,19 @@ from vltrain.cli import (
 )
 
 #: top-level commands, in --help order
-COMMANDS = (train, pipeline, data, quickstart, tune, eval, generate, mine, presets, config_docs)
+COMMANDS = (
+    train,
+    pipeline,
+    data,
+    quickstart,
+    tune,
+    eval,
+    generate,
+    mine,
+    export,
+    presets,
+    config_docs,
+)
 
 # errno -> what it means for the user (strerror is kept after it)
 OS_ERRORS = {

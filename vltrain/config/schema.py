@@ -279,8 +279,16 @@ class TrainConfig:
     parallel: str = option(
         "auto",
         "How the model is spread over processes: auto (ddp under torchrun, else none), none, "
-        "ddp (DistributedDataParallel).",
-        choices=("auto", "none", "ddp"),
+        "ddp (DistributedDataParallel), fsdp (FSDP2 per block; sharded checkpoints that "
+        "reshard across world sizes; see docs/scaling_out.md).",
+        choices=("auto", "none", "ddp", "fsdp"),
+    )
+    activation_checkpointing: bool = option(
+        False, "Recompute each transformer block's activations in backward (less memory)."
+    )
+    compile: bool = option(False, "torch.compile each transformer block (compiles at start).")
+    fsdp_cpu_offload: bool = option(
+        False, "train.parallel=fsdp: keep sharded parameters and optimizer state in CPU memory."
     )
     log_every: int = option(10, "Log train metrics every N steps.", ge=1)
     max_consecutive_skips: int = option(

@@ -1,6 +1,8 @@
 """Atomic checkpoints: weights in safetensors, trainer state loadable with weights_only=True.
 
-Layout: `<out>/checkpoints/step_<N>/{model.safetensors, trainer_state.pt, COMPLETE}` and
+Layout: `<out>/checkpoints/step_<N>/{model.safetensors, trainer_state.pt, COMPLETE}` (a
+sharded checkpoint, train.parallel=fsdp, holds `shards/`, torch.distributed.checkpoint files of
+weights and optimizer state, instead of `model.safetensors`; `vltrain export` consolidates) and
 `<out>/checkpoints/best/` (a copy, with `best.json`). A checkpoint is written into a temp
 folder, fsynced, then renamed into place, so a kill at any moment leaves every previously
 complete checkpoint intact; the loader only considers folders holding the COMPLETE marker.
@@ -23,8 +25,24 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 
+from vltrain.engine import distributed as D
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
 MARKER = "COMPLETE"
+SHARDS = "shards"  # torch.distributed.checkpoint folder of a sharded checkpoint
+
+
+def shards_of(ckpt: Path) -> Path:
+    return ckpt / SHARDS
+
+
+def is_sharded(ckpt: Path) -> bool:
+    """True for a sharded (torch.distributed.checkpoint) checkpoint folder."""
+    return (ckpt / SHARDS / ".metadata").is_file()
+
+
+def has_weights(ckpt: Path) -> bool:
+    return (ckpt / "model.safetensors").is_file() or is_sharded(ckpt)
 
 
 class CheckpointError(RuntimeError):
@@ -90,7 +108,6 @@ def write_checkpoint(
 ) -> Path:
     """Write `step_<step>` atomically and return its path. Rank 0 only."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
-    final = ckpt_root / f"step_{step}"
     tmp = ckpt_root / f".tmp_step_{step}_{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -106,13 +123,23 @@ def write_checkpoint(
             f"cannot write checkpoint {final} ({hint}{free / 2**20:.0f} MiB free): {_short(e)}; "
             "the previous checkpoints are intact"
         ) from None
-    for name, src in (extra_files or {}).items():
-        if src.is_dir():
-            shutil.copytree(src, tmp / name)
-        else:
-            shutil.copy2(src, tmp / name)
+    _copy_files(extra_files or {}, tmp)
     if writer is not None:  # e.g. an HF save_pretrained export beside the weights
         writer(tmp)
+    return _commit(ckpt_root, tmp, step)
+
+
+def _copy_files(files: dict[str, Path], folder: Path) -> None:
+    for name, src in files.items():
+        if src.is_dir():
+            shutil.copytree(src, folder / name)
+        else:
+            shutil.copy2(src, folder / name)
+
+
+def _commit(ckpt_root: Path, tmp: Path, step: int) -> Path:
+    """Mark `tmp` complete, fsync it and rename it to `step_<step>` (replacing a re-save)."""
+    final = ckpt_root / f"step_{step}"
     (tmp / MARKER).write_text(json.dumps({"step": step}))
     _fsync_tree(tmp)
     if final.exists():  # a re-save of the same step (e.g. final save == periodic save)
@@ -126,6 +153,33 @@ def write_checkpoint(
     return final
 
 
+def write_sharded_checkpoint(
+    ckpt_root: Path,
+    step: int,
+    save_shards: Callable[[Path], None],
+    trainer_state: dict[str, Any],
+    extra_files: dict[str, Path] | None = None,
+) -> Path | None:
+    """Write a sharded `step_<step>` atomically; EVERY rank calls (all write their shards into
+    rank 0's temp folder, then rank 0 adds the trainer state, marker and rename). Returns the
+    path on rank 0, None elsewhere."""
+    tmp = None
+    if D.is_main():
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        tmp = ckpt_root / f".tmp_step_{step}_{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    tmp = Path(D.broadcast_object(str(tmp)))
+    save_shards(tmp / SHARDS)  # collective
+    D.barrier()
+    if not D.is_main():
+        return None
+    torch.save(trainer_state, tmp / "trainer_state.pt")
+    _copy_files(extra_files or {}, tmp)
+    return _commit(ckpt_root, tmp, step)
+
+
 def complete_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
     """(step, path) of every complete step checkpoint, oldest first."""
     if not ckpt_root.is_dir():
@@ -133,7 +187,7 @@ def complete_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
     found = []
     for p in ckpt_root.iterdir():
         m = STEP_DIR.match(p.name)
-        if m and (p / MARKER).is_file() and (p / "model.safetensors").is_file():
+        if m and (p / MARKER).is_file() and has_weights(p):
             found.append((int(m.group(1)), p))
     return sorted(found)
 
@@ -173,7 +227,16 @@ def update_best(ckpt_root: Path, src: Path, metric: str, value: float, step: int
 
 
 def load_weights(model: torch.nn.Module, ckpt: Path, strict: bool = True) -> None:
-    """Load `model.safetensors` from a checkpoint folder into `model`."""
+    """Load `model.safetensors` (or a sharded checkpoint's weights, resharded to `model`'s
+    layout; then every rank calls) from a checkpoint folder into `model`."""
+    if is_sharded(ckpt):
+        from vltrain.engine import sharding
+
+        try:
+            sharding.load_shards(model, None, shards_of(ckpt))
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise RuntimeError(f"{ckpt}: {_short(e)}") from None
+        return
     path = ckpt / "model.safetensors"
     try:
         missing, unexpected = load_model(model, str(path), strict=strict)
@@ -205,6 +268,11 @@ def load_trainer_state(ckpt: Path) -> dict[str, Any]:
 
 def check_loadable(ckpt: Path) -> None:
     """Raise CheckpointError unless the weights header and the trainer state both read."""
+    if is_sharded(ckpt):
+        _check_shards(ckpt)
+        if (ckpt / "trainer_state.pt").exists():
+            load_trainer_state(ckpt)
+        return
     path = ckpt / "model.safetensors"
     try:
         with safe_open(str(path), framework="pt"):  # checks the header covers the whole file
@@ -213,6 +281,20 @@ def check_loadable(ckpt: Path) -> None:
         raise CheckpointError(f"cannot read {path}: {_short(e)} (truncated or corrupt?)") from None
     if (ckpt / "trainer_state.pt").exists():
         load_trainer_state(ckpt)
+
+
+def _check_shards(ckpt: Path) -> None:
+    """A sharded checkpoint's metadata reads and every file it names is present."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        meta = FileSystemReader(str(shards_of(ckpt))).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any failure means "does not load"
+        raise CheckpointError(f"cannot read {shards_of(ckpt)}: {_short(e)}") from None
+    names = {item.relative_path for item in (meta.storage_data or {}).values()}
+    missing = sorted(n for n in names if not (shards_of(ckpt) / n).is_file())
+    if missing:
+        raise CheckpointError(f"{shards_of(ckpt)} lacks {missing} (truncated copy?)")
 
 
 def newest_loadable(ckpt_root: Path) -> tuple[Path | None, list[str]]:
@@ -286,7 +368,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     step the newest checkpoint records (a kill between the two writes), that step is used.
     """
     p = Path(path)
-    if (p / "model.safetensors").is_file():
+    if has_weights(p):
         return p
     for root in (p / "checkpoints", p):
         latest = latest_checkpoint(root)
@@ -294,7 +376,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         if step is not None and _best_json_step(root) != step and (root / f"step_{step}").is_dir():
             return root / f"step_{step}"
         best = root / "best"
-        if (best / "model.safetensors").is_file():
+        if has_weights(best):
             return best
         if latest is not None:
             return latest

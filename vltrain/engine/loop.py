@@ -22,7 +22,7 @@ from vltrain.engine import distributed as D
 from vltrain.engine import state as trainer_state
 from vltrain.engine.logging import RunLogger
 from vltrain.engine.optim import build_optimizer, set_lr
-from vltrain.engine.parallel import ParallelModel, build_parallel
+from vltrain.engine.parallel import ParallelModel, build_parallel, options_from
 from vltrain.engine.runtime import eval_mode, setup, to_device
 from vltrain.engine.state import RngState, TrainState
 from vltrain.engine.task import Stage, check_stage
@@ -106,15 +106,16 @@ class Trainer:
             return summary
         stage.prepare()
         module = stage.build_model().to(ctx.device)
-        self.optimizer = build_optimizer(module, cfg.optim)
+        options = options_from(cfg.train, cfg.run.precision)
+        self.model = model = build_parallel(module, cfg.train.parallel, ctx.world_size, options)
+        self.optimizer = build_optimizer(module, cfg.optim)  # after sharding: FSDP's params
         self.tracker = BadSampleTracker(cfg.data.max_bad_fraction)
         self.state = TrainState()
         self.loader = stage.build_loader()
         ckpt = plan.resume_from
         if ckpt is not None:
-            checkpoint.load_weights(module, ckpt)
+            model.load_checkpoint(ckpt, self.optimizer)
             trainer_state.restore(self._stateful(), checkpoint.load_trainer_state(ckpt))
-        model = build_parallel(module, cfg.train.parallel, ctx.world_size)
         logger = RunLogger(cfg, self.out_dir, ctx.is_main, self.state.step)
         if ckpt is not None:
             for line in plan.messages:
@@ -140,7 +141,7 @@ class Trainer:
         """Every part a checkpoint saves and a resume restores, in restore order (RNG last)."""
         return {
             "loop": self.state,
-            "optimizer": self.optimizer,
+            "optimizer": self.model.optimizer_part(self.optimizer),
             "loader": self.loader,
             "stage": self.stage,
             "bad_samples": self.tracker,
@@ -219,9 +220,7 @@ class Trainer:
             loss_sum += out.loss.double().cpu() / accum
             for k, v in out.metrics.items():
                 metrics[k] = metrics.get(k, 0.0) + float(v) / accum
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), self.cfg.optim.grad_clip or float("inf")
-        )
+        grad_norm = model.clip_grad_norm_(self.cfg.optim.grad_clip or float("inf"))
         bad = (~torch.isfinite(loss_sum)) | (~torch.isfinite(grad_norm.double().cpu()))
         finite = not bool(D.all_reduce_max(bad.double()).item() > 0)
         return loss_sum, metrics, grad_norm, finite
@@ -280,7 +279,7 @@ class Trainer:
         improved = False
         if do_eval:
             try:
-                metrics = {f"eval_{k}": v for k, v in self.evaluate(model.module, "val").items()}
+                metrics = {f"eval_{k}": v for k, v in self.evaluate(model, "val").items()}
             except Exception:
                 self._save(model, improved=False)  # a failing evaluation never loses the weights
                 raise
@@ -303,17 +302,12 @@ class Trainer:
     def _save(self, model: ParallelModel, improved: bool) -> None:
         """Every rank takes part (a sharded mode gathers here); rank 0 writes."""
         self._saved_step = self.state.step
-        module = model.checkpoint_module()
         ts = trainer_state.collect(self._stateful(), world_size=self.ctx.world_size)
+        files = self.stage.checkpoint_files()
+        path = model.save_checkpoint(
+            self.ckpt_root, self.state.step, self.optimizer, ts, files, self.stage.export
+        )
         if self.ctx.is_main:
-            path = checkpoint.write_checkpoint(
-                self.ckpt_root,
-                self.state.step,
-                module,
-                ts,
-                self.stage.checkpoint_files(),
-                writer=lambda folder: self.stage.export(module, folder),
-            )
             if improved:
                 checkpoint.update_best(
                     self.ckpt_root, path, self.best_metric, self.state.best_value, self.state.step
@@ -321,10 +315,10 @@ class Trainer:
             checkpoint.prune(self.ckpt_root, self.cfg.train.keep_last)
         D.barrier()
 
-    def evaluate(self, model: torch.nn.Module, split: str) -> dict[str, float]:
+    def evaluate(self, model: ParallelModel, split: str) -> dict[str, float]:
         """Run the stage's (sharded) evaluation with training RNG untouched."""
-        with eval_mode(model), self.ctx.autocast():
-            return self.stage.evaluate(model, split)
+        with model.evaluating() as module, eval_mode(module), self.ctx.autocast():
+            return self.stage.evaluate(module, split)
 
     def _finish(self, model: ParallelModel, logger: RunLogger, t_start: float) -> dict[str, Any]:
         state = self.state
@@ -342,9 +336,9 @@ class Trainer:
             summary["val"] = state.history[-1]
         if self.cfg.data.test:
             best = self.ckpt_root / "best"
-            if (best / "model.safetensors").is_file():
+            if checkpoint.has_weights(best):
                 checkpoint.load_weights(model.module, best)
-            summary["test"] = self.evaluate(model.module, "test")
+            summary["test"] = self.evaluate(model, "test")
             logger.log(state.step, {f"test_{k}": v for k, v in summary["test"].items()})
         if self.ctx.is_main:
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -305,6 +305,8 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
 
+    vltrain_block = True  # the unit FSDP shards, activation checkpointing recomputes, compile
+
     def __init__(
         self, width: int, heads: int, mlp_ratio: float = 4.0, dropout: float = 0.0
     ) -> None:

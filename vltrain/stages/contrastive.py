@@ -156,6 +156,13 @@ class ContrastiveStage:
         if m.kind in HF_KINDS and not m.path:
             raise ConfigError(f"model.kind={m.kind} needs 'model.path' (a local HF model dir)")
         reject_unused(cfg, used_keys(cfg), f"stage contrastive with model.kind={m.kind}", WHY)
+        if cfg.train.parallel == "fsdp" and cfg.objective.grad_cache_chunk:
+            raise ConfigError(
+                "objective.grad_cache_chunk > 0 with train.parallel=fsdp: GradCache runs its "
+                "chunks outside the sharded forward, where FSDP cannot reduce the root's "
+                "gradients; use train.parallel=ddp with GradCache, or fsdp with a smaller "
+                "data.batch_size (activation checkpointing: train.activation_checkpointing=true)"
+            )
         if m.kind == "dual_encoder":  # the tower's patch grid must tile the image
             patch = VISION_PRESETS[m.vision]["patch_size"]
             if cfg.data.image_size % patch:

@@ -93,6 +93,11 @@ class RLStage:
         data += ("max_bad_fraction", "image_column", "text_column")
         check_captioner_config(cfg, "rl", used + tuple(f"data.{k}" for k in data))
         r = cfg.rl
+        if cfg.train.parallel == "fsdp":
+            raise ConfigError(
+                "stage 'rl' with train.parallel=fsdp: its rollouts sample outside the sharded "
+                "forward; use train.parallel=ddp (or auto) for RL"
+            )
         if not cfg.model.init_from:
             raise ConfigError(
                 "stage 'rl' needs 'model.init_from' (a trained caption run or checkpoint): RL "

@@ -1,0 +1,25 @@
+"""`vltrain export`: consolidate a checkpoint (sharded fsdp ones too) to safetensors + HF."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    e = sub.add_parser(
+        "export",
+        help="consolidate a checkpoint to model.safetensors (+ hf_model/ for HF backbones)",
+        description="Load CHECKPOINT (a run dir, its checkpoints/ folder or a step folder; "
+        "sharded train.parallel=fsdp checkpoints are resharded into one process) and write "
+        "OUT/model.safetensors with the keys a single-process run saves, plus hf_model/ "
+        "(save_pretrained) for HF backbones, the tokenizer and the run's config.yaml.",
+    )
+    e.add_argument("checkpoint", help="run dir, checkpoints/ folder or checkpoints/step_<N>")
+    e.add_argument("--out", required=True, help="folder to write")
+    e.set_defaults(fn=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vltrain.tools.export import export_command
+
+    return export_command(args.checkpoint, args.out)

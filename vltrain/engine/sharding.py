@@ -1,0 +1,174 @@
+"""FSDP2 per block, activation checkpointing and compile per block, and DCP checkpoints.
+
+The parallel layer (`engine/parallel.py`) is the only user. A *block* (the unit that is
+sharded, checkpointed and compiled) is declared by the model, never guessed from names:
+
+- a built-in module class sets ``vltrain_block = True`` (``models.layers.Block``, ...);
+- an HF model lists its layer classes in ``_no_split_modules`` (transformers' own declaration,
+  which accelerate's FSDP auto-wrap reads too): decoder layers and vision blocks.
+
+Everything keeps the plain module's state_dict keys: FSDP2 swaps parameters for DTensors in
+place, activation checkpointing and compile patch a block's ``forward`` on the instance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+BLOCK_FLAG = "vltrain_block"
+
+
+def blocks(module: nn.Module) -> list[nn.Module]:
+    """The outermost declared blocks of `module`, in module order (see the module docstring)."""
+    hf_names: set[str] = set()
+    for m in module.modules():
+        hf_names.update(getattr(m, "_no_split_modules", None) or ())
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for m in module.modules():
+        if m is module or id(m) in inside:
+            continue
+        if getattr(type(m), BLOCK_FLAG, False) or type(m).__name__ in hf_names:
+            found.append(m)
+            inside.update(id(c) for c in m.modules())
+    return found
+
+
+def apply_activation_checkpointing(module: nn.Module) -> int:
+    """Recompute each block's activations in backward (non-reentrant); returns the count."""
+    units = blocks(module)
+    for block in units:
+        block.forward = functools.partial(_checkpointed, block.forward)
+    return len(units)
+
+
+def _checkpointed(forward, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def compile_blocks(module: nn.Module) -> int:
+    """`torch.compile` each block in place (keys unchanged); returns the count."""
+    units = blocks(module)
+    for block in units:
+        block.compile()
+    return len(units)
+
+
+def apply_fsdp(
+    module: nn.Module, world_size: int, param_dtype: torch.dtype | None, offload: bool
+) -> list[nn.Parameter]:
+    """FSDP2 (`fully_shard`) on every block, then on the root.
+
+    Parameters are stored sharded in fp32; `param_dtype` (bf16 runs) is what the all-gathered
+    compute copy uses, and gradients are reduce-scattered in fp32. Scalar parameters (a
+    loss's temperature), which FSDP2 cannot shard, stay replicated: returns them, for the
+    caller to average their gradients as DDP would.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
+    device = next(module.parameters()).device
+    mesh = init_device_mesh(device.type, (world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    kwargs = {
+        "mesh": mesh,
+        "mp_policy": policy,
+        "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
+    }
+    scalars = [p for p in module.parameters() if p.ndim == 0]
+    for block in blocks(module):
+        fully_shard(block, **kwargs, ignored_params=set(scalars))
+    fully_shard(module, **kwargs, ignored_params=set(scalars))
+    return scalars
+
+
+@contextlib.contextmanager
+def unsharded(module: nn.Module) -> Iterator[None]:
+    """The root's own parameters gathered, for calls that bypass its forward (evaluation,
+    decoding); blocks gather themselves in their forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        yield
+        return
+    module.unshard()
+    try:
+        yield
+    finally:
+        module.reshard()
+
+
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` over sharded (DTensor) and plain gradients at once;
+    the total norm over all ranks' shards, as a plain tensor."""
+    from torch.nn.utils import get_total_norm
+
+    sharded = [p.grad for p in params if isinstance(p.grad, DTensor)]
+    plain = [p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
+    parts = []
+    if sharded:
+        parts.append(get_total_norm(sharded).full_tensor())  # reduces the partial norms
+    if plain:
+        parts.append(get_total_norm(plain))
+    if not parts:
+        return torch.zeros(())
+    total = torch.linalg.vector_norm(torch.stack([p.float().cpu() for p in parts]))
+    coef = max_norm / (float(total) + 1e-6)  # torch's formula
+    if coef < 1.0:  # scaled here: clip_grads_with_norm_ left DTensor grads unscaled (gloo)
+        for g in sharded + plain:
+            g.mul_(coef)
+    return total
+
+
+# ---------------------------------------------------------------- DCP checkpoints
+
+
+def save_shards(module: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Every rank writes its shards of the weights and the optimizer state (FQN keys)."""
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
+
+
+def load_shards(module: nn.Module, optimizer: torch.optim.Optimizer | None, folder: Path) -> None:
+    """Load weights (and the optimizer state, when given) from `folder`, resharding to this
+    run's layout (any world size, sharded or plain)."""
+    if optimizer is None:
+        state = {"model": get_model_state_dict(module)}
+        dcp.load(state, checkpoint_id=str(folder))
+        set_model_state_dict(module, state["model"])
+        return
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(
+        module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The full (gathered, CPU) weights of a sharded module on rank 0 ({} elsewhere); every
+    rank must call."""
+    return get_model_state_dict(
+        module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )

@@ -1,0 +1,35 @@
+"""`vltrain export`: one checkpoint (sharded or not) as consolidated, portable files."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from safetensors.torch import save_model
+
+from vltrain.engine.checkpoint import resolve_checkpoint
+from vltrain.tools.loading import load_trained, run_config_for
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
+    """Write `out/model.safetensors` (the keys a single-process run saves), the stage's own
+    export (`hf_model/` via save_pretrained for HF backbones), the tokenizer and config.yaml.
+
+    Runs in one process: a sharded (fsdp) checkpoint is resharded into the plain model.
+    """
+    ckpt = resolve_checkpoint(checkpoint)
+    _, stage, model = load_trained(ckpt)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(out / "model.safetensors"))  # the same writer as every checkpoint
+    stage.export(model, out)
+    if (ckpt / "tokenizer").is_dir():
+        shutil.copytree(ckpt / "tokenizer", out / "tokenizer", dirs_exist_ok=True)
+    shutil.copy2(run_config_for(ckpt), out / "config.yaml")
+    return out
+
+
+def export_command(checkpoint: str, out: str) -> int:
+    path = export_checkpoint(checkpoint, out)
+    print(f"vltrain: exported {resolve_checkpoint(checkpoint)} to {path}")
+    return 0
