@@ -120,7 +120,8 @@ def write_checkpoint(
         free = shutil.disk_usage(ckpt_root).free
         hint = "disk full? " if free < 64 * 2**20 else ""
         raise CheckpointError(
-            f"cannot write checkpoint {final} ({hint}{free / 2**20:.0f} MiB free): {_short(e)}; "
+            f"cannot write checkpoint {ckpt_root / f'step_{step}'} ({hint}{free / 2**20:.0f} MiB "
+            f"free): {_short(e)}; "
             "the previous checkpoints are intact"
         ) from None
     _copy_files(extra_files or {}, tmp)
