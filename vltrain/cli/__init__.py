@@ -13,16 +13,18 @@ from collections.abc import Sequence
 from vltrain.cli import (
     config_docs,
     data,
+    doctor,
     generate,
     mine,
     pipeline,
     quickstart,
+    report,
     train,
     tune,
 )
 
 #: top-level commands, in --help order
-COMMANDS = (train, pipeline, data, quickstart, tune, generate, mine, config_docs)
+COMMANDS = (train, pipeline, data, quickstart, tune, generate, mine, doctor, report, config_docs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,12 +39,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `vltrain` console script."""
     from vltrain.config.core import ConfigError
     from vltrain.data.records import DataError, DataQualityError
+    from vltrain.diagnostics.doctor import DoctorAbort
     from vltrain.engine.loop import TrainingAborted
 
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, DataError, DataQualityError, TrainingAborted, FileNotFoundError) as e:
+    except (
+        ConfigError,
+        DataError,
+        DataQualityError,
+        TrainingAborted,
+        DoctorAbort,
+        FileNotFoundError,
+    ) as e:
         print(f"vltrain: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from vltrain.config.schema import Config, load_config
+from vltrain.diagnostics.card import write_run_card
 from vltrain.diagnostics.checks import CHECKS
 from vltrain.diagnostics.data_checks import BatchComposition, DataOrder, eval_overlap
 from vltrain.diagnostics.probe import Probe
@@ -71,6 +72,9 @@ class Doctor:
         first step (parameters outside the optimizer, frozen parts, eval/train overlap)."""
         probe = Probe(module, optimizer, list(cfg.model.freeze), cfg.model.lora_r == 0)
         doc = cls(cfg, out_dir, is_main, probe, gather)
+        world = len(gather(0)) if gather is not None else 1  # a collective: every rank calls it
+        if is_main:
+            write_run_card(out_dir, world, str(next(module.parameters()).device))
         opt_check = next(c for c in doc.checks if c.name == "optimizer")
         found = opt_check.structure(
             probe.not_in_optimizer, probe.frozen_unasked, probe.frozen_trainable
