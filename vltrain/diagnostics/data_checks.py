@@ -25,13 +25,10 @@ class BatchComposition:
         self.max_run = cfg.data.max_same_bucket_run if self.bucketed else 0
         self.pool: deque[int] = deque(maxlen=4096)
         self.recent: deque[list[int]] = deque(maxlen=16)
-        self.run, self.last_bucket, self.longest = 0, -1, 0
+        self.means: deque[float] = deque(maxlen=64)  # recent batch mean lengths
+        self.run, self.longest = 0, 0
         self.loss_by_bucket: dict[int, list[float]] = {}
         self.reported: set[str] = set()
-
-    def _bucket(self, mean_len: float) -> int:
-        edges = statistics.quantiles(self.pool, n=self.n_buckets) if len(self.pool) > 1 else []
-        return sum(mean_len > e for e in edges)
 
     def homogeneity(self) -> float:
         """Mean within-batch length variance over the total variance of the recent batches
@@ -48,9 +45,13 @@ class BatchComposition:
         self.pool.extend(rec.lengths)
         self.recent.append(list(rec.lengths))
         mean_len = statistics.fmean(rec.lengths)
-        b = self._bucket(mean_len)
-        self.run = self.run + 1 if b == self.last_bucket else 1
-        self.last_bucket, self.longest = b, max(self.longest, self.run)
+        self.means.append(mean_len)
+        # the trailing run, re-bucketed with the current edges (they settle as lengths arrive)
+        edges = statistics.quantiles(self.pool, n=self.n_buckets) if len(self.pool) > 1 else []
+        buckets = [sum(m > e for e in edges) for m in self.means]
+        b = buckets[-1]
+        self.run = next((i for i, x in enumerate(reversed(buckets)) if x != b), len(buckets))
+        self.longest = max(self.longest, self.run)
         if rec.finite:
             self.loss_by_bucket.setdefault(b, []).append(rec.loss)
         out = []

@@ -69,7 +69,9 @@ class Probe:
         # the first backward of a step `.grad` must be empty (or zero), else the step applies
         # the previous step's gradients too (a missing zero_grad).
         self.first_backward, self.stale = True, ""
-        watched = sorted((p for g in self.groups for p in g), key=lambda p: p.numel())[:3]
+        watched = sorted(
+            (p for g in self.groups for p in g if p.requires_grad), key=lambda p: p.numel()
+        )[:3]
         self.handles = [p.register_hook(self._grad_hook(p)) for p in watched]
         self.handles += [
             optimizer.register_step_pre_hook(self._pre_step),
