@@ -294,7 +294,9 @@ def build_report(paths: list[str], title: str = "vltrain report") -> str:
     if len(runs) > 1:
         header, rows = config_diff(runs)
         body += ["<h2>config diff</h2>", html_table(header, rows) if rows else "<p>identical</p>"]
-        header, rows = ablation(runs)
+    same = [r for r in runs if r.config.get("stage") == runs[0].config.get("stage")]
+    if len(same) > 1:  # an ablation compares runs of one stage (a pipeline's stages are not)
+        header, rows = ablation(same)
         body += ["<h2>ablation (baseline: first run)</h2>", html_table(header, rows)]
     for run in runs:
         body += [
