@@ -15,7 +15,7 @@ from vltrain.diagnostics.record import StepRecord
 
 
 def _cfg(*overrides: str):
-    return load_config(None, ["train.save_every=0", *overrides])
+    return load_config(None, ["train.save_every=0", "optim.warmup_steps=0", *overrides])
 
 
 def _clean(n: int = 60, seed: int = 0, **extra) -> list[StepRecord]:

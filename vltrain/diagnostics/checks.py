@@ -27,10 +27,10 @@ class SpikeDetector:
         self.values: deque[float] = deque(maxlen=window)
         self.sigma, self.rise, self.min_history = sigma, rise, min_history
 
-    def update(self, x: float) -> dict[str, float] | None:
+    def update(self, x: float, judge: bool = True) -> dict[str, float] | None:
         if not math.isfinite(x):
             return None
-        if len(self.values) >= self.min_history:
+        if judge and len(self.values) >= self.min_history:
             med = statistics.median(self.values)
             mad = statistics.median(abs(v - med) for v in self.values) * 1.4826
             scale = max(mad, 1e-3 * abs(med), 1e-12)
@@ -52,6 +52,8 @@ class Spikes:
         self.loss = SpikeDetector(d.spike_window, d.spike_sigma, d.spike_rise, d.min_history)
         self.grad = SpikeDetector(d.spike_window, d.spike_sigma, d.spike_rise, d.min_history)
         self.save_every = cfg.train.save_every
+        # LR warmup is not stationary (grad norms fall by 100x): judge spikes after it
+        self.judge_from = cfg.optim.warmup_steps
         self.grad_spikes: list[int] = []
         self.after_save: list[int] = []
 
@@ -61,7 +63,8 @@ class Spikes:
 
     def observe(self, rec: StepRecord) -> list[Finding]:
         out = []
-        g = self.grad.update(rec.grad_norm)
+        judge = rec.step >= self.judge_from
+        g = self.grad.update(rec.grad_norm, judge)
         if g is not None:
             self.grad_spikes.append(rec.step)
             out.append(
@@ -74,7 +77,7 @@ class Spikes:
                     g,
                 )
             )  # fmt: skip
-        spike = self.loss.update(rec.loss)
+        spike = self.loss.update(rec.loss, judge)
         if spike is not None:
             spike["preceded_by_grad_spike"] = any(
                 rec.step - 3 <= s <= rec.step for s in self.grad_spikes

@@ -112,6 +112,8 @@ class Doctor:
                 rec.rank_ids = [r[1] for r in rows]
                 rec.rank_weights = [r[2] for r in rows]
         found = [f for c in self.checks for f in c.observe(rec)]
+        for f in found:
+            f.detected_at = rec.step
         steps = self.files.get("doctor_steps.jsonl")
         if steps is not None:
             steps.write(json.dumps(asdict(rec)) + "\n")

@@ -69,6 +69,7 @@ class Finding:
     message: str  # one line for people
     fix: str = ""  # what to change
     evidence: dict[str, Any] = field(default_factory=dict)
+    detected_at: int = -1  # the step whose record raised it (-1: before training / offline)
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITIES:
@@ -86,6 +87,7 @@ class Finding:
             message=d["message"],
             fix=d.get("fix", ""),
             evidence=d.get("evidence", {}),
+            detected_at=int(d.get("detected_at", -1)),
         )
 
     def line(self) -> str:
