@@ -40,7 +40,7 @@ from vltrain.engine import loop  # noqa: E402
 from vltrain.engine.task import StepOutput  # noqa: E402
 from vltrain.stages import check_config  # noqa: E402
 
-STEPS = 16
+STEPS = 10  # clean runs and onset-0 faults; mid-run spike faults use 16
 ONSET = 12  # mid-run faults start here (after the spike rules' minimum history)
 
 
@@ -58,9 +58,10 @@ def contrastive(data: Path, out: Path, **extra: Any) -> list[str]:
 
 
 def caption(data: Path, out: Path, **extra: Any) -> list[str]:
+    """The built-in captioner (its tiny vision preset takes 64x64 images)."""
     base = {
         "stage": "caption", "run.out_dir": out, "data.train": data / "train.jsonl",
-        "data.eval": "", "data.batch_size": 8, "data.num_workers": 0, "data.image_size": 32,
+        "data.eval": "", "data.batch_size": 8, "data.num_workers": 0, "data.image_size": 64,
         "data.tokenizer_vocab": 400, "data.max_text_len": 32, "model.kind": "captioner",
         "model.connector": "projector", "model.freeze": "[]", "model.init_from": "",
         "caption.mode": "finetune", "caption.max_new_tokens": 6, "caption.num_beams": 2,
@@ -81,6 +82,7 @@ class Scenario:
     on_step: Callable[[int, Any], None] | None = None  # (step, trainer) before set_lr
     patches: Callable[[], contextlib.AbstractContextManager] | None = None
     ddp: bool = False
+    steps: int = STEPS
 
 
 class Hooks:
@@ -99,6 +101,10 @@ class Hooks:
         return lr
 
 
+def _onset() -> int:
+    return Hooks.scenario.onset if Hooks.scenario is not None else ONSET
+
+
 def _wrap_fb(trainer, fn: Callable) -> None:
     """Replace the stage's forward_backward with fn(real, model, batch, scale, step)."""
     real = trainer.stage.forward_backward
@@ -111,7 +117,7 @@ def _wrap_fb(trainer, fn: Callable) -> None:
 
 def _scale_loss(trainer):
     def fn(real, model, batch, scale, step):
-        k = 6.0 if step == ONSET else 1.0  # a hard-coded loss weight for one step
+        k = 6.0 if step == _onset() else 1.0  # a hard-coded loss weight for one step
         out = real(model, batch, scale * k)
         return StepOutput(out.loss * k, out.metrics)
 
@@ -121,7 +127,7 @@ def _scale_loss(trainer):
 def _grad_spike(trainer):
     def fn(real, model, batch, scale, step):
         out = real(model, batch, scale)
-        if step == ONSET:
+        if step == _onset():
             for p in model.parameters():
                 if p.grad is not None:
                     p.grad.mul_(50.0)
@@ -132,7 +138,7 @@ def _grad_spike(trainer):
 
 def _nan(trainer):
     def fn(real, model, batch, scale, step):
-        if step == ONSET:
+        if step == _onset():
             batch = {**batch, "images": batch["images"] * float("inf")}
         return real(model, batch, scale)
 
@@ -141,15 +147,16 @@ def _nan(trainer):
 
 def _zero_weight(trainer):
     def fn(real, model, batch, scale, step):
-        out = real(model, batch, scale * (0.0 if step >= ONSET else 1.0))
-        return StepOutput(out.loss * (0.0 if step >= ONSET else 1.0), out.metrics)
+        w = 0.0 if step >= _onset() else 1.0
+        out = real(model, batch, scale * w)
+        return StepOutput(out.loss * w, out.metrics)
 
     _wrap_fb(trainer, fn)
 
 
 def _mask_all_labels(trainer):
     def fn(real, model, batch, scale, step):
-        if step >= ONSET:  # tokenisation/label-mask mismatch: nothing labelled
+        if step >= _onset():  # tokenisation/label-mask mismatch: nothing labelled
             batch = {**batch, "labels": torch.full_like(batch["labels"], -100)}
         return real(model, batch, scale)
 
@@ -219,13 +226,13 @@ def _uncapped_buckets() -> Iterator[None]:
 
 
 def _lr_zero(step, trainer):
-    if step >= ONSET:
+    if step >= _onset():
         for g in trainer.optimizer.param_groups:
             g["lr"] = 0.0
 
 
 def _no_zero_grad(step, trainer):
-    if step == ONSET - 1:  # the zero_grad after this step is gone
+    if step == _onset() - 1:  # the zero_grad after this step is gone
         trainer.optimizer.zero_grad = lambda *a, **k: None
 
 
@@ -233,41 +240,53 @@ def scenarios(data: Path) -> list[Scenario]:
     c, cap = contrastive, caption
     gated = {"model.connector": "gated_xattn", "model.connector_options": "{}"}
     return [
-        Scenario("missing zero_grad", c, ONSET, on_step=_no_zero_grad),
-        Scenario("replayed epoch order", c, 8, patches=_same_order_every_epoch),
-        Scenario("frozen tower", cap, 0, install=_freeze_vision),
-        Scenario("params missing from optimizer", cap, 0, patches=_optimizer_without_vision),
-        Scenario("LR stuck at 0", c, ONSET, on_step=_lr_zero),
-        Scenario("loss spike (loss weight x6)", c, ONSET, install=_scale_loss),
-        Scenario("grad-norm spike", c, ONSET, install=_grad_spike),
-        Scenario("NaN", c, ONSET, install=_nan),
+        Scenario("missing zero_grad", c, 3, on_step=_no_zero_grad, steps=6),
+        Scenario("replayed epoch order", c, 8, patches=_same_order_every_epoch, steps=10),
+        Scenario("frozen tower", cap, 0, install=_freeze_vision, steps=3),
+        Scenario(
+            "params missing from optimizer", cap, 0, patches=_optimizer_without_vision, steps=3
+        ),
+        Scenario("LR stuck at 0", c, 3, on_step=_lr_zero, steps=6),
+        Scenario("loss spike (loss weight x6)", c, ONSET, install=_scale_loss, steps=14),
+        Scenario("grad-norm spike", c, ONSET, install=_grad_spike, steps=14),
+        Scenario("NaN", c, 3, install=_nan, steps=5),
         Scenario(
             "homogeneous batches (bucket cap not applied)",
             lambda d, o: cap(d, o, **{"data.length_buckets": 3, "data.max_same_bucket_run": 2}),
             -1,
             patches=_uncapped_buckets,
+            steps=10,
         ),
-        Scenario("loss weight 0 (loss exactly 0)", c, ONSET, install=_zero_weight),
-        Scenario("loss 0 from a label mask", cap, ONSET, install=_mask_all_labels),
-        Scenario("dead gates", lambda d, o: cap(d, o, **gated), 0, install=_kill_gates),
-        Scenario("eval on train data", lambda d, o: c(d, o, **{"data.eval": d / "train.jsonl"}), 0),
+        Scenario("loss weight 0 (loss exactly 0)", c, 3, install=_zero_weight, steps=7),
+        Scenario("loss 0 from a label mask", cap, 3, install=_mask_all_labels, steps=7),
+        Scenario("dead gates", lambda d, o: cap(d, o, **gated), 0, install=_kill_gates, steps=4),
+        Scenario(
+            "eval on train data",
+            lambda d, o: c(d, o, **{"data.eval": d / "train.jsonl"}),
+            0,
+            steps=2,
+        ),
         Scenario(
             "temperature pinned at clamp",
             lambda d, o: c(d, o, **{"objective.temperature": 0.005}),
             0,
+            steps=4,
         ),
-        Scenario("duplicated shards across ranks", c, 0, ddp=True),
-        Scenario("DDP desync", c, ONSET, ddp=True),
+        Scenario("duplicated shards across ranks", c, 0, ddp=True, steps=3),
+        Scenario("DDP desync", c, 2, ddp=True, steps=5),
     ]
+
+
+CLEAN_STEPS = 10
 
 
 def clean_runs() -> list[Scenario]:
     c, cap = contrastive, caption
     return [
-        Scenario("clean contrastive (InfoNCE) seed 0", c),
-        Scenario("clean contrastive seed 1", lambda d, o: c(d, o, **{"run.seed": 1})),
+        Scenario("clean contrastive (InfoNCE) seed 0", c, steps=CLEAN_STEPS),
+        Scenario("clean contrastive seed 1", lambda d, o: c(d, o, **{"run.seed": 1}), steps=12),
         Scenario("clean contrastive SigLIP", lambda d, o: c(d, o, **{"objective.loss": "siglip"})),
-        Scenario("clean captioner, projector", cap),
+        Scenario("clean captioner, projector", cap, steps=CLEAN_STEPS),
         Scenario(
             "clean captioner, pretrain (frozen vision+decoder)",
             lambda d, o: cap(
@@ -284,7 +303,7 @@ def clean_runs() -> list[Scenario]:
             "clean captioner, length buckets",
             lambda d, o: cap(d, o, **{"data.length_buckets": 3, "data.max_same_bucket_run": 3}),
         ),
-        Scenario("clean 2-process DDP contrastive", c, ddp=True),
+        Scenario("clean 2-process DDP contrastive", c, ddp=True, steps=CLEAN_STEPS),
     ]
 
 
@@ -303,6 +322,7 @@ def run_one(sc: Scenario, data: Path, out: Path) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                __file__, "--ddp-worker", sc.name, str(data), str(out)]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        env["BENCH_STEPS"], env["BENCH_ONSET"] = str(sc.steps), str(sc.onset)
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         err = "" if res.returncode == 0 else res.stderr[-800:]
     else:
@@ -311,7 +331,7 @@ def run_one(sc: Scenario, data: Path, out: Path) -> dict[str, Any]:
 
 
 def _train_in_process(sc: Scenario, data: Path, out: Path) -> str:
-    cfg = load_config(None, sc.overrides(data, out))
+    cfg = load_config(None, [*sc.overrides(data, out), f"train.max_steps={sc.steps}"])
     trainer = loop.Trainer(cfg, stage=check_config(cfg))
     Hooks.trainer, Hooks.scenario = trainer, sc
     if sc.install is not None:
@@ -331,7 +351,8 @@ def ddp_worker(name: str, data: Path, out: Path) -> None:
     """One rank of a two-process scenario (launched by torchrun)."""
     from vltrain.engine import distributed as D
 
-    cfg = load_config(None, contrastive(data, out))
+    steps, onset = int(os.environ["BENCH_STEPS"]), int(os.environ["BENCH_ONSET"])
+    cfg = load_config(None, [*contrastive(data, out), f"train.max_steps={steps}"])
     trainer = loop.Trainer(cfg, stage=check_config(cfg))
     stack = contextlib.ExitStack()
     if name == "duplicated shards across ranks":  # a sampler that ignores the rank
@@ -344,12 +365,12 @@ def ddp_worker(name: str, data: Path, out: Path) -> None:
     if name == "DDP desync":  # rank 1 takes a private update from ONSET on
 
         def desync(step, t):
-            if step >= ONSET and D.rank() == 1:
+            if step >= _onset() and D.rank() == 1:
                 with torch.no_grad():
                     next(t.optimizer.param_groups[0]["params"].__iter__()).add_(1e-2)
 
         Hooks.trainer = trainer
-        Hooks.scenario = Scenario(name, contrastive, on_step=desync)
+        Hooks.scenario = Scenario(name, contrastive, onset, on_step=desync)
         loop.set_lr = Hooks.set_lr
     with stack:
         trainer.run()
@@ -470,19 +491,21 @@ def main() -> None:
         "--quickstart", default="", help="a finished quickstart folder to count as clean"
     )
     p.add_argument("--skip-overhead", action="store_true")
+    p.add_argument("--skip", default="", help="comma-separated scenario names not to run")
     args = p.parse_args()
     if args.ddp_worker:
         name, data, out = args.ddp_worker
         return ddp_worker(name, Path(data), Path(out))
     out = Path(args.out)
-    data = out / "shapes"
+    data = out / "shapes64"
     if not (data / "train.jsonl").is_file():
         from vltrain.data.synth import synth_command
 
         synth_command(str(data), 64, 16, 16, 0)  # 64 / batch 8: 8 steps per epoch
     rows, clean = [], []
+    skip = set(filter(None, args.skip.split(",")))
     for sc in scenarios(data):
-        if args.only in sc.name:
+        if args.only in sc.name and sc.name not in skip:
             rows.append(
                 evaluate(
                     sc,
@@ -492,7 +515,7 @@ def main() -> None:
             )
             print(json.dumps(rows[-1]), flush=True)
     for sc in clean_runs():
-        if args.only in sc.name:
+        if args.only in sc.name and sc.name not in skip:
             res = run_one(sc, data, out / "clean" / _slug(sc.name))
             warn = [f for f in res["findings"] if f["severity"] != "info"]
             row = {

@@ -31,6 +31,10 @@ ALL_CHECKS: dict[str, Any] = {
 }
 
 
+#: findings that need the live model (the step records cannot reproduce them offline)
+ONLINE_ONLY = {"not_in_optimizer", "frozen_unasked", "frozen_gets_grad"}
+
+
 class DoctorAbort(RuntimeError):
     """A finding at or above `doctor.fail_on`."""
 
@@ -193,8 +197,11 @@ def analyse_run(run_dir: str | Path) -> list[Finding]:
         found += [f for c in doc.checks for f in c.observe(rec)]
     found += [f for c in doc.checks for f in c.finish()]
     seen = {(f.check, f.step) for f in found}
+    replayed = (run_dir / "doctor_steps.jsonl").is_file()
     for row in _read_jsonl(run_dir / "doctor.jsonl"):
         f = Finding.from_dict(row)
+        if replayed and f.check not in ONLINE_ONLY:
+            continue  # the replay above re-decided it with the current checks
         if (f.check, f.step) not in seen:
             seen.add((f.check, f.step))
             found.append(f)
