@@ -82,9 +82,9 @@ def test_malformed_line_names_file_and_line(tmp_path: Path, line: str, match: st
 
 def test_read_records_dispatch_and_errors(tmp_path: Path, caps_file: Path) -> None:
     assert len(read_records(caps_file)) == 2
-    (tmp_path / "d.csv").write_text("image,text\n")
+    (tmp_path / "d.txt").write_text("image,text\n")
     with pytest.raises(DataError, match="unsupported data file suffix"):
-        read_records(tmp_path / "d.csv")
+        read_records(tmp_path / "d.txt")
     with pytest.raises(DataError, match="does not exist"):
         read_records(tmp_path / "missing.jsonl")
 

@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-import vltrain.eval.retrieval as retrieval
 from vltrain.eval import topk
 from vltrain.eval.retrieval import (
     evaluate_retrieval,
@@ -346,7 +345,7 @@ def test_errors_are_explained(call, match):
 
 def test_auto_doc_chunking_when_rows_exceed_budget(monkeypatch):
 
-    monkeypatch.setattr(retrieval, "_BLOCK_BYTES", 4 * 40 * 14)  # whole rows do not fit
+    monkeypatch.setattr(topk, "_BLOCK_BYTES", 4 * 40 * 14)  # whole rows do not fit
     assert topk.chunk_sizes(40, 70, None, None) == (40, 14)
     q, d = _int_data(40, 70, 4, seed=13)
     positives = _random_positives(40, 70, seed=14)
@@ -361,7 +360,7 @@ def test_torch_matmul_path_equals_numpy_path(monkeypatch):
     q, d = _int_data(30, 45, 5, seed=15)
     positives = _random_positives(30, 45, seed=16)
     by_numpy = (topk_similarity(q, d, 10, 7, 11), rank_of_positives(q, d, positives, 7, 11))
-    monkeypatch.setattr(retrieval, "_np", None)
+    monkeypatch.setattr(topk, "_np", None)
     by_torch = (topk_similarity(q, d, 10, 7, 11), rank_of_positives(q, d, positives, 7, 11))
     assert torch.equal(by_torch[0][1], by_numpy[0][1]) and torch.equal(by_torch[1], by_numpy[1])
     assert torch.equal(by_torch[0][1], _ref_order(q, d)[1][:, :10])
@@ -389,7 +388,7 @@ def test_parallel_cpu_workers_equal_one_worker(monkeypatch):
         par_ranks = rank_of_positives(q, d, positives, chunk_size=32, doc_chunk_size=700)
         par_metrics = evaluate_retrieval(q, d, positives, chunk_size=32)
         assert torch.get_num_threads() == 2
-        monkeypatch.setattr(retrieval, "_threadpoolctl", None)  # one worker
+        monkeypatch.setattr(topk, "_threadpoolctl", None)  # one worker
         assert topk.cpu_workers(q.device, 10) == 1
         assert torch.equal(topk_similarity(q, d, 10, chunk_size=32)[1], par_top[1])
         one = rank_of_positives(q, d, positives, chunk_size=32, doc_chunk_size=700)

@@ -7,6 +7,7 @@ listed once in COMMANDS.
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from collections.abc import Sequence
 
@@ -17,6 +18,7 @@ from vltrain.cli import (
     generate,
     mine,
     pipeline,
+    presets,
     quickstart,
     report,
     train,
@@ -24,11 +26,60 @@ from vltrain.cli import (
 )
 
 #: top-level commands, in --help order
-COMMANDS = (train, pipeline, data, quickstart, tune, generate, mine, doctor, report, config_docs)
+COMMANDS = (
+    train,
+    pipeline,
+    data,
+    quickstart,
+    tune,
+    generate,
+    mine,
+    presets,
+    doctor,
+    report,
+    config_docs,
+)
+
+# errno -> what it means for the user (strerror is kept after it)
+OS_ERRORS = {
+    errno.ENOSPC: "disk full",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.EROFS: "read-only file system",
+    errno.ENOENT: "not found",
+    errno.EISDIR: "is a directory, not a file",
+    errno.ENOTDIR: "a parent is a file, not a directory",
+    errno.EEXIST: "already exists",
+}
+
+
+def version() -> str:
+    """The installed distribution's version, else the package's own `__version__`."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("vltrain")
+    except metadata.PackageNotFoundError:
+        from vltrain import __version__
+
+        return __version__
+
+
+def os_error_message(e: OSError) -> str:
+    """`<what> <path>: <strerror>` for an OSError, naming both paths of a failed rename."""
+    what = OS_ERRORS.get(e.errno or -1, "cannot use")
+    paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
+    reason = e.strerror or str(e)
+    if not paths:  # raised with a message only, e.g. FileNotFoundError("no config.yaml ...")
+        return str(e) if not e.strerror else f"{what}: {reason}"
+    hint = " (free space or write elsewhere)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    return f"{what} {paths}: {reason}{hint}"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vltrain", description=__doc__.split("\n")[0])
+    p.add_argument("--version", action="version", version=f"vltrain {version()}")
     sub = p.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_parser(sub)
@@ -40,20 +91,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vltrain.config.core import ConfigError
     from vltrain.data.records import DataError, DataQualityError
     from vltrain.diagnostics.doctor import DoctorAbort
-    from vltrain.engine.loop import TrainingAborted
+    from vltrain.engine.checkpoint import CheckpointError
+    from vltrain.engine.loop import TrainingAborted, TrainingStopped
+    from vltrain.files import OutputError
 
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
+    except TrainingStopped as e:  # SIGTERM/SIGINT: a checkpoint was written; not an error
+        print(f"vltrain: {e}", file=sys.stderr)
+        return 128 + e.signal
     except (
         ConfigError,
         DataError,
         DataQualityError,
         TrainingAborted,
         DoctorAbort,
-        FileNotFoundError,
+        CheckpointError,
+        OutputError,
     ) as e:
         print(f"vltrain: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a path the user gave or the disk: name it, no traceback
+        print(f"vltrain: error: {os_error_message(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("vltrain: interrupted", file=sys.stderr)

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import argparse
 
+from vltrain.cli.options import path_arg
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("config-docs", help="print the config reference (markdown)")
-    c.add_argument("--out", default="", help="write to this file instead of stdout")
+    c.add_argument("--out", type=path_arg, default=None, help="write this file instead of stdout")
     c.set_defaults(fn=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from vltrain.config.core import describe
     from vltrain.config.schema import Config
+    from vltrain.files import atomic_write_text, check_output_path
+
+    if args.out is not None:
+        check_output_path(args.out)
 
     lines = [
         "# Config reference",
@@ -26,9 +32,8 @@ def run(args: argparse.Namespace) -> int:
     for key, tp, default, doc in describe(Config):
         lines.append(f"| `{key}` | {tp} | `{default!r}` | {doc} |")
     text = "\n".join(lines) + "\n"
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    if args.out is not None:
+        atomic_write_text(args.out, text)
     else:
         print(text)
     return 0

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 
-from vltrain.cli import data_synth
+from vltrain.cli import data_curate, data_shard, data_synth
 
 #: `vltrain data` subcommands, in --help order
-SUBCOMMANDS = (data_synth,)
+SUBCOMMANDS = (data_synth, data_shard, data_curate)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from vltrain.cli.options import non_negative_int, path_arg, positive_int
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from vltrain.tools.generate import add_generate_options
-
     g = sub.add_parser(
         "generate",
         help="caption images with a trained captioner checkpoint",
@@ -17,6 +17,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_generate_options(g)
     g.set_defaults(fn=run)
+
+
+def add_generate_options(p: argparse.ArgumentParser) -> None:
+    """Arguments of `vltrain generate`; numbers are checked here, by the parser."""
+    p.add_argument(
+        "--checkpoint", required=True, type=path_arg, help="run dir, checkpoints/ or step folder"
+    )
+    p.add_argument("--images", nargs="*", default=[], help="image files to caption")
+    p.add_argument("--eval-data", default="", help="instead: score BLEU/CIDEr-D on a caption file")
+    p.add_argument("--strategy", default="greedy", choices=("greedy", "beam", "sample"))
+    p.add_argument("--beams", type=positive_int, default=5, help="beam width (--strategy beam)")
+    p.add_argument(
+        "--max-new-tokens", type=positive_int, default=24, help="longest caption in tokens"
+    )
+    p.add_argument("--prompt", default=None, help="prompt text (sft: the user turn)")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="images decoded together")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed for --strategy sample")
+    p.add_argument("--config", default="", help="run config (default: the checkpoint's run)")
+    p.add_argument(
+        "--out", type=path_arg, default=None, help="write JSON lines here instead of stdout"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from vltrain.cli.options import finite_float, non_negative_int, path_arg, positive_int
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     m = sub.add_parser(
@@ -14,26 +16,37 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "false negatives (score > margin x the best positive's score), and write --out with "
         "`negatives` filled in (train on it with objective.hard_negatives=K).",
     )
-    m.add_argument("--checkpoint", required=True, help="run dir or checkpoint folder")
-    m.add_argument("--data", required=True, help="input JSONL")
-    m.add_argument("--out", required=True, help="output JSONL (same folder as --data)")
-    m.add_argument("--k", type=int, default=5, help="negatives per record")
-    m.add_argument("--range-min", type=int, default=0, help="first rank considered (0-based)")
-    m.add_argument("--range-max", type=int, default=100, help="ranks considered stop here")
+    m.add_argument(
+        "--checkpoint", required=True, type=path_arg, help="run dir or checkpoint folder"
+    )
+    m.add_argument("--data", required=True, type=path_arg, help="input JSONL")
+    m.add_argument(
+        "--out", required=True, type=path_arg, help="output JSONL (same folder as --data)"
+    )
+    m.add_argument("--k", type=positive_int, default=5, help="negatives per record")
+    m.add_argument(
+        "--range-min", type=non_negative_int, default=0, help="first rank considered (0-based)"
+    )
+    m.add_argument("--range-max", type=positive_int, default=100, help="ranks considered stop here")
     m.add_argument(
         "--margin",
-        type=float,
+        type=finite_float,
         default=0.95,
         help="skip candidates scoring above margin x the positive's score",
     )
-    m.add_argument("--batch-size", type=int, default=128)
+    m.add_argument("--batch-size", type=positive_int, default=128, help="images encoded together")
     m.add_argument("--append", action="store_true", help="keep the records' own negatives")
-    m.set_defaults(fn=run)
+    m.set_defaults(fn=run, parser=m)
 
 
 def run(args: argparse.Namespace) -> int:
     from vltrain.tools.mine import MineOptions, mine_command
 
+    if args.range_min >= args.range_max:  # a cross-option rule: a parser error all the same
+        args.parser.error(
+            f"--range-min {args.range_min} must be below --range-max {args.range_max} "
+            "(ranks range_min .. range_max-1 are searched)"
+        )
     opts = MineOptions(
         k=args.k,
         range_min=args.range_min,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from vltrain.cli.options import path_arg
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     pl = sub.add_parser(
@@ -13,7 +15,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "<root>/<name>, each from the previous stage's best checkpoint; finished stages are "
         "skipped and an interrupted one resumes; writes <root>/report.md.",
     )
-    pl.add_argument("pipeline", help="pipeline YAML (stages: name, config, overrides)")
+    pl.add_argument(
+        "pipeline", type=path_arg, help="pipeline YAML (stages: name, config, overrides)"
+    )
     pl.add_argument("overrides", nargs="*", help="dotted key=value overrides for every stage")
     pl.set_defaults(fn=run)
 

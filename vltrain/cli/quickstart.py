@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from vltrain.cli.options import non_negative_int, path_arg, positive_int
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     q = sub.add_parser(
@@ -15,27 +17,36 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "a CIDEr-D reward, and prints every stage's metrics on val and on the held-out "
         "compositional test split (also written to OUT/report.md).",
     )
-    q.add_argument("--out", default="runs/quickstart", help="folder for data and runs")
+    q.add_argument(
+        "--out", type=path_arg, default="runs/quickstart", help="folder for data and runs"
+    )
     q.add_argument(
         "--size",
         default="tiny",
         choices=("tiny", "small"),
         help="model size preset (tiny: about 6 min for all stages on a 2-core CPU)",
     )
-    q.add_argument("--steps", type=int, default=500, help="training steps")
-    q.add_argument("--n-train", type=int, default=4000, help="synthetic training images")
+    q.add_argument("--steps", type=positive_int, default=500, help="training steps")
+    q.add_argument("--n-train", type=positive_int, default=4000, help="synthetic training images")
     q.add_argument(
         "--caption-steps",
-        type=int,
+        type=non_negative_int,
         default=300,
         help="captioner pretrain+finetune steps after the CLIP stage (0: skip, and skip RL)",
     )
     q.add_argument(
-        "--rl-steps", type=int, default=60, help="RL steps after the captioner (0: skip)"
+        "--rl-steps",
+        type=non_negative_int,
+        default=60,
+        help="RL steps after the captioner (0: skip)",
     )
-    q.add_argument("--n-eval", type=int, default=300, help="synthetic val and test images each")
-    q.add_argument("--batch-size", type=int, default=128, help="batch size")
-    q.add_argument("--num-workers", type=int, default=1, help="DataLoader worker processes")
+    q.add_argument(
+        "--n-eval", type=positive_int, default=300, help="synthetic val and test images each"
+    )
+    q.add_argument("--batch-size", type=positive_int, default=128, help="batch size")
+    q.add_argument(
+        "--num-workers", type=non_negative_int, default=1, help="DataLoader worker processes"
+    )
     q.add_argument(
         "overrides",
         nargs="*",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from vltrain.cli.options import path_arg
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser(
@@ -13,7 +15,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "`vltrain train configs/clip.yaml optim.lr=3e-4 data.batch_size=32`. "
         "Runs the same under `torchrun --nproc_per_node=N -m vltrain train ...`.",
     )
-    t.add_argument("config", help="YAML config (see configs/ and docs/config.md)")
+    t.add_argument("config", type=path_arg, help="YAML config (see configs/ and docs/config.md)")
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     t.set_defaults(fn=run)
 

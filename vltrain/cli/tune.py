@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from vltrain.cli.options import path_arg
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from vltrain.runs.tune.command import DESCRIPTION as TUNE_DESCRIPTION
@@ -15,7 +17,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=TUNE_DESCRIPTION,
     )
     add_tune_options(tu)
-    tu.add_argument("config", help="YAML config with a tune section (see configs/tune.yaml)")
+    tu.add_argument(
+        "config", type=path_arg, help="YAML config with a tune section (see configs/tune.yaml)"
+    )
     tu.add_argument(
         "rest",
         nargs=argparse.REMAINDER,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -154,13 +155,18 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):
+                raise ConfigError(f"'{key}' must be a finite number, got {value!r}")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -221,13 +227,40 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """The safe loader, refusing a key that appears twice in one mapping (YAML would silently
+    keep the last one, e.g. drop a whole first `optim:` section)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(
+                    f"duplicate key {key!r} (lines {seen[key]} and {key_node.start_mark.line + 1}"
+                    f" of {key_node.start_mark.name}): YAML keeps only the last one; merge them"
+                )
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def safe_load_unique(text: str, name: str = "<string>") -> Any:
+    """`yaml.safe_load` that rejects duplicate keys."""
+    loader = _UniqueKeyLoader(text)
+    loader.name = name
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def load_yaml(path: str | Path) -> dict:
     """Read a YAML file with the safe loader; a clear error if it is missing or malformed."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = safe_load_unique(p.read_text(), str(p)) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{p} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
@@ -247,3 +280,45 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
         else:
             rows.append((prefix + f.name, _type_name(tp), getattr(inst, f.name), f.metadata["doc"]))
     return rows
+
+
+def non_default_keys(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted leaf keys whose value differs from the field's default: what the user set."""
+    out: dict[str, Any] = {}
+    default = type(cfg)()
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(non_default_keys(value, prefix + f.name + "."))
+        elif value != getattr(default, f.name):
+            out[prefix + f.name] = value
+    return out
+
+
+def reject_unused(cfg: Any, used: tuple[str, ...], context: str, why: dict[str, str]) -> None:
+    """Refuse keys set away from their defaults that `context` would silently ignore.
+
+    `used` holds fnmatch patterns of the keys it reads; `why` maps a pattern to a reason shown
+    for keys it matches (e.g. "taken from the pretrained model").
+    """
+    import fnmatch
+
+    ignored = [k for k in non_default_keys(cfg) if not any(fnmatch.fnmatchcase(k, p) for p in used)]
+    if not ignored:
+        return
+    notes = []
+    for key in ignored:
+        reason = next((r for p, r in why.items() if fnmatch.fnmatchcase(key, p)), "")
+        notes.append(f"{key}={getattr_dotted(cfg, key)!r}" + (f" ({reason})" if reason else ""))
+    raise ConfigError(
+        f"{context} does not use {', '.join(notes)}: it would be ignored. Remove "
+        f"{'it' if len(ignored) == 1 else 'them'}, or pick the stage/model.kind that uses "
+        f"{'it' if len(ignored) == 1 else 'them'}"
+    )
+
+
+def getattr_dotted(cfg: Any, key: str) -> Any:
+    """`cfg.a.b` for key 'a.b'."""
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg

@@ -45,7 +45,11 @@ class RunConfig:
 
 @dataclass
 class DataConfig:
-    train: str = option("", "Training records: JSONL (or COCO captions .json).")
+    train: str = option(
+        "",
+        "Training records: JSONL (or COCO captions .json), or webdataset tar shards (a folder of "
+        ".tar, a brace pattern, an fsspec URL; contrastive stage, see docs/streaming.md).",
+    )
     eval: str = option("", "Evaluation records (val split); empty disables evaluation.")
     test: str = option("", "Optional held-out test records, evaluated at the end of training.")
     batch_size: int = option(32, "Batch size per process (global batch = this x world size).", ge=1)
@@ -87,6 +91,16 @@ class DataConfig:
     )
     max_same_bucket_run: int = option(
         3, "Length buckets: at most this many consecutive batches from one bucket.", ge=1
+    )
+    streams: int = option(
+        4,
+        "Tar shards (data.train = a folder of .tar, a brace pattern or an fsspec URL): virtual "
+        "streams that define the sample order; a multiple of the world size, at most the global "
+        "batch. Keep it fixed and any world size dividing it sees the same batches.",
+        ge=1,
+    )
+    shuffle_buffer: int = option(
+        1000, "Tar shards: samples in each stream's shuffle buffer (0: shard order only).", ge=0
     )
 
 
@@ -230,7 +244,23 @@ class TrainConfig:
     best_mode: str = option(
         "", "'max' or 'min' for best_metric ('' = stage default).", choices=("", "max", "min")
     )
-    resume: bool = option(False, "Continue from the newest complete checkpoint in run.out_dir.")
+    resume: bool = option(
+        False,
+        "Continue the run in run.out_dir from its newest checkpoint that loads "
+        "(`vltrain train RUN/config.yaml train.resume=true`); the config must equal the run's "
+        "saved config.yaml except for keys in train.allow_changes and harmless ones (logging, "
+        "workers, eval/save cadence).",
+    )
+    allow_changes: list[str] = option(
+        [],
+        "Resume: keys allowed to differ from the run's saved config (e.g. [train.max_steps]); "
+        "'global_batch' allows another data.batch_size x world size. Each change is logged.",
+    )
+    overwrite: bool = option(
+        False,
+        "Start over in a run.out_dir that already holds a run: delete its checkpoints, "
+        "tokenizer, metrics and summary first (without it, vltrain refuses).",
+    )
     parallel: str = option(
         "auto",
         "How the model is spread over processes: auto (ddp under torchrun, else none), none, "
@@ -451,6 +481,10 @@ class Config:
 
 def validate_cross_fields(cfg: Config) -> None:
     """Rules that involve more than one field."""
+    if not cfg.run.out_dir.strip():
+        raise ConfigError("'run.out_dir' is empty: name a folder for the run")
+    if cfg.train.resume and cfg.train.overwrite:
+        raise ConfigError("'train.resume' and 'train.overwrite' contradict each other: pick one")
     if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
         raise ConfigError(f"'optim.betas' must be two numbers in [0, 1), got {cfg.optim.betas}")
     if cfg.optim.warmup_steps > cfg.train.max_steps:
@@ -479,5 +513,14 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 def dump_config(cfg: Config, path: str | Path) -> None:
-    """Write the resolved config; loading it back reproduces the run."""
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    """Write the resolved config; loading it back reproduces the run.
+
+    What was asked of the run folder this time (train.resume, train.overwrite,
+    train.allow_changes) is an action, not part of the run, and is written as its default, so
+    `vltrain train RUN/config.yaml train.resume=true` always works.
+    """
+    tree = to_dict(cfg)
+    tree["train"].update(resume=False, overwrite=False, allow_changes=[])
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    tmp.write_text(yaml.safe_dump(tree, sort_keys=False))
+    tmp.replace(path)

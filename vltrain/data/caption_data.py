@@ -1,16 +1,10 @@
-"""Caption and chat records from JSONL, COCO json, HF `datasets` folders and parquet files.
+"""Caption and chat records for the caption and rl stages.
 
-Sources (picked by `read_caption_source` from the path: a folder, or its suffix):
-
-- ``.jsonl``: one record per line, either a caption record ``{"image": "rel.png", "text": str or
-  [str, ...], "id": ...}`` or a chat record ``{"image": ..., "messages": [{"role": "user",
-  "content": ...}, {"role": "assistant", "content": ...}, ...]}`` (both may mix in one file).
-- ``.json``: COCO captions (``images`` + ``annotations``), one record per image.
-- a folder written by ``datasets.Dataset.save_to_disk`` (read with ``load_from_disk``), or a
-  ``.parquet`` file: one row per image, images in ``data.image_column`` (an HF ``Image``
-  feature, raw bytes, or a path relative to the data folder), captions in
-  ``data.text_column`` (str or list of str). Images stay in the memory-mapped table and are
-  read row by row.
+Sources are every kind `vltrain.data.sources.read_source` reads (JSONL, COCO json, captions
+CSV, an image folder with a captions file, HF `datasets` folders and parquet files); in JSONL a
+record is either a caption record ``{"image": "rel.png", "text": str or [str, ...], "id": ...}``
+or a chat record ``{"image": ..., "messages": [{"role": "user", "content": ...},
+{"role": "assistant", "content": ...}, ...]}`` (both may mix in one file).
 
 `CaptionDataset` turns a record into token ids and loss labels (see `vltrain.data.chat`). A
 training sample draws one caption from ``sample_generator(seed, epoch, index)``; an eval sample
@@ -20,36 +14,17 @@ the marker dict ``{"bad": reason, ...}`` that the engine drops and counts.
 
 from __future__ import annotations
 
-import io
 import os
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from PIL import Image, ImageOps
 from torch.utils.data import Dataset
 
 from vltrain.data import chat as C
-from vltrain.data.images import (
-    _MAGIC,
-    DEFAULT_MAX_PIXELS,
-    BadSample,
-    _decode,
-    _to_rgb_or_float,
-    check_text,
-    load_image,
-)
-from vltrain.data.records import (
-    DataError,
-    as_key,
-    normalise_record,
-    read_coco_captions,
-    read_jsonl,
-    resolve_image_path,
-)
+from vltrain.data.images import BadSample, check_text
+from vltrain.data.records import DataError, as_key, normalise_record, read_jsonl
 from vltrain.data.rng import sample_generator
+from vltrain.data.sources import Source, load_source_image, read_source
 from vltrain.data.tokenizer import TextTokenizer
 
 MODES = ("pretrain", "finetune", "sft")
@@ -80,139 +55,11 @@ def _chat_record(obj: dict[str, Any], where: str, default_id: str) -> dict[str, 
     return {"image": obj["image"], "messages": messages, "id": rid}
 
 
-class ArrowImages:
-    """Lazy image column of an HF dataset or parquet table: row -> bytes/path/dict value."""
-
-    def __init__(self, table: Any, column: str) -> None:
-        self.table, self.column = table, column
-
-    def __call__(self, row: int) -> Any:
-        return self.table[row][self.column]
-
-
-def _hf_rows(path: Path, image_column: str, text_column: str) -> Any:
-    """An HF Dataset (images left undecoded) from a save_to_disk folder or a parquet file."""
-    import datasets
-
-    if path.is_dir():
-        ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            raise DataError(
-                f"{path} holds a DatasetDict with splits {list(ds)}; point data.train / "
-                f"data.eval at one split folder, e.g. {path / next(iter(ds))}"
-            )
-    else:
-        import pyarrow.parquet as pq
-
-        ds = datasets.Dataset(pq.read_table(str(path)))
-    missing = [c for c in (image_column, text_column) if c not in ds.column_names]
-    if missing:
-        raise DataError(
-            f"{path}: no column(s) {missing} (columns: {ds.column_names}); set "
-            "data.image_column / data.text_column"
-        )
-    if isinstance(ds.features[image_column], datasets.Image):
-        ds = ds.cast_column(image_column, datasets.Image(decode=False))
-    return ds
-
-
-def read_hf_records(
-    path: str | os.PathLike[str], image_column: str, text_column: str
-) -> tuple[list[dict[str, Any]], ArrowImages]:
-    """Text records (one per row) and a lazy accessor for the images of an HF dataset."""
-    p = Path(path)
-    ds = _hf_rows(p, image_column, text_column)
-    ids = ds["id"] if "id" in ds.column_names else range(len(ds))
-    records = []
-    for row, (text, rid) in enumerate(zip(ds[text_column], ids, strict=True)):
-        texts = list(text) if isinstance(text, list) else [text]
-        records.append({"image": row, "text": texts, "id": str(rid)})
-    return records, ArrowImages(ds, image_column)
-
-
-@dataclass
-class CaptionSource:
-    """Records of one split plus where their images come from."""
-
-    path: Path
-    records: list[dict[str, Any]]
-    images: ArrowImages | None = None
-    """Row accessor for HF/parquet sources; None: ``record["image"]`` is a relative path."""
-
-
 def read_caption_source(
     path: str | os.PathLike[str], image_column: str = "image", text_column: str = "text"
-) -> CaptionSource:
-    """Read any supported caption source (see module docstring)."""
-    p = Path(path)
-    if p.is_dir() or p.suffix.lower() == ".parquet":
-        if not p.exists():
-            raise DataError(f"data file {p} does not exist; check data.train / data.eval.")
-        return CaptionSource(p, *read_hf_records(p, image_column, text_column))
-    if not p.is_file():
-        raise DataError(f"data file {p} does not exist; check data.train / data.eval.")
-    readers = {".jsonl": read_caption_jsonl, ".json": read_coco_captions}
-    reader = readers.get(p.suffix.lower())
-    if reader is None:
-        raise DataError(
-            f"{p}: unsupported data source; use .jsonl, COCO .json, .parquet or a "
-            "datasets.save_to_disk folder"
-        )
-    return CaptionSource(p, reader(p))
-
-
-# --------------------------------------------------------------------------------- images
-
-
-def load_image_bytes(
-    data: bytes, size: int, label: str, max_pixels: int = DEFAULT_MAX_PIXELS
-) -> torch.Tensor:
-    """`load_image` for in-memory bytes: (3, size, size) float32 in [0, 1], or BadSample."""
-    if not data:
-        raise BadSample("empty_file", label, "image has 0 bytes")
-    try:
-        img = Image.open(io.BytesIO(data))
-    except Image.DecompressionBombError as e:
-        raise BadSample("decompression_bomb", label, str(e)) from None
-    except Exception as e:
-        reason = "corrupt" if bytes(data[:16]).startswith(_MAGIC) else "not_image"
-        raise BadSample(reason, label, f"cannot identify image: {type(e).__name__}") from None
-    try:
-        _decode(img, label, max_pixels, size)
-        try:
-            img = ImageOps.exif_transpose(img)
-        except Exception:
-            pass  # malformed EXIF: keep the pixels, skip the rotation
-        img = _to_rgb_or_float(img)
-    except BadSample:
-        raise
-    except Exception as e:
-        raise BadSample("corrupt", label, f"cannot convert image: {e}") from None
-    img = img.resize((size, size), Image.Resampling.BICUBIC) if img.size != (size, size) else img
-    if img.mode == "F":
-        arr = np.clip(np.asarray(img, dtype=np.float32), 0.0, 1.0)  # (S, S)
-        return torch.from_numpy(np.repeat(arr[None], 3, axis=0))  # (3, S, S)
-    arr = np.asarray(img, dtype=np.uint8).transpose(2, 0, 1)  # (3, S, S)
-    return torch.from_numpy(np.divide(arr, np.float32(255.0), dtype=np.float32, order="C"))
-
-
-def _load_any(value: Any, source: CaptionSource, size: int, label: str) -> torch.Tensor:
-    """Decode an image given as a relative path, raw bytes, an HF {bytes, path} dict or PIL."""
-    if isinstance(value, dict):  # HF Image storage; its absolute paths are HF's own choice
-        path = value.get("path")
-        if not value.get("bytes") and isinstance(path, str) and os.path.isabs(path):
-            return load_image(path, size)
-        value = value.get("bytes") or path
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return load_image_bytes(bytes(value), size, label)
-    if isinstance(value, str):
-        anchor = source.path / "_" if source.path.is_dir() else source.path  # its folder
-        return load_image(resolve_image_path(anchor, value), size)
-    if isinstance(value, Image.Image):
-        buf = io.BytesIO()
-        value.save(buf, format="PNG")
-        return load_image_bytes(buf.getvalue(), size, label)
-    raise BadSample("missing", label, f"no usable image value ({type(value).__name__})")
+) -> Source:
+    """Read any supported source (`vltrain.data.sources`), chat records allowed in JSONL."""
+    return read_source(path, image_column, text_column, parse=_caption_or_chat)
 
 
 # --------------------------------------------------------------------------------- dataset
@@ -228,7 +75,7 @@ class CaptionDataset(Dataset):
 
     def __init__(
         self,
-        source: CaptionSource,
+        source: Source,
         tokenizer: TextTokenizer,
         *,
         image_size: int,
@@ -319,12 +166,12 @@ class CaptionDataset(Dataset):
             prompt, out["refs"] = self.prompt_and_refs(rec)
             out["prompt_ids"] = C.encode_prompt(self.tokenizer, prompt)
         out["input_ids"], out["labels"] = C.encode_segments(self.tokenizer, segs, self.max_len)
-        value = self.source.images(rec["image"]) if self.source.images else rec["image"]
-        out["image"] = _load_any(value, self.source, self.image_size, self._label(rec))
+        label = self._label(rec)
+        out["image"] = load_source_image(self.source, rec["image"], self.image_size, label)
         return out
 
 
-def training_texts(source: CaptionSource, prompt: str, instruction: str) -> list[str]:
+def training_texts(source: Source, prompt: str, instruction: str) -> list[str]:
     """Every text the tokenizer should learn from (captions, prompts, chat turns, markers).
 
     The chat markers are included in every mode, so a tokenizer trained for pretraining keeps

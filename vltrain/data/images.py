@@ -23,6 +23,7 @@ Decoding rules:
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
@@ -96,10 +97,14 @@ def check_text(text: object, path: str | os.PathLike[str] = "") -> str:
 
 
 def _open_checked(
-    path: str | os.PathLike[str], max_pixels: int, draft_size: int | None = None
+    path: str | os.PathLike[str],
+    max_pixels: int,
+    draft_size: int | None = None,
+    data: bytes | None = None,
 ) -> Image.Image:
     """Open, bomb-check, fully decode, EXIF-orient and mode-normalise an image.
 
+    `data`, when given, holds the encoded image (e.g. a tar member) and `path` only labels it.
     Returns 8-bit "RGB", or "F" in [0, 1] for high-bit-depth grayscale; raises BadSample.
     """
     if ImageFile.LOAD_TRUNCATED_IMAGES:
@@ -108,6 +113,8 @@ def _open_checked(
             "grey padding and train silently. Find the code that sets it and remove that line."
         )
     p = str(path)
+    if data is not None:
+        return _decode_checked(io.BytesIO(data), p, len(data), data[:16], max_pixels, draft_size)
     try:
         size = os.stat(p).st_size
         with open(p, "rb") as f:
@@ -118,10 +125,22 @@ def _open_checked(
         raise BadSample("not_image", p, "path is a directory") from None
     except (OSError, ValueError) as e:
         raise BadSample("missing", p, f"cannot read: {e}") from None
+    return _decode_checked(p, p, size, head, max_pixels, draft_size)
+
+
+def _decode_checked(
+    source: str | io.BytesIO,
+    p: str,
+    size: int,
+    head: bytes,
+    max_pixels: int,
+    draft_size: int | None,
+) -> Image.Image:
+    """`_open_checked` after the bytes are known to exist: `size` and the first bytes `head`."""
     if size == 0:
         raise BadSample("empty_file", p, "file has 0 bytes")
     try:
-        img = Image.open(p)
+        img = Image.open(source)
     except Image.DecompressionBombError as e:
         raise BadSample("decompression_bomb", p, str(e)) from None
     except Exception as e:  # UnidentifiedImageError, SyntaxError, struct.error, ...
@@ -204,28 +223,36 @@ def _high_bit_scale(img: Image.Image, arr: np.ndarray) -> float:
 
 
 def load_image_native(
-    path: str | os.PathLike[str], max_pixels: int = DEFAULT_MAX_PIXELS
+    path: str | os.PathLike[str],
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    data: bytes | None = None,
 ) -> Image.Image:
     """Decode an image at its native size as an 8-bit RGB PIL image, or raise BadSample.
 
     For callers that resize themselves (HF processors, image-token budgets). High-bit-depth
-    grayscale is scaled to 8 bits by its true range.
+    grayscale is scaled to 8 bits by its true range. `data`: encoded bytes (`path` labels them).
     """
-    img = _open_checked(path, max_pixels)
+    img = _open_checked(path, max_pixels, data=data)
     if img.mode == "F":
         arr = np.asarray(img, dtype=np.float32)  # (H, W) in [0, 1]
         img = Image.fromarray(np.round(arr * 255.0).astype(np.uint8), mode="L").convert("RGB")
     return img
 
 
-def load_image(path: str | Path, size: int, max_pixels: int = DEFAULT_MAX_PIXELS) -> torch.Tensor:
+def load_image(
+    path: str | Path,
+    size: int,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    data: bytes | None = None,
+) -> torch.Tensor:
     """Decode, resize (square BICUBIC) and return a (3, size, size) float32 tensor in [0, 1].
 
-    Raises BadSample with a reason from `REASONS` for any input that cannot be used.
+    Raises BadSample with a reason from `REASONS` for any input that cannot be used. `data`:
+    the encoded bytes (a tar member), in which case `path` only labels errors.
     """
     if size <= 0:
         raise ValueError(f"image size must be positive, got {size}")
-    img = _open_checked(path, max_pixels, draft_size=size)
+    img = _open_checked(path, max_pixels, draft_size=size, data=data)
     if img.mode == "F":
         small = img.resize((size, size), Image.Resampling.BICUBIC)
         arr = np.clip(np.asarray(small, dtype=np.float32), 0.0, 1.0)  # (S, S)

@@ -1,4 +1,7 @@
-"""Image-text records (JSONL or COCO captions JSON), the dataset over them, bad-sample accounting.
+"""Image-text records, the dataset over them, bad-sample accounting.
+
+Records come from any source `vltrain.data.sources.read_source` reads: JSONL, COCO captions
+JSON, a captions CSV, an image folder with a captions file, parquet or a `datasets` folder.
 
 Record (one JSON object per JSONL line)::
 
@@ -29,8 +32,6 @@ from vltrain.data.images import (
     REASONS,
     BadSample,
     check_text,
-    load_image,
-    load_image_native,
 )
 from vltrain.data.rng import sample_generator
 
@@ -143,26 +144,22 @@ def read_coco_captions(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return records
 
 
-def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Read records from a ``.jsonl`` file or a COCO captions ``.json`` file."""
-    suffix = Path(path).suffix.lower()
-    if not Path(path).is_file():
-        raise DataError(f"data file {path} does not exist; check data.train / data.eval.")
-    if suffix == ".jsonl":
-        return read_jsonl(path)
-    if suffix == ".json":
-        return read_coco_captions(path)
-    raise DataError(
-        f"{path}: unsupported data file suffix {suffix!r}; use .jsonl (one record per line) "
-        "or .json (COCO captions)."
-    )
+def read_records(
+    path: str | os.PathLike[str], image_column: str = "image", text_column: str = "text"
+) -> list[dict[str, Any]]:
+    """Records of any supported source (`vltrain.data.sources`). For parquet and `datasets`
+    sources ``record["image"]`` is the row number (the image stays in the table)."""
+    from vltrain.data.sources import read_source  # sources builds on this module's readers
+
+    return read_source(path, image_column, text_column).records
 
 
 def resolve_image_path(jsonl_path: str | os.PathLike[str], rel: str) -> Path:
     """Resolve a record's image path against the data file's folder.
 
-    Raises BadSample("path_escape") for absolute paths and paths that leave the folder. The check
-    is lexical: a symlink placed inside the folder is trusted, a ``..`` in the record is not.
+    Raises BadSample("path_escape") for absolute paths and paths that leave the folder, checked
+    both as written (a ``..`` in the record) and after resolving symlinks (a link inside the
+    folder that points outside it), so no file outside the data folder is ever opened.
     """
     root = Path(os.path.abspath(Path(jsonl_path).parent))
     if not rel or "\x00" in rel:
@@ -172,6 +169,9 @@ def resolve_image_path(jsonl_path: str | os.PathLike[str], rel: str) -> Path:
     full = Path(os.path.normpath(root / rel))
     if full != root and root not in full.parents:
         raise BadSample("path_escape", rel, f"image path leaves the data folder {root}")
+    real, real_root = Path(os.path.realpath(full)), Path(os.path.realpath(root))
+    if real != real_root and real_root not in real.parents:
+        raise BadSample("path_escape", rel, f"image path is a link to {real}, outside {root}")
     return full
 
 
@@ -207,17 +207,30 @@ class ImageTextDataset(Dataset):
         train: bool = True,
         max_pixels: int = DEFAULT_MAX_PIXELS,
         native: bool = False,
+        image_column: str = "image",
+        text_column: str = "text",
     ) -> None:
+        from vltrain.data.sources import read_source  # sources builds on this module's readers
+
         if hard_negatives < 0:
             raise ValueError(f"hard_negatives must be >= 0, got {hard_negatives}")
-        self.path = Path(path)
+        self.source = read_source(path, image_column, text_column)
+        self.path = self.source.path
         self.image_size = image_size
         self.seed = seed
         self.hard_negatives = hard_negatives
         self.train = train
         self.max_pixels = max_pixels
         self.native = native  # PIL images at native size, for models with their own processor
-        self.records = read_records(path)
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """The records (assignable, e.g. to keep only the first N)."""
+        return self.source.records
+
+    @records.setter
+    def records(self, value: list[dict[str, Any]]) -> None:
+        self.source.records = value
 
     def __len__(self) -> int:
         return len(self.records)
@@ -230,7 +243,7 @@ class ImageTextDataset(Dataset):
         try:
             return self._sample(rec, epoch, index, key)
         except BadSample as e:
-            where = e.path or rec["image"]
+            where = e.path or str(rec["image"])
             return {"bad": e.reason, "path": where, "detail": e.detail, "key": key, "index": index}
 
     def _sample(self, rec: dict[str, Any], epoch: int, index: int, key: Any) -> dict[str, Any]:
@@ -241,16 +254,16 @@ class ImageTextDataset(Dataset):
         negs = rec["negatives"]
         if self.hard_negatives and negs:
             negs = [check_text(t, label) for t in negs]
-        path = resolve_image_path(self.path, rec["image"])
-        if self.native:
-            image = load_image_native(path, self.max_pixels)  # PIL RGB, native size
-        else:
-            image = load_image(path, self.image_size, self.max_pixels)  # (3, S, S)
+        from vltrain.data.sources import load_source_image  # a sys.modules lookup
+
+        # (3, S, S), or with `native` a PIL RGB image at its own size
+        image = load_source_image(
+            self.source, rec["image"], self.image_size, label, self.native, self.max_pixels
+        )
         out: dict[str, Any] = {"image": image, "index": index, "key": key}
         if self.train:
-            g = sample_generator(self.seed, epoch, index, salt="caption")
-            out["text"] = texts[int(torch.randint(len(texts), (1,), generator=g))]
-            out["negatives"] = self._pick_negatives(negs, epoch, index)
+            out["text"] = pick_caption(texts, self.seed, epoch, index)
+            out["negatives"] = pick_negatives(negs, self.hard_negatives, self.seed, epoch, index)
         else:
             out["text"] = texts[0]
             out["texts"] = texts
@@ -260,14 +273,21 @@ class ImageTextDataset(Dataset):
                 out["negative_kinds"] = [str(k) for k in kinds[: self.hard_negatives]]
         return out
 
-    def _pick_negatives(self, negs: list[str], epoch: int, index: int) -> list[str]:
-        """Up to `hard_negatives` texts, no replacement, deterministic in (seed, epoch, index)."""
-        k = min(self.hard_negatives, len(negs))
-        if k == 0:
-            return []
-        g = sample_generator(self.seed, epoch, index, salt="negatives")
-        order = torch.randperm(len(negs), generator=g)[:k]
-        return [negs[int(i)] for i in order]
+
+def pick_caption(texts: list[str], seed: int, epoch: int, index: int) -> str:
+    """One training caption, deterministic in (seed, epoch, index)."""
+    g = sample_generator(seed, epoch, index, salt="caption")
+    return texts[int(torch.randint(len(texts), (1,), generator=g))]
+
+
+def pick_negatives(negs: list[str], k: int, seed: int, epoch: int, index: int) -> list[str]:
+    """Up to `k` hard-negative texts, no replacement, deterministic in (seed, epoch, index)."""
+    k = min(k, len(negs))
+    if k == 0:
+        return []
+    g = sample_generator(seed, epoch, index, salt="negatives")
+    order = torch.randperm(len(negs), generator=g)[:k]
+    return [negs[int(i)] for i in order]
 
 
 def split_bad(samples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:

@@ -48,8 +48,10 @@ def _check_common(batch_size: int, rank: int, world_size: int) -> None:
 
 
 def _too_few_samples(n: int, batch_size: int, world_size: int) -> ValueError:
+    from vltrain.data.records import DataError  # a user mistake: the CLI prints it plainly
+
     g = batch_size * world_size
-    return ValueError(
+    return DataError(
         f"the dataset has {n} samples but the global batch is {g} = data.batch_size "
         f"({batch_size}) x world size ({world_size}), so not one full batch fits; "
         "lower data.batch_size (or use more data)"

@@ -34,6 +34,7 @@ import json
 import math
 import os
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,9 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
+from vltrain.data.curation import planted
 from vltrain.data.rng import sample_seed
+from vltrain.files import OutputError
 
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
@@ -355,11 +358,19 @@ def write_shapes_dataset(
     n_test: int = 300,
     seed: int = 0,
     image_size: int = 64,
+    dup_rate: float = 0.0,
+    leak_rate: float = 0.0,
 ) -> dict[str, Any]:
     """Write the shapes data set (see module docstring) and return counts and held-out combos.
 
-    Existing files of the same names are overwritten; other files in `out_dir` are left alone.
+    `dup_rate` > 0 appends round(dup_rate * n_train) planted near-duplicates of train records to
+    train, `leak_rate` > 0 appends copies of round(leak_rate * n_test) test records (see
+    `plant_duplicates`). Existing files of the same names are overwritten; other files in
+    `out_dir` are left alone.
     """
+    for name, rate in (("dup_rate", dup_rate), ("leak_rate", leak_rate)):
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {rate}")
     sizes = {"train": n_train, "val": n_val, "test": n_test}
     for name, n in sizes.items():
         if n < 0:
@@ -369,8 +380,12 @@ def write_shapes_dataset(
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     held = held_out_combos(seed)
-    for split, n in sizes.items():
-        records = [_make_record(split, i, seed, image_size, held, out) for i in range(n)]
+    by_split = {
+        split: [_make_record(split, i, seed, image_size, held, out) for i in range(n)]
+        for split, n in sizes.items()
+    }
+    planted_counts = plant_duplicates(out, by_split, seed, image_size, dup_rate, leak_rate)
+    for split, records in by_split.items():
         _write_jsonl(out / f"{split}.jsonl", records)
     meta = {
         "seed": seed,
@@ -382,15 +397,115 @@ def write_shapes_dataset(
         "held_out": [list(c) for c in held],
         "counts": sizes,
     }
+    if dup_rate or leak_rate:
+        meta["planted"] = planted_counts
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     return {**sizes, "images": sum(sizes.values()), "held_out": [f"{c} {s}" for c, s in held]}
 
 
+def plant_duplicates(
+    out: Path,
+    by_split: dict[str, list[dict[str, Any]]],
+    seed: int,
+    s: int,
+    dup_rate: float,
+    leak_rate: float,
+) -> dict[str, int]:
+    """Append planted near-duplicates and test leaks to `by_split["train"]` (in place).
+
+    Duplicate k copies a random earlier train record with kind `planted.KINDS + ("rerender",)`
+    [k % 8] (rerender: the same shapes drawn again on another background) and one word edit
+    per caption; leak k copies test record k of a seeded shuffle (image exact or transformed,
+    captions unchanged or edited). Each planted record has `planted: {"kind", "of"}`.
+    """
+    train, test = by_split["train"], by_split["test"]
+    rng = random.Random(sample_seed(seed, 0, 0, salt="synth-plant"))
+    kinds = (*planted.KINDS, "rerender")
+    n_dup, n_leak = round(dup_rate * len(train)), round(leak_rate * len(test))
+    new: list[dict[str, Any]] = []
+    for k in range(n_dup if train else 0):
+        src = train[rng.randrange(len(train))]
+        new.append(_planted_copy(out, src, f"train_dup_{k:05d}", kinds[k % len(kinds)], rng, s))
+    for k, src in enumerate(rng.sample(test, n_leak)):
+        kind = ("exact", "jpeg30", "resized", "flip")[k % 4]
+        new.append(_planted_copy(out, src, f"train_leak_{k:05d}", kind, rng, s, leak=True))
+    train += new
+    return {"duplicates": n_dup if train else 0, "leaks": n_leak}
+
+
+def _planted_copy(
+    out: Path, src: dict[str, Any], name: str, kind: str, rng: random.Random, s: int,
+    leak: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    if kind == "rerender":
+        objs = [
+            _Obj(o["shape"], o["color"], o["size"], o["x"], o["y"], o["r"]) for o in src["objects"]
+        ]
+        img = _draw(objs, rng, s)
+    else:
+        img = planted.transform(Image.open(out / src["image"]), kind, rng)
+    img.save(out / "images" / f"{name}.png", format="PNG", compress_level=6)
+    edit = not leak or rng.random() < 0.5
+    texts = [planted.noisy_caption(t, rng) if edit else t for t in src["text"]]
+    rec = {**src, "image": f"images/{name}.png", "text": texts, "id": name}
+    rec["planted"] = {"kind": "leak" if leak else kind, "transform": kind, "of": src["id"]}
+    return rec
+
+
+def owned_files(out_dir: str | os.PathLike[str]) -> list[Path]:
+    """The files of a shapes data set in `out_dir` (what `--force` replaces); nothing else."""
+    out = Path(out_dir)
+    names = [f"{s}.jsonl{t}" for s in SPLITS for t in ("", ".tmp")] + ["meta.json"]
+    files = [out / n for n in names if (out / n).is_file()]
+    images = out / "images"
+    if images.is_dir():
+        pattern = re.compile(rf"({'|'.join(SPLITS)})_((dup|leak)_)?\d{{5,}}\.png")
+        files += sorted(p for p in images.iterdir() if p.is_file() and pattern.fullmatch(p.name))
+    return files
+
+
+def prepare_output_folder(out_dir: str | os.PathLike[str], force: bool) -> None:
+    """Refuse a non-empty `out_dir` unless `force`; with `force`, delete the shapes data set
+    files already there (stale images of a larger earlier set included), keep anything else."""
+    if not str(out_dir).strip():
+        raise OutputError("--out is empty; give the dataset folder, e.g. --out data/shapes")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"--out {out} is a file; give a folder for the dataset")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not held:
+        return
+    if not force:
+        shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+        raise OutputError(
+            f"--out {out} is not empty (it holds {shown}); writing there would mix two data "
+            "sets. Choose an empty folder, or pass --force to replace the shapes data set in it "
+            "(only its own files are deleted)."
+        )
+    for path in owned_files(out):
+        path.unlink()
+    images = out / "images"
+    if images.is_dir() and not any(images.iterdir()):
+        images.rmdir()
+
+
 def synth_command(
-    out: str, n_train: int, n_val: int, n_test: int, seed: int, image_size: int = 64
+    out: str,
+    n_train: int,
+    n_val: int,
+    n_test: int,
+    seed: int,
+    image_size: int = 64,
+    dup_rate: float = 0.0,
+    leak_rate: float = 0.0,
+    force: bool = False,
 ) -> dict[str, Any]:
-    """`vltrain data synth`: write the shapes data set to `out` and print a one-line summary."""
-    result = write_shapes_dataset(out, n_train, n_val, n_test, seed, image_size)
+    """`vltrain data synth`: write the shapes data set to `out` (an empty folder, or any
+    folder with `force`, see `prepare_output_folder`) and print a one-line summary."""
+    prepare_output_folder(out, force)
+    result = write_shapes_dataset(
+        out, n_train, n_val, n_test, seed, image_size, dup_rate, leak_rate
+    )
     print(
         f"wrote {result['images']} images to {out} (train={n_train} val={n_val} test={n_test}); "
         f"held-out combos: {', '.join(result['held_out'])}"
@@ -407,8 +522,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--n-test", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--force", action="store_true", help="replace a shapes data set in --out")
     a = p.parse_args(argv)
-    return synth_command(a.out, a.n_train, a.n_val, a.n_test, a.seed, a.image_size)
+    return synth_command(a.out, a.n_train, a.n_val, a.n_test, a.seed, a.image_size, a.force)
 
 
 if __name__ == "__main__":

@@ -146,14 +146,38 @@ def prepare_tokenizer(
     Reuse the one already there (a resumed run), else copy `init_ckpt`'s (token ids must match
     the weights it holds), else train a BPE tokenizer on `texts()`.
     """
-    if not is_main or (tok_dir / "tokenizer.json").is_file():
-        return
-    if init_ckpt is not None:
-        from vltrain.config.core import ConfigError
+    from vltrain.config.core import ConfigError
 
+    have = (tok_dir / "tokenizer.json").is_file()
+    if init_ckpt is not None:
         src = init_ckpt / "tokenizer"
         if not (src / "tokenizer.json").is_file():
             raise ConfigError(f"model.init_from: {init_ckpt} holds no tokenizer/")
-        shutil.copytree(src, tok_dir)
+        if have and not _same_files(src, tok_dir):
+            raise ConfigError(
+                f"{tok_dir} holds another tokenizer than model.init_from={init_ckpt}: token ids "
+                "would not match the weights; start over with train.overwrite=true"
+            )
+        if is_main and not have:
+            shutil.copytree(src, tok_dir)
         return
-    train_bpe_tokenizer(texts(), vocab_size=vocab_size).save(tok_dir)
+    if is_main and not have:
+        train_bpe_tokenizer(texts(), vocab_size=vocab_size).save(tok_dir)
+
+
+def require_tokenizer(tok_dir: Path) -> None:
+    """A checkpoint must carry its own tokenizer: loaders never train or write one."""
+    if not (tok_dir / "tokenizer.json").is_file():
+        from vltrain.config.core import ConfigError
+
+        raise ConfigError(
+            f"{tok_dir / 'tokenizer.json'} is missing: a checkpoint carries the tokenizer its "
+            "weights were trained with; copy the whole checkpoint folder"
+        )
+
+
+def _same_files(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.iterdir() if p.is_file())
+    if names != sorted(p.name for p in b.iterdir() if p.is_file()):
+        return False
+    return all((a / n).read_bytes() == (b / n).read_bytes() for n in names)

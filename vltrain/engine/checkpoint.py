@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -19,10 +20,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 MARKER = "COMPLETE"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file that cannot be read; the message names the file and why."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -159,26 +165,128 @@ def update_best(ckpt_root: Path, src: Path, metric: str, value: float, step: int
 
 def load_weights(model: torch.nn.Module, ckpt: Path, strict: bool = True) -> None:
     """Load `model.safetensors` from a checkpoint folder into `model`."""
-    missing, unexpected = load_model(model, str(ckpt / "model.safetensors"), strict=strict)
+    path = ckpt / "model.safetensors"
+    try:
+        missing, unexpected = load_model(model, str(path), strict=strict)
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type derives from Exception
+        if "Missing key" in str(e) or "Unexpected key" in str(e) or "size mismatch" in str(e):
+            raise RuntimeError(f"{ckpt}: {e}") from None  # a model mismatch, not a bad file
+        raise CheckpointError(f"cannot read {path}: {_short(e)} (truncated or corrupt?)") from None
     if strict and (missing or unexpected):
         raise RuntimeError(f"{ckpt}: missing keys {missing}, unexpected keys {unexpected}")
 
 
+def _short(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+
+
 def load_trainer_state(ckpt: Path) -> dict[str, Any]:
-    """Trainer state; refuses arbitrary pickle (weights_only=True)."""
-    return torch.load(ckpt / "trainer_state.pt", weights_only=True, map_location="cpu")
+    """Trainer state; refuses arbitrary pickle (weights_only=True) with a message that says so."""
+    path = ckpt / "trainer_state.pt"
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError:
+        raise CheckpointError(
+            f"{path} holds non-tensor Python objects and is refused for safety (vltrain never "
+            "unpickles arbitrary objects); it was not written by vltrain or has been tampered with"
+        ) from None
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path}: {_short(e)} (truncated or corrupt?)") from None
+
+
+def check_loadable(ckpt: Path) -> None:
+    """Raise CheckpointError unless the weights header and the trainer state both read."""
+    path = ckpt / "model.safetensors"
+    try:
+        with safe_open(str(path), framework="pt"):  # checks the header covers the whole file
+            pass
+    except Exception as e:  # noqa: BLE001 - any failure means "does not load"
+        raise CheckpointError(f"cannot read {path}: {_short(e)} (truncated or corrupt?)") from None
+    if (ckpt / "trainer_state.pt").exists():
+        load_trainer_state(ckpt)
+
+
+def newest_loadable(ckpt_root: Path) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint that loads, and a line per newer one skipped (and why)."""
+    skipped = []
+    for _, path in reversed(complete_checkpoints(ckpt_root)):
+        try:
+            check_loadable(path)
+            return path, skipped
+        except CheckpointError as e:
+            skipped.append(f"skipped {path.name}: {e}")
+    return None, skipped
+
+
+def best_step_of(ckpt: Path) -> int | None:
+    """The best step a checkpoint's trainer state records (None when it has none)."""
+    try:
+        step = load_trainer_state(ckpt).get("loop", {}).get("best_step", -1)
+    except CheckpointError:
+        return None
+    return int(step) if step is not None and step >= 0 else None
+
+
+def _best_json_step(ckpt_root: Path) -> int | None:
+    path = ckpt_root / "best" / "best.json"
+    try:
+        return int(json.loads(path.read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def repair_best(ckpt_root: Path, metric: str, value: float | None) -> str | None:
+    """Make `checkpoints/best` hold the step the newest checkpoint names as best.
+
+    A kill between writing `step_N` (whose trainer state says best_step=N) and updating `best`
+    leaves `best` on an older step; this copies step N into place. Returns a message when it
+    repaired something.
+    """
+    latest = latest_checkpoint(ckpt_root)
+    step = best_step_of(latest) if latest is not None else None
+    if step is None or _best_json_step(ckpt_root) == step:
+        return None
+    src = ckpt_root / f"step_{step}"
+    if not (src / MARKER).is_file():
+        return None  # pruned long ago: best already held it (checked by best.json above)
+    update_best(ckpt_root, src, metric, value if value is not None else float("nan"), step)
+    return f"checkpoints/best repaired: it now holds step {step}, the best recorded"
+
+
+def resolve_loadable(path: str | Path) -> tuple[Path, str | None]:
+    """`resolve_checkpoint`, falling back from a run's checkpoint that does not load to the
+    newest one that does; (folder, a message naming what was skipped and why, or None).
+    A checkpoint folder named directly is never swapped for another."""
+    ckpt = resolve_checkpoint(path)
+    try:
+        check_loadable(ckpt)
+        return ckpt, None
+    except CheckpointError as e:
+        if Path(path).resolve() == ckpt.resolve():
+            raise
+        fallback, _ = newest_loadable(ckpt.parent)
+        if fallback is None:
+            raise
+        return fallback, f"{e}; using {fallback} instead"
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """Accept a run dir, a checkpoints dir, or a checkpoint folder; return the folder."""
+    """Accept a run dir, a checkpoints dir, or a checkpoint folder; return the folder.
+
+    A run resolves to its best checkpoint, else its newest; when `best` lags behind the best
+    step the newest checkpoint records (a kill between the two writes), that step is used.
+    """
     p = Path(path)
     if (p / "model.safetensors").is_file():
         return p
     for root in (p / "checkpoints", p):
+        latest = latest_checkpoint(root)
+        step = best_step_of(latest) if latest is not None else None
+        if step is not None and _best_json_step(root) != step and (root / f"step_{step}").is_dir():
+            return root / f"step_{step}"
         best = root / "best"
         if (best / "model.safetensors").is_file():
             return best
-        latest = latest_checkpoint(root)
         if latest is not None:
             return latest
     raise FileNotFoundError(

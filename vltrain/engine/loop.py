@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +19,7 @@ from vltrain.data.loaders import Batch
 from vltrain.data.records import BadSampleTracker
 from vltrain.diagnostics.doctor import Doctor
 from vltrain.diagnostics.record import StepRecord, severity_rank
-from vltrain.engine import checkpoint
+from vltrain.engine import checkpoint, run_dir
 from vltrain.engine import distributed as D
 from vltrain.engine import state as trainer_state
 from vltrain.engine.logging import RunLogger
@@ -31,19 +34,30 @@ class TrainingAborted(RuntimeError):
     """Training stopped on purpose (non-finite steps, bad data); the message says why."""
 
 
-def _count_bad(batches: list[Batch], tracker: BadSampleTracker) -> int:
-    """Reduce this step's bad-sample counts over ranks so every rank decides alike.
+class TrainingStopped(TrainingAborted):
+    """SIGTERM or SIGINT: every rank stopped at the same step boundary and a checkpoint was
+    written; `signal` is the signal number."""
 
-    Returns how many micro-batches, over all ranks, hold no valid sample at all (one
-    all-reduce carries both, so every rank skips such a step together).
+    def __init__(self, message: str, signal: int) -> None:
+        super().__init__(message)
+        self.signal = signal
+
+
+def _vote(batches: list[Batch], tracker: BadSampleTracker, signal: int) -> tuple[int, int]:
+    """Reduce this step's bad-sample counts and stop requests over ranks (one all-reduce), so
+    every rank decides alike.
+
+    Returns how many micro-batches, over all ranks, hold no valid sample at all (every rank
+    then skips the step together), and how many ranks received SIGTERM/SIGINT (then every rank
+    stops at this boundary).
     """
     bad = [pair for b in batches for pair in b.bad]
     vec = BadSampleTracker.step_vector(sum(b.n_seen for b in batches), bad)
-    vec.append(sum(1 for b in batches if b.n_good == 0))
+    vec += [sum(1 for b in batches if b.n_good == 0), int(signal != 0)]
     total = D.all_reduce_sum(torch.tensor(vec, dtype=torch.int64)).tolist()
-    tracker.merge_counts(total[:-1], examples=bad)
+    tracker.merge_counts(total[:-2], examples=bad)
     tracker.check()
-    return int(total[-1])
+    return int(total[-2]), int(total[-1])
 
 
 def _is_better(value: float, best: float | None, mode: str) -> bool:
@@ -74,30 +88,34 @@ class Trainer:
         self.ctx = setup(cfg)
         self.out_dir = Path(cfg.run.out_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
+        self.plan = run_dir.plan_run(cfg, self.ctx.world_size)  # every rank; nothing written yet
         if self.ctx.is_main:
+            run_dir.apply_plan(self.plan)
             self.out_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.out_dir / "config.yaml")
         D.barrier()
         self.stage: Stage = stage(cfg, self.out_dir, self.ctx)
+        self._signal, self._saved_step = 0, -1  # a stop request; the step last checkpointed
 
     def run(self) -> dict[str, Any]:
         """Train to `train.max_steps` (resuming if asked); return the final summary."""
-        cfg, ctx, stage = self.cfg, self.ctx, self.stage
+        cfg, ctx, stage, plan = self.cfg, self.ctx, self.stage, self.plan
+        if plan.finished:
+            summary = json.loads((self.out_dir / "summary.json").read_text())
+            if ctx.is_main:
+                done = summary["steps"]
+                print(f"vltrain: {self.out_dir} already finished its {done} steps; nothing to do")
+            return summary
         stage.prepare()
         module = stage.build_model().to(ctx.device)
         self.optimizer = build_optimizer(module, cfg.optim)
         self.tracker = BadSampleTracker(cfg.data.max_bad_fraction)
         self.state = TrainState()
         self.loader = stage.build_loader()
-        ckpt = checkpoint.latest_checkpoint(self.ckpt_root) if cfg.train.resume else None
+        ckpt = plan.resume_from
         if ckpt is not None:
             checkpoint.load_weights(module, ckpt)
             trainer_state.restore(self._stateful(), checkpoint.load_trainer_state(ckpt))
-        elif self.ctx.is_main and checkpoint.latest_checkpoint(self.ckpt_root) is not None:
-            print(
-                f"vltrain: {self.ckpt_root} already holds checkpoints; starting over "
-                "(set train.resume=true to continue)"
-            )
         model = build_parallel(module, cfg.train.parallel, ctx.world_size)
         self.doctor = None
         if cfg.doctor.enabled:  # its probe watches the plain module and the optimizer
@@ -106,10 +124,20 @@ class Trainer:
             )
         logger = RunLogger(cfg, self.out_dir, ctx.is_main, self.state.step)
         if ckpt is not None:
+            for line in plan.messages:
+                logger.message(line)
+            if ctx.is_main:
+                fixed = checkpoint.repair_best(
+                    self.ckpt_root, self.best_metric, self.state.best_value
+                )
+                if fixed:
+                    logger.message(fixed)
+            D.barrier()
             logger.message(f"resumed from {ckpt} at step {self.state.step}")
         t_start = time.time()
         try:
-            self._loop(model, logger)
+            with self._stop_on_signals():
+                self._loop(model, logger)
             if self.doctor is not None:
                 self.doctor.finish()
             summary = self._finish(model, logger, t_start)
@@ -137,8 +165,12 @@ class Trainer:
         model.train()
         while state.step < cfg.train.max_steps:
             t_step = time.time()
+            position = self.loader.state_dict()  # before this step's batches
             micro = [next(batches) for _ in range(cfg.optim.accum_steps)]
-            n_empty = _count_bad(micro, self.tracker)
+            n_empty, n_stop = _vote(micro, self.tracker, self._signal)
+            if n_stop:  # every rank stops here, before the step: save, then say so
+                self.loader.load_state_dict(position)
+                self._stop(model, logger)
             if n_empty:  # a rank has nothing to forward: every rank skips (no DDP hang)
                 loss, metrics, grad_norm, finite = torch.tensor(float("nan")), {}, None, False
             else:
@@ -153,6 +185,38 @@ class Trainer:
                 grad_norm = torch.tensor(float("nan"))
             self._log_step(logger, loss, metrics, lr, grad_norm, window)
             self._maybe_eval_and_save(model, logger)
+
+    def _stop(self, model: ParallelModel, logger: RunLogger) -> None:
+        """Checkpoint at this step boundary and raise TrainingStopped (every rank alike)."""
+        step = self.state.step
+        if self._saved_step != step:  # the same answer on every rank (no file-system read)
+            self._save(model, improved=False)
+        sig = self._signal or signal.SIGTERM
+        name = signal.Signals(sig).name
+        raise TrainingStopped(
+            f"{name} received: stopped at step {step} of {self.cfg.train.max_steps} and saved "
+            f"{self.ckpt_root / f'step_{step}'}; continue with `vltrain train "
+            f"{self.out_dir / 'config.yaml'} train.resume=true`",
+            sig,
+        )
+
+    @contextlib.contextmanager
+    def _stop_on_signals(self) -> Iterator[None]:
+        """SIGTERM/SIGINT only set a flag: the loop stops at the next step boundary."""
+        self._signal, self._saved_step = 0, -1
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers can only be installed from the main thread
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            self._signal = signum
+
+        old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
 
     def _forward_backward(
         self, model: ParallelModel, micro: list[Batch]
@@ -252,7 +316,11 @@ class Trainer:
         do_save = last or (cfg.train.save_every and state.step % cfg.train.save_every == 0)
         improved = False
         if do_eval:
-            metrics = {f"eval_{k}": v for k, v in self.evaluate(model.module, "val").items()}
+            try:
+                metrics = {f"eval_{k}": v for k, v in self.evaluate(model.module, "val").items()}
+            except Exception:
+                self._save(model, improved=False)  # a failing evaluation never loses the weights
+                raise
             logger.log(state.step, metrics)
             state.history.append({"step": state.step, **metrics})
             if self.on_eval is not None:
@@ -271,6 +339,7 @@ class Trainer:
 
     def _save(self, model: ParallelModel, improved: bool) -> None:
         """Every rank takes part (a sharded mode gathers here); rank 0 writes."""
+        self._saved_step = self.state.step
         module = model.checkpoint_module()
         ts = trainer_state.collect(self._stateful(), world_size=self.ctx.world_size)
         if self.ctx.is_main:

@@ -130,7 +130,8 @@ def _same_run(cfg: Config, run: Path) -> bool:
         return False
     old, new = yaml.safe_load(saved.read_text()) or {}, to_dict(cfg)
     for tree in (old, new):
-        tree.get("train", {}).pop("resume", None)
+        for key in ("resume", "overwrite"):
+            tree.get("train", {}).pop(key, None)
     return old == new
 
 
@@ -183,8 +184,10 @@ def run_pipeline(
         # Rank 0's reading of the run folder decides for all ranks: a rank that sees the files
         # differently (a shared file system's lag) must not train while the others skip.
         st.action = D.broadcast_object(st.action)
-        if st.action == "resume":
-            st.cfg.train.resume = True
+        # a stage folder holding an older run of another config (or an unfinished one without
+        # a checkpoint) is the pipeline's own: a fresh stage starts it over on purpose
+        st.cfg.train.resume = st.action == "resume"
+        st.cfg.train.overwrite = st.action == "train"
         if D.is_main():
             print(f"vltrain pipeline: stage '{st.name}': {st.action} -> {st.cfg.run.out_dir}")
             if announce is not None:

@@ -45,7 +45,7 @@ def _ensure_data(data_dir: Path, n_train: int, n_eval: int, seed: int, total: in
         print(f"[1/{total}] synthetic data already in {data_dir}")
         return
     t = time.time()
-    synth_command(str(data_dir), n_train, n_eval, n_eval, seed)
+    synth_command(str(data_dir), n_train, n_eval, n_eval, seed, force=True)  # its own folder
     stamp.write_text(json.dumps(want))
     print(f"[1/{total}] wrote synthetic shapes data to {data_dir} ({time.time() - t:.1f} s)")
 

@@ -23,13 +23,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vltrain.config.core import ConfigError, check_choice
+from vltrain.config.core import ConfigError, check_choice, reject_unused
 from vltrain.config.schema import Config
 from vltrain.data.caption_data import CaptionDataset, read_caption_source, training_texts
 from vltrain.data.chat import IGNORE_INDEX
 from vltrain.data.loaders import Loader, MapLoader
 from vltrain.data.records import split_bad
 from vltrain.data.samplers import EvalShardSampler, LengthBucketBatchSampler, ShardedBatchSampler
+from vltrain.data.shards import is_shard_source
 from vltrain.data.tokenizer import TextTokenizer, prepare_tokenizer
 from vltrain.engine import distributed as D
 from vltrain.engine.checkpoint import resolve_init
@@ -77,10 +78,48 @@ class CaptionCollate:
         return batch
 
 
-def check_captioner_config(cfg: Config, stage: str) -> None:
+#: keys the captioner stages read (the rl stage adds rl.* and drops the length buckets)
+CAPTION_KEYS = (
+    "stage",
+    "run.*",
+    "optim.*",
+    "train.*",
+    "log.*",
+    "tune.*",
+    "data.*",
+    "caption.*",
+    "model.kind",
+    "model.vision",
+    "model.text",
+    "model.dropout",
+    "model.connector",
+    "model.connector_options",
+    "model.vision_init_from",
+    "model.freeze",
+    "model.init_from",
+)
+WHY = {
+    "objective.*": "the contrastive stage's",
+    "rl.*": "the rl stage's",
+    "model.embed_dim": "the dual encoder's",
+    "model.path": "HF backbones are contrastive-stage model kinds",
+    "model.lora_*": "HF backbones are contrastive-stage model kinds",
+    "model.vision_layers": "the captioner takes model.vision presets",
+    "model.text_layers": "the captioner takes model.text presets",
+}
+
+
+def check_captioner_config(cfg: Config, stage: str, used: tuple[str, ...] = CAPTION_KEYS) -> None:
     """The captioner's own rules, shared by the stages that train it (caption, rl)."""
     m = cfg.model
+    reject_unused(cfg, used, f"stage {stage}", WHY)
     check_choice("model.kind", m.kind, ("captioner",), f"stage {stage}")
+    if is_shard_source(cfg.data.train):
+        raise ConfigError(
+            f"stage {stage} reads map-style records (JSONL/COCO/HF datasets): its length buckets "
+            "(data.length_buckets) and caption evaluation need every sample indexed up front. "
+            "data.train names tar shards, which stream in stage contrastive; pass the JSONL here"
+        )
     check_choice("model.connector", m.connector, CONNECTORS)
     for part in m.freeze:
         if part not in PARTS:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -9,12 +10,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vltrain.config.core import ConfigError, check_choice
+from vltrain.config.core import ConfigError, check_choice, reject_unused
 from vltrain.config.schema import Config
 from vltrain.data.images import BadSample, check_text
 from vltrain.data.loaders import MapLoader
-from vltrain.data.records import ImageTextDataset, read_records, split_bad
+from vltrain.data.records import DataError, ImageTextDataset, read_records, split_bad
 from vltrain.data.samplers import EvalShardSampler, ShardedBatchSampler
+from vltrain.data.shard_decode import SampleDecoder
+from vltrain.data.shards import is_shard_source, read_texts, resolve_shards
+from vltrain.data.streaming import StreamLoader, check_stream_layout
 from vltrain.data.tokenizer import TextTokenizer, prepare_tokenizer
 from vltrain.engine import distributed as D
 from vltrain.engine.checkpoint import load_weights, resolve_init
@@ -31,6 +35,7 @@ from vltrain.models.backbones import (
     objective_for,
     uses_tokenizer,
 )
+from vltrain.models.presets import VISION_PRESETS
 from vltrain.objectives.contrastive import LOSSES, Features, build_loss_from_config
 from vltrain.objectives.grad_cache import dual_encoder_grad_cache
 
@@ -67,6 +72,9 @@ def is_valid_text(text: object) -> bool:
     return True
 
 
+#: captions read from tar shards to train the built-in BPE tokenizer
+TOKENIZER_TEXTS = 200_000
+
 #: metrics `ContrastiveStage.evaluate` returns (patterns: per-kind, per-dim and per-k keys)
 EVAL_METRICS = (
     "eval_loss",
@@ -79,6 +87,51 @@ EVAL_METRICS = (
     "eval_bad_samples",
     "eval_n_images",
 )
+
+
+#: keys every stage reads
+COMMON = ("stage", "run.*", "optim.*", "train.*", "log.*", "tune.*")
+WHY = {
+    "model.freeze": "the captioner's; LoRA (model.lora_r) trains part of an HF backbone",
+    "model.vision_init_from": "the captioner's; use model.init_from for a contrastive run",
+    "model.connector*": "the captioner's",
+    "caption.*": "the caption stage's",
+    "rl.*": "the rl stage's",
+    "data.length_buckets": "the caption stage's",
+    "objective.temperature": "objective.loss=infonce's start; hf_clip/hf_siglip start from the "
+    "pretrained model's own scale",
+    "objective.siglip_init_*": "objective.loss=siglip's start; hf_clip/hf_siglip start from the "
+    "pretrained model's own scale",
+    "model.lora_*": "LoRA options apply when model.lora_r > 0 on an HF backbone",
+}
+
+
+def used_keys(cfg: Config) -> tuple[str, ...]:
+    """fnmatch patterns of the keys this stage reads for `cfg`'s model kind and loss."""
+    m, o = cfg.model, cfg.objective
+    used = [*COMMON, "model.kind", "model.init_from"]
+    used += [f"data.{k}" for k in ("train", "eval", "test", "batch_size", "max_train_samples")]
+    used += [f"data.{k}" for k in ("max_visual_tokens", "eval_batch_size", "num_workers")]
+    used += [f"data.{k}" for k in ("image_size", "max_text_len", "max_bad_fraction")]
+    used += ["data.image_column", "data.text_column", "data.streams", "data.shuffle_buffer"]
+    used += [f"objective.{k}" for k in ("loss", "learn_temperature", "gather", "hard_negatives")]
+    used.append("objective.grad_cache_chunk")
+    pretrained_scale = m.kind in ("hf_clip", "hf_siglip")
+    if o.loss == "infonce":
+        used += ["objective.symmetric", "objective.label_smoothing"]
+        used += [] if pretrained_scale else ["objective.temperature", "objective.max_logit_scale"]
+    elif not pretrained_scale:
+        used += ["objective.siglip_init_*", "objective.max_logit_scale"]
+    if m.kind == "dual_encoder":
+        used += ["data.tokenizer_vocab", "model.vision", "model.text", "model.embed_dim"]
+        used += ["model.vision_layers", "model.vision_width", "model.text_layers"]
+        used += ["model.text_width", "model.dropout"]
+    else:
+        used += ["model.path", "model.local_files_only", "model.lora_r"]
+        used += ["model.lora_*"] if m.lora_r else []
+    if m.kind == "vlm":
+        used += ["model.pooling", "model.instruction_*", "model.matryoshka_dims"]
+    return tuple(used)
 
 
 class ContrastiveStage:
@@ -98,11 +151,32 @@ class ContrastiveStage:
         check_choice("objective.loss", cfg.objective.loss, LOSSES)
         if m.kind in HF_KINDS and not m.path:
             raise ConfigError(f"model.kind={m.kind} needs 'model.path' (a local HF model dir)")
-        if m.freeze:
+        reject_unused(cfg, used_keys(cfg), f"stage contrastive with model.kind={m.kind}", WHY)
+        if m.kind == "dual_encoder":  # the tower's patch grid must tile the image
+            patch = VISION_PRESETS[m.vision]["patch_size"]
+            if cfg.data.image_size % patch:
+                raise ConfigError(
+                    f"'data.image_size' {cfg.data.image_size} is not a multiple of the "
+                    f"'{m.vision}' vision tower's patch size {patch}"
+                )
+        if is_shard_source(cfg.data.train):  # before any compute; torchrun sets WORLD_SIZE
+            try:
+                check_stream_layout(
+                    cfg.data.streams, cfg.data.batch_size, int(os.environ.get("WORLD_SIZE", "1"))
+                )
+            except DataError as e:
+                raise ConfigError(str(e)) from None
+        if is_shard_source(cfg.data.train) and cfg.data.max_train_samples:
             raise ConfigError(
-                "'model.freeze' applies to the captioner (stage caption/rl); the contrastive "
-                "stage trains every parameter of its encoder (use model.lora_r for HF backbones)"
+                "data.max_train_samples needs map-style records (JSONL/COCO); data.train names "
+                "tar shards: write fewer shards (`vltrain data shard`) instead"
             )
+        for key in ("eval", "test"):
+            if is_shard_source(getattr(cfg.data, key)):
+                raise ConfigError(
+                    f"data.{key} must be JSONL/COCO records (evaluation indexes "
+                    "every sample); tar shards are for data.train"
+                )
 
     @classmethod
     def eval_metrics(cls, cfg: Config) -> tuple[str, ...]:
@@ -130,7 +204,11 @@ class ContrastiveStage:
 
     def _training_texts(self) -> list[str]:
         """Every valid training caption (bad records are skipped and counted later)."""
-        return [t for r in read_records(self.cfg.data.train) for t in r["text"] if is_valid_text(t)]
+        if is_shard_source(self.cfg.data.train):  # captions of the first shards, images skipped
+            texts = read_texts(resolve_shards(self.cfg.data.train), limit=TOKENIZER_TEXTS)
+        else:
+            texts = [t for r in read_records(self.cfg.data.train) for t in r["text"]]
+        return [t for t in texts if is_valid_text(t)]
 
     def build_model(self) -> nn.Module:
         encoder = build_encoder(self.cfg, self.tokenizer)
@@ -159,12 +237,16 @@ class ContrastiveStage:
             hard_negatives=self.cfg.objective.hard_negatives,
             train=True,
             native=self.cfg.model.kind in HF_KINDS,
+            image_column=self.cfg.data.image_column,
+            text_column=self.cfg.data.text_column,
         )
         if self.cfg.data.max_train_samples:
             ds.records = ds.records[: self.cfg.data.max_train_samples]
         return ds
 
-    def build_loader(self) -> MapLoader:
+    def build_loader(self) -> MapLoader | StreamLoader:
+        if is_shard_source(self.cfg.data.train):
+            return self.stream_loader()
         dataset = self.train_dataset()
         sampler = ShardedBatchSampler(
             len(dataset),
@@ -179,6 +261,30 @@ class ContrastiveStage:
             self.batcher,
             num_workers=self.cfg.data.num_workers,
             seed=self.cfg.run.seed,
+            pin_memory=self.ctx.device.type == "cuda",
+        )
+
+    def stream_loader(self) -> StreamLoader:
+        """Tar shards, streamed with exact resume (vltrain.data.streaming)."""
+        d = self.cfg.data
+        decode = SampleDecoder(
+            d.image_size,
+            self.cfg.run.seed,
+            self.cfg.objective.hard_negatives,
+            native=self.cfg.model.kind in HF_KINDS,
+        )
+        return StreamLoader(
+            resolve_shards(d.train),
+            d.batch_size,
+            self.ctx.rank,
+            self.ctx.world_size,
+            streams=d.streams,
+            seed=self.cfg.run.seed,
+            buffer=d.shuffle_buffer,
+            decode=decode,
+            collate=self.batcher,
+            num_workers=d.num_workers,
+            gather=D.all_gather_object,
             pin_memory=self.ctx.device.type == "cuda",
         )
 
@@ -229,6 +335,8 @@ class ContrastiveStage:
             hard_negatives=hard_negatives,
             train=False,
             native=self.cfg.model.kind in HF_KINDS,
+            image_column=self.cfg.data.image_column,
+            text_column=self.cfg.data.text_column,
         )
 
     def _eval_set(self, split: str) -> ImageTextDataset:

@@ -53,7 +53,12 @@ from vltrain.objectives.reinforce import (
     sequence_logits,
     sequence_mask,
 )
-from vltrain.stages.caption import CaptionCore, caption_eval_metrics, check_captioner_config
+from vltrain.stages.caption import (
+    CAPTION_KEYS,
+    CaptionCore,
+    caption_eval_metrics,
+    check_captioner_config,
+)
 
 #: metrics logged every step (all-reduced means over ranks), in this order
 RL_METRICS = (
@@ -82,7 +87,11 @@ class RLStage:
     @classmethod
     def check_config(cls, cfg: Config) -> None:
         """The captioner's rules plus RL's own."""
-        check_captioner_config(cfg, "rl")
+        used = tuple(k for k in CAPTION_KEYS if k != "data.*") + ("rl.*",)
+        data = ("train", "eval", "test", "batch_size", "max_train_samples", "eval_batch_size")
+        data += ("num_workers", "image_size", "max_text_len", "tokenizer_vocab")
+        data += ("max_bad_fraction", "image_column", "text_column")
+        check_captioner_config(cfg, "rl", used + tuple(f"data.{k}" for k in data))
         r = cfg.rl
         if not cfg.model.init_from:
             raise ConfigError(

@@ -13,9 +13,10 @@ from vltrain.config.core import ConfigError
 from vltrain.config.schema import Config, load_config
 from vltrain.data import chat
 from vltrain.data.images import BadSample, load_image
-from vltrain.data.tokenizer import TextTokenizer
+from vltrain.data.tokenizer import TextTokenizer, require_tokenizer
 from vltrain.engine.checkpoint import load_weights, resolve_checkpoint
 from vltrain.eval.caption_metrics import caption_scores
+from vltrain.files import atomic_write_text, check_not_input, check_output_path
 from vltrain.inference.captioning import decode_captions
 from vltrain.models.backbones import build_captioner
 from vltrain.models.captioner import Captioner
@@ -43,6 +44,7 @@ def load_for_generation(
     cfg = load_config(cfg_path)
     if cfg.stage not in ("caption", "rl"):
         raise ConfigError(f"{cfg_path} is a '{cfg.stage}' run, not a caption or rl run")
+    require_tokenizer(ckpt / "tokenizer")
     tokenizer = TextTokenizer.load(ckpt / "tokenizer")
     model = build_captioner(cfg, tokenizer)
     load_weights(model, ckpt)
@@ -86,6 +88,9 @@ def generate_command(args: Any) -> int:
     torch.manual_seed(args.seed)
     if bool(args.images) == bool(args.eval_data):
         raise ConfigError("vltrain generate needs exactly one of --images or --eval-data")
+    if args.out:
+        check_output_path(args.out)
+        check_not_input(args.out, [*args.images, *([args.eval_data] if args.eval_data else [])])
     model, tok, cfg = load_for_generation(args.checkpoint, args.config)
     if args.eval_data:
         decode = {"strategy": args.strategy, "num_beams": args.beams}
@@ -119,23 +124,8 @@ def generate_command(args: Any) -> int:
     lines = [json.dumps(rows[i]) for i in range(len(paths))]
     text = "\n".join(lines) + "\n"
     if args.out:
-        Path(args.out).write_text(text)
+        atomic_write_text(args.out, text)
         print(f"wrote {len(lines)} captions to {args.out}", file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0
-
-
-def add_generate_options(p: Any) -> None:
-    """Arguments of `vltrain generate` (argparse parser)."""
-    p.add_argument("--checkpoint", required=True, help="run dir, checkpoints/ or step folder")
-    p.add_argument("--images", nargs="*", default=[], help="image files to caption")
-    p.add_argument("--eval-data", default="", help="instead: score BLEU/CIDEr-D on a caption file")
-    p.add_argument("--strategy", default="greedy", choices=("greedy", "beam", "sample"))
-    p.add_argument("--beams", type=int, default=5, help="beam width (--strategy beam)")
-    p.add_argument("--max-new-tokens", type=int, default=24, help="longest caption in tokens")
-    p.add_argument("--prompt", default=None, help="prompt text (sft: the user turn)")
-    p.add_argument("--batch-size", type=int, default=16, help="images decoded together")
-    p.add_argument("--seed", type=int, default=0, help="seed for --strategy sample")
-    p.add_argument("--config", default="", help="run config (default: the checkpoint's run)")
-    p.add_argument("--out", default="", help="write JSON lines here instead of stdout")

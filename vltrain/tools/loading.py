@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from vltrain.config import Config
-from vltrain.engine.checkpoint import load_weights, resolve_checkpoint
+from vltrain.config.schema import load_config
+from vltrain.data.tokenizer import require_tokenizer
+from vltrain.engine.checkpoint import load_weights, resolve_loadable
 from vltrain.engine.runtime import RunContext
 from vltrain.engine.task import Stage
-from vltrain.stages import get_stage, load_run_config
+from vltrain.stages import get_stage
 
 
 def run_config_for(ckpt: Path) -> Path:
@@ -29,11 +32,19 @@ def load_trained(
 ) -> tuple[Config, Stage, nn.Module]:
     """(config, stage, model in eval mode) of a run dir or checkpoint folder, single process.
 
-    The stage reads files it saved with the checkpoint (e.g. `tokenizer/`) from the checkpoint
-    folder itself, so a copied checkpoint works without the rest of the run dir.
+    A checkpoint is self-contained: the stage reads the files saved with it (`tokenizer/`)
+    from the checkpoint folder itself, so a copied checkpoint works without the rest of the run
+    dir, and nothing here trains a tokenizer, writes into the checkpoint, or follows the run's
+    `model.init_from` / `model.vision_init_from` (the weights are all in the checkpoint). An rl
+    checkpoint loads as the captioner it is.
     """
-    ckpt = resolve_checkpoint(checkpoint)
-    cfg = load_run_config(run_config_for(ckpt), overrides)
+    ckpt, skipped = resolve_loadable(checkpoint)
+    if skipped:
+        print(f"vltrain: {skipped}", file=sys.stderr)
+    cfg = load_config(run_config_for(ckpt), overrides)
+    cfg.model.init_from = cfg.model.vision_init_from = ""
+    if cfg.model.kind in ("dual_encoder", "captioner"):
+        require_tokenizer(ckpt / "tokenizer")
     ctx = RunContext(
         device=torch.device(device),
         rank=0,
@@ -41,7 +52,7 @@ def load_trained(
         precision=cfg.run.precision,
         seed=cfg.run.seed,
     )
-    stage = get_stage(cfg.stage)(cfg, ckpt, ctx)
+    stage = get_stage("caption" if cfg.stage == "rl" else cfg.stage)(cfg, ckpt, ctx)
     stage.prepare()
     model = stage.build_model()
     load_weights(model, ckpt)

@@ -18,7 +18,9 @@ import torch
 from torch import Tensor
 
 from vltrain.data.records import DataError
+from vltrain.data.sources import read_source
 from vltrain.eval.topk import topk_similarity
+from vltrain.files import atomic_write_lines, check_not_input, check_output_path
 from vltrain.tools.loading import load_trained
 
 
@@ -32,6 +34,14 @@ class MineOptions:
     margin: float = 0.95
     batch_size: int = 128
     append: bool = False
+
+    def __post_init__(self) -> None:
+        if self.k < 1 or self.batch_size < 1:
+            raise ValueError(f"k and batch_size must be >= 1, got {self.k}, {self.batch_size}")
+        if not 0 <= self.range_min < self.range_max:
+            raise ValueError(
+                f"need 0 <= range_min < range_max, got {self.range_min}, {self.range_max}"
+            )
 
 
 def _embed(
@@ -77,8 +87,31 @@ def mine_negatives(
     return out
 
 
+def mine_record(rec: dict, negs: list[str], append: bool) -> dict:
+    """`rec` with its negatives replaced by (or, `append`, extended with) the mined ones.
+
+    `negative_kinds` labels one kind per negative: replaced negatives drop the old labels, and
+    appended ones are labelled "mined", so no label ever describes another negative.
+    """
+    row = dict(rec)
+    old = list(rec.get("negatives", [])) if append else []
+    row["negatives"] = old + negs
+    kinds = rec.get("negative_kinds")
+    row.pop("negative_kinds", None)
+    if append and isinstance(kinds, list) and len(kinds) == len(old):
+        row["negative_kinds"] = list(kinds) + ["mined"] * len(negs)
+    return row
+
+
 def mine_command(checkpoint: str, data: str, out: str, opts: MineOptions) -> dict[str, float]:
     """Mine negatives for every record of `data` and write `out` (same folder as `data`)."""
+    check_output_path(out)
+    check_not_input(out, [data])
+    if read_source(data).images is not None:
+        raise DataError(
+            f"--data {data} keeps its images inside the table (parquet / datasets folder); "
+            "mine writes JSONL records with image paths, so give a .jsonl, .json or .csv file"
+        )
     data_p, out_p = Path(data).resolve(), Path(out).resolve()
     if data_p.parent != out_p.parent:
         raise DataError(
@@ -88,14 +121,11 @@ def mine_command(checkpoint: str, data: str, out: str, opts: MineOptions) -> dic
     _, stage, model = load_trained(checkpoint)
     records, img, owners, txt, texts, txt_owner = _embed(stage, model, data_p, opts.batch_size)
     mined = mine_negatives(img, owners, txt, texts, txt_owner, opts)
-    counts = []
-    with open(out_p, "w") as f:
-        for i, rec in enumerate(records):
-            negs = mined.get(i, [])
-            counts.append(len(negs))
-            row = dict(rec)
-            row["negatives"] = (list(rec.get("negatives", [])) + negs) if opts.append else negs
-            f.write(json.dumps(row) + "\n")
+    counts = [len(mined.get(i, [])) for i in range(len(records))]
+    rows = (
+        json.dumps(mine_record(rec, mined.get(i, []), opts.append)) for i, rec in enumerate(records)
+    )
+    atomic_write_lines(out_p, rows)
     full = sum(c == opts.k for c in counts)
     return {
         "records": len(records),

@@ -14,11 +14,22 @@ DESCRIPTION = (
 )
 
 
+def _trials(text: str) -> int:
+    """--trials: an integer >= 1, checked by the parser."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
 def add_tune_options(p: argparse.ArgumentParser) -> None:
     """The options of `vltrain tune` (shared by the CLI parser and the re-parse below)."""
     p.add_argument(
         "--trials",
-        type=int,
+        type=_trials,
         default=None,
         help="trials to finish in the study (overrides tune.trials)",
     )

@@ -1,0 +1,136 @@
+"""Curation building blocks against brute force: MinHash/LSH, Hamming index, Bloom filter,
+pHash/dHash against imagehash, and the semantic witness rule on a chain."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vltrain.data.curation import minhash, semantic
+from vltrain.data.curation.bloom import BloomFilter
+from vltrain.data.curation.hamming import HammingIndex
+from vltrain.data.curation.hashing import image_hashes
+from vltrain.data.curation.text import NgramHasher, jaccard, normalize
+
+
+def test_normalize_and_shingles_are_order_sensitive_and_seeded() -> None:
+    assert normalize("A  Dog, running!") == "a dog running"
+    h = NgramHasher(2, seed=0)
+    assert not np.array_equal(h.shingles("a b c"), h.shingles("c b a"))
+    assert np.array_equal(h.shingles("A b, c"), NgramHasher(2, seed=0).shingles("a b c"))
+    assert not np.array_equal(h.shingles("a b c"), NgramHasher(2, seed=1).shingles("a b c"))
+
+
+def test_minhash_estimates_jaccard_and_lsh_verified_pairs_are_exact() -> None:
+    rng = random.Random(0)
+    vocab = [f"w{i}" for i in range(300)]
+    base = [" ".join(rng.choices(vocab, k=20)) for _ in range(60)]
+    texts = base + [" ".join(t.split()[:19] + ["x"]) for t in base[:30]]
+    h = NgramHasher(3)
+    sh = [h.shingles(t) for t in texts]
+    sigs = minhash.MinHasher(256, seed=3).signatures(sh)
+    est = (sigs[0] == sigs[60]).mean()
+    assert abs(est - jaccard(sh[0], sh[60])) < 0.12
+    b, r = minhash.optimal_params(0.7, 128)
+    found = minhash.verified_pairs(sh, sigs[:, :128], b, r, 0.7)
+    truth = {(i, j) for i in range(len(sh)) for j in range(i + 1, len(sh))
+             if jaccard(sh[i], sh[j]) >= 0.7}  # fmt: skip
+    assert found.keys() <= truth  # verified: never a pair below the threshold
+    assert len(found) >= 0.9 * len(truth) and len(truth) >= 30
+
+
+def test_optimal_params_matches_datasketch_rule() -> None:
+    assert minhash.optimal_params(0.7, 128) == (14, 9)  # datasketch _optimal_param(0.7, 128)
+    assert "J=0.90" in minhash.s_curve(14, 9)
+
+
+def test_hamming_index_finds_exactly_the_brute_force_neighbours() -> None:
+    rng = np.random.default_rng(0)
+    codes = [int(x) for x in rng.integers(0, 2**63, 400, dtype=np.uint64)]
+    flips = zip(codes[:50], rng.integers(0, 64, 50), rng.integers(0, 64, 50), strict=True)
+    codes += [c ^ (1 << int(b)) ^ (1 << int(b2)) for c, b, b2 in flips]  # near neighbours
+    for radius in (0, 3, 10):
+        idx = HammingIndex(radius)
+        for i, c in enumerate(codes):
+            idx.insert(i, c)
+        for q in codes[::7]:
+            got = {j for _, j in idx.query(q)}
+            want = {j for j, c in enumerate(codes) if (c ^ q).bit_count() <= radius}
+            assert got == want
+
+
+def test_bloom_filter_fp_rate_and_reload_in_a_new_process(tmp_path) -> None:
+    f = BloomFilter(5000, 1e-3, seed=7)
+    f.update(f"item {i}" for i in range(5000))
+    assert all(f"item {i}" in f for i in range(5000))
+    fp = sum(f"other {i}" in f for i in range(20000)) / 20000
+    assert fp <= 3e-3
+    f.save(tmp_path / "f.bloom")
+    code = (
+        "import sys; from vltrain.data.curation.bloom import BloomFilter;"
+        f"f = BloomFilter.load({str(tmp_path / 'f.bloom')!r});"
+        "print(sum(f'item {i}' in f for i in range(5000)),"
+        " sum(f'other {i}' in f for i in range(20000)))"
+    )
+    env_out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        env={**__import__("os").environ, "PYTHONHASHSEED": "123"},
+    ).stdout.split()  # fmt: skip
+    assert env_out == ["5000", str(round(fp * 20000))]
+    with pytest.raises(ValueError, match="not a vltrain Bloom"):
+        (tmp_path / "x").write_bytes(b"garbage")
+        BloomFilter.load(tmp_path / "x")
+
+
+def test_hashes_match_imagehash_bit_for_bit() -> None:
+    imagehash = pytest.importorskip("imagehash")
+    rng = np.random.default_rng(0)
+    for shape in ((40, 60, 3), (97, 31, 3), (64, 64)):
+        arr = (rng.random(shape) * 255).astype(np.uint8)
+        arr = np.cumsum(arr, axis=0).astype(np.uint8)  # some low-frequency structure
+        img = Image.fromarray(arr)
+        h = image_hashes(img)
+        assert h.phash == int(str(imagehash.phash(img)), 16)
+        assert h.dhash == int(str(imagehash.dhash(img)), 16)
+        mirror = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        assert h.phash_mirror == int(str(imagehash.phash(mirror)), 16)
+
+
+def _chain() -> torch.Tensor:
+    """A~B and B~C above 0.9 cosine, A and C below it."""
+    ang = torch.tensor([0.0, 0.4, 0.8])  # radians: cos(0.4) = 0.92, cos(0.8) = 0.70
+    return torch.stack([ang.cos(), ang.sin()], 1)
+
+
+def test_witness_rule_keeps_a_copy_where_official_semdedup_does_not() -> None:
+    emb, eps = _chain(), 0.1
+    official = semantic.official_semdedup_keep(emb, eps)
+    assert official == [True, False, False]  # C dropped although nothing kept is similar to C
+    assert float(emb[0] @ emb[2]) < 1 - eps
+    removals = semantic.witness_dedup(emb, eps)
+    assert [(r.index, r.witness) for r in removals] == [(1, 0)]  # C kept: its only twin left
+    kept = {0, 1, 2} - {r.index for r in removals}
+    for r in removals:
+        assert r.witness in kept and float(emb[r.index] @ emb[r.witness]) > 1 - eps
+
+
+def test_witness_rule_with_pinned_items_and_clusters() -> None:
+    g = torch.Generator().manual_seed(0)
+    centres = torch.nn.functional.normalize(torch.randn(30, 16, generator=g), dim=1)
+    emb = torch.nn.functional.normalize(
+        centres.repeat(4, 1) + 0.03 * torch.randn(120, 16, generator=g), dim=1
+    )
+    pinned = torch.zeros(120, dtype=torch.bool)
+    pinned[60:90] = True
+    removals = semantic.witness_dedup(emb, 0.05, cluster_size=40, pinned=pinned)
+    removed = {r.index for r in removals}
+    assert not removed & set(range(60, 90))
+    assert len(removed) >= 60
+    for r in removals:
+        assert r.witness not in removed and float(emb[r.index] @ emb[r.witness]) > 0.95

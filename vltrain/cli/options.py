@@ -1,0 +1,76 @@
+"""Argument types for the command line: a bad value is a parser error that names the option.
+
+argparse calls `type(text)` and, on `argparse.ArgumentTypeError`, prints
+``vltrain <command>: error: argument --beams: must be an integer >= 1, got '0'`` and exits 2,
+so a mistake never reaches the code (no unbounded `mine --k 0`, no `generate --beams 0`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (counts, sizes, widths)."""
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (0 usually means "none" or "skip")."""
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """A finite float (no inf, no nan)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def probability(text: str) -> float:
+    """A float in [0, 1]."""
+    value = finite_float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite float > 0."""
+    value = finite_float(text)
+    if value <= 0.0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+def path_arg(text: str) -> str:
+    """A non-empty path (an empty one would silently mean the current directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must be a path, got an empty string")
+    return text
+
+
+def image_size(text: str) -> int:
+    """An image side in pixels, >= 32 (the synthetic scenes need room for three shapes)."""
+    value = _int(text)
+    if value < 32:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 32 (pixels), got {text!r}")
+    return value

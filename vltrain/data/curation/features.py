@@ -1,0 +1,145 @@
+"""Per-record features computed in worker processes: image hashes, caption keys and signatures.
+
+`iter_features(items, settings, workers)` yields features in input order whatever the worker
+count, keeping at most a few chunks in flight (bounded memory on any input size).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from vltrain.data.curation.bloom import BloomFilter
+from vltrain.data.curation.hashing import ImageHashes, image_hashes
+from vltrain.data.curation.minhash import MinHasher
+from vltrain.data.curation.text import NgramHasher, caption_key, normalize, words
+from vltrain.data.images import BadSample, load_image_native
+from vltrain.data.records import resolve_image_path
+
+_CHUNK = 64
+
+
+@dataclass(frozen=True)
+class FeatureSettings:
+    """What the workers compute (picklable; the Bloom filter is the eval set's, or None)."""
+
+    root: str
+    seed: int
+    shingle_n: int
+    num_perm: int
+    leak_n: int
+    bloom: BloomFilter | None = None
+
+
+@dataclass
+class Features:
+    """One record's features (`image` is None when the image could not be decoded)."""
+
+    index: int
+    image: ImageHashes | None
+    bad: str | None
+    caption_key: int
+    shingles: np.ndarray
+    signature: np.ndarray
+    first_caption: str
+    normalized: tuple[str, ...]
+    bloom_hits: tuple[str, ...]
+
+
+class _Worker:
+    def __init__(self, s: FeatureSettings) -> None:
+        self.s = s
+        self.ngrams = NgramHasher(s.shingle_n, s.seed)
+        self.minhash = MinHasher(s.num_perm, s.seed + 1)
+
+    def chunk(self, items: list[tuple[int, str, list]]) -> list[Features]:
+        shingles, partial = [], []
+        for index, rel, texts in items:
+            hashes, bad = None, None
+            try:
+                img = load_image_native(resolve_image_path(Path(self.s.root) / "x", rel))
+                hashes = image_hashes(img, self.s.seed)
+            except BadSample as e:
+                bad = e.reason
+            texts = [t for t in texts if isinstance(t, str)]
+            sh = [self.ngrams.shingles(t) for t in texts]
+            shingles.append(np.unique(np.concatenate(sh)) if sh else np.zeros(0, np.uint64))
+            partial.append((index, hashes, bad, texts))
+        sigs = self.minhash.signatures(shingles)
+        out = []
+        for (index, hashes, bad, texts), sh, sig in zip(partial, shingles, sigs, strict=True):
+            out.append(
+                Features(
+                    index,
+                    hashes,
+                    bad,
+                    caption_key(sorted(texts), self.s.seed),
+                    sh,
+                    sig,
+                    texts[0] if texts else "",
+                    tuple(normalize(t) for t in texts),
+                    self._bloom_hits(texts),
+                )
+            )
+        return out
+
+    def _bloom_hits(self, texts: list[str]) -> tuple[str, ...]:
+        if self.s.bloom is None:
+            return ()
+        n, hits = self.s.leak_n, []
+        for t in texts:
+            toks = words(t)
+            for i in range(len(toks) - n + 1):
+                gram = " ".join(toks[i : i + n])
+                if gram in self.s.bloom:
+                    hits.append(gram)
+        return tuple(hits)
+
+
+_WORKER: _Worker | None = None
+
+
+def _init(s: FeatureSettings) -> None:
+    global _WORKER
+    _WORKER = _Worker(s)
+
+
+def _run(items: list[tuple[int, str, list]]) -> list[Features]:
+    assert _WORKER is not None
+    return _WORKER.chunk(items)
+
+
+def _chunks(items: Iterable[tuple[int, str, list]]) -> Iterator[list[tuple[int, str, list]]]:
+    buf: list[tuple[int, str, list]] = []
+    for item in items:
+        buf.append(item)
+        if len(buf) == _CHUNK:
+            yield buf
+            buf = []
+    if buf:
+        yield buf
+
+
+def iter_features(
+    items: Iterable[tuple[int, str, list]], s: FeatureSettings, workers: int = 1
+) -> Iterator[Features]:
+    """Features of (index, image path relative to s.root, captions) items, in input order."""
+    if workers <= 1:
+        w = _Worker(s)
+        for chunk in _chunks(items):
+            yield from w.chunk(chunk)
+        return
+    ctx = multiprocessing.get_context("spawn")  # no inherited torch/BLAS thread state
+    with ctx.Pool(workers, initializer=_init, initargs=(s,)) as pool:
+        pending: deque = deque()
+        for chunk in _chunks(items):
+            pending.append(pool.apply_async(_run, (chunk,)))
+            if len(pending) >= 2 * workers:  # bounded: a few chunks in flight
+                yield from pending.popleft().get()
+        while pending:
+            yield from pending.popleft().get()

@@ -1,0 +1,68 @@
+"""Writing user-visible files safely: through a temp file + rename, never over an input.
+
+A command killed mid-write (or out of disk) leaves the old file intact instead of a half-written
+one, and `vltrain mine --out X --data X` is refused instead of reading a file it truncates.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+
+class OutputError(ValueError):
+    """An output path that cannot be written as asked (a folder, the command's own input)."""
+
+
+def check_output_path(out: str | os.PathLike[str], option: str = "--out") -> Path:
+    """`out` as a Path, refusing an empty path and an existing directory."""
+    if not str(out).strip():
+        raise OutputError(f"{option} is empty; give a file path")
+    p = Path(out)
+    if p.is_dir():
+        raise OutputError(f"{option} {p} is a directory; give a file path, e.g. {p / 'out.txt'}")
+    return p
+
+
+def check_not_input(
+    out: str | os.PathLike[str], inputs: Iterable[str | os.PathLike[str]], option: str = "--out"
+) -> None:
+    """Refuse an output that is (after resolving symlinks and `..`) one of the inputs."""
+    target = Path(out).resolve()
+    for src in inputs:
+        if Path(src).resolve() == target:
+            raise OutputError(
+                f"{option} {out} is the input file {src}; writing it would destroy the data "
+                "being read. Choose another output file."
+            )
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> None:
+    """Write `text` to `path` through a temp file in the same folder, fsync, then rename."""
+    p = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent or ".")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # what open() would give, not mkstemp's 0600
+        with os.fdopen(fd, "w", encoding=encoding) as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_lines(path: str | os.PathLike[str], lines: Iterable[str]) -> int:
+    """Write one line per item (newline added) atomically; returns the number written."""
+    rows = list(lines)
+    atomic_write_text(path, "".join(f"{row}\n" for row in rows))
+    return len(rows)
