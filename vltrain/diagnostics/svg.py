@@ -60,8 +60,13 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     return [start + i * step for i in range(int((hi - start) / step) + 1)]
 
 
-def _fmt(v: float) -> str:
-    return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.2e}"
+def _fmt(v: float, step: float = 0.0) -> str:
+    """A tick label with as many decimals as the tick spacing needs."""
+    if abs(v) >= 1e4 or (0 < abs(v) < 1e-3):
+        return f"{v:.2e}"
+    if step > 0:
+        return f"{v:.{max(0, 1 - math.floor(math.log10(step)))}f}"
+    return f"{v:.3g}"
 
 
 def render(plot: Plot, width: int = 620, height: int = 240) -> str:
@@ -100,8 +105,10 @@ def render(plot: Plot, width: int = 620, height: int = 240) -> str:
         f'<text x="{left}" y="15" font-size="13" font-weight="bold">{escape(plot.title)}</text>',
         f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>',
     ]
-    for t in _ticks(y0, y1):
-        label = _fmt(10**t) if plot.log_y else _fmt(t)
+    yt = _ticks(y0, y1)
+    ystep = yt[1] - yt[0] if len(yt) > 1 else 0.0
+    for t in yt:
+        label = _fmt(10**t) if plot.log_y else _fmt(t, ystep)
         out.append(
             f'<line x1="{left}" x2="{left + pw}" y1="{sy(t):.1f}" y2="{sy(t):.1f}" stroke="#eee"/>'
             f'<text x="{left - 4}" y="{sy(t) + 4:.1f}" font-size="10" text-anchor="end">'

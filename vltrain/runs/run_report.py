@@ -24,7 +24,7 @@ from vltrain.diagnostics.doctor import analyse_run, load_records
 from vltrain.diagnostics.record import Finding
 from vltrain.runs.report import html_table
 
-CSS = """body{font-family:sans-serif;margin:24px;max-width:1300px;color:#222}
+CSS = """body{font-family:sans-serif;margin:24px;max-width:1260px;color:#222}
 table{border-collapse:collapse;margin:8px 0 16px}td,th{border:1px solid #ccc;padding:3px 8px;
 font-size:13px;text-align:left}th{background:#f3f3f3}
 tr.best td{background:#e6f4ea;font-weight:bold}.plots{display:flex;flex-wrap:wrap;gap:8px}
@@ -142,6 +142,9 @@ def _markers(run: RunData) -> list[svg.Marker]:
 
 def _plots(run: RunData) -> str:
     xs, loss = run.series("loss")
+    if run.records:  # the doctor's per-step records: every step, not every log_every
+        xs = [float(r.step + 1) for r in run.records]  # metrics.jsonl counts finished steps
+        loss = [r.loss for r in run.records]
     plots = [
         svg.Plot(
             "train loss (raw, smoothed; dashed: doctor findings)",
@@ -161,7 +164,10 @@ def _plots(run: RunData) -> str:
         ("grad_norm", "grad norm (pre-clip)", True),
         ("samples_per_s", "throughput (samples/s)", False),
     ):
-        plots.append(svg.Plot(title, [svg.Series(key, *run.series(key))], log_y=log))
+        gx, gy = run.series(key)
+        if key == "grad_norm" and run.records:
+            gx, gy = xs, [r.grad_norm for r in run.records]
+        plots.append(svg.Plot(title, [svg.Series(key, gx, gy)], log_y=log))
     with_len = [r for r in run.records if r.lengths and r.finite]
     if with_len:
         by_bucket = _buckets(with_len)
