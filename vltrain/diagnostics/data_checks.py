@@ -56,7 +56,13 @@ class BatchComposition:
             self.loss_by_bucket.setdefault(b, []).append(rec.loss)
         out = []
         h = self.homogeneity()
-        if not self.bucketed and len(self.recent) >= 2 and h < 0.2 and "homog" not in self.reported:
+        # 3 random batches of 8 never went below 0.5 in 3000 trials of the shapes captions
+        if (
+            not self.bucketed
+            and len(self.recent) >= 3
+            and h < 0.35
+            and "homog" not in self.reported
+        ):
             self.reported.add("homog")
             out.append(Finding(
                 "warn", "homogeneous_batches", rec.step - len(self.recent) + 1,
