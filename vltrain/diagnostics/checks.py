@@ -196,6 +196,8 @@ class Optimizer:
 
     def __init__(self, cfg: Config) -> None:
         self.max_ratio = cfg.doctor.max_update_ratio
+        # Adam's first steps move small weights by ~lr each: judge ratios after warmup + history
+        self.ratio_from = cfg.optim.warmup_steps + cfg.doctor.min_history
         self.no_grad_streak: dict[str, int] = {}
         self.reported: set[str] = set()
 
@@ -234,7 +236,7 @@ class Optimizer:
                 "gradients reach the parameters",
                 {"lr_applied": rec.lr_applied},
             ))  # fmt: skip
-        for i, r in enumerate(rec.update_ratio):
+        for i, r in enumerate(rec.update_ratio if rec.step >= self.ratio_from else []):
             if r > self.max_ratio:
                 out += self._once(f"ratio{i}", Finding(
                     "warn", "update_ratio", s,

@@ -113,7 +113,9 @@ class Probe:
         ratios = []
         for b, a in zip(self._before, after, strict=True):
             w = float(b.norm())
-            ratios.append(float((a - b).norm()) / w if w > 0 else float(a.norm() > 0))
+            ratios.append(
+                float((a - b).norm()) / w if w > 0 else float("nan")
+            )  # zero-init: no ratio
         self._facts["update_ratio"] = ratios
         self._facts["stepped"] = True
         self._facts["weight_fp"] = float(sum(float(a.sum()) for a in after))
