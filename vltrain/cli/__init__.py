@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from vltrain.cli import (
     config_docs,
     data,
+    doctor,
     eval,
     export,
     generate,
@@ -21,6 +22,7 @@ from vltrain.cli import (
     pipeline,
     presets,
     quickstart,
+    report,
     train,
     tune,
 )
@@ -36,6 +38,8 @@ COMMANDS = (
     generate,
     mine,
     export,
+    doctor,
+    report,
     presets,
     config_docs,
 )
@@ -90,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `vltrain` console script."""
     from vltrain.config.core import ConfigError
     from vltrain.data.records import DataError, DataQualityError
+    from vltrain.diagnostics.doctor import DoctorAbort
     from vltrain.engine.checkpoint import CheckpointError
     from vltrain.engine.loop import TrainingAborted, TrainingStopped
     from vltrain.files import OutputError
@@ -105,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         DataError,
         DataQualityError,
         TrainingAborted,
+        DoctorAbort,
         CheckpointError,
         OutputError,
     ) as e:

@@ -305,6 +305,33 @@ class LogConfig:
 
 
 @dataclass
+class DoctorConfig:
+    enabled: bool = option(True, "Run the training doctor's online checks (docs/doctor.md).")
+    fail_on: str = option(
+        "never",
+        "Abort training on a finding of this severity or worse (warn, error); never: only report.",
+        choices=("never", "warn", "error"),
+    )
+    spike_window: int = option(100, "Spike checks: steps of history the median/MAD use.", ge=4)
+    spike_sigma: float = option(
+        6.0, "Spike checks: a value this many MADs above the median is a spike.", gt=0.0
+    )
+    spike_rise: float = option(
+        0.5, "Spike checks: and at least this fraction above the median (0.5: 1.5x).", ge=0.0
+    )
+    min_history: int = option(10, "Spike checks: steps seen before spikes are judged.", ge=2)
+    constant_steps: int = option(
+        3, "Steps of loss exactly 0 / bit-identical / zero gradient before it is reported.", ge=2
+    )
+    max_update_ratio: float = option(
+        0.5, "Warn when a param group's per-step update/weight norm ratio exceeds this.", gt=0.0
+    )
+    write_steps: bool = option(
+        True, "Write doctor_steps.jsonl (one StepRecord per step) for `vltrain doctor/report`."
+    )
+
+
+@dataclass
 class TuneConfig:
     space: dict[str, dict[str, Any]] = option(
         {},
@@ -511,6 +538,7 @@ class Config:
     optim: OptimConfig = section(OptimConfig, "Optimizer and learning-rate schedule.")
     train: TrainConfig = section(TrainConfig, "Loop length, evaluation, checkpoints, resume.")
     log: LogConfig = section(LogConfig, "Progress bar, TensorBoard, W&B.")
+    doctor: DoctorConfig = section(DoctorConfig, "Online training checks (the doctor).")
     tune: TuneConfig = section(TuneConfig, "Hyperparameter search (`vltrain tune`).")
     caption: CaptionConfig = section(CaptionConfig, "Caption stage: mode, prompts, eval decoding.")
     rl: RLConfig = section(RLConfig, "RL stage (REINFORCE on the captioner): sampling, reward.")

@@ -33,6 +33,8 @@ class Batch:
     n_good: int
     bad: list[tuple[str, str]] = field(default_factory=list)  # (reason, example) per bad sample
     position: Any = None  # the loader's position after this batch (opaque to the engine)
+    keys: list[tuple[int, int]] = field(default_factory=list)  # (epoch, index) per good sample
+    lengths: list[int] = field(default_factory=list)  # token length per good sample, if known
 
     def pin_memory(self) -> Batch:
         """DataLoader(pin_memory=True) calls this: pin the tensors, keep the bookkeeping."""
@@ -98,6 +100,8 @@ class BatchCollate:
             n_good=len(good),
             bad=bad,
             position=tuple(samples[-1]["key"]),  # the last key; MapLoader turns it into a position
+            keys=[(int(s["key"][0]), int(s["index"])) for s in good],
+            lengths=[len(s["input_ids"]) for s in good if "input_ids" in s],
         )
 
 

@@ -17,6 +17,8 @@ import torch
 from vltrain.config.schema import Config, dump_config
 from vltrain.data.loaders import Batch
 from vltrain.data.records import BadSampleTracker
+from vltrain.diagnostics.doctor import Doctor
+from vltrain.diagnostics.record import StepRecord, severity_rank
 from vltrain.engine import checkpoint, run_dir
 from vltrain.engine import distributed as D
 from vltrain.engine import state as trainer_state
@@ -116,6 +118,11 @@ class Trainer:
         if ckpt is not None:
             model.load_checkpoint(ckpt, self.optimizer)
             trainer_state.restore(self._stateful(), checkpoint.load_trainer_state(ckpt))
+        self.doctor = None
+        if cfg.doctor.enabled:  # its probe watches the plain module and the optimizer
+            self.doctor = Doctor.for_training(
+                cfg, self.out_dir, ctx.is_main, module, self.optimizer, D.all_gather_object
+            )
         logger = RunLogger(cfg, self.out_dir, ctx.is_main, self.state.step)
         if ckpt is not None:
             for line in plan.messages:
@@ -132,9 +139,13 @@ class Trainer:
         try:
             with self._stop_on_signals():
                 self._loop(model, logger)
+            if self.doctor is not None:
+                self.doctor.finish()
             summary = self._finish(model, logger, t_start)
         finally:
             logger.close()
+            if self.doctor is not None:
+                self.doctor.close()
         return summary
 
     def _stateful(self) -> dict[str, trainer_state.Stateful]:
@@ -154,6 +165,7 @@ class Trainer:
         window = {"t": time.time(), "samples": 0}
         model.train()
         while state.step < cfg.train.max_steps:
+            t_step = time.time()
             position = self.loader.state_dict()  # before this step's batches
             micro = [next(batches) for _ in range(cfg.optim.accum_steps)]
             n_empty, n_stop = _vote(micro, self.tracker, self._signal)
@@ -166,6 +178,7 @@ class Trainer:
                 loss, metrics, grad_norm, finite = self._forward_backward(model, micro)
             lr = set_lr(self.optimizer, state.step, cfg.train.max_steps, cfg.optim)
             self._apply_step(n_empty, finite, loss, grad_norm, logger)
+            self._doctor_step(micro, loss, grad_norm, lr, finite, t_step, logger)
             self.optimizer.zero_grad(set_to_none=True)
             state.step += 1
             window["samples"] += sum(b.n_good for b in micro) * self.ctx.world_size
@@ -248,6 +261,30 @@ class Trainer:
         else:
             self.optimizer.step()
             state.consecutive_skips = 0
+
+    def _doctor_step(self, micro, loss, grad_norm, lr, finite, t_step, logger) -> None:
+        """One StepRecord to the doctor (before zero_grad: gradients are still there for
+        non-finite provenance); its findings go to the log and to metrics.jsonl."""
+        if self.doctor is None:
+            return
+        keys = [k for b in micro for k in b.keys]
+        rec = StepRecord(
+            step=self.state.step,
+            loss=float(loss),
+            grad_norm=float("nan") if grad_norm is None else float(grad_norm),
+            lr=lr,
+            finite=finite,
+            time_s=time.time() - t_step,
+            sample_ids=[i for _, i in keys],
+            epoch=keys[0][0] if keys else -1,
+            lengths=[n for b in micro for n in b.lengths],
+        )
+        found = self.doctor.observe(rec)  # gathers over ranks inside: every rank calls it
+        for f in found:
+            logger.message(f"doctor: {f.line()}")
+        if found:
+            worst = max(severity_rank(f.severity) for f in found)
+            logger.log(self.state.step + 1, {"doctor_findings": len(found), "doctor_worst": worst})
 
     def _log_step(self, logger, loss_sum, metrics, lr, grad_norm, window) -> None:
         cfg, state, tracker = self.cfg, self.state, self.tracker

@@ -173,6 +173,7 @@ def run_pipeline(
     from vltrain.engine import distributed as D
     from vltrain.engine.runtime import setup
     from vltrain.runs import train
+    from vltrain.runs.run_report import write_report
 
     stages = load_pipeline(path, overrides, stage_overrides, root, only)
     setup(stages[0].cfg)  # join torchrun's process group now, so only rank 0 prints below
@@ -200,6 +201,9 @@ def run_pipeline(
         table = report_table(rows)
         print(table)
         (root / "report.md").write_text(f"# Pipeline report: {path}\n\n{table}\n")
+        write_report(
+            [st.cfg.run.out_dir for st in stages], root / "report.html", f"pipeline {path}"
+        )
     return rows
 
 

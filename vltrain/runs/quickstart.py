@@ -14,6 +14,7 @@ from typing import Any
 
 from vltrain.runs.pipeline import PipelineStage, run_pipeline
 from vltrain.runs.report import cell, markdown_table
+from vltrain.runs.run_report import write_report
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 PRESET = CONFIGS / "quickstart.yaml"
@@ -182,9 +183,10 @@ def run_quickstart(
         f"in training).\n\n{report}\n\nTotal time: {elapsed:.0f} s.\n"
     )
     runs = ", ".join(str(root / r["run"]) for r in rows)
+    html = write_report([str(root / r["run"]) for r in rows], root / "report.html", "quickstart")
     print(
         f"\nrun folders: {runs}  (config.yaml, metrics.jsonl, checkpoints/, summary.json)\n"
-        f"report: {root / 'report.md'}\ntotal time: {elapsed:.0f} s"
+        f"report: {root / 'report.md'}, {html}\ntotal time: {elapsed:.0f} s"
     )
     return result
 

@@ -1,4 +1,5 @@
-"""The one writer of run-summary tables (markdown), used by pipelines, the quickstart and tune."""
+"""The one writer of run-summary tables (markdown and HTML), used by pipelines, the quickstart,
+tune and the HTML run report."""
 
 from __future__ import annotations
 
@@ -29,3 +30,22 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
             raise ValueError(f"row has {len(texts)} cells for {len(header)} columns: {texts}")
         lines.append("| " + " | ".join(texts) + " |")
     return "\n".join(lines)
+
+
+def html_table(
+    header: Sequence[str], rows: Iterable[Sequence[Any]], highlight: Iterable[int] = ()
+) -> str:
+    """The same table as HTML (cells escaped; rows whose index is in `highlight` get
+    class "best")."""
+    from html import escape
+
+    marked = set(highlight)
+    out = ["<table>", "<tr>" + "".join(f"<th>{escape(h)}</th>" for h in header) + "</tr>"]
+    for i, row in enumerate(rows):
+        texts = [c if isinstance(c, str) else cell(c) for c in row]
+        if len(texts) != len(header):
+            raise ValueError(f"row has {len(texts)} cells for {len(header)} columns: {texts}")
+        cls = ' class="best"' if i in marked else ""
+        out.append(f"<tr{cls}>" + "".join(f"<td>{escape(t)}</td>" for t in texts) + "</tr>")
+    out.append("</table>")
+    return "\n".join(out)

@@ -1,0 +1,206 @@
+"""Each doctor check on synthetic StepRecords, with a negative control beside each fault."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from vltrain.config import load_config
+from vltrain.diagnostics.data_checks import eval_overlap
+from vltrain.diagnostics.doctor import Doctor
+from vltrain.diagnostics.record import StepRecord
+
+
+def _cfg(*overrides: str):
+    return load_config(None, ["train.save_every=0", "optim.warmup_steps=0", *overrides])
+
+
+def _clean(n: int = 60, seed: int = 0, **extra) -> list[StepRecord]:
+    """A healthy-looking run: noisy decreasing loss and grad norm, ids a fresh permutation per
+    epoch of 8 batches of 4, the LR the schedule asks for applied, weights moving."""
+    rng = random.Random(seed)
+    out, perm = [], []
+    for s in range(n):
+        epoch, b = divmod(s, 8)
+        if b == 0:
+            perm = list(range(32))
+            rng.shuffle(perm)
+        out.append(
+            StepRecord(
+                step=s,
+                loss=3.0 * math.exp(-s / 40) + 0.5 + rng.gauss(0, 0.05),
+                grad_norm=2.0 + rng.gauss(0, 0.2),
+                lr=1e-3,
+                sample_ids=perm[4 * b : 4 * b + 4],
+                epoch=epoch,
+                lr_applied=[1e-3],
+                lr_scales=[1.0],
+                update_ratio=[1e-3],
+                stepped=True,
+                **extra,
+            )
+        )
+    return out
+
+
+def _run(cfg, records) -> list:
+    doc = Doctor(cfg, None, False)
+    found = [f for r in records for f in doc.observe(r)]
+    return found + doc.finish()
+
+
+def _checks(found, at_least: str = "warn") -> set[str]:
+    order = ("info", "warn", "error")
+    return {f.check for f in found if order.index(f.severity) >= order.index(at_least)}
+
+
+def test_clean_run_has_no_findings():
+    assert _checks(_run(_cfg(), _clean()), "info") == set()
+
+
+def test_loss_spike_detected_at_its_step_and_grad_spike_marked_as_preceding():
+    recs = _clean()
+    recs[30].loss *= 4
+    found = _run(_cfg(), recs)
+    spikes = [f for f in found if f.check == "loss_spike"]
+    assert [f.step for f in spikes] == [30] and not spikes[0].evidence["preceded_by_grad_spike"]
+    recs = _clean()
+    recs[29].grad_norm *= 20
+    recs[30].loss *= 4
+    found = _run(_cfg(), recs)
+    assert [f.step for f in found if f.check == "grad_spike"] == [29]
+    assert next(f for f in found if f.check == "loss_spike").evidence["preceded_by_grad_spike"]
+
+
+def test_spikes_after_checkpoint_saves():
+    recs = _clean(80)
+    for s in (20, 40, 60):  # saves after steps 19, 39, 59 with save_every=20
+        recs[s].loss *= 4
+    found = _run(_cfg("train.save_every=20"), recs)
+    assert "checkpoint_spike" in _checks(found)
+    assert "checkpoint_spike" not in _checks(_run(_cfg("train.save_every=7"), recs))
+
+
+def test_nonfinite_carries_provenance():
+    recs = _clean(20)
+    recs[12].finite, recs[12].loss = False, float("nan")
+    recs[12].nonfinite = {"kind": "grad", "first": "vision.blocks.0.attn.weight", "count": 3}
+    f = next(f for f in _run(_cfg(), recs) if f.check == "nonfinite")
+    assert f.step == 12 and f.severity == "error" and "vision.blocks.0" in f.message
+
+
+@pytest.mark.parametrize("kind", ["zero", "constant", "no_grad"])
+def test_degenerate_loss(kind):
+    recs = _clean(20)
+    for r in recs[10:]:
+        if kind == "zero":
+            r.loss = 0.0
+        elif kind == "constant":
+            r.loss = 1.25
+        else:
+            r.grad_norm = 0.0
+    f = next(f for f in _run(_cfg(), recs) if f.check == "degenerate_loss")
+    assert f.evidence["kind"] == kind and f.step == 10
+
+
+def test_optimizer_faults_and_controls():
+    recs = _clean(20)
+    recs[5].lr_applied = [0.0]  # LR stuck at 0 ...
+    recs[5].update_ratio = [0.0]  # ... so the step changed nothing
+    recs[7].stale_grads = ["head.bias"]
+    for r in recs[9:11]:
+        r.no_grad = ["vision.proj.weight"]
+    recs[12].no_grad = ["text.proj.weight"]  # one step only: not a finding
+    found = _run(_cfg(), recs)
+    steps = {f.check: f.step for f in found}
+    assert steps == {
+        "lr_mismatch": 5,
+        "step_changed_nothing": 5,
+        "grads_not_zeroed": 7,
+        "no_gradient": 9,
+    }
+    assert "text.proj.weight" not in str([f.evidence for f in found])
+
+
+def test_lr_scale_groups_are_not_a_mismatch():
+    recs = _clean(5)
+    for r in recs:
+        r.lr_applied, r.lr_scales, r.update_ratio = [1e-3, 1e-4], [1.0, 0.1], [1e-3, 1e-4]
+    assert _checks(_run(_cfg(), recs), "info") == set()
+
+
+def test_gates_and_temperature():
+    recs = _clean(6, gates={"decoder.xattn.0.attn_gate": 0.0})
+    found = _run(_cfg(), recs)
+    assert {f.check: f.step for f in found} == {"dead_gate": 0}
+    moving = _clean(6, gates={"decoder.xattn.0.attn_gate": 0.01}, temperature={"loss": -0.5})
+    assert _run(_cfg(), moving) == []
+    pinned = _clean(6, temperature={"loss": 0.0})
+    assert {f.check for f in _run(_cfg(), pinned)} == {"temperature_clamped"}
+    sat = _clean(6, gates={"g": 0.9999})
+    assert {f.check for f in _run(_cfg(), sat)} == {"saturated_gate"}
+
+
+def test_ranks_diverged_or_overlapping():
+    recs = _clean(6)
+    for r in recs:
+        r.rank_weights = [1.0, 1.0]
+        r.rank_ids = [[1, 2], [3, 4]]
+    assert _run(_cfg(), recs) == []
+    recs[3].rank_weights = [1.0, 1.001]
+    recs[4].rank_ids = [[1, 2], [2, 5]]
+    assert {f.check: f.step for f in _run(_cfg(), recs)} == {"ddp_divergence": 3, "rank_overlap": 4}
+
+
+def test_data_order_replay_and_repeats():
+    recs = _clean(24)
+    for r in recs[8:16]:  # epoch 1 replays epoch 0's order
+        r.sample_ids = list(recs[r.step - 8].sample_ids)
+    assert {f.check: f.step for f in _run(_cfg(), recs)} == {"epoch_replayed": 8}
+    recs = _clean(24)
+    recs[3].sample_ids = list(recs[1].sample_ids)
+    assert {f.check: f.step for f in _run(_cfg(), recs)} == {"sample_repeated": 3}
+
+
+def _with_lengths(recs, homogeneous: bool, seed: int = 0):
+    rng = random.Random(seed)
+    for r in recs:
+        if homogeneous:
+            base = [8, 20, 40][(r.step // 6) % 3]  # runs of 6 batches of one length
+            r.lengths = [base + rng.randint(0, 1) for _ in range(4)]
+            r.loss = r.loss + base / 20
+        else:
+            r.lengths = [rng.randint(5, 45) for _ in range(4)]
+    return recs
+
+
+def test_homogeneous_batches():
+    found = _run(_cfg(), _with_lengths(_clean(), True))
+    f = next(f for f in found if f.check == "homogeneous_batches")
+    assert f.severity == "warn" and f.step == 0
+    assert "loss_by_length" in _checks(found, "info")
+    assert _checks(_run(_cfg(), _with_lengths(_clean(), False)), "info") == set()
+    # bucketing configured: runs longer than data.max_same_bucket_run are the finding
+    found = _run(
+        _cfg("data.length_buckets=3", "data.max_same_bucket_run=3"), _with_lengths(_clean(), True)
+    )
+    assert any(f.check == "homogeneous_batches" and "consecutive" in f.message for f in found)
+    ok = _cfg("data.length_buckets=3", "data.max_same_bucket_run=8")
+    assert "homogeneous_batches" not in _checks(_run(ok, _with_lengths(_clean(), True)))
+
+
+def test_eval_overlap(tmp_path):
+    (tmp_path / "a.png").write_bytes(b"\x89PNG-a")
+    (tmp_path / "b.png").write_bytes(b"\x89PNG-b")
+    (tmp_path / "copy.png").write_bytes(b"\x89PNG-a")  # same bytes under another name
+    rows = [{"image": "a.png", "text": "A red  circle"}, {"image": "b.png", "text": "x"}]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "val.jsonl").write_text(json.dumps({"image": "copy.png", "text": "a red circle"}))
+    cfg = _cfg(f"data.train={tmp_path}/train.jsonl", f"data.eval={tmp_path}/val.jsonl")
+    f = eval_overlap(cfg)
+    assert [x.check for x in f] == ["eval_overlap"] and f[0].severity == "error"
+    (tmp_path / "val.jsonl").write_text(json.dumps({"image": "b.png", "text": "another text"}))
+    assert eval_overlap(cfg) == []

@@ -1,0 +1,94 @@
+"""Real tiny runs through the loop's doctor hook, `vltrain doctor` exit codes, the report."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_overrides
+from vltrain.cli import main
+from vltrain.config import load_config
+from vltrain.config.schema import dump_config
+from vltrain.diagnostics.doctor import DoctorAbort
+from vltrain.engine import loop
+from vltrain.runs import train
+from vltrain.runs.run_report import build_report, write_report
+
+
+@pytest.fixture(scope="module")
+def clean_run(shapes_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("clean") / "run"
+    train(load_config(None, tiny_overrides(shapes_dir, out, **{"train.max_steps": 8})))
+    return out
+
+
+def test_clean_run_writes_records_and_no_warnings(clean_run, capsys):
+    rows = [json.loads(x) for x in (clean_run / "doctor_steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(8))
+    assert all(r["stepped"] and r["sample_ids"] and r["update_ratio"] for r in rows)
+    assert json.loads((clean_run / "run_card.json").read_text())["torch"]
+    found = [json.loads(x) for x in (clean_run / "doctor.jsonl").read_text().splitlines()]
+    assert [f for f in found if f["severity"] != "info"] == []
+    assert main(["doctor", str(clean_run)]) == 0
+    assert "no findings" in capsys.readouterr().out
+
+
+def test_lr_not_applied_aborts_with_fail_on_error(shapes_dir, tmp_path, monkeypatch):
+    real = loop.set_lr
+
+    def broken_set_lr(optimizer, step, max_steps, cfg):  # a scheduler bug: LR written as 0
+        lr = real(optimizer, step, max_steps, cfg)
+        for g in optimizer.param_groups:
+            g["lr"] = 0.0
+        return lr
+
+    monkeypatch.setattr(loop, "set_lr", broken_set_lr)
+    extra = {"doctor.fail_on": "error", "train.max_steps": 4}
+    with pytest.raises(DoctorAbort, match="lr_mismatch"):
+        train(load_config(None, tiny_overrides(shapes_dir, tmp_path / "run", **extra)))
+    found = [json.loads(x) for x in (tmp_path / "run" / "doctor.jsonl").read_text().splitlines()]
+    assert {(f["check"], f["step"]) for f in found} >= {("lr_mismatch", 0)}
+
+
+def _fake_run(path: Path, losses: list[float]) -> Path:
+    path.mkdir(parents=True)
+    dump_config(load_config(None, ["train.save_every=0"]), path / "config.yaml")
+    rows = [
+        {"step": i, "loss": x, "grad_norm": 1.0 + 0.01 * (i % 3), "lr": 1e-3}
+        for i, x in enumerate(losses)
+    ]
+    (path / "doctor_steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_doctor_exit_codes_and_json(tmp_path, capsys):
+    calm = [2.0 - 0.01 * i + 0.005 * (i % 2) for i in range(30)]
+    assert main(["doctor", str(_fake_run(tmp_path / "ok", calm))]) == 0
+    spiky = list(calm)
+    spiky[20] = 6.0
+    assert main(["doctor", str(_fake_run(tmp_path / "warn", spiky))]) == 1
+    capsys.readouterr()
+    zero = calm[:10] + [0.0] * 5
+    assert main(["doctor", "--json", str(_fake_run(tmp_path / "err", zero))]) == 2
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert lines and all({"severity", "check", "step", "message"} <= set(x) for x in lines)
+    assert ("error", "degenerate_loss", 10) in {
+        (x["severity"], x["check"], x["step"]) for x in lines
+    }
+
+
+def test_report_is_self_contained_with_ablation(clean_run, tmp_path):
+    twin = tmp_path / "seed1"
+    shutil.copytree(clean_run, twin)
+    cfg = (twin / "config.yaml").read_text().replace("seed: 0", "seed: 1")
+    (twin / "config.yaml").write_text(cfg)
+    html = build_report([str(clean_run), str(twin)])
+    assert html.count("<svg") >= 4 and "<polyline" in html
+    assert "config diff" in html and "ablation" in html and "run.seed" in html
+    stripped = html.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    assert "http://" not in stripped and "https://" not in stripped and "<script" not in stripped
+    out = write_report([str(clean_run)], tmp_path / "r" / "report.html")
+    assert out.read_text().startswith("<!DOCTYPE html>")

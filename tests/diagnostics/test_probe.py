@@ -1,0 +1,65 @@
+"""The probe on a real module and optimizer: what the loop's hooks let the doctor see."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vltrain.diagnostics.probe import Probe
+from vltrain.diagnostics.record import StepRecord
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.vision = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+        self.unused = nn.Linear(4, 4)  # never in the forward: no gradient
+
+
+def _step(net, opt, probe, zero=True, x=None) -> StepRecord:
+    x = torch.randn(8, 4) if x is None else x
+    net.head(net.vision(x)).pow(2).mean().backward()
+    opt.step()
+    rec = StepRecord(step=0, loss=0.0, grad_norm=1.0, lr=opt.param_groups[0]["lr"])
+    probe.fill(rec)
+    if zero:
+        opt.zero_grad(set_to_none=True)
+    return rec
+
+
+def test_probe_sees_steps_stale_grads_and_missing_gradients():
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    probe = Probe(net, opt, [], True)
+    rec = _step(net, opt, probe)
+    assert rec.stepped and rec.update_ratio[0] > 0 and rec.lr_applied == [1e-2]
+    assert sorted(rec.no_grad) == ["unused.bias", "unused.weight"] and not rec.stale_grads
+    rec = _step(net, opt, probe, zero=False)  # control: this one was zeroed before
+    assert not rec.stale_grads
+    rec = _step(net, opt, probe)  # the previous step did not zero: stale at this backward
+    assert rec.stale_grads
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    rec = _step(net, opt, probe)
+    assert rec.update_ratio == [0.0]
+    probe.close()
+
+
+def test_probe_structure_and_provenance():
+    net = Net()
+    net.vision.requires_grad_(False)  # frozen though model.freeze does not say so
+    opt = torch.optim.AdamW(net.head.parameters(), lr=1e-3)  # `unused` left out
+    probe = Probe(net, opt, [], True)
+    assert sorted(probe.frozen_unasked) == ["vision.bias", "vision.weight"]
+    assert sorted(probe.not_in_optimizer) == ["unused.bias", "unused.weight"]
+    ok = Probe(net, torch.optim.AdamW(net.parameters(), lr=1e-3), ["vision"], True)
+    assert ok.frozen_unasked == [] and ok.frozen_trainable == []
+    net.head.weight.data[0, 1] = float("inf")
+    assert probe.provenance() == {"kind": "weight", "first": "head.weight", "count": 1}
+    net.head.weight.data[0, 1] = 0.0
+    net.head.bias.grad = torch.tensor([float("nan")])
+    assert probe.provenance()["first"] == "head.bias"
+    probe.close()
+    ok.close()

@@ -1,0 +1,56 @@
+"""The run card: what trained it (commit, dirty tree), where (machine), with what (versions)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _git(*args: str) -> str:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        res = subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return res.stdout.strip() if res.returncode == 0 else ""
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_card(world_size: int, device: str) -> dict[str, Any]:
+    """Commit and dirty state of the vltrain source, machine, versions, start time."""
+    import torch
+
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    return {
+        "commit": _git("rev-parse", "--short=12", "HEAD") or "unknown (not a git checkout)",
+        "dirty": bool(status),
+        "host": platform.node(),
+        "cpu": _cpu_model(),
+        "gpu": gpu,
+        "device": device,
+        "world_size": world_size,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def write_run_card(out_dir: Path, world_size: int, device: str) -> None:
+    (out_dir / "run_card.json").write_text(json.dumps(run_card(world_size, device), indent=2))

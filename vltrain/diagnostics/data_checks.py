@@ -1,0 +1,197 @@
+"""Checks on what the batches held: length composition, data order, eval/train overlap."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from collections import deque
+from pathlib import Path
+
+from vltrain.config.schema import Config
+from vltrain.diagnostics.record import Finding, StepRecord
+
+
+class BatchComposition:
+    """Per step the length bucket and mean length; the longest same-bucket run; loss vs batch
+    length. Homogeneous batches are fine when length bucketing is configured and interleaved
+    (at most data.max_same_bucket_run in a row); otherwise they whip the gradient."""
+
+    name = "batch_composition"
+
+    def __init__(self, cfg: Config) -> None:
+        self.bucketed = cfg.data.length_buckets > 0
+        self.n_buckets = max(cfg.data.length_buckets, 3)
+        self.max_run = cfg.data.max_same_bucket_run if self.bucketed else 0
+        self.pool: deque[int] = deque(maxlen=4096)
+        self.recent: deque[list[int]] = deque(maxlen=16)
+        self.means: deque[float] = deque(maxlen=64)  # recent batch mean lengths
+        self.run, self.longest = 0, 0
+        self.loss_by_bucket: dict[int, list[float]] = {}
+        self.reported: set[str] = set()
+
+    def homogeneity(self) -> float:
+        """Mean within-batch length variance over the total variance of the recent batches
+        (~1 for shuffled batches, ~0 for homogeneous ones)."""
+        flat = [x for b in self.recent for x in b]
+        total = statistics.pvariance(flat) if len(flat) > 1 else 0.0
+        if total == 0.0:
+            return 1.0
+        return statistics.fmean(statistics.pvariance(b) for b in self.recent) / total
+
+    def observe(self, rec: StepRecord) -> list[Finding]:
+        if not rec.lengths:
+            return []
+        self.pool.extend(rec.lengths)
+        self.recent.append(list(rec.lengths))
+        mean_len = statistics.fmean(rec.lengths)
+        self.means.append(mean_len)
+        # the trailing run, re-bucketed with the current edges (they settle as lengths arrive)
+        edges = statistics.quantiles(self.pool, n=self.n_buckets) if len(self.pool) > 1 else []
+        buckets = [sum(m > e for e in edges) for m in self.means]
+        b = buckets[-1]
+        self.run = next((i for i, x in enumerate(reversed(buckets)) if x != b), len(buckets))
+        self.longest = max(self.longest, self.run)
+        if rec.finite:
+            self.loss_by_bucket.setdefault(b, []).append(rec.loss)
+        out = []
+        h = self.homogeneity()
+        # 3 random batches of 8 never went below 0.5 in 3000 trials of the shapes captions
+        if (
+            not self.bucketed
+            and len(self.recent) >= 3
+            and h < 0.35
+            and "homog" not in self.reported
+        ):
+            self.reported.add("homog")
+            out.append(Finding(
+                "warn", "homogeneous_batches", rec.step - len(self.recent) + 1,
+                f"batches are homogeneous in length (within/total variance {h:.2f}) though "
+                "no length bucketing is configured",
+                "shuffle the batches (a sorted or grouped sampler?); or configure "
+                "data.length_buckets with data.max_same_bucket_run",
+                {"homogeneity": h, "mean_len": mean_len},
+            ))  # fmt: skip
+        if self.bucketed and self.run > self.max_run and "run" not in self.reported:
+            self.reported.add("run")
+            out.append(Finding(
+                "warn", "homogeneous_batches", rec.step - self.run + 1,
+                f"{self.run} consecutive batches from one length bucket "
+                f"(data.max_same_bucket_run={self.max_run})",
+                "interleave buckets: the loss and gradient swing with batch length",
+                {"run": self.run, "bucket": b},
+            ))  # fmt: skip
+        return out
+
+    def modes(self) -> dict[int, float]:
+        """Mean loss per length bucket (the loss modes a bucketed run shows)."""
+        return {b: statistics.fmean(v) for b, v in sorted(self.loss_by_bucket.items()) if v}
+
+    def finish(self) -> list[Finding]:
+        modes = self.modes()
+        if len(modes) < 2 or not self.pool:
+            return []
+        within = [statistics.pstdev(v) for v in self.loss_by_bucket.values() if len(v) > 1]
+        spread = max(modes.values()) - min(modes.values())
+        if not within or spread < 2.0 * statistics.fmean(within):
+            return []
+        return [Finding(
+            "info", "loss_by_length", 0,
+            f"loss depends on the batch's length bucket (per-bucket means "
+            f"{ {k: round(v, 3) for k, v in modes.items()} }; longest same-bucket run "
+            f"{self.longest}): a multi-modal loss curve is the batches, not the model",
+            "compare per-bucket curves (report.html) rather than the raw loss",
+            {"modes": modes, "longest_run": self.longest},
+        )]  # fmt: skip
+
+
+class DataOrder:
+    """Each epoch's order differs from the last (set_epoch not forgotten), and no sample
+    comes twice within an epoch (this rank's view; shards are compared in RankConsistency)."""
+
+    name = "data_order"
+
+    def __init__(self, cfg: Config) -> None:
+        self.first: dict[int, list[int]] = {}  # epoch -> its first batch's ids
+        self.seen: set[int] = set()
+        self.epoch = -1
+        self.reported: set[str] = set()
+
+    def observe(self, rec: StepRecord) -> list[Finding]:
+        if not rec.sample_ids or rec.epoch < 0:
+            return []
+        out = []
+        if rec.epoch != self.epoch:
+            self.epoch, self.seen = rec.epoch, set()
+            self.first[rec.epoch] = list(rec.sample_ids)
+            prev = self.first.get(rec.epoch - 1)
+            if prev == rec.sample_ids and "replay" not in self.reported:
+                self.reported.add("replay")
+                out.append(Finding(
+                    "error", "epoch_replayed", rec.step,
+                    f"epoch {rec.epoch} starts with exactly the batch epoch {rec.epoch - 1} "
+                    "started with: the same order every epoch",
+                    "derive the shuffle from (seed, epoch): call sampler.set_epoch(epoch)",
+                    {"epoch": rec.epoch, "ids": rec.sample_ids[:16]},
+                ))  # fmt: skip
+        dup = self.seen.intersection(rec.sample_ids) or (
+            len(set(rec.sample_ids)) < len(rec.sample_ids) and {-1} or set()
+        )
+        if dup and "dup" not in self.reported:
+            self.reported.add("dup")
+            out.append(Finding(
+                "error", "sample_repeated", rec.step,
+                f"{len(dup)} sample(s) seen twice within epoch {rec.epoch}",
+                "the sampler must draw each index once per epoch",
+                {"ids": sorted(dup)[:20]},
+            ))  # fmt: skip
+        self.seen.update(rec.sample_ids)
+        return out
+
+    def finish(self) -> list[Finding]:
+        return []
+
+
+def record_fingerprints(path: str, limit: int = 50_000) -> set[str]:
+    """Content fingerprints of a JSONL record file: sha1 of the image bytes (else its path)
+    plus the normalised texts. Empty for other formats."""
+    p = Path(path)
+    if not p.is_file() or p.suffix != ".jsonl":
+        return set()
+    out = set()
+    with p.open() as f:
+        for i, line in enumerate(f):
+            if i >= limit or not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            img = p.parent / str(rec.get("image", ""))
+            key = hashlib.sha1(img.read_bytes()).hexdigest() if img.is_file() else str(img)
+            text = rec.get("text", "")
+            texts = text if isinstance(text, list) else [text]
+            out.add(key + "|" + "|".join(sorted(" ".join(str(t).lower().split()) for t in texts)))
+    return out
+
+
+def eval_overlap(cfg: Config) -> list[Finding]:
+    """Evaluation records whose image and text also occur in the training records."""
+    if not cfg.data.eval or not cfg.data.train:
+        return []
+    train = record_fingerprints(cfg.data.train)
+    found = []
+    for split in ("eval", "test"):
+        path = getattr(cfg.data, split)
+        held = record_fingerprints(path) if path else set()
+        shared = held & train
+        if shared:
+            frac = len(shared) / len(held)
+            found.append(Finding(
+                "error" if frac > 0.5 else "warn", "eval_overlap", 0,
+                f"{len(shared)} of {len(held)} data.{split} records ({frac:.0%}) also occur in "
+                "data.train (same image bytes and text): the eval measures memorisation",
+                f"deduplicate data.{split} against data.train (vltrain data curate)",
+                {"split": split, "shared": len(shared), "total": len(held)},
+            ))  # fmt: skip
+    return found

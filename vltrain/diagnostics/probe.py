@@ -1,0 +1,160 @@
+"""Reads the model and the optimizer for the doctor, cheaply, through optimizer step hooks.
+
+The probe never changes training: it registers a pre- and a post-hook on the optimizer (so the
+loop needs no extra call around ``optimizer.step``) and samples a fixed handful of elements
+per parameter (at most ``SAMPLE`` each) instead of copying the weights, so the update/weight
+ratio, "the step changed nothing" and the cross-rank weight fingerprint cost a few small
+gathers per step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from vltrain.diagnostics.record import StepRecord
+from vltrain.models.connectors import TanhGate
+
+#: sampled elements per parameter
+SAMPLE = 8
+
+
+def _sample_index(p: torch.Tensor) -> torch.Tensor:
+    """Evenly spaced flat indices into `p` (at most SAMPLE)."""
+    n = p.numel()
+    return torch.linspace(0, n - 1, min(n, SAMPLE), device=p.device).round().long()
+
+
+class Probe:
+    """Per-step model/optimizer facts for a :class:`StepRecord`.
+
+    `frozen_parts` are the top-level module names the config freezes (``model.freeze``);
+    `expect_all_trainable` says every other parameter should train (false under LoRA, where
+    the base weights are frozen by design).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        frozen_parts: list[str],
+        expect_all_trainable: bool,
+    ) -> None:
+        self.names = {id(p): n for n, p in module.named_parameters()}
+        self.module, self.optimizer = module, optimizer
+        in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        params = list(module.named_parameters())
+        self.not_in_optimizer = [n for n, p in params if p.requires_grad and id(p) not in in_opt]
+        top = set(frozen_parts)
+        self.frozen_unasked = [
+            n
+            for n, p in params
+            if expect_all_trainable and not p.requires_grad and n.split(".")[0] not in top
+        ]
+        self.frozen_trainable = [n for n, p in params if p.requires_grad and n.split(".")[0] in top]
+        self.groups = [list(g["params"]) for g in optimizer.param_groups]
+        self.index = [[_sample_index(p) for p in g] for g in self.groups]
+        self.gates = {n: m for n, m in module.named_modules() if isinstance(m, TanhGate)}
+        self.temps = {
+            n: m
+            for n, m in module.named_modules()
+            if isinstance(getattr(m, "max_log_scale", None), float) and hasattr(m, "logit_scale")
+        }
+        self._before: list[torch.Tensor] = []
+        self._facts: dict[str, Any] = {}
+        # A gradient hook sees the incoming gradient before it is accumulated into `.grad`: at
+        # the first backward of a step `.grad` must be empty (or zero), else the step applies
+        # the previous step's gradients too (a missing zero_grad).
+        self.first_backward, self.stale = True, ""
+        watched = sorted(
+            (p for g in self.groups for p in g if p.requires_grad), key=lambda p: p.numel()
+        )[:3]
+        self.handles = [p.register_hook(self._grad_hook(p)) for p in watched]
+        self.handles += [
+            optimizer.register_step_pre_hook(self._pre_step),
+            optimizer.register_step_post_hook(self._post_step),
+        ]
+
+    def _grad_hook(self, p: torch.Tensor) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            if self.first_backward:
+                self.first_backward = False
+                if p.grad is not None and bool(p.grad.detach().abs().sum() > 0):
+                    self.stale = self.names.get(id(p), "?")
+
+        return hook
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def _sampled(self) -> list[torch.Tensor]:
+        """Per group, the sampled weights (float64, on CPU)."""
+        out = []
+        for params, index in zip(self.groups, self.index, strict=True):
+            parts = [p.detach().reshape(-1)[i] for p, i in zip(params, index, strict=True)]
+            out.append(torch.cat(parts).double().cpu() if parts else torch.zeros(0))
+        return out
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        self._before = self._sampled()
+        no_grad = [self.names.get(id(p), "?") for g in self.groups for p in g if p.grad is None]
+        self._facts = {
+            "lr_applied": [float(g["lr"]) for g in optimizer.param_groups],
+            "lr_scales": [float(g.get("lr_scale", 1.0)) for g in optimizer.param_groups],
+            "no_grad": no_grad,
+        }
+
+    def _post_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        after = self._sampled()
+        ratios = []
+        for b, a in zip(self._before, after, strict=True):
+            w = float(b.norm())
+            ratios.append(
+                float((a - b).norm()) / w if w > 0 else float("nan")
+            )  # zero-init: no ratio
+        self._facts["update_ratio"] = ratios
+        self._facts["stepped"] = True
+        self._facts["weight_fp"] = float(sum(float(a.sum()) for a in after))
+
+    def fill(self, rec: StepRecord) -> None:
+        """Add what the probe saw during this step (call after the optimizer step, before
+        ``zero_grad``: the gradients are still there for non-finite provenance)."""
+        facts, self._facts = self._facts, {}
+        for key, value in facts.items():
+            setattr(rec, key, value)
+        if not rec.stepped:  # skipped step: the fingerprint is still the current weights
+            rec.weight_fp = float(sum(float(a.sum()) for a in self._sampled()))
+        if self.stale:
+            rec.stale_grads = [self.stale]
+        self.first_backward, self.stale = True, ""
+        with torch.no_grad():
+            rec.gates = {
+                n: float(m.scale.detach().tanh().abs().max()) for n, m in self.gates.items()
+            }
+            rec.temperature = {
+                n: float(m.logit_scale.detach()) - m.max_log_scale for n, m in self.temps.items()
+            }
+        if not rec.finite:
+            rec.nonfinite = self.provenance()
+
+    def provenance(self) -> dict[str, Any]:
+        """The first parameter (module order) whose weight, else gradient, is non-finite."""
+        bad_w, bad_g = [], []
+        for name, p in self.module.named_parameters():
+            if not torch.isfinite(p.detach()).all():
+                bad_w.append(name)
+            if p.grad is not None and not torch.isfinite(p.grad).all():
+                bad_g.append(name)
+        if bad_w:
+            return {"kind": "weight", "first": bad_w[0], "count": len(bad_w)}
+        if bad_g:
+            return {"kind": "grad", "first": bad_g[0], "count": len(bad_g)}
+        return {"kind": "loss", "first": "", "count": 0}
+
+
+def finite_or_nan(x: float) -> float:
+    return x if math.isfinite(x) else float("nan")
