@@ -17,12 +17,13 @@ from vltrain.cli import (
     mine,
     pipeline,
     quickstart,
+    scaling,
     train,
     tune,
 )
 
 #: top-level commands, in --help order
-COMMANDS = (train, pipeline, data, quickstart, tune, generate, mine, config_docs)
+COMMANDS = (train, pipeline, data, quickstart, tune, scaling, generate, mine, config_docs)
 
 
 def build_parser() -> argparse.ArgumentParser:
