@@ -27,6 +27,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("eval", ("stages", "runs", "tools", "cli")),
     ("inference", ("stages", "runs", "tools", "cli")),
     ("stages", ("runs", "tools", "cli")),
+    ("scaling", ("stages", "runs", "tools", "cli")),
 ]
 # orchestration that sits at the top level today and moves under vltrain.runs (DESIGN.md)
 RUNS_TODAY = ("pipeline", "quickstart", "tuning")

@@ -23,6 +23,7 @@ from vltrain.cli import (
     presets,
     quickstart,
     report,
+    scaling,
     train,
     tune,
 )
@@ -34,6 +35,7 @@ COMMANDS = (
     data,
     quickstart,
     tune,
+    scaling,
     eval,
     generate,
     mine,

@@ -251,7 +251,23 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = option(1000, "Optimizer steps to train.", ge=1)
+    max_steps: int = option(
+        1000,
+        "Optimizer steps to train (derived from train.max_samples or train.max_flops when one "
+        "of them is set: the schedule then ends at that budget).",
+        ge=1,
+    )
+    max_samples: int = option(
+        0,
+        "Training budget in samples (0: off): max_steps = ceil(N / global batch per step).",
+        ge=0,
+    )
+    max_flops: float = option(
+        0.0,
+        "Training budget in FLOPs (0: off): max_steps = floor(budget / (training FLOPs per "
+        "sample x samples per step)), FLOPs from vltrain.scaling.flops (docs/scaling.md).",
+        ge=0.0,
+    )
     eval_every: int = option(200, "Evaluate every N steps (0: only at the end).", ge=0)
     save_every: int = option(500, "Checkpoint every N steps (0: only at the end).", ge=0)
     keep_last: int = option(3, "Keep this many newest step checkpoints.", ge=1)
@@ -553,7 +569,12 @@ def validate_cross_fields(cfg: Config) -> None:
         raise ConfigError("'train.resume' and 'train.overwrite' contradict each other: pick one")
     if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
         raise ConfigError(f"'optim.betas' must be two numbers in [0, 1), got {cfg.optim.betas}")
-    if cfg.optim.warmup_steps > cfg.train.max_steps:
+    if cfg.train.max_samples and cfg.train.max_flops:
+        raise ConfigError(
+            "'train.max_samples' and 'train.max_flops' are both set: a run has one budget"
+        )
+    budget = bool(cfg.train.max_samples or cfg.train.max_flops)  # max_steps derived later
+    if not budget and cfg.optim.warmup_steps > cfg.train.max_steps:
         raise ConfigError(
             f"'optim.warmup_steps' ({cfg.optim.warmup_steps}) exceeds 'train.max_steps' "
             f"({cfg.train.max_steps}); lower the warmup"

@@ -201,6 +201,10 @@ def build_captioner(cfg: Config, tokenizer: TextTokenizer) -> Captioner:
             eos_id=tokenizer.eos_id,
             pad_id=tokenizer.pad_id,
             dropout=m.dropout,
+            text_dims={k: v for k, v in (("layers", m.text_layers), ("width", m.text_width)) if v},
+            vision_dims={
+                k: v for k, v in (("layers", m.vision_layers), ("width", m.vision_width)) if v
+            },
         )
     except ValueError as e:  # connector options and sizes are user config
         raise ConfigError(f"model.connector / model.connector_options: {e}") from None

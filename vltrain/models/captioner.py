@@ -119,13 +119,20 @@ class Captioner(nn.Module):
         pad_id: int = 0,
         dropout: float = 0.0,
         tie_weights: bool = True,
+        text_dims: Mapping[str, int] | None = None,
+        vision_dims: Mapping[str, int] | None = None,
     ) -> Captioner:
         """Build from size presets, a connector registry key and that connector's options.
 
-        The decoder context is sized to ``connector prefix tokens + max_text_len``.
+        The decoder context is sized to ``connector prefix tokens + max_text_len``;
+        ``text_dims`` / ``vision_dims`` (e.g. ``{"layers": 3, "width": 96}``) override the
+        presets' dimensions.
         """
-        v_cfg = vision_config(vision, dropout=dropout)
-        t_cfg = text_config(text, vocab_size, dropout=dropout, context_length=max_text_len)
+        v_cfg = vision_config(vision, dropout=dropout, **dict(vision_dims or {}))
+        dims_over = dict(text_dims or {})
+        t_cfg = text_config(
+            text, vocab_size, dropout=dropout, context_length=max_text_len, **dims_over
+        )
         dims = ConnectorDims(
             vision_width=v_cfg.width,
             vision_tokens=1 + v_cfg.num_patches,

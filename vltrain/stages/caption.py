@@ -91,6 +91,10 @@ CAPTION_KEYS = (
     "model.kind",
     "model.vision",
     "model.text",
+    "model.vision_layers",
+    "model.vision_width",
+    "model.text_layers",
+    "model.text_width",
     "model.dropout",
     "model.connector",
     "model.connector_options",
@@ -104,8 +108,6 @@ WHY = {
     "model.embed_dim": "the dual encoder's",
     "model.path": "HF backbones are contrastive-stage model kinds",
     "model.lora_*": "HF backbones are contrastive-stage model kinds",
-    "model.vision_layers": "the captioner takes model.vision presets",
-    "model.text_layers": "the captioner takes model.text presets",
 }
 
 

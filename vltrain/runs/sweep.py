@@ -1,0 +1,173 @@
+"""`vltrain scaling sweep`: an isoFLOP grid of ordinary vltrain runs, one folder each.
+
+Per budget C (`train.max_flops`) and per size (`vltrain.scaling.sizes`), one run in
+``OUT/C<budget>_<LxW>/`` through :func:`vltrain.runs.train`. Resumable: a run with a
+``summary.json`` is finished and skipped, a run with a checkpoint that loads is continued with
+``train.resume=true``, a folder with only leftovers (killed before its first checkpoint)
+starts over with ``train.overwrite=true``. The results table is ``OUT/runs.csv`` (columns
+budget, size, params, tokens, flops, loss, steps, run) and ``OUT/sweep.json`` records how the
+runs were made (for `vltrain scaling fit --predict`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vltrain.config.core import ConfigError
+from vltrain.engine import checkpoint
+from vltrain.scaling.budget import config_flops, resolve_budget, samples_per_step
+from vltrain.scaling.sizes import Size
+from vltrain.stages import load_run_config
+
+#: stage -> the dotted keys one Size sets (the part of the model the sweep scales)
+SIZE_KEYS: dict[str, tuple[tuple[str, str], ...]] = {
+    "caption": (("model.text_layers", "layers"), ("model.text_width", "width")),
+    "contrastive": (
+        ("model.vision_layers", "layers"),
+        ("model.vision_width", "width"),
+        ("model.text_layers", "layers"),
+        ("model.text_width", "width"),
+    ),
+}
+COLUMNS = ("budget", "size", "params", "tokens", "flops", "loss", "steps", "run")
+
+
+@dataclass
+class SweepRun:
+    budget: float
+    size: Size
+    folder: Path
+
+
+def run_folder(out: Path, budget: float, size: Size) -> Path:
+    return out / f"C{budget:.3g}_{size.label}".replace("+", "")
+
+
+def size_overrides(stage: str, size: Size) -> list[str]:
+    if stage not in SIZE_KEYS:
+        raise ConfigError(f"scaling sweep trains stages {sorted(SIZE_KEYS)}, not {stage!r}")
+    return [f"{key}={getattr(size, attr)}" for key, attr in SIZE_KEYS[stage]]
+
+
+def run_overrides(base: list[str], stage: str, run: SweepRun) -> list[str]:
+    return [
+        *base,
+        *size_overrides(stage, run.size),
+        f"train.max_flops={run.budget!r}",
+        f"run.out_dir={run.folder}",
+    ]
+
+
+def folder_state(folder: Path) -> str:
+    """'finished', 'resume' (a checkpoint loads), 'fresh' (empty) or 'restart' (leftovers)."""
+    if (folder / "summary.json").is_file():
+        return "finished"
+    ckpt, _ = checkpoint.newest_loadable(folder / "checkpoints")
+    if ckpt is not None and (folder / "config.yaml").is_file():
+        return "resume"
+    return "restart" if folder.is_dir() and any(folder.iterdir()) else "fresh"
+
+
+def result_row(cfg: Any, run: SweepRun, summary: dict[str, Any]) -> dict[str, Any]:
+    """One line of runs.csv: N (trainable non-embedding), D (text tokens), counted FLOPs."""
+    acct = config_flops(cfg)
+    samples = summary["steps"] * samples_per_step(cfg)
+    val = summary.get("val") or {}
+    if "eval_loss" not in val:
+        raise ConfigError(f"{run.folder}: its summary has no eval_loss (set data.eval)")
+    return {
+        "budget": run.budget,
+        "size": run.size.label,
+        "params": acct.trainable_nonembed_params,
+        "tokens": samples * acct.text_tokens,
+        "flops": samples * acct.per_sample,
+        "loss": val["eval_loss"],
+        "steps": summary["steps"],
+        "run": str(run.folder),
+    }
+
+
+def sweep(
+    config: str,
+    overrides: list[str],
+    budgets: list[float],
+    sizes: list[Size],
+    out: Path,
+    train_fn: Callable[[Any], dict[str, Any]] | None = None,
+    log: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
+    """Train (or pick up) every budget x size run; write OUT/runs.csv; return its rows."""
+    from vltrain.runs import train
+
+    train_fn = train_fn or train
+    out.mkdir(parents=True, exist_ok=True)
+    stage = load_run_config(config, overrides).stage
+    (out / "sweep.json").write_text(
+        json.dumps(
+            {
+                "config": str(Path(config).resolve()),
+                "overrides": overrides,
+                "stage": stage,
+                "budgets": budgets,
+                "sizes": [s.label for s in sizes],
+            },
+            indent=2,
+        )
+    )
+    runs = [SweepRun(c, s, run_folder(out, c, s)) for c in budgets for s in sizes]
+    checked = []
+    for run in runs:  # every config checked (and its step count resolved) before any compute
+        cfg = load_run_config(config, run_overrides(overrides, stage, run))
+        checked.append(resolve_budget(cfg))
+    rows = []
+    for run, cfg in zip(runs, checked, strict=True):
+        state = folder_state(run.folder)
+        extra = {"resume": ["train.resume=true"], "restart": ["train.overwrite=true"]}
+        flags = extra.get(state, [])
+        log(f"scaling sweep: {run.folder.name}: {state} ({cfg.train.max_steps} steps)")
+        run_cfg = load_run_config(config, run_overrides(overrides, stage, run) + flags)
+        if state == "finished":
+            summary = json.loads((run.folder / "summary.json").read_text())
+        else:
+            summary = train_fn(run_cfg)
+        rows.append(result_row(cfg, run, summary))
+        write_csv(out / "runs.csv", rows)
+    return rows
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(path)
+
+
+def predicted_config(sweep_dir: Path, n_opt: float, budget: float, target: Path) -> Size:
+    """Write the config of the size nearest `n_opt` at `budget` (same base as the sweep).
+
+    N counts what the sweep varies plus what it holds fixed (the connector): that fixed part
+    is the median of (N - the blocks' params) over the sweep's runs and is subtracted before
+    the size rule (vltrain.scaling.sizes) picks depth and width.
+    """
+    from statistics import median
+
+    from vltrain.config.schema import dump_config
+    from vltrain.scaling.sizes import parse_size, size_for_params
+
+    meta = json.loads((sweep_dir / "sweep.json").read_text())
+    with open(sweep_dir / "runs.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    fixed = median(float(r["params"]) - parse_size(r["size"]).block_params for r in rows)
+    size = size_for_params(max(n_opt - fixed, 1.0))
+    run = SweepRun(budget, size, run_folder(sweep_dir, budget, size))
+    cfg = load_run_config(meta["config"], run_overrides(meta["overrides"], meta["stage"], run))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    dump_config(cfg, target)
+    return size

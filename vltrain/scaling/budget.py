@@ -1,0 +1,121 @@
+"""Budgets: `train.max_samples` / `train.max_flops` -> `train.max_steps`, once, before a run.
+
+The FLOPs of one training sample come from :mod:`vltrain.scaling.flops` on the model the
+config describes, built on the meta device (no memory, no compute) with the run's real
+tokenizer (the one the stage will use: the run folder's, `model.init_from`'s, or the same BPE
+training the stage runs), at the mean real text length of the training records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+from pathlib import Path
+
+import torch
+
+from vltrain.config.core import ConfigError
+from vltrain.config.schema import Config
+from vltrain.data.tokenizer import TextTokenizer, prepare_tokenizer
+from vltrain.scaling.flops import ModelFlops, captioner_flops, dual_encoder_flops
+
+#: model kinds with a FLOP formula for a train.max_flops budget
+FLOP_KINDS = ("captioner", "dual_encoder")
+
+
+def _texts(cfg: Config) -> list[str]:
+    """The texts the stage trains its tokenizer on (the stages' own functions)."""
+    if cfg.model.kind == "captioner":
+        from vltrain.data.caption_data import read_caption_source, training_texts
+
+        d, c = cfg.data, cfg.caption
+        source = read_caption_source(d.train, d.image_column, d.text_column)
+        return training_texts(source, c.prompt, c.instruction)
+    from vltrain.data.images import BadSample, check_text
+    from vltrain.data.records import read_records
+
+    def valid(text: object) -> bool:  # the contrastive stage's is_valid_text
+        try:
+            check_text(text)
+        except BadSample:
+            return False
+        return True
+
+    return [t for r in read_records(cfg.data.train) for t in r["text"] if valid(t)]
+
+
+def run_tokenizer(cfg: Config) -> TextTokenizer:
+    """The tokenizer the run will use, without writing into its folder."""
+    from vltrain.engine.checkpoint import resolve_init
+
+    own = Path(cfg.run.out_dir) / "tokenizer"
+    if (own / "tokenizer.json").is_file() and (cfg.train.resume or not cfg.train.overwrite):
+        return TextTokenizer.load(own)
+    with tempfile.TemporaryDirectory() as tmp:
+        init = resolve_init(cfg.model.init_from)
+        prepare_tokenizer(
+            Path(tmp), init, lambda: _texts(cfg), cfg.data.tokenizer_vocab, is_main=True
+        )
+        return TextTokenizer.load(Path(tmp))
+
+
+def mean_text_tokens(cfg: Config, tokenizer: TextTokenizer) -> int:
+    """Mean real tokens per training text (bos + text + eos, cut at data.max_text_len)."""
+    texts = _texts(cfg)[:20000]
+    if not texts:
+        raise ConfigError(f"data.train={cfg.data.train} holds no texts to count tokens of")
+    lengths = [min(len(tokenizer.encode(t)) + 2, cfg.data.max_text_len) for t in texts]
+    return max(2, round(sum(lengths) / len(lengths)))
+
+
+def config_flops(cfg: Config, tokenizer: TextTokenizer | None = None) -> ModelFlops:
+    """Per-sample accounting of the model `cfg` describes (captioner or built-in dual
+    encoder), built on the meta device, freezing as configured."""
+    from vltrain.models.backbones import build_captioner, build_encoder
+
+    if cfg.model.kind not in FLOP_KINDS:
+        raise ConfigError(
+            f"train.max_flops needs a FLOP formula for model.kind={cfg.model.kind!r} (have "
+            f"{list(FLOP_KINDS)}); use train.max_samples, or count an HF model with "
+            "vltrain.scaling.flops.measure_flops / hf_dual_encoder_flops"
+        )
+    tokenizer = tokenizer or run_tokenizer(cfg)
+    tokens = mean_text_tokens(cfg, tokenizer)
+    with torch.device("meta"):
+        if cfg.model.kind == "captioner":
+            model = build_captioner(cfg, tokenizer)
+            model.freeze(cfg.model.freeze)
+            return captioner_flops(model, tokens)
+        model = build_encoder(cfg, tokenizer)
+    return dual_encoder_flops(model, tokens, cfg.data.batch_size)
+
+
+def samples_per_step(cfg: Config, world_size: int = 1) -> int:
+    return cfg.data.batch_size * world_size * cfg.optim.accum_steps
+
+
+def resolve_budget(cfg: Config, world_size: int = 1) -> Config:
+    """`cfg` with `train.max_steps` set from its budget (unchanged without one)."""
+    t = cfg.train
+    if not (t.max_samples or t.max_flops):
+        return cfg
+    per_step = samples_per_step(cfg, world_size)
+    if t.max_samples:
+        steps = math.ceil(t.max_samples / per_step)
+        why = f"train.max_samples={t.max_samples} / {per_step} samples per step"
+    else:
+        per_sample = config_flops(cfg).per_sample
+        steps = math.floor(t.max_flops / (per_sample * per_step))
+        why = (
+            f"train.max_flops={t.max_flops:.3g} / ({per_sample:.4g} FLOPs per sample x "
+            f"{per_step} samples per step)"
+        )
+    if steps < 1:
+        raise ConfigError(f"{why} leaves {steps} optimizer steps: raise the budget")
+    if cfg.optim.warmup_steps > steps:
+        raise ConfigError(
+            f"'optim.warmup_steps' ({cfg.optim.warmup_steps}) exceeds the {steps} steps of the "
+            f"budget ({why}); lower the warmup"
+        )
+    return dataclasses.replace(cfg, train=dataclasses.replace(t, max_steps=steps))

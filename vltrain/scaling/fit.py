@@ -1,0 +1,318 @@
+"""Scaling-law fits: Chinchilla's approach 2 (isoFLOP parabolas) and approach 3 (a parametric
+L(N, D) = E + A / N^alpha + B / D^beta fitted with a Huber loss on log L), with bootstrap
+intervals. Hoffmann et al. 2022, appendix D; Besiroglu et al. 2024 (Epoch AI) for the refit.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from scipy import optimize
+from scipy.special import logsumexp
+
+from vltrain.config.core import ConfigError
+
+HUBER_DELTA = 1e-3
+#: approach 3's initialisation grid (Hoffmann et al.'s, every other point in e, a, b)
+GRID = {
+    "e": (-1.0, 0.0, 1.0),
+    "a": (0.0, 5.0, 10.0, 15.0, 20.0, 25.0),
+    "b": (0.0, 5.0, 10.0, 15.0, 20.0, 25.0),
+    "alpha": (0.0, 0.5, 1.0, 1.5, 2.0),
+    "beta": (0.0, 0.5, 1.0, 1.5, 2.0),
+}
+
+
+@dataclass
+class Runs:
+    """Training runs: non-embedding parameters N, tokens D, final loss L, budget group C."""
+
+    params: np.ndarray
+    tokens: np.ndarray
+    loss: np.ndarray
+    budget: np.ndarray | None = None
+    """The isoFLOP group of each run (its budget), None when the runs form no groups."""
+
+    def take(self, idx: np.ndarray) -> Runs:
+        b = None if self.budget is None else self.budget[idx]
+        return Runs(self.params[idx], self.tokens[idx], self.loss[idx], b)
+
+    def __len__(self) -> int:
+        return len(self.loss)
+
+
+def read_runs_csv(path: str | Path) -> Runs:
+    """Columns `params`, `tokens` (or `flops`: tokens = flops / (6 params)) and `loss`;
+    optional `budget` (else `flops`) names each run's isoFLOP group."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        raise ConfigError(f"{path} holds no runs")
+    cols = set(rows[0])
+    missing = {"params", "loss"} - cols
+    if missing or not ({"tokens", "flops"} & cols):
+        raise ConfigError(
+            f"{path}: needs columns params, loss and tokens or flops; has {sorted(cols)}"
+        )
+
+    def col(name: str) -> np.ndarray:
+        return np.array([float(r[name]) for r in rows])
+
+    params, loss = col("params"), col("loss")
+    tokens = col("tokens") if "tokens" in cols else col("flops") / (6 * params)
+    group = "budget" if "budget" in cols else ("flops" if "flops" in cols else None)
+    budget = col(group) if group else None
+    bad = ~(np.isfinite(params) & np.isfinite(tokens) & np.isfinite(loss))
+    bad |= (params <= 0) | (tokens <= 0) | (loss <= 0)
+    if bad.any():
+        raise ConfigError(f"{path}: rows {list(np.nonzero(bad)[0] + 2)} hold non-positive values")
+    return Runs(params, tokens, loss, budget)
+
+
+# ------------------------------------------------------------------------------ approach 3
+
+
+def _objective(
+    theta: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_l: np.ndarray, delta: float
+) -> tuple[float, np.ndarray]:
+    """Sum of Huber(LSE(a - alpha log N, b - beta log D, e) - log L) and its gradient."""
+    e, a, b, alpha, beta = theta
+    terms = np.stack([a - alpha * log_n, b - beta * log_d, np.full_like(log_n, e)])  # (3, R)
+    pred = logsumexp(terms, axis=0)  # (R,)
+    r = pred - log_l
+    absr = np.abs(r)
+    loss = np.where(absr <= delta, 0.5 * r**2, delta * (absr - 0.5 * delta)).sum()
+    w = np.exp(terms - pred) * np.clip(r, -delta, delta)  # (3, R): dHuber/dterm
+    grad = np.array(
+        [w[2].sum(), w[0].sum(), w[1].sum(), -(w[0] * log_n).sum(), -(w[1] * log_d).sum()]
+    )
+    return float(loss), grad
+
+
+def _grid_objective(runs: Runs, delta: float) -> tuple[np.ndarray, np.ndarray]:
+    grid = np.array(list(itertools.product(*GRID.values())))  # (G, 5)
+    log_n, log_d, log_l = np.log(runs.params), np.log(runs.tokens), np.log(runs.loss)
+    e, a, b, al, be = (grid[:, i : i + 1] for i in range(5))
+    pred = np.logaddexp(np.logaddexp(a - al * log_n, b - be * log_d), e)  # (G, R)
+    r = np.abs(pred - log_l)
+    vals = np.where(r <= delta, 0.5 * r**2, delta * (r - 0.5 * delta)).sum(1)
+    return grid, vals
+
+
+def fit_parametric(
+    runs: Runs, delta: float = HUBER_DELTA, starts: Sequence[np.ndarray] = (), n_best: int = 8
+) -> dict[str, float]:
+    """Approach 3: L-BFGS from the `n_best` grid points (plus `starts`); E, A, B, alpha, beta."""
+    if len(runs) < 5:
+        raise ConfigError(f"approach 3 fits 5 parameters: needs at least 5 runs, got {len(runs)}")
+    grid, vals = _grid_objective(runs, delta)
+    inits = list(starts) + list(grid[np.argsort(vals)[:n_best]])
+    args = (np.log(runs.params), np.log(runs.tokens), np.log(runs.loss), delta)
+    best = None
+    for x0 in inits:
+        res = optimize.minimize(_objective, x0, args=args, jac=True, method="L-BFGS-B")
+        if np.isfinite(res.fun) and (best is None or res.fun < best.fun):
+            best = res
+    e, a, b, alpha, beta = best.x
+    return {
+        "E": math.exp(e),
+        "A": math.exp(a),
+        "B": math.exp(b),
+        "alpha": float(alpha),
+        "beta": float(beta),
+        "objective": float(best.fun),
+    }
+
+
+def predict_loss(p: dict[str, float], n: np.ndarray, d: np.ndarray) -> np.ndarray:
+    return p["E"] + p["A"] / np.power(n, p["alpha"]) + p["B"] / np.power(d, p["beta"])
+
+
+def optimal_allocation(p: dict[str, float], flops: float) -> tuple[float, float]:
+    """N_opt, D_opt minimising L(N, D) under C = 6 N D (Hoffmann et al. eq. 4)."""
+    alpha, beta = p["alpha"], p["beta"]
+    g = (alpha * p["A"] / (beta * p["B"])) ** (1.0 / (alpha + beta))
+    n = g * (flops / 6.0) ** (beta / (alpha + beta))
+    return n, flops / (6.0 * n)
+
+
+# ------------------------------------------------------------------------------ approach 2
+
+
+@dataclass
+class IsoFlopGroup:
+    budget: float
+    log_n: np.ndarray
+    loss: np.ndarray
+    coef: np.ndarray
+    """Parabola c2 x^2 + c1 x + c0 in x = log N."""
+    n_opt: float
+    d_opt: float
+    asymmetry: float
+    """Where the optimum lies in the sampled log-N range: 0 = centre, +-1 = an edge."""
+
+
+def fit_isoflop(runs: Runs) -> tuple[list[IsoFlopGroup], dict[str, float], list[str]]:
+    """Approach 2: a parabola in log N per budget -> N_opt(C), D_opt(C) = C^a, C^b.
+
+    Returns the groups, {a, b, log_kn, log_kd} and warnings (grid asymmetry, bad groups)."""
+    if runs.budget is None:
+        raise ConfigError("approach 2 needs isoFLOP groups (a budget or flops column)")
+    groups, warnings = [], []
+    for c in sorted(set(runs.budget.tolist())):
+        sel = runs.budget == c
+        distinct = len(set(runs.params[sel].tolist()))
+        if distinct < 3:
+            warnings.append(f"budget {c:.3g}: {distinct} sizes, a parabola needs 3; skipped")
+            continue
+        x, y = np.log(runs.params[sel]), runs.loss[sel]
+        x0 = x.mean()  # centred: a parabola in raw log N (~20) is poorly conditioned
+        c2, c1, c0 = np.polyfit(x - x0, y, 2)
+        coef = np.array([c2, c1 - 2 * c2 * x0, c0 - c1 * x0 + c2 * x0**2])  # in raw x
+        if coef[0] <= 0:
+            warnings.append(f"budget {c:.3g}: the losses curve down (no minimum); skipped")
+            continue
+        x_opt = -coef[1] / (2 * coef[0])
+        slope = np.polyfit(x, np.log(runs.tokens[sel]), 1)  # log D along the isoFLOP line
+        lo, hi = x.min(), x.max()
+        asym = float((x_opt - (lo + hi) / 2) / ((hi - lo) / 2))
+        groups.append(
+            IsoFlopGroup(c, x, y, coef, math.exp(x_opt), math.exp(np.polyval(slope, x_opt)), asym)
+        )
+        if abs(asym) > 0.5:
+            where = "outside" if abs(asym) > 1 else "off-centre in"
+            warnings.append(
+                f"budget {c:.3g}: the fitted optimum N={math.exp(x_opt):.3g} lies {where} the "
+                f"sampled sizes (asymmetry {asym:+.2f}); approach 2's exponent is biased by an "
+                "asymmetric grid: add sizes on the "
+                + ("larger" if asym > 0 else "smaller")
+                + " side"
+            )
+    if len(groups) < 2:
+        raise ConfigError(f"approach 2 needs 2 budgets with a minimum; {'; '.join(warnings)}")
+    log_c = np.log([g.budget for g in groups])
+    a, kn = np.polyfit(log_c, np.log([g.n_opt for g in groups]), 1)
+    b, kd = np.polyfit(log_c, np.log([g.d_opt for g in groups]), 1)
+    return (
+        groups,
+        {"a": float(a), "b": float(b), "log_kn": float(kn), "log_kd": float(kd)},
+        warnings,
+    )
+
+
+# ------------------------------------------------------------------------------ bootstrap
+
+
+@dataclass
+class FitResult:
+    approach3: dict[str, float]
+    approach2: dict[str, float] | None
+    groups: list[IsoFlopGroup]
+    ci: dict[str, list[float]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    excluded: list[int] = field(default_factory=list)
+    target: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: self.approach3[k] for k in ("E", "A", "B", "alpha", "beta")}
+        out["a_approach3"] = out["beta"] / (out["alpha"] + out["beta"])
+        out["b_approach3"] = out["alpha"] / (out["alpha"] + out["beta"])
+        if self.approach2:
+            out["a"], out["b"] = self.approach2["a"], self.approach2["b"]
+            out["isoflop"] = [
+                {"budget": g.budget, "N_opt": g.n_opt, "D_opt": g.d_opt, "asymmetry": g.asymmetry}
+                for g in self.groups
+            ]
+        out.update(self.target)
+        out["ci"] = self.ci
+        out["warnings"] = self.warnings
+        out["excluded_runs"] = self.excluded
+        return out
+
+
+def _targets(p3: dict, p2: dict | None, target: float | None) -> dict[str, float]:
+    if not target:
+        return {}
+    n3, d3 = optimal_allocation(p3, target)
+    out = {"target_flops": target, "N_opt": n3, "D_opt": d3}
+    if p2:
+        out["N_opt_approach2"] = math.exp(p2["log_kn"]) * target ** p2["a"]
+        out["D_opt_approach2"] = math.exp(p2["log_kd"]) * target ** p2["b"]
+    return out
+
+
+def fit_all(
+    runs: Runs,
+    bootstrap: int = 0,
+    exclude_worst: int = 0,
+    target: float | None = None,
+    seed: int = 0,
+    level: float = 0.95,
+) -> FitResult:
+    """Both approaches, the worst runs excluded by approach 3's residual, bootstrap intervals
+    (runs resampled with replacement, within each budget group when there are groups)."""
+    excluded: list[int] = []
+    p3 = fit_parametric(runs)
+    if exclude_worst:
+        resid = np.abs(np.log(predict_loss(p3, runs.params, runs.tokens)) - np.log(runs.loss))
+        excluded = sorted(int(i) for i in np.argsort(resid)[::-1][:exclude_worst])
+        runs = runs.take(np.setdiff1d(np.arange(len(runs)), excluded))
+        p3 = fit_parametric(runs)
+    p2, groups, warnings = None, [], []
+    if runs.budget is not None and len(set(runs.budget.tolist())) >= 2:
+        try:
+            groups, p2, warnings = fit_isoflop(runs)
+        except ConfigError as e:
+            warnings.append(f"approach 2 not fitted: {e}")
+    result = FitResult(
+        p3, p2, groups, warnings=warnings, excluded=excluded, target=_targets(p3, p2, target)
+    )
+    if bootstrap:
+        result.ci = _bootstrap(runs, p3, bootstrap, target, seed, level, p2 is not None)
+    return result
+
+
+def _resample(runs: Runs, rng: np.random.Generator) -> np.ndarray:
+    if runs.budget is None:
+        return rng.integers(0, len(runs), len(runs))
+    parts = []
+    for c in np.unique(runs.budget):
+        idx = np.nonzero(runs.budget == c)[0]
+        parts.append(rng.choice(idx, len(idx), replace=True))
+    return np.concatenate(parts)
+
+
+def _bootstrap(
+    runs: Runs, p3: dict, n: int, target: float | None, seed: int, level: float, with_p2: bool
+) -> dict[str, list[float]]:
+    rng = np.random.default_rng(seed)
+    start = np.array(
+        [math.log(p3["E"]), math.log(p3["A"]), math.log(p3["B"]), p3["alpha"], p3["beta"]]
+    )
+    samples: dict[str, list[float]] = {}
+    for _ in range(n):
+        sub = runs.take(_resample(runs, rng))
+        q3 = fit_parametric(sub, starts=[start], n_best=1)
+        row = {k: q3[k] for k in ("E", "A", "B", "alpha", "beta")}
+        row["a_approach3"] = q3["beta"] / (q3["alpha"] + q3["beta"])
+        q2 = None
+        if with_p2:
+            try:
+                _, q2, _ = fit_isoflop(sub)
+                row.update(a=q2["a"], b=q2["b"])
+            except ConfigError:
+                pass  # a resample whose groups lost their minimum: no approach-2 sample
+        row.update({k: v for k, v in _targets(q3, q2, target).items() if k != "target_flops"})
+        for k, v in row.items():
+            samples.setdefault(k, []).append(v)
+    lo, hi = 100 * (1 - level) / 2, 100 * (1 + level) / 2
+    return {
+        k: [float(np.percentile(v, lo)), float(np.percentile(v, hi))] for k, v in samples.items()
+    }
