@@ -167,7 +167,18 @@ def bench_planted(imgs: list[Image.Image], copies: int) -> list[str]:
     rows, stats = [], {}
     empty = np.zeros(0, np.uint64)
     for i, (im, kind) in enumerate(items):
-        f = Features(i, image_hashes(im), None, i, empty, np.full(128, i, np.uint64), "", (), ())
+        f = Features(
+            i,
+            image_hashes(im),
+            None,
+            i,
+            empty,
+            np.full(128, i, np.uint64),
+            np.full(14, i, np.uint64),
+            "",
+            (),
+            (),
+        )
         d = dec.match(f)
         if d.reason is None:
             dec.insert(f)

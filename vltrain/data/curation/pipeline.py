@@ -32,7 +32,7 @@ from vltrain.data.curation.filters import (
 )
 from vltrain.data.curation.hamming import HammingIndex
 from vltrain.data.curation.hashing import ImageHashes, thumb_similarity
-from vltrain.data.curation.minhash import LSHIndex
+from vltrain.data.curation.minhash import LSHIndex, optimal_params
 from vltrain.data.curation.text import jaccard, words
 from vltrain.data.records import DataError, normalise_record
 
@@ -131,8 +131,9 @@ def _items(path: Path) -> Iterator[tuple[int, str, list]]:
 
 
 def settings(path: Path, opts: CurateOptions, bloom: BloomFilter | None) -> FeatureSettings:
+    bands, rows = optimal_params(opts.caption_threshold, opts.num_perm)
     return FeatureSettings(
-        str(path.parent), opts.seed, opts.shingle_n, opts.num_perm, opts.leak_n, bloom
+        str(path.parent), opts.seed, opts.shingle_n, opts.num_perm, opts.leak_n, bands, rows, bloom
     )
 
 
@@ -164,7 +165,7 @@ class Decider:
             return Decision(f"{p}_exact_caption", w, 1.0)
         if self._text_counts():
             best = None
-            for j in self.lsh.query(f.signature):
+            for j in self.lsh.query(f.band_keys):
                 s = jaccard(f.shingles, self.shingles[j])
                 if s >= o.caption_threshold and (best is None or s > best[1]):
                     best = (j, s)
@@ -195,7 +196,7 @@ class Decider:
             self.dhash[f.index] = f.image.dhash
             self.thumbs[f.index] = f.image.thumb
         self.captions.setdefault(f.caption_key, f.index)
-        self.lsh.insert(f.index, f.signature)
+        self.lsh.insert(f.index, f.band_keys)
         self.shingles[f.index] = f.shingles
 
 
