@@ -178,3 +178,38 @@ def test_witness_rule_with_pinned_items_and_clusters() -> None:
     assert len(removed) >= 60
     for r in removals:
         assert r.witness not in removed and float(emb[r.index] @ emb[r.witness]) > 0.95
+
+
+def _blobs(seed: int, size: int = 240) -> Image.Image:
+    """A smooth random colour picture (a few Gaussian blobs on a gradient)."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:size, 0:size] / size
+    out = np.stack([xx * rng.uniform(50, 150), yy * rng.uniform(50, 150), xx * yy * 100], -1)
+    for _ in range(6):
+        cx, cy, r = rng.uniform(0, 1), rng.uniform(0, 1), rng.uniform(0.05, 0.2)
+        blob = np.exp(-((xx - cx) ** 2 + (yy - cy) ** 2) / (2 * r * r))[..., None]
+        out += blob * rng.uniform(0, 150, 3)
+    return Image.fromarray(np.clip(out, 0, 255).astype(np.uint8))
+
+
+def test_crop_windows_find_a_90_percent_crop_either_way_round_but_not_another_picture() -> None:
+    from vltrain.data.curation.features import Features
+    from vltrain.data.curation.pipeline import CurateOptions, Decider
+
+    def feat(i: int, img: Image.Image) -> Features:
+        z = np.zeros(0, np.uint64)
+        return Features(i, image_hashes(img), None, i, z, np.full(128, i, np.uint64),
+                        np.full(14, i, np.uint64), "", (), ())  # fmt: skip
+
+    orig = _blobs(0)
+    crop = orig.crop((7, 17, 7 + 216, 17 + 216))  # 90%, off the 3 x 3 grid
+    for first, second in ((orig, crop), (crop, orig)):
+        dec = Decider(CurateOptions(), 14, 9)
+        dec.insert(feat(0, first))
+        assert dec._near_image(image_hashes(second)) is None  # the plain hashes miss it
+        d = dec.match(feat(1, second))
+        assert d.reason == "dup_near_image" and d.witness == 0 and "window" in d.detail
+        assert dec.match(feat(2, _blobs(1))).reason is None  # negative control
+        off = Decider(CurateOptions(crop_radius=0), 14, 9)
+        off.insert(feat(0, first))
+        assert off.match(feat(1, second)).reason is None  # the crop check is what finds it
