@@ -90,6 +90,21 @@ def _windows(side: int) -> list[tuple[float, float, float, float]]:
 _BOXES = _windows(_BASE)
 
 
+def _area_matrix(lo: float, hi: float, n_out: int, n_in: int) -> np.ndarray:
+    """(n_out, n_in) weights averaging [lo, hi) of n_in source pixels into n_out (BOX filter
+    with fractional edges: weight = overlap of output cell and source pixel, rows sum to 1)."""
+    edges = np.linspace(lo, hi, n_out + 1)
+    src = np.arange(n_in)
+    w = np.clip(
+        np.minimum(edges[1:, None], src[None, :] + 1) - np.maximum(edges[:-1, None], src), 0, None
+    )
+    return w / w.sum(1, keepdims=True)
+
+
+_ROWS = np.stack([_area_matrix(b[1], b[3], 32, _BASE) for b in _BOXES])  # (10, 32, 64)
+_COLS_T = np.stack([_area_matrix(b[0], b[2], 32, _BASE).T for b in _BOXES])  # (10, 64, 32)
+
+
 def base_thumbnail(rgb: Image.Image) -> Image.Image:
     """64 x 64 RGB BOX thumbnail (aspect not kept), via an integer `reduce` first."""
     k = max(1, min(rgb.width, rgb.height) // (2 * _BASE))
@@ -100,11 +115,9 @@ def base_thumbnail(rgb: Image.Image) -> Image.Image:
 def crop_hashes(base: Image.Image) -> tuple[tuple[int, ...], bytes]:
     """pHashes of the whole thumbnail and its 9 crop windows (10 ints), and a 32 x 32 colour
     thumbnail (3,072 bytes, for `crop_similarity`), from a `base_thumbnail`."""
-    grey = base.convert("L")
-    g32 = np.stack(
-        [np.asarray(grey.resize((32, 32), Image.Resampling.BILINEAR, box=b)) for b in _BOXES]
-    ).astype(np.float64)  # (10, 32, 32)
-    low = np.einsum("ij,njk,lk->nil", _DCT8, g32, _DCT8).reshape(len(_BOXES), 64)  # (10, 64)
+    grey = np.asarray(base.convert("L"), dtype=np.float64)  # (64, 64)
+    g32 = _ROWS @ grey @ _COLS_T  # (10, 32, 32): each window area-averaged to 32 x 32
+    low = (_DCT8 @ g32 @ _DCT8.T).reshape(len(_BOXES), 64)  # (10, 8, 8) -> (10, 64)
     bits = low > np.median(low, axis=1)[:, None]
     small = base.resize((_SMALL, _SMALL), Image.Resampling.BOX).tobytes()
     return tuple(pack_bits(b) for b in bits), small
