@@ -213,3 +213,12 @@ def test_crop_windows_find_a_90_percent_crop_either_way_round_but_not_another_pi
         off = Decider(CurateOptions(crop_radius=0), 14, 9)
         off.insert(feat(0, first))
         assert off.match(feat(1, second)).reason is None  # the crop check is what finds it
+
+
+def test_a_hamming_radius_outside_64_bits_is_a_clean_error() -> None:
+    from vltrain.data.curation.pipeline import CurateOptions
+    from vltrain.data.records import DataError
+
+    CurateOptions(crop_radius=0).check()  # 0: the crop check is off
+    with pytest.raises(DataError, match="--crop-radius is a Hamming radius"):
+        CurateOptions(crop_radius=64).check()

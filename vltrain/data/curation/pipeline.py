@@ -94,6 +94,10 @@ class CurateOptions:
             raise DataError("give --clip-threshold or --clip-top-fraction, not both")
         if self.workers < 1:
             raise DataError(f"--workers must be >= 1, got {self.workers}")
+        for name in ("phash_radius", "dhash_radius", "crop_radius"):
+            if not 0 <= getattr(self, name) < 64:
+                flag = "--" + name.replace("_", "-")
+                raise DataError(f"{flag} is a Hamming radius in [0, 63], got {getattr(self, name)}")
 
 
 class Embedder(Protocol):
