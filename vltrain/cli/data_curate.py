@@ -51,6 +51,9 @@ def _add_args(p: argparse.ArgumentParser, steps: tuple[str, ...]) -> None:
         p.add_argument("--caption-threshold", type=float, default=d.caption_threshold)
         p.add_argument("--phash-radius", type=int, default=d.phash_radius)
         p.add_argument("--dhash-radius", type=int, default=d.dhash_radius)
+        p.add_argument(
+            "--crop-radius", type=int, default=d.crop_radius, help="crop-window pHash (0: off)"
+        )
     if "dedup" in steps:
         p.add_argument(
             "--caption-dups",
@@ -78,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
     opts = CurateOptions(steps=args.steps, seed=args.seed, workers=args.workers)
     for key in (
         "leak_n", "leak_jaccard", "bloom_fp_rate", "shingle_n", "num_perm", "caption_threshold",
-        "phash_radius", "dhash_radius", "caption_dups", "semantic_eps", "clip_threshold",
-        "clip_top_fraction",
+        "phash_radius", "dhash_radius", "crop_radius", "caption_dups", "semantic_eps",
+        "clip_threshold", "clip_top_fraction",
     ):  # fmt: skip
         if hasattr(args, key):
             opts = replace(opts, **{key: getattr(args, key)})

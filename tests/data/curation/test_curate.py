@@ -100,7 +100,7 @@ def test_semantic_dedup_and_clip_filter_with_a_trained_checkpoint(
         copies.append(c)
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in recs + copies))
-    no_hash = dict(phash_radius=0, dhash_radius=0, thumb_min_corr=2.0)  # hash stage off
+    no_hash = dict(phash_radius=0, dhash_radius=0, thumb_min_corr=2.0, crop_radius=0)
     embedder = CheckpointEmbedder(run)
     eps = 1e-4
     opts = CurateOptions(semantic_eps=eps, **no_hash)

@@ -16,7 +16,7 @@ from vltrain.data.curation import minhash, semantic
 from vltrain.data.curation.bloom import BloomFilter
 from vltrain.data.curation.hamming import HammingIndex
 from vltrain.data.curation.hashing import image_hashes
-from vltrain.data.curation.text import NgramHasher, jaccard, normalize
+from vltrain.data.curation.text import NgramHasher, jaccard, normalize, words, words_batch
 
 
 def test_normalize_and_shingles_are_order_sensitive_and_seeded() -> None:
@@ -43,6 +43,50 @@ def test_minhash_estimates_jaccard_and_lsh_verified_pairs_are_exact() -> None:
              if jaccard(sh[i], sh[j]) >= 0.7}  # fmt: skip
     assert found.keys() <= truth  # verified: never a pair below the threshold
     assert len(found) >= 0.9 * len(truth) and len(truth) >= 30
+
+
+def test_signatures_are_pinned_for_the_seed() -> None:
+    """The vectorised path gives the values the per-caption code gave (seeded, portable)."""
+    h = NgramHasher(3, seed=0)
+    sig = minhash.MinHasher(128, seed=1).signatures(
+        [h.shingles("a red circle on a blue square"), h.shingles("x")]
+    )
+    assert [hex(int(v)) for v in sig[0, :4]] == [
+        "0x3faa5ae491e0374c", "0xa649c47d00ccb477", "0xcc9f603a702d5243", "0x4090749ce771d0c3"
+    ]  # fmt: skip
+    assert [hex(int(v)) for v in sig[1, :2]] == ["0x5fd50ec0598fa1f2", "0x686996bc8e669e86"]
+    assert not np.array_equal(sig, minhash.MinHasher(128, seed=2).signatures([h.shingles("x")]))
+
+
+def test_batch_tokens_shingles_and_pairs_equal_the_one_by_one_definitions() -> None:
+    rng = random.Random(1)
+    alpha = "abcXYZ019_ -,.!?'\t\n\x1c()/\\@#&*+=;:"
+    texts = ["".join(rng.choice(alpha) for _ in range(rng.randint(0, 40))) for _ in range(300)]
+    unicode = ["Café ÉCOLE ﬁne", "naïve—über STRASSE", "Ǆ ǅ", "a\x1eb c", ""]
+    for batch in (texts, unicode, unicode[:3], []):
+        assert words_batch(batch) == [words(t) for t in batch]
+    h = NgramHasher(3, seed=4)
+    toks = words_batch(texts)
+    docs = [[toks[i], toks[i + 1]] if i % 3 == 0 else [toks[i]] for i in range(299)] + [[]]
+    flat, off = h.shingle_sets(docs)
+    for d, doc in enumerate(docs):
+        want = [h.ngrams(t) for t in doc if t]
+        want = np.unique(np.concatenate(want)) if want else np.zeros(0, np.uint64)
+        assert np.array_equal(flat[off[d] : off[d + 1]], want)
+    sigs = minhash.MinHasher(64, seed=0).signatures_flat(flat, off)
+    keys = minhash.band_keys(sigs, 8, 8)
+    pairs = minhash.candidate_pairs(sigs, 8, 8)
+    bands = sigs.reshape(len(docs), 8, 8)
+    share = (bands[:, None] == bands[None, :]).all(-1).any(-1)  # (N, N) brute force
+    brute = {(i, j) for i, j in zip(*np.nonzero(np.triu(share, 1)), strict=True)}
+    assert {tuple(p) for p in pairs.tolist()} == {(int(i), int(j)) for i, j in brute} and len(
+        brute
+    ) > 10
+    assert all((keys[i] == keys[j]).any() for i, j in brute)
+    sets = [flat[off[d] : off[d + 1]] for d in range(len(docs))]
+    some = np.array([(i, j) for i in range(0, 300, 7) for j in range(i + 1, 300, 11)])
+    got = minhash.pair_jaccard(flat, off, some)
+    assert np.allclose(got, [jaccard(sets[i], sets[j]) for i, j in some.tolist()])
 
 
 def test_optimal_params_matches_datasketch_rule() -> None:
@@ -134,3 +178,47 @@ def test_witness_rule_with_pinned_items_and_clusters() -> None:
     assert len(removed) >= 60
     for r in removals:
         assert r.witness not in removed and float(emb[r.index] @ emb[r.witness]) > 0.95
+
+
+def _blobs(seed: int, size: int = 240) -> Image.Image:
+    """A smooth random colour picture (a few Gaussian blobs on a gradient)."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:size, 0:size] / size
+    out = np.stack([xx * rng.uniform(50, 150), yy * rng.uniform(50, 150), xx * yy * 100], -1)
+    for _ in range(6):
+        cx, cy, r = rng.uniform(0, 1), rng.uniform(0, 1), rng.uniform(0.05, 0.2)
+        blob = np.exp(-((xx - cx) ** 2 + (yy - cy) ** 2) / (2 * r * r))[..., None]
+        out += blob * rng.uniform(0, 150, 3)
+    return Image.fromarray(np.clip(out, 0, 255).astype(np.uint8))
+
+
+def test_crop_windows_find_a_90_percent_crop_either_way_round_but_not_another_picture() -> None:
+    from vltrain.data.curation.features import Features
+    from vltrain.data.curation.pipeline import CurateOptions, Decider
+
+    def feat(i: int, img: Image.Image) -> Features:
+        z = np.zeros(0, np.uint64)
+        return Features(i, image_hashes(img), None, i, z, np.full(128, i, np.uint64),
+                        np.full(14, i, np.uint64), "", (), ())  # fmt: skip
+
+    orig = _blobs(0)
+    crop = orig.crop((7, 17, 7 + 216, 17 + 216))  # 90%, off the 3 x 3 grid
+    for first, second in ((orig, crop), (crop, orig)):
+        dec = Decider(CurateOptions(), 14, 9)
+        dec.insert(feat(0, first))
+        assert dec._near_image(image_hashes(second)) is None  # the plain hashes miss it
+        d = dec.match(feat(1, second))
+        assert d.reason == "dup_near_image" and d.witness == 0 and "window" in d.detail
+        assert dec.match(feat(2, _blobs(1))).reason is None  # negative control
+        off = Decider(CurateOptions(crop_radius=0), 14, 9)
+        off.insert(feat(0, first))
+        assert off.match(feat(1, second)).reason is None  # the crop check is what finds it
+
+
+def test_a_hamming_radius_outside_64_bits_is_a_clean_error() -> None:
+    from vltrain.data.curation.pipeline import CurateOptions
+    from vltrain.data.records import DataError
+
+    CurateOptions(crop_radius=0).check()  # 0: the crop check is off
+    with pytest.raises(DataError, match="--crop-radius is a Hamming radius"):
+        CurateOptions(crop_radius=64).check()

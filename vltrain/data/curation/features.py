@@ -16,8 +16,8 @@ import numpy as np
 
 from vltrain.data.curation.bloom import BloomFilter
 from vltrain.data.curation.hashing import ImageHashes, image_hashes
-from vltrain.data.curation.minhash import MinHasher
-from vltrain.data.curation.text import NgramHasher, caption_key, normalize, words
+from vltrain.data.curation.minhash import MinHasher, band_keys
+from vltrain.data.curation.text import NgramHasher, normalized_key, words_batch
 from vltrain.data.images import BadSample, load_image_native
 from vltrain.data.records import resolve_image_path
 
@@ -33,6 +33,8 @@ class FeatureSettings:
     shingle_n: int
     num_perm: int
     leak_n: int
+    bands: int
+    rows: int
     bloom: BloomFilter | None = None
 
 
@@ -46,6 +48,8 @@ class Features:
     caption_key: int
     shingles: np.ndarray
     signature: np.ndarray
+    band_keys: np.ndarray
+    """(bands,) LSH band keys of the signature"""
     first_caption: str
     normalized: tuple[str, ...]
     bloom_hits: tuple[str, ...]
@@ -58,42 +62,49 @@ class _Worker:
         self.minhash = MinHasher(s.num_perm, s.seed + 1)
 
     def chunk(self, items: list[tuple[int, str, list]]) -> list[Features]:
-        shingles, partial = [], []
-        for index, rel, texts in items:
-            hashes, bad = None, None
-            try:
-                img = load_image_native(resolve_image_path(Path(self.s.root) / "x", rel))
-                hashes = image_hashes(img, self.s.seed)
-            except BadSample as e:
-                bad = e.reason
-            texts = [t for t in texts if isinstance(t, str)]
-            sh = [self.ngrams.shingles(t) for t in texts]
-            shingles.append(np.unique(np.concatenate(sh)) if sh else np.zeros(0, np.uint64))
-            partial.append((index, hashes, bad, texts))
-        sigs = self.minhash.signatures(shingles)
+        images = [self._image(rel) for _, rel, _ in items]
+        texts = [[t for t in caps if isinstance(t, str)] for _, _, caps in items]
+        toks = words_batch([t for caps in texts for t in caps])  # one pass over the chunk
+        docs, k = [], 0
+        for caps in texts:
+            docs.append(toks[k : k + len(caps)])
+            k += len(caps)
+        flat, offsets = self.ngrams.shingle_sets(docs)  # all captions of the chunk at once
+        sigs = self.minhash.signatures_flat(flat, offsets)  # (N, P)
+        keys = band_keys(sigs, self.s.bands, self.s.rows)  # (N, bands)
         out = []
-        for (index, hashes, bad, texts), sh, sig in zip(partial, shingles, sigs, strict=True):
+        for i, ((index, _, _), (hashes, bad), caps, doc) in enumerate(
+            zip(items, images, texts, docs, strict=True)
+        ):
+            norm = {t: " ".join(w) for t, w in zip(caps, doc, strict=True)}
             out.append(
                 Features(
                     index,
                     hashes,
                     bad,
-                    caption_key(sorted(texts), self.s.seed),
-                    sh,
-                    sig,
-                    texts[0] if texts else "",
-                    tuple(normalize(t) for t in texts),
-                    self._bloom_hits(texts),
+                    normalized_key([norm[t] for t in sorted(caps)], self.s.seed),
+                    flat[offsets[i] : offsets[i + 1]].copy(),
+                    sigs[i],
+                    keys[i],
+                    caps[0] if caps else "",
+                    tuple(norm[t] for t in caps),
+                    self._bloom_hits(doc),
                 )
             )
         return out
 
-    def _bloom_hits(self, texts: list[str]) -> tuple[str, ...]:
+    def _image(self, rel: str) -> tuple[ImageHashes | None, str | None]:
+        try:
+            img = load_image_native(resolve_image_path(Path(self.s.root) / "x", rel))
+            return image_hashes(img, self.s.seed), None
+        except BadSample as e:
+            return None, e.reason
+
+    def _bloom_hits(self, doc: list[list[str]]) -> tuple[str, ...]:
         if self.s.bloom is None:
             return ()
         n, hits = self.s.leak_n, []
-        for t in texts:
-            toks = words(t)
+        for toks in doc:
             for i in range(len(toks) - n + 1):
                 gram = " ".join(toks[i : i + n])
                 if gram in self.s.bloom:

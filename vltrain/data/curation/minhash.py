@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
-from vltrain.data.curation.text import fmix64, jaccard
+from vltrain.data.curation.text import fmix64
 
 _MAX = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -36,21 +37,69 @@ class MinHasher:
 
     def signatures(self, shingle_sets: Sequence[np.ndarray]) -> np.ndarray:
         """(N, P) uint64 signatures; an empty set gets all-max values (matches only itself)."""
-        out = np.full((len(shingle_sets), self.num_perm), _MAX, dtype=np.uint64)
-        lens = np.array([len(s) for s in shingle_sets], dtype=np.int64)
-        nonempty = np.flatnonzero(lens)
-        if len(nonempty) == 0:
-            return out
-        flat = np.concatenate([shingle_sets[i] for i in nonempty])  # (S,)
-        starts = np.concatenate([[0], np.cumsum(lens[nonempty])[:-1]])
-        step = max(1, (1 << 21) // self.num_perm)  # bound the (S, P) block to ~16 MiB
-        parts = []
-        for s0 in range(0, len(flat), step):
-            vals = fmix64(flat[s0 : s0 + step, None] * self.a[None, :] + self.b[None, :])  # (s, P)
-            parts.append(vals)
-        allv = np.concatenate(parts) if len(parts) > 1 else parts[0]  # (S, P)
-        out[nonempty] = np.minimum.reduceat(allv, starts, axis=0)
+        lens = np.array([len(x) for x in shingle_sets], dtype=np.int64)
+        offsets = np.zeros(len(shingle_sets) + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        flat = np.concatenate(list(shingle_sets)) if len(shingle_sets) else np.zeros(0, np.uint64)
+        return self.signatures_flat(flat.astype(np.uint64, copy=False), offsets)
+
+    def signatures_flat(self, flat: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """(N, P) signatures of sets given as flat[offsets[d]:offsets[d + 1]] (N = len - 1).
+
+        Documents are processed in blocks of about `_BLOCK` shingles so the (block, P) values
+        stay in cache, with in-place numpy arithmetic (no temporaries per operation).
+        """
+        n_docs, p = len(offsets) - 1, self.num_perm
+        out = np.full((n_docs, p), _MAX, dtype=np.uint64)
+        x = np.empty((_BLOCK, p), dtype=np.uint64)
+        t = np.empty_like(x)
+        d0 = 0
+        while d0 < n_docs:
+            d1 = int(np.searchsorted(offsets, offsets[d0] + _BLOCK, side="right")) - 1
+            d1 = min(max(d1, d0 + 1), n_docs)  # at least one document per block
+            s0, s1 = int(offsets[d0]), int(offsets[d1])
+            if s1 - s0 > len(x):
+                x, t = np.empty((s1 - s0, p), dtype=np.uint64), np.empty((s1 - s0, p), np.uint64)
+            xv, tv = x[: s1 - s0], t[: s1 - s0]  # (s, P)
+            np.multiply(flat[s0:s1, None], self.a[None, :], out=xv)
+            xv += self.b[None, :]
+            _fmix64_inplace(xv, tv)
+            docs = np.arange(d0, d1)
+            nonempty = docs[offsets[d0 + 1 : d1 + 1] > offsets[d0:d1]]
+            if len(nonempty):
+                out[nonempty] = np.minimum.reduceat(xv, offsets[nonempty] - s0, axis=0)
+            d0 = d1
         return out
+
+
+_BLOCK = 512  # shingles per block: (512, 128) uint64 = 512 KiB, two buffers fit in L2
+_S33 = np.uint64(33)
+_C1, _C2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
+_ROLL = np.uint64(0x9E3779B97F4A7C15)  # odd: combines a band's rows into one key
+
+
+def _fmix64_inplace(x: np.ndarray, tmp: np.ndarray) -> None:
+    """x = fmix64(x) in place (the same values as `text.fmix64`), tmp: a scratch buffer."""
+    for c in (_C1, _C2, None):
+        np.right_shift(x, _S33, out=tmp)
+        x ^= tmp
+        if c is not None:
+            x *= c
+
+
+def band_keys(sigs: np.ndarray, bands: int, rows: int) -> np.ndarray:
+    """(N, bands) uint64: one 64-bit key per band of each signature (N, P).
+
+    Equal band rows give equal keys; unequal rows collide with probability ~2^-64, and a
+    collision can only add a candidate, which exact Jaccard then rejects.
+    """
+    if bands * rows > sigs.shape[1]:
+        raise ValueError(f"bands x rows = {bands * rows} exceeds num_perm {sigs.shape[1]}")
+    cols = sigs[:, : bands * rows].reshape(len(sigs), bands, rows)  # (N, b, r)
+    k = np.zeros(cols.shape[:2], dtype=np.uint64)  # (N, b)
+    for r in range(rows):
+        k = k * _ROLL + cols[:, :, r]
+    return fmix64(k ^ np.uint64(rows))
 
 
 def collision_probability(s: float | np.ndarray, bands: int, rows: int) -> np.ndarray:
@@ -58,6 +107,7 @@ def collision_probability(s: float | np.ndarray, bands: int, rows: int) -> np.nd
     return 1.0 - (1.0 - np.asarray(s, dtype=np.float64) ** rows) ** bands
 
 
+@lru_cache(maxsize=64)
 def optimal_params(
     threshold: float, num_perm: int, fp_weight: float = 0.5, fn_weight: float = 0.5
 ) -> tuple[int, int]:
@@ -88,55 +138,105 @@ def s_curve(
 
 @dataclass
 class LSHIndex:
-    """Band buckets over the signatures of inserted items (ids are caller-chosen ints)."""
+    """Band buckets over the band keys of inserted items (ids are caller-chosen ints)."""
 
     bands: int
     rows: int
-    _buckets: list[dict[bytes, list[int]]] = field(default_factory=list)
+    _buckets: list[dict[int, list[int]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._buckets = [{} for _ in range(self.bands)]
 
-    def _keys(self, sig: np.ndarray) -> list[bytes]:
-        r = self.rows
-        return [sig[i * r : (i + 1) * r].tobytes() for i in range(self.bands)]
+    def keys(self, sig: np.ndarray) -> np.ndarray:
+        """(bands,) keys of one signature (P,); workers compute them in batch (`band_keys`)."""
+        return band_keys(sig[None, :], self.bands, self.rows)[0]
 
-    def query(self, sig: np.ndarray) -> list[int]:
-        """Ids sharing at least one band with `sig`, ascending, without repeats."""
+    def query(self, keys: np.ndarray) -> list[int]:
+        """Ids sharing at least one band key with `keys` (bands,), ascending, no repeats."""
         found: set[int] = set()
-        for bucket, key in zip(self._buckets, self._keys(sig), strict=True):
+        for bucket, key in zip(self._buckets, keys.tolist(), strict=True):
             hit = bucket.get(key)
             if hit:
                 found.update(hit)
         return sorted(found)
 
-    def insert(self, item: int, sig: np.ndarray) -> None:
-        for bucket, key in zip(self._buckets, self._keys(sig), strict=True):
+    def insert(self, item: int, keys: np.ndarray) -> None:
+        for bucket, key in zip(self._buckets, keys.tolist(), strict=True):
             bucket.setdefault(key, []).append(item)
 
 
-def candidate_pairs(sigs: np.ndarray, bands: int, rows: int) -> set[tuple[int, int]]:
-    """All (i, j), i < j, sharing a band (the unverified LSH candidates of a whole set)."""
-    pairs: set[tuple[int, int]] = set()
-    for band in range(bands):
-        cols = sigs[:, band * rows : (band + 1) * rows]
-        buckets: dict[bytes, list[int]] = {}
-        for i, row in enumerate(cols):
-            buckets.setdefault(row.tobytes(), []).append(i)
-        for ids in buckets.values():
-            for x in range(len(ids)):
-                for y in range(x + 1, len(ids)):
-                    pairs.add((ids[x], ids[y]))
-    return pairs
+def candidate_pairs(sigs: np.ndarray, bands: int, rows: int) -> np.ndarray:
+    """(K, 2) int64 pairs (i, j), i < j, sharing a band: the unverified LSH candidates of a
+    whole set, sorted and without repeats (one sort per band, no per-row Python)."""
+    keys = band_keys(sigs, bands, rows)  # (N, b)
+    n = len(sigs)
+    found = []
+    for b in range(bands):
+        order = np.argsort(keys[:, b], kind="stable")
+        k = keys[order, b]
+        same = np.flatnonzero(k[1:] == k[:-1])  # (m,) order[same] ~ order[same + 1]
+        if len(same) == 0:
+            continue
+        # runs of equal keys: every pair inside a run; runs of 2 (the common case) at once
+        run_start = np.flatnonzero(np.diff(np.concatenate([[-2], same])) != 1)
+        run_len = np.diff(np.concatenate([run_start, [len(same)]])) + 1  # items per run
+        two = same[run_start[run_len == 2]]
+        found.append(np.stack([order[two], order[two + 1]], 1))
+        for s0, ln in zip(same[run_start[run_len > 2]].tolist(), run_len[run_len > 2].tolist(),
+                          strict=True):  # fmt: skip
+            ids = order[s0 : s0 + ln]
+            a, c = np.triu_indices(ln, 1)
+            found.append(np.stack([ids[a], ids[c]], 1))
+    if not found:
+        return np.zeros((0, 2), dtype=np.int64)
+    pairs = np.sort(np.concatenate(found), axis=1).astype(np.int64)  # (K', 2) i < j
+    codes = np.unique(pairs[:, 0] * n + pairs[:, 1])
+    return np.stack([codes // n, codes % n], 1)
+
+
+def pair_jaccard(flat: np.ndarray, offsets: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """(K,) exact Jaccard of each pair (i, j) of sets flat[offsets[i]:offsets[i + 1]] (sorted,
+    unique), vectorised: the intersection is the number of values a pair's two sets share."""
+    if len(pairs) == 0:
+        return np.zeros(0)
+    lens = np.diff(offsets)
+    li, lj = lens[pairs[:, 0]], lens[pairs[:, 1]]  # (K,)
+    seg_len = np.stack([li, lj], 1).reshape(-1)  # (2K,)
+    seg_start = offsets[pairs.reshape(-1)]  # (2K,)
+    total = int(seg_len.sum())
+    seg = np.repeat(np.arange(len(seg_len)), seg_len)  # (T,)
+    first = np.concatenate([[0], np.cumsum(seg_len)[:-1]])
+    vals = flat[seg_start[seg] + np.arange(total) - first[seg]]  # (T,)
+    pair = seg // 2
+    order = np.lexsort((vals, pair))
+    v, pr = vals[order], pair[order]
+    dup = (v[1:] == v[:-1]) & (pr[1:] == pr[:-1])  # within a pair: one value in both sets
+    inter = np.bincount(pr[1:][dup], minlength=len(pairs))
+    union = li + lj - inter
+    return np.where(union > 0, inter / np.maximum(union, 1), 1.0)
 
 
 def verified_pairs(
     shingles: Sequence[np.ndarray], sigs: np.ndarray, bands: int, rows: int, threshold: float
 ) -> dict[tuple[int, int], float]:
     """LSH candidates whose exact Jaccard is >= threshold, with that Jaccard."""
-    out = {}
-    for i, j in candidate_pairs(sigs, bands, rows):
-        s = jaccard(shingles[i], shingles[j])
-        if s >= threshold:
-            out[(i, j)] = s
-    return out
+    lens = np.array([len(x) for x in shingles], dtype=np.int64)
+    offsets = np.zeros(len(shingles) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    flat = np.concatenate(list(shingles)) if len(shingles) else np.zeros(0, np.uint64)
+    return verified_pairs_flat(flat, offsets, sigs, bands, rows, threshold)
+
+
+def verified_pairs_flat(
+    flat: np.ndarray,
+    offsets: np.ndarray,
+    sigs: np.ndarray,
+    bands: int,
+    rows: int,
+    threshold: float,
+) -> dict[tuple[int, int], float]:
+    """`verified_pairs` on sets in flat/offsets form (see `NgramHasher.shingle_sets`)."""
+    pairs = candidate_pairs(sigs, bands, rows)
+    sim = pair_jaccard(flat, offsets, pairs)
+    ok = sim >= threshold
+    return {(i, j): s for (i, j), s in zip(pairs[ok].tolist(), sim[ok].tolist(), strict=True)}

@@ -31,8 +31,8 @@ from vltrain.data.curation.filters import (
     ImageRules,
 )
 from vltrain.data.curation.hamming import HammingIndex
-from vltrain.data.curation.hashing import ImageHashes, thumb_similarity
-from vltrain.data.curation.minhash import LSHIndex
+from vltrain.data.curation.hashing import ImageHashes, crop_similarity, thumb_similarity
+from vltrain.data.curation.minhash import LSHIndex, optimal_params
 from vltrain.data.curation.text import jaccard, words
 from vltrain.data.records import DataError, normalise_record
 
@@ -64,6 +64,11 @@ class CurateOptions:
     """dHash radius; a near-duplicate must be within both radii"""
     thumb_min_corr: float = 0.85
     """and its 16x16 colour thumbnail must correlate this well (mirror allowed)"""
+    crop_radius: int = 10
+    """crop near-duplicates: a crop window's pHash within this many bits of the other's whole
+    pHash (both from the 64x64 thumbnail; 0 turns the crop check off)"""
+    crop_min_corr: float = 0.96
+    """and a window near it must correlate this well with the other (16x16 colour thumbnails)"""
     semantic_eps: float = 0.05
     """semantic duplicates: image-embedding cosine > 1 - eps (needs an embedder)"""
     leak_n: int = 13
@@ -89,6 +94,10 @@ class CurateOptions:
             raise DataError("give --clip-threshold or --clip-top-fraction, not both")
         if self.workers < 1:
             raise DataError(f"--workers must be >= 1, got {self.workers}")
+        for name in ("phash_radius", "dhash_radius", "crop_radius"):
+            if not 0 <= getattr(self, name) < 64:
+                flag = "--" + name.replace("_", "-")
+                raise DataError(f"{flag} is a Hamming radius in [0, 63], got {getattr(self, name)}")
 
 
 class Embedder(Protocol):
@@ -131,8 +140,9 @@ def _items(path: Path) -> Iterator[tuple[int, str, list]]:
 
 
 def settings(path: Path, opts: CurateOptions, bloom: BloomFilter | None) -> FeatureSettings:
+    bands, rows = optimal_params(opts.caption_threshold, opts.num_perm)
     return FeatureSettings(
-        str(path.parent), opts.seed, opts.shingle_n, opts.num_perm, opts.leak_n, bloom
+        str(path.parent), opts.seed, opts.shingle_n, opts.num_perm, opts.leak_n, bands, rows, bloom
     )
 
 
@@ -146,6 +156,9 @@ class Decider:
         self.phash = HammingIndex(opts.phash_radius)
         self.dhash: dict[int, int] = {}
         self.thumbs: dict[int, bytes] = {}
+        self.crop_whole = HammingIndex(opts.crop_radius)  # id -> whole-thumbnail pHash
+        self.crop_windows = HammingIndex(opts.crop_radius)  # 16 * id + k -> window k's pHash
+        self.small: dict[int, bytes] = {}
         self.lsh = LSHIndex(bands, rows)
         self.shingles: dict[int, np.ndarray] = {}
 
@@ -159,12 +172,15 @@ class Decider:
             near = self._near_image(f.image)
             if near is not None:
                 return Decision(f"{p}_near_image", near[0], near[1])
+            crop = self._crop_image(f.image) if o.crop_radius > 0 else None
+            if crop is not None:
+                return Decision(f"{p}_near_image", crop[0], crop[1], detail=crop[2])
         w = self.captions.get(f.caption_key)
         if w is not None and self._text_counts():
             return Decision(f"{p}_exact_caption", w, 1.0)
         if self._text_counts():
             best = None
-            for j in self.lsh.query(f.signature):
+            for j in self.lsh.query(f.band_keys):
                 s = jaccard(f.shingles, self.shingles[j])
                 if s >= o.caption_threshold and (best is None or s > best[1]):
                     best = (j, s)
@@ -185,6 +201,23 @@ class Decider:
                     best = (j, c)
         return best
 
+    def _crop_image(self, h: ImageHashes) -> tuple[int, float, str] | None:
+        """(kept id, grey correlation, which way) of the best verified crop match: a window of
+        this picture is the kept one, or this picture is a window of the kept one."""
+        best = None
+        thr = self.o.crop_min_corr
+        for k in range(1, len(h.crops)):  # this one is the larger picture
+            for _, j in self.crop_whole.query(h.crops[k]):
+                c = crop_similarity(h.small, self.small[j], k)
+                if c >= thr and (best is None or c > best[1]):
+                    best = (j, c, f"kept record is window {k} of this one")
+        for _, code in self.crop_windows.query(h.crops[0]) if h.crops else ():
+            j, k = divmod(code, 16)  # this one is a window of the kept picture
+            c = crop_similarity(self.small[j], h.small, k)
+            if c >= thr and (best is None or c > best[1]):
+                best = (j, c, f"this record is window {k} of the kept one")
+        return best
+
     def _text_counts(self) -> bool:
         return self.prefix == "leak" or self.o.caption_dups == "drop"
 
@@ -194,8 +227,13 @@ class Decider:
             self.phash.insert(f.index, f.image.phash)
             self.dhash[f.index] = f.image.dhash
             self.thumbs[f.index] = f.image.thumb
+            if self.o.crop_radius > 0 and f.image.crops:
+                self.crop_whole.insert(f.index, f.image.crops[0])
+                for k in range(1, len(f.image.crops)):
+                    self.crop_windows.insert(16 * f.index + k, f.image.crops[k])
+                self.small[f.index] = f.image.small
         self.captions.setdefault(f.caption_key, f.index)
-        self.lsh.insert(f.index, f.signature)
+        self.lsh.insert(f.index, f.band_keys)
         self.shingles[f.index] = f.shingles
 
 

@@ -15,9 +15,14 @@ from collections.abc import Sequence
 import numpy as np
 
 _WORD = re.compile(r"\w+", re.UNICODE)
+_SEP = "\x1e"  # record separator: not a word character
+_ASCII_NONWORD = {  # every ASCII non-word character but the separator -> a space
+    c: " " for c in range(128) if not (chr(c).isalnum() or chr(c) == "_" or chr(c) == _SEP)
+}
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _C1, _C2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
 _ROLL = np.uint64(0x100000001B3)  # odd multiplier combining word hashes into an n-gram hash
+_CACHE_MAX = 1_000_000  # word hashes cached per hasher
 
 
 def normalize(text: str) -> str:
@@ -28,6 +33,25 @@ def normalize(text: str) -> str:
 def words(text: str) -> list[str]:
     """The caption's word tokens after NFKC and case folding (punctuation is not a word)."""
     return _WORD.findall(unicodedata.normalize("NFKC", text).casefold())
+
+
+def words_batch(texts: Sequence[str]) -> list[list[str]]:
+    """`[words(t) for t in texts]` with one normalisation pass over the batch.
+
+    NFKC and case folding act within a caption (the separator, a control character, neither
+    composes nor folds), so joining first gives the same tokens; a caption that contains the
+    separator itself takes the one-by-one path. ASCII batches skip the regex: word runs are
+    what `split()` leaves once every non-word character is a space.
+    """
+    joined = _SEP.join(texts)
+    if joined.count(_SEP) != max(len(texts) - 1, 0):
+        return [words(t) for t in texts]
+    if not texts:
+        return []
+    if joined.isascii():  # NFKC is the identity and casefold is lower(); \w is [A-Za-z0-9_]
+        return [x.split() for x in joined.lower().translate(_ASCII_NONWORD).split(_SEP)]
+    findall = _WORD.findall
+    return [findall(x) for x in unicodedata.normalize("NFKC", joined).casefold().split(_SEP)]
 
 
 def key_bytes(seed: int) -> bytes:
@@ -60,18 +84,26 @@ class NgramHasher:
         self.n, self.seed = n, seed
         self._key = key_bytes(seed)
         self._cache: dict[str, int] = {}
+        self._hashes: list[int] = []
+        self._table = np.zeros(0, dtype=np.uint64)
 
     def word_hashes(self, toks: Sequence[str]) -> np.ndarray:
-        """(W,) uint64 hash of each word."""
-        cache, key = self._cache, self._key
-        out = np.empty(len(toks), dtype=np.uint64)
-        for i, w in enumerate(toks):
-            h = cache.get(w)
-            if h is None:
-                d = hashlib.blake2b(w.encode("utf-8", "surrogatepass"), digest_size=8, key=key)
-                h = cache[w] = int.from_bytes(d.digest(), "little")
-            out[i] = h
-        return out
+        """(W,) uint64 hash of each word (each distinct word is hashed once per hasher)."""
+        index = self._cache  # word -> row of self._table
+        missing = set(toks).difference(index)
+        if len(index) + len(missing) > _CACHE_MAX:  # bounded memory on an open vocabulary
+            index.clear()
+            self._hashes.clear()
+            missing = set(toks)
+        key = self._key
+        for w in sorted(missing):
+            d = hashlib.blake2b(w.encode("utf-8", "surrogatepass"), digest_size=8, key=key)
+            index[w] = len(self._hashes)
+            self._hashes.append(int.from_bytes(d.digest(), "little"))
+        if len(self._table) != len(self._hashes):
+            self._table = np.array(self._hashes, dtype=np.uint64)
+        rows = np.fromiter(map(index.__getitem__, toks), dtype=np.int64, count=len(toks))
+        return self._table[rows]
 
     def ngrams(self, toks: Sequence[str], n: int | None = None) -> np.ndarray:
         """(G,) uint64 hashes of the word n-grams (one n-gram of all words if fewer than n)."""
@@ -90,11 +122,52 @@ class NgramHasher:
         """Sorted unique n-gram hashes of one caption (the set whose Jaccard MinHash estimates)."""
         return np.unique(self.ngrams(words(text)))
 
+    def shingle_sets(
+        self, docs: Sequence[Sequence[Sequence[str]]]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The shingle set of many documents at once, each the union over its captions' tokens.
+
+        `docs[d]` is a list of token lists (one per caption). Returns (flat, offsets): document
+        d's sorted unique n-gram hashes are flat[offsets[d]:offsets[d + 1]], the same values as
+        `np.unique(concat(ngrams(toks) for toks in docs[d]))`, computed in a few numpy passes
+        over the whole batch instead of dozens of small calls per caption.
+        """
+        caps = [toks for doc in docs for toks in doc]
+        cap_doc = np.repeat(np.arange(len(docs)), [len(doc) for doc in docs])  # (C,)
+        wh = self.word_hashes([w for toks in caps for w in toks])  # (T,)
+        lens = np.array([len(t) for t in caps], dtype=np.int64)  # (C,)
+        n_eff = np.minimum(lens, self.n)  # (C,) fewer words than n: one n-gram of all
+        grams = np.where(lens > 0, lens - n_eff + 1, 0)  # (C,) n-grams per caption
+        gram_cap = np.repeat(np.arange(len(caps)), grams)  # (G,)
+        first = np.concatenate([[0], np.cumsum(grams)[:-1]]).astype(np.int64)  # (C,)
+        tok0 = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)  # (C,)
+        pos = tok0[gram_cap] + np.arange(len(gram_cap)) - first[gram_cap]  # (G,) first token
+        ng = n_eff[gram_cap]  # (G,)
+        h = np.zeros(len(pos), dtype=np.uint64)
+        last = max(len(wh) - 1, 0)
+        for j in range(self.n):  # the same polynomial combine as `ngrams`, masked per n-gram
+            term = fmix64(wh[np.minimum(pos + j, last)] + np.uint64(j + 1)) if len(wh) else h
+            h = np.where(j < ng, h * _ROLL + term, h)
+        h = fmix64(h ^ ng.astype(np.uint64))
+        doc = cap_doc[gram_cap]  # (G,) non-decreasing
+        order = np.lexsort((h, doc))
+        h, doc = h[order], doc[order]
+        new = np.ones(len(h), dtype=bool)
+        new[1:] = (h[1:] != h[:-1]) | (doc[1:] != doc[:-1])
+        flat, doc = h[new], doc[new]
+        offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+        np.cumsum(np.bincount(doc, minlength=len(docs)), out=offsets[1:])
+        return flat, offsets
+
 
 def caption_key(texts: Sequence[str], seed: int = 0) -> int:
     """Hash of a record's normalised captions (order kept): the exact-caption duplicate key."""
-    joined = "\x1f".join(normalize(t) for t in texts)
-    return hash64(joined.encode("utf-8", "surrogatepass"), seed)
+    return normalized_key([normalize(t) for t in texts], seed)
+
+
+def normalized_key(normalized: Sequence[str], seed: int = 0) -> int:
+    """`caption_key` of captions that are already normalised."""
+    return hash64("\x1f".join(normalized).encode("utf-8", "surrogatepass"), seed)
 
 
 def jaccard(a: np.ndarray, b: np.ndarray) -> float:
