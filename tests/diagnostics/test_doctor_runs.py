@@ -55,7 +55,8 @@ def test_lr_not_applied_aborts_with_fail_on_error(shapes_dir, tmp_path, monkeypa
 
 def _fake_run(path: Path, losses: list[float]) -> Path:
     path.mkdir(parents=True)
-    dump_config(load_config(None, ["train.save_every=0"]), path / "config.yaml")
+    cfg = load_config(None, ["train.save_every=0", "optim.warmup_steps=0"])  # judged from step 0
+    dump_config(cfg, path / "config.yaml")
     rows = [
         {"step": i, "loss": x, "grad_norm": 1.0 + 0.01 * (i % 3), "lr": 1e-3}
         for i, x in enumerate(losses)

@@ -158,8 +158,11 @@ def record_fingerprints(path: str, limit: int = 50_000) -> set[str]:
     p = Path(path)
     if not p.is_file() or p.suffix != ".jsonl":
         return set()
+    from vltrain.data.images import BadSample
+    from vltrain.data.records import resolve_image_path
+
     out = set()
-    with p.open() as f:
+    with p.open(encoding="utf-8", errors="replace") as f:  # bad lines are the loader's to count
         for i, line in enumerate(f):
             if i >= limit or not line.strip():
                 continue
@@ -167,8 +170,13 @@ def record_fingerprints(path: str, limit: int = 50_000) -> set[str]:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            img = p.parent / str(rec.get("image", ""))
-            key = hashlib.sha1(img.read_bytes()).hexdigest() if img.is_file() else str(img)
+            if not isinstance(rec, dict):
+                continue
+            try:  # the same escape rules as the loader: never read outside the data folder
+                img = resolve_image_path(p, str(rec.get("image", "")))
+                key = hashlib.sha1(img.read_bytes()).hexdigest()
+            except (BadSample, OSError):
+                key = str(rec.get("image", ""))
             text = rec.get("text", "")
             texts = text if isinstance(text, list) else [text]
             out.add(key + "|" + "|".join(sorted(" ".join(str(t).lower().split()) for t in texts)))

@@ -86,6 +86,7 @@ CAPTION_KEYS = (
     "train.*",
     "log.*",
     "tune.*",
+    "doctor.*",
     "data.*",
     "caption.*",
     "model.kind",

@@ -93,7 +93,7 @@ EVAL_METRICS = (
 
 
 #: keys every stage reads
-COMMON = ("stage", "run.*", "optim.*", "train.*", "log.*", "tune.*")
+COMMON = ("stage", "run.*", "optim.*", "train.*", "log.*", "tune.*", "doctor.*")
 WHY = {
     "model.freeze": "the captioner's; LoRA (model.lora_r) trains part of an HF backbone",
     "model.vision_init_from": "the captioner's; use model.init_from for a contrastive run",
