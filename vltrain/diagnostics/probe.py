@@ -22,6 +22,11 @@ from vltrain.models.connectors import TanhGate
 SAMPLE = 8
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 (DTensor) parameter; the tensor itself otherwise."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
 def _sample_index(p: torch.Tensor) -> torch.Tensor:
     """Evenly spaced flat indices into `p` (at most SAMPLE)."""
     n = p.numel()
@@ -56,7 +61,7 @@ class Probe:
         ]
         self.frozen_trainable = [n for n, p in params if p.requires_grad and n.split(".")[0] in top]
         self.groups = [list(g["params"]) for g in optimizer.param_groups]
-        self.index = [[_sample_index(p) for p in g] for g in self.groups]
+        self.index = [[_sample_index(_local(p)) for p in g] for g in self.groups]
         self.gates = {n: m for n, m in module.named_modules() if isinstance(m, TanhGate)}
         self.temps = {
             n: m
@@ -95,7 +100,9 @@ class Probe:
         """Per group, the sampled weights (float64, on CPU)."""
         out = []
         for params, index in zip(self.groups, self.index, strict=True):
-            parts = [p.detach().reshape(-1)[i] for p, i in zip(params, index, strict=True)]
+            parts = [
+                _local(p.detach()).reshape(-1)[i] for p, i in zip(params, index, strict=True)
+            ]
             out.append(torch.cat(parts).double().cpu() if parts else torch.zeros(0))
         return out
 
