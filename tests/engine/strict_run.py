@@ -44,13 +44,13 @@ def _record(check: Any) -> Any:
 
 def _patch(mode: str) -> None:
     if mode == "unplaced":
-        count_bad = loop._count_bad
+        vote = loop._vote
 
-        def unplaced_from_first_step(*args: Any, **kwargs: Any) -> int:
+        def unplaced_from_first_step(*args: Any, **kwargs: Any) -> tuple[int, int]:
             D._mark = lambda t: t  # placement still copies, but no longer marks
-            return count_bad(*args, **kwargs)
+            return vote(*args, **kwargs)
 
-        loop._count_bad = unplaced_from_first_step
+        loop._vote = unplaced_from_first_step
     elif mode == "legacy":
         from tests.engine import legacy_distributed
 

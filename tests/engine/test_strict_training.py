@@ -62,8 +62,8 @@ def test_training_collectives_are_placed_under_strict_cuda(
     for rank in range(2):
         calls = _calls(tmp_path, rank)
         # one vote of each kind per step, on every rank
-        assert _count(calls, "all_reduce_sum", "vltrain.engine.loop._count_bad") == STEPS
-        assert _count(calls, "all_reduce_max", "vltrain.engine.loop.Trainer._loop") == STEPS
+        assert _count(calls, "all_reduce_sum", "vltrain.engine.loop._vote") == STEPS
+        assert _count(calls, "all_reduce_max", "vltrain.engine.loop.Trainer._forward_backward") == STEPS
         assert _count(calls, "barrier", "vltrain.engine.loop.Trainer") >= 2  # init, save
         # image and text (and empty negatives) per step, forward and backward
         assert _count(calls, "all_gather_with_grad", "vltrain.objectives.contrastive") >= STEPS
