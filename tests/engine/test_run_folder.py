@@ -230,8 +230,10 @@ def test_sigterm_stops_at_a_step_boundary_saves_and_resumes_exactly(
 ) -> None:
     over = {"train.max_steps": 14, "train.save_every": 0, "train.eval_every": 0}
     full, part = tmp_path / "full", tmp_path / "part"
-    args = lambda out: ["train", "", *tiny_overrides(shapes_dir, out, **over)]  # noqa: E731
-    assert _run_cli(args(full)).wait(timeout=600) == 0  # "" = no YAML, the defaults
+    base = tmp_path / "base.yaml"
+    base.write_text("stage: contrastive\n")  # the defaults, plus the overrides below
+    args = lambda out: ["train", str(base), *tiny_overrides(shapes_dir, out, **over)]  # noqa: E731
+    assert _run_cli(args(full)).wait(timeout=600) == 0
     proc = _run_cli(args(part))
     metrics = part / "metrics.jsonl"
     deadline = time.time() + 300

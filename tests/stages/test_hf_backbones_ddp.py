@@ -128,7 +128,8 @@ def _overrides(data: Path, out: Path, extra: dict[str, object]) -> list[str]:
         "run.precision": "fp32",
         "run.threads": 1,
     }
-    return tiny_overrides(data, out, **{**base, **extra})
+    over = tiny_overrides(data, out, **{**base, **extra})
+    return [o for o in over if not o.startswith("data.tokenizer_vocab=")]  # HF: own tokenizer
 
 
 def _one_process(preset: str, data: Path, out: Path, extra: dict[str, object]) -> dict:

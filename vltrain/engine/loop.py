@@ -352,9 +352,12 @@ class Trainer:
             checkpoint.prune(self.ckpt_root, self.cfg.train.keep_last)
         D.barrier()
 
-    def evaluate(self, model: ParallelModel, split: str) -> dict[str, float]:
-        """Run the stage's (sharded) evaluation with training RNG untouched."""
-        with model.evaluating() as module, eval_mode(module), self.ctx.autocast():
+    def evaluate(self, model: ParallelModel | torch.nn.Module, split: str) -> dict[str, float]:
+        """Run the stage's (sharded) evaluation with training RNG untouched (`model`: the
+        wrapped model, or a plain module)."""
+        plain = not isinstance(model, ParallelModel)
+        modules = contextlib.nullcontext(model) if plain else model.evaluating()
+        with modules as module, eval_mode(module), self.ctx.autocast():
             return self.stage.evaluate(module, split)
 
     def _finish(self, model: ParallelModel, logger: RunLogger, t_start: float) -> dict[str, Any]:
