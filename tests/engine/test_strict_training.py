@@ -63,7 +63,8 @@ def test_training_collectives_are_placed_under_strict_cuda(
         calls = _calls(tmp_path, rank)
         # one vote of each kind per step, on every rank
         assert _count(calls, "all_reduce_sum", "vltrain.engine.loop._vote") == STEPS
-        assert _count(calls, "all_reduce_max", "vltrain.engine.loop.Trainer._forward_backward") == STEPS
+        fwd_bwd = "vltrain.engine.loop.Trainer._forward_backward"
+        assert _count(calls, "all_reduce_max", fwd_bwd) == STEPS
         assert _count(calls, "barrier", "vltrain.engine.loop.Trainer") >= 2  # init, save
         # image and text (and empty negatives) per step, forward and backward
         assert _count(calls, "all_gather_with_grad", "vltrain.objectives.contrastive") >= STEPS

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import hardlink_tree
 from tests.stages.drafter_fixtures import TEXTS, tiny_lm
 from vltrain.cli import main
 
@@ -267,7 +268,7 @@ def test_captioner_drafter_end_to_end(caption_run, shapes_dir, tmp_path, capsys)
 
     data = tmp_path / "data"
     data.mkdir()
-    (data / "images").symlink_to(shapes_dir / "images")
+    hardlink_tree(shapes_dir / "images", data / "images")
     lines = (shapes_dir / "train.jsonl").read_text().splitlines()[:24]
     (data / "train.jsonl").write_text("\n".join(lines) + "\n")
     assert (

@@ -100,9 +100,7 @@ class Probe:
         """Per group, the sampled weights (float64, on CPU)."""
         out = []
         for params, index in zip(self.groups, self.index, strict=True):
-            parts = [
-                _local(p.detach()).reshape(-1)[i] for p, i in zip(params, index, strict=True)
-            ]
+            parts = [_local(p.detach()).reshape(-1)[i] for p, i in zip(params, index, strict=True)]
             out.append(torch.cat(parts).double().cpu() if parts else torch.zeros(0))
         return out
 
