@@ -111,7 +111,11 @@ def init_from_env(device_type: str) -> None:
 
 
 def shutdown() -> None:
+    """Leave the process group; every rank first meets the others, so no rank tears down its
+    communication threads while a peer still uses them (seen as a gloo abort at exit)."""
     if dist.is_available() and dist.is_initialized():
+        if is_distributed():
+            barrier()
         dist.destroy_process_group()
 
 

@@ -105,7 +105,7 @@ WHY = {
     "pretrained model's own scale",
     "objective.siglip_init_*": "objective.loss=siglip's start; hf_clip/hf_siglip start from the "
     "pretrained model's own scale",
-    "model.lora_*": "LoRA options apply when model.lora_r > 0 on an HF backbone",
+    "model.lora_*": "LoRA applies to HF backbones",
 }
 
 
@@ -131,8 +131,8 @@ def used_keys(cfg: Config) -> tuple[str, ...]:
         used += ["model.vision_layers", "model.vision_width", "model.text_layers"]
         used += ["model.text_width", "model.dropout"]
     else:
-        used += ["model.path", "model.local_files_only", "model.lora_r"]
-        used += ["model.lora_*"] if m.lora_r else []
+        # LoRA options stay accepted with model.lora_r=0: that is how a LoRA preset is turned off
+        used += ["model.path", "model.local_files_only", "model.lora_*"]
     if m.kind == "vlm":
         used += ["model.pooling", "model.instruction_*", "model.matryoshka_dims"]
     return tuple(used)
