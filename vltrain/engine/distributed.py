@@ -111,11 +111,9 @@ def init_from_env(device_type: str) -> None:
 
 
 def shutdown() -> None:
-    """Leave the process group; every rank first meets the others, so no rank tears down its
-    communication threads while a peer still uses them (seen as a gloo abort at exit)."""
+    """Leave the process group (no collective here: a rank that already left must not leave
+    another waiting)."""
     if dist.is_available() and dist.is_initialized():
-        if is_distributed():
-            barrier()
         dist.destroy_process_group()
 
 
