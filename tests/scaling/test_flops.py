@@ -67,9 +67,10 @@ def test_attention_counted_at_real_length():
     assert long > short
 
 
-def test_dual_encoder_matches_flop_counter():
+@pytest.mark.parametrize("vision", ["tiny", "tiny_cnn"])
+def test_dual_encoder_matches_flop_counter(vision):
     torch.manual_seed(0)
-    model = DualEncoder.from_preset("tiny", "tiny", 32, vocab_size=300, context_length=T)
+    model = DualEncoder.from_preset(vision, "tiny", 32, vocab_size=300, context_length=T)
     img, ids = torch.rand(B, 3, 64, 64), torch.randint(4, 300, (B, T))
     acct = flops.dual_encoder_flops(model, T)
     fwd = flops.measure_flops(lambda: model(img, ids))["total"] / B
@@ -82,8 +83,9 @@ def test_dual_encoder_matches_flop_counter():
     assert acct.forward == pytest.approx(fwd, rel=0.05)
     assert acct.per_sample == pytest.approx(both, rel=0.05)
     n_embed = model.text.token_embed.weight.numel() + model.text.pos_embed.numel()
+    cls = model.vision.class_token.numel() if vision == "tiny" else 0  # tiny_cnn: flatten head
     assert acct.nonembed_params == sum(p.numel() for p in model.parameters()) - n_embed - (
-        model.vision.pos_embed.numel() + model.vision.class_token.numel()
+        model.vision.pos_embed.numel() + cls
     )
 
 

@@ -23,8 +23,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument(
         "--size",
         default="tiny",
-        choices=("tiny", "small"),
-        help="model size preset (tiny: about 6 min for all stages on a 2-core CPU)",
+        choices=("tiny", "tiny_vit", "small"),
+        help="towers: tiny (CNN image tower + 2-layer text transformer; under 5 min for all "
+        "stages on a 2-core CPU), tiny_vit (the 2-layer patch-8 ViT instead), small (4-layer "
+        "ViT and text tower; slower)",
     )
     q.add_argument("--steps", type=positive_int, default=500, help="training steps")
     q.add_argument("--n-train", type=positive_int, default=4000, help="synthetic training images")

@@ -144,7 +144,10 @@ class ModelConfig:
         ["q_proj", "k_proj", "v_proj", "o_proj"], "LoRA target module names."
     )
     vision: str = option(
-        "tiny", "Vision tower size preset (tiny, small, base).", choices=("tiny", "small", "base")
+        "tiny",
+        "Vision tower preset (vltrain/models/presets.py): tiny, small, base (ViTs) or tiny_cnn "
+        "(conv stem + flatten head, no blocks).",
+        choices=("tiny", "tiny_cnn", "small", "base"),
     )
     text: str = option(
         "tiny", "Text tower size preset (tiny, small, base).", choices=("tiny", "small", "base")
@@ -152,6 +155,11 @@ class ModelConfig:
     embed_dim: int = option(128, "Shared embedding dimension of the dual encoder.", ge=8)
     vision_layers: int = option(0, "Override the vision preset's depth (0: preset).", ge=0)
     vision_width: int = option(0, "Override the vision preset's width (0: preset).", ge=0)
+    vision_options: dict[str, Any] = option(
+        {},
+        "Built-in vision tower: VisionTowerConfig fields over the preset, e.g. "
+        "{stem_channels: [16, 32, 64, 128], stem_norm: group} (vltrain/models/vit.py).",
+    )
     text_layers: int = option(0, "Override the text preset's depth (0: preset).", ge=0)
     text_width: int = option(0, "Override the text preset's width (0: preset).", ge=0)
     dropout: float = option(0.0, "Dropout in both towers.", ge=0.0, le=0.9)

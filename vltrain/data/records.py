@@ -17,6 +17,7 @@ path that escapes the data folder) are not errors: `ImageTextDataset` returns a 
 
 from __future__ import annotations
 
+import functools
 import json
 import operator
 import os
@@ -154,6 +155,14 @@ def read_records(
     return read_source(path, image_column, text_column).records
 
 
+@functools.lru_cache(maxsize=64)
+def _data_root(jsonl_path: str) -> tuple[Path, Path]:
+    """The data file's folder, as written (absolute) and with links resolved (the folder
+    itself is resolved once per process; every image path is still resolved on each read)."""
+    root = Path(os.path.abspath(Path(jsonl_path).parent))
+    return root, Path(os.path.realpath(root))
+
+
 def resolve_image_path(jsonl_path: str | os.PathLike[str], rel: str) -> Path:
     """Resolve a record's image path against the data file's folder.
 
@@ -161,7 +170,7 @@ def resolve_image_path(jsonl_path: str | os.PathLike[str], rel: str) -> Path:
     both as written (a ``..`` in the record) and after resolving symlinks (a link inside the
     folder that points outside it), so no file outside the data folder is ever opened.
     """
-    root = Path(os.path.abspath(Path(jsonl_path).parent))
+    root, real_root = _data_root(os.fspath(jsonl_path))
     if not rel or "\x00" in rel:
         raise BadSample("path_escape", rel, "image path is empty or contains NUL")
     if os.path.isabs(rel) or Path(rel).drive:
@@ -169,7 +178,7 @@ def resolve_image_path(jsonl_path: str | os.PathLike[str], rel: str) -> Path:
     full = Path(os.path.normpath(root / rel))
     if full != root and root not in full.parents:
         raise BadSample("path_escape", rel, f"image path leaves the data folder {root}")
-    real, real_root = Path(os.path.realpath(full)), Path(os.path.realpath(root))
+    real = Path(os.path.realpath(full))
     if real != real_root and real_root not in real.parents:
         raise BadSample("path_escape", rel, f"image path is a link to {real}, outside {root}")
     return full

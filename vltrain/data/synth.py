@@ -129,6 +129,27 @@ class _Style:
     rel_word: int
 
 
+def scene_key(record: dict[str, Any]) -> tuple | None:
+    """What a record's captions say, as a key: equal keys = captions with the same meaning.
+
+    The captions describe the first two shapes (or the only one) and their relation; "A left of
+    B" and "B right of A" are the same statement, so the key is the smaller of the two
+    orderings. None for records without the synthetic data's ``objects`` / ``relation`` fields.
+    Used for the retrieval ceiling (`vltrain.eval.ceiling`).
+    """
+    objs, rel = record.get("objects"), record.get("relation", "missing")
+    if not isinstance(objs, list) or not objs or rel == "missing":
+        return None
+    try:
+        descs = [(str(o["size"]), str(o["color"]), str(o["shape"])) for o in objs]
+        if rel is None:
+            return (descs[0],)
+        a, b = descs[0], descs[1]
+        return min((a, rel, b), (b, _INVERSE[rel], a))
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
 def held_out_combos(seed: int) -> list[tuple[str, str]]:
     """The (color, shape) pairs kept out of train/val: one per colour, every shape at least once."""
     rng = random.Random(sample_seed(seed, 0, 0, salt="synth-holdout"))

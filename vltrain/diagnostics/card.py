@@ -22,7 +22,8 @@ def _git(*args: str) -> str:
     return res.stdout.strip() if res.returncode == 0 else ""
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU model name (/proc/cpuinfo on Linux, else what `platform` knows)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -42,7 +43,7 @@ def run_card(world_size: int, device: str) -> dict[str, Any]:
         "commit": _git("rev-parse", "--short=12", "HEAD") or "unknown (not a git checkout)",
         "dirty": bool(status),
         "host": platform.node(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "gpu": gpu,
         "device": device,
         "world_size": world_size,

@@ -9,6 +9,7 @@ the same three calls: `__call__(samples)` (training collate), `image_batch(image
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from vltrain.engine.checkpoint import load_weights, resolve_checkpoint
 from vltrain.models.captioner import Captioner
 from vltrain.models.dual_encoder import DualEncoder
 from vltrain.models.presets import text_config, vision_config
+from vltrain.models.vit import VisionTowerConfig
 
 HF_KINDS = ("hf_clip", "hf_siglip", "vlm")
 
@@ -106,6 +108,7 @@ def build_encoder(cfg: Config, tokenizer: TextTokenizer | None) -> nn.Module:
                 m.vision_width,
                 image_size=cfg.data.image_size,
                 dropout=m.dropout,
+                **vision_options(m.vision_options),
             ),
             _sized(
                 text_config,
@@ -136,6 +139,19 @@ def build_encoder(cfg: Config, tokenizer: TextTokenizer | None) -> nn.Module:
             matryoshka_dims=m.matryoshka_dims,
         )
     return build_embedder(m.kind, m.path, **opts)
+
+
+def vision_options(options: dict[str, Any]) -> dict[str, Any]:
+    """`model.vision_options` checked against the tower's config fields (did-you-mean)."""
+    fields = {f.name for f in dataclasses.fields(VisionTowerConfig)} - {"image_size"}
+    out = {}
+    for key, value in options.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, sorted(fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"model.vision_options: unknown field {key!r}{hint}")
+        out[key] = tuple(value) if isinstance(value, list) else value
+    return out
 
 
 def _sized(make: Any, preset: str, layers: int, width: int, **dims: Any) -> Any:
@@ -203,7 +219,8 @@ def build_captioner(cfg: Config, tokenizer: TextTokenizer) -> Captioner:
             dropout=m.dropout,
             text_dims={k: v for k, v in (("layers", m.text_layers), ("width", m.text_width)) if v},
             vision_dims={
-                k: v for k, v in (("layers", m.vision_layers), ("width", m.vision_width)) if v
+                **{k: v for k, v in (("layers", m.vision_layers), ("width", m.vision_width)) if v},
+                **vision_options(m.vision_options),
             },
         )
     except ValueError as e:  # connector options and sizes are user config

@@ -103,6 +103,7 @@ class Captioner(nn.Module):
         self.connector = connector
         self.decoder = decoder
         self.bos_token_id, self.eos_token_id, self.pad_token_id = bos_id, eos_id, pad_id
+        self.frozen: tuple[str, ...] = ()
 
     @classmethod
     def from_config(
@@ -280,7 +281,8 @@ class Captioner(nn.Module):
     def freeze(self, parts: Iterable[str]) -> None:
         """Stop gradients to the named parts (``vision``, ``connector``, ``decoder``).
 
-        Dropout in a frozen part still follows ``train()`` / ``eval()``.
+        Dropout in a frozen part still follows ``train()`` / ``eval()``; batch-norm layers of a
+        frozen part stay in eval mode (their running statistics are part of what was frozen).
         """
         parts = list(parts)
         for part in parts:
@@ -293,6 +295,17 @@ class Captioner(nn.Module):
                 )
         for part in parts:
             getattr(self, part).requires_grad_(False)
+        self.frozen = tuple(dict.fromkeys((*self.frozen, *parts)))
+        self.train(self.training)
+
+    def train(self, mode: bool = True) -> Captioner:
+        """``nn.Module.train``, except that batch norms of frozen parts never leave eval mode."""
+        super().train(mode)
+        for part in self.frozen:
+            for m in getattr(self, part).modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.eval()
+        return self
 
     def no_weight_decay(self) -> list[str]:
         """Positional embeddings and the class token are exempt from weight decay."""

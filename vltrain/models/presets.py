@@ -1,6 +1,8 @@
 """Named model sizes as data. Architecture code never looks at these names.
 
-``tiny`` trains on a 2-core CPU in seconds; ``small`` is about twice as wide and deep;
+``tiny`` trains on a 2-core CPU in seconds; ``tiny_cnn`` is a CNN of the same size behind the
+same tower interface (conv stem, flatten head, no transformer blocks), the quickstart's image
+tower; ``small`` is about twice as wide and deep;
 ``base`` matches CLIP ViT-B/16 (vision) and CLIP's 12-layer 512-wide text transformer.
 """
 
@@ -14,6 +16,17 @@ from vltrain.models.vit import VisionTowerConfig
 
 VISION_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"image_size": 64, "patch_size": 8, "width": 128, "layers": 2, "heads": 4},
+    # a small CNN with the tower interface: conv stem to an 8x8 grid, flatten head, no blocks
+    "tiny_cnn": {
+        "image_size": 64,
+        "patch_size": 8,
+        "width": 128,
+        "layers": 0,
+        "heads": 4,
+        "stem": "conv",
+        "stem_channels": (32, 64, 128),
+        "pool": "flatten",
+    },
     "small": {"image_size": 96, "patch_size": 8, "width": 256, "layers": 4, "heads": 4},
     "base": {"image_size": 224, "patch_size": 16, "width": 768, "layers": 12, "heads": 12},
 }

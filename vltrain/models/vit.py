@@ -1,4 +1,16 @@
-"""A small ViT image tower (CLIP-style: conv patches, class token, pre-LN, blocks, final LN)."""
+"""The image tower: a ViT (CLIP-style: conv patches, class token, pre-LN, blocks, final LN), or
+the same token interface over a small convolutional stem.
+
+``stem="patch"`` embeds each patch with one linear map (a strided conv), the ViT way.
+``stem="conv"`` halves the image with a 3x3 stride-2 convolution (GroupNorm, GELU) once per
+factor of two of ``patch_size``, then a 3x3 convolution to ``width`` gives the same
+(image / patch)^2 grid of tokens, each of which has seen its neighbours (Xiao et al. 2021,
+"Early convolutions help transformers see better"). ``pool="flatten"`` makes token 0 a linear
+map of the whole grid instead of a learned class token, so the pooled feature keeps where things
+are (a CNN head); with ``layers=0`` the tower is then a plain CNN. On the synthetic shapes data
+the conv stem with the flatten head learns several times faster per step than the patch-8 ViT
+(bench/quickstart_recipe.py).
+"""
 
 from __future__ import annotations
 
@@ -32,6 +44,19 @@ class VisionTowerConfig:
     """MLP hidden size as a multiple of width."""
     dropout: float = 0.0
     """Dropout on attention weights and residual branches."""
+    stem: str = "patch"
+    """Token embedding: "patch" (one linear map per patch, ViT) or "conv" (stride-2 3x3 convs)."""
+    stem_channels: tuple[int, ...] = ()
+    """Conv stem: channels of its stride-2 convolutions, one per factor 2 of patch_size (empty:
+    width / 2^k, doubling up to width); one entry more puts a stride-1 conv at full
+    resolution first (small shapes keep their outline)."""
+    stem_norm: str = "batch"
+    """Conv stem: "batch" (BatchNorm: learns fastest; running statistics per rank, kept in eval
+    mode when the tower is frozen) or "group" (GroupNorm: no batch statistics, so GradCache
+    chunks and DDP ranks compute exactly the unchunked single-process function)."""
+    pool: str = "cls"
+    """Token 0: "cls" (a learned class token, attended through the blocks) or "flatten" (a
+    linear map of the whole token grid: keeps positions; the usual head of a small CNN)."""
 
     def __post_init__(self) -> None:
         check_dims("VisionTowerConfig", self.width, self.heads, self.layers, self.mlp_ratio)
@@ -40,11 +65,64 @@ class VisionTowerConfig:
                 f"VisionTowerConfig: patch_size {self.patch_size} must divide "
                 f"image_size {self.image_size}"
             )
+        if self.stem not in STEMS or self.pool not in POOLS or self.stem_norm not in NORMS:
+            raise ValueError(
+                f"VisionTowerConfig: stem must be one of {STEMS}, stem_norm one of {NORMS} and "
+                f"pool one of {POOLS} (got stem={self.stem!r}, stem_norm={self.stem_norm!r}, "
+                f"pool={self.pool!r})"
+            )
+        self.stem_channels = tuple(int(c) for c in self.stem_channels)
+        if self.stem == "conv":
+            halvings = self.patch_size.bit_length() - 1
+            if self.patch_size != 1 << halvings:
+                raise ValueError(
+                    f"VisionTowerConfig: stem='conv' halves the image per stride-2 conv, so "
+                    f"patch_size must be a power of two (got {self.patch_size})"
+                )
+            if not self.stem_channels:
+                self.stem_channels = tuple(
+                    max(8, self.width >> (halvings - i)) for i in range(1, halvings + 1)
+                )
+            n = len(self.stem_channels)
+            if n not in (halvings, halvings + 1) or min(self.stem_channels) <= 0:
+                raise ValueError(
+                    f"VisionTowerConfig: stem_channels {self.stem_channels} must hold "
+                    f"{halvings} positive channel counts (one per halving of patch "
+                    f"{self.patch_size}), or {halvings + 1} with a stride-1 conv first"
+                )
+        elif self.stem_channels:
+            raise ValueError("VisionTowerConfig: stem_channels needs stem='conv'")
 
     @property
     def num_patches(self) -> int:
         """Patches per image (tokens excluding the class token)."""
         return (self.image_size // self.patch_size) ** 2
+
+
+STEMS = ("patch", "conv")
+POOLS = ("cls", "flatten")
+NORMS = ("batch", "group")
+
+
+def _norm(kind: str, channels: int) -> nn.Module:
+    if kind == "batch":
+        return nn.BatchNorm2d(channels)
+    groups = next(g for g in (8, 4, 2, 1) if channels % g == 0)
+    return nn.GroupNorm(groups, channels)
+
+
+def conv_stem(cfg: VisionTowerConfig) -> nn.Sequential:
+    """(B, 3, S, S) -> (B, width, S / patch, S / patch): [a stride-1 3x3 conv,] stride-2 3x3
+    convs with a norm and GELU each, then a 3x3 conv to width (norm, GELU)."""
+    layers: list[nn.Module] = []
+    c = 3
+    halvings = cfg.patch_size.bit_length() - 1
+    strides = [1] * (len(cfg.stem_channels) - halvings) + [2] * halvings + [1]
+    for out, stride in zip((*cfg.stem_channels, cfg.width), strides, strict=True):
+        layers += [nn.Conv2d(c, out, 3, stride, 1, bias=False), _norm(cfg.stem_norm, out)]
+        layers.append(nn.GELU())
+        c = out
+    return nn.Sequential(*layers)
 
 
 class VisionTower(nn.Module):
@@ -54,10 +132,16 @@ class VisionTower(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.width = cfg.width
-        self.patch_embed = nn.Conv2d(
-            3, cfg.width, kernel_size=cfg.patch_size, stride=cfg.patch_size, bias=False
-        )
-        self.class_token = nn.Parameter(torch.zeros(cfg.width))
+        if cfg.stem == "conv":
+            self.patch_embed: nn.Module = conv_stem(cfg)
+        else:
+            self.patch_embed = nn.Conv2d(
+                3, cfg.width, kernel_size=cfg.patch_size, stride=cfg.patch_size, bias=False
+            )
+        if cfg.pool == "flatten":  # token 0 from the whole grid, positions kept
+            self.grid_pool = nn.Linear(cfg.num_patches * cfg.width, cfg.width)
+        else:
+            self.class_token = nn.Parameter(torch.zeros(cfg.width))
         self.pos_embed = nn.Parameter(torch.zeros(1 + cfg.num_patches, cfg.width))
         self.norm_pre = nn.LayerNorm(cfg.width)
         self.blocks = make_blocks(cfg.width, cfg.layers, cfg.heads, cfg.mlp_ratio, cfg.dropout)
@@ -69,7 +153,8 @@ class VisionTower(nn.Module):
     def reset_parameters(self) -> None:
         """Normal(0, 0.02) weights, zero biases, unit LayerNorms."""
         self.apply(init_weights)
-        nn.init.normal_(self.class_token, std=0.02)
+        if self.cfg.pool == "cls":
+            nn.init.normal_(self.class_token, std=0.02)
         nn.init.normal_(self.pos_embed, std=0.02)
 
     def forward(self, images: Tensor) -> Tensor:
@@ -81,9 +166,12 @@ class VisionTower(nn.Module):
                 f"got {tuple(images.shape)}"
             )
         x = (images - self.pixel_mean) / self.pixel_std
-        x = self.patch_embed(x.to(self.patch_embed.weight.dtype))  # (B, W, h, w)
+        x = self.patch_embed(x.to(self.pos_embed.dtype))  # (B, W, h, w)
         x = x.flatten(2).transpose(1, 2)  # (B, P, W)
-        cls = self.class_token.to(x.dtype).expand(x.shape[0], 1, -1)  # (B, 1, W)
+        if self.cfg.pool == "flatten":
+            cls = self.grid_pool(x.flatten(1))[:, None]  # (B, 1, W)
+        else:
+            cls = self.class_token.to(x.dtype).expand(x.shape[0], 1, -1)  # (B, 1, W)
         x = torch.cat([cls, x], dim=1) + self.pos_embed.to(x.dtype)  # (B, 1 + P, W)
         x = self.norm_pre(x)
         for block in self.blocks:

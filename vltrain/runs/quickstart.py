@@ -27,6 +27,13 @@ STAGE_NAMES = {
     "caption_rl": "caption RL",
 }
 
+#: `--size` -> the towers every stage uses (the captioner loads the CLIP run's image tower)
+SIZES = {
+    "tiny": {"vision": "tiny_cnn", "text": "tiny"},  # the CNN tower learns the shapes fastest
+    "tiny_vit": {"vision": "tiny", "text": "tiny"},
+    "small": {"vision": "small", "text": "small"},
+}
+
 ROWS = (
     ("image->text R@1", "i2t_R@1"),
     ("image->text R@5", "i2t_R@5"),
@@ -51,16 +58,28 @@ def _ensure_data(data_dir: Path, n_train: int, n_eval: int, seed: int, total: in
 
 
 def results_table(summary: dict[str, Any]) -> str:
-    """Markdown table of val/test retrieval and hard-negative accuracy, with chance levels."""
+    """Markdown table of val/test retrieval and hard-negative accuracy, with chance levels and
+    the best R@1 a perfect model could expect (`vltrain.eval.ceiling`: images whose captions
+    mean the same thing are indistinguishable)."""
     val, test = summary.get("val", {}), summary.get("test", {})
     n_val = val.get("eval_n_images", 0) or 1
     rows = []
-    for name, key in ROWS:
+    kinds = sorted(k[len("eval_hardneg_acc_") :] for k in val if k.startswith("eval_hardneg_acc_"))
+    names = [*ROWS, *((f"  {k} swaps", f"hardneg_acc_{k}") for k in kinds)]
+    for name, key in names:
         k = 5 if key.endswith("5") else 1
-        chance = 0.5 if key == "hardneg_acc" else min(1.0, k / n_val)
-        values = (val.get(f"eval_{key}"), test.get(key), chance)
+        chance = 0.5 if key.startswith("hardneg_acc") else min(1.0, k / n_val)
+        ceiling = key.endswith("R@1")
+        values = (
+            val.get(f"eval_{key}"),
+            val.get(f"eval_{key}_ceiling") if ceiling else None,
+            test.get(key),
+            test.get(f"{key}_ceiling") if ceiling else None,
+            chance,
+        )
         rows.append([name, *(cell(x, 100, ".1f") for x in values)])
-    return markdown_table(["metric", "val", "test (unseen combos)", "chance (val)"], rows)
+    head = ["metric", "val", "val ceiling", "test (unseen combos)", "test ceiling", "chance (val)"]
+    return markdown_table(head, rows)
 
 
 def stage_overrides(
@@ -73,7 +92,7 @@ def stage_overrides(
     caption_extra: list[str],
 ) -> dict[str, list[str]]:
     """The quickstart's flags as per-stage overrides of configs/quickstart_pipeline.yaml."""
-    sizes = [f"model.vision={size}", f"model.text={size}"]
+    sizes = [f"model.{tower}={preset}" for tower, preset in SIZES[size].items()]
     pre_steps, fine_steps = caption_steps * 2 // 3, caption_steps - caption_steps * 2 // 3
 
     def budget(n: int, warmup: int, every: int) -> list[str]:
@@ -180,15 +199,29 @@ def run_quickstart(
     elapsed = time.time() - t0
     (root / "report.md").write_text(
         "# vltrain quickstart report\n\nHeld-out test split (attribute combinations never seen "
-        f"in training).\n\n{report}\n\nTotal time: {elapsed:.0f} s.\n"
+        f"in training).\n\n{report}\n\n{machine_note()}\n\nTotal time: {elapsed:.0f} s.\n"
     )
     runs = ", ".join(str(root / r["run"]) for r in rows)
     html = write_report([str(root / r["run"]) for r in rows], root / "report.html", "quickstart")
     print(
         f"\nrun folders: {runs}  (config.yaml, metrics.jsonl, checkpoints/, summary.json)\n"
-        f"report: {root / 'report.md'}, {html}\ntotal time: {elapsed:.0f} s"
+        f"report: {root / 'report.md'}, {html}\ntotal time: {elapsed:.0f} s\n{machine_note()}"
     )
     return result
+
+
+def machine_note() -> str:
+    """Where these numbers came from, and how far they reproduce."""
+    import torch
+
+    from vltrain.diagnostics.card import cpu_model
+
+    return (
+        f"machine: {cpu_model() or 'unknown CPU'}, {torch.get_num_threads()} torch threads, "
+        f"torch {torch.__version__}. The numbers are bitwise reproducible on this machine type "
+        "with the same library builds and thread count (fp32 on CPU); another CPU type (e.g. "
+        "AVX-512 vs not) or BLAS build rounds differently and prints other numbers."
+    )
 
 
 def _row(ran: dict[str, Any], root: Path) -> dict[str, Any]:

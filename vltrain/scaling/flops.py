@@ -198,8 +198,19 @@ def vision_tower_flops(tower: nn.Module) -> tuple[float, int]:
     cfg = tower.cfg
     tokens = 1 + cfg.num_patches
     hidden = int(cfg.width * cfg.mlp_ratio)
-    patch = linear(cfg.num_patches, 3 * cfg.patch_size**2, cfg.width)
-    return patch + cfg.layers * block_forward(cfg.width, hidden, tokens), tokens
+    if getattr(cfg, "stem", "patch") == "conv":  # 3x3 convs, each output pixel 9 x c_in MACs
+        side, c, stem = cfg.image_size, 3, 0.0
+        full = len(cfg.stem_channels) - (cfg.patch_size.bit_length() - 1)  # stride-1 convs
+        for i, out in enumerate(cfg.stem_channels):
+            side = side if i < full else side // 2
+            stem += linear(side * side, 9 * c, out)
+            c = out
+        stem += linear(side * side, 9 * c, cfg.width)
+    else:
+        stem = linear(cfg.num_patches, 3 * cfg.patch_size**2, cfg.width)
+    if getattr(cfg, "pool", "cls") == "flatten":
+        stem += linear(1, cfg.num_patches * cfg.width, cfg.width)
+    return stem + cfg.layers * block_forward(cfg.width, hidden, tokens), tokens
 
 
 def text_blocks_flops(cfg: Any, tokens: int) -> float:

@@ -94,6 +94,7 @@ CAPTION_KEYS = (
     "model.text",
     "model.vision_layers",
     "model.vision_width",
+    "model.vision_options",
     "model.text_layers",
     "model.text_width",
     "model.dropout",

@@ -19,12 +19,14 @@ from vltrain.data.samplers import EvalShardSampler, ShardedBatchSampler
 from vltrain.data.shard_decode import SampleDecoder
 from vltrain.data.shards import is_shard_source, read_texts, resolve_shards
 from vltrain.data.streaming import StreamLoader, check_stream_layout
+from vltrain.data.synth import scene_key
 from vltrain.data.tokenizer import TextTokenizer, prepare_tokenizer
 from vltrain.engine import distributed as D
 from vltrain.engine.checkpoint import load_weights, resolve_init
 from vltrain.engine.parallel import ParallelModel
 from vltrain.engine.runtime import RunContext, to_device
 from vltrain.engine.task import StepOutput
+from vltrain.eval.ceiling import retrieval_ceiling
 from vltrain.eval.retrieval import image_text_retrieval
 from vltrain.models.backbones import (
     ENCODER_KINDS,
@@ -85,6 +87,8 @@ EVAL_METRICS = (
     "eval_R@1_mean",
     "eval_i2t_*",
     "eval_t2i_*",
+    "eval_i2t_R@1_ceiling",
+    "eval_t2i_R@1_ceiling",
     "eval_hardneg_acc",
     "eval_hardneg_acc_*",
     "eval_bad_samples",
@@ -128,7 +132,8 @@ def used_keys(cfg: Config) -> tuple[str, ...]:
         used += ["objective.siglip_init_*", "objective.max_logit_scale"]
     if m.kind == "dual_encoder":
         used += ["data.tokenizer_vocab", "model.vision", "model.text", "model.embed_dim"]
-        used += ["model.vision_layers", "model.vision_width", "model.text_layers"]
+        used += ["model.vision_layers", "model.vision_width", "model.vision_options"]
+        used += ["model.text_layers"]
         used += ["model.text_width", "model.dropout"]
     else:
         # LoRA options stay accepted with model.lora_r=0: that is how a LoRA preset is turned off
@@ -463,6 +468,7 @@ class ContrastiveStage:
         pos = torch.searchsorted(idx, owner)  # text -> row of its image in `img`
         metrics = image_text_retrieval(img, txt, pos)
         metrics["R@1_mean"] = 0.5 * (metrics["i2t_R@1"] + metrics["t2i_R@1"])
+        metrics.update(self._ceiling(self._eval_set(split), idx, pos))
         metrics.update(self._eval_loss(model, img, txt, pos))
         total = float(g["hn_total"].sum())
         if total:
@@ -483,6 +489,16 @@ class ContrastiveStage:
         metrics["bad_samples"] = float(g["n_bad"].sum())
         metrics["n_images"] = float(img.shape[0])
         return metrics
+
+    @staticmethod
+    def _ceiling(ds: ImageTextDataset, idx: Tensor, pos: Tensor) -> dict[str, float]:
+        """The R@1 a perfect model expects on these images (`vltrain.eval.ceiling`), when the
+        records say what their captions describe (the synthetic data's scene); else nothing."""
+        keys = [scene_key(ds.records[i]) for i in idx.tolist()]
+        if not keys or all(k is None for k in keys):
+            return {}
+        n_captions = torch.bincount(pos, minlength=len(keys)).tolist()  # captions per image
+        return {f"{k}_ceiling": v for k, v in retrieval_ceiling(keys, n_captions).items()}
 
     def _eval_loss(
         self, model: ContrastiveModel, img: Tensor, txt: Tensor, pos: Tensor

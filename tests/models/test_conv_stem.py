@@ -1,0 +1,82 @@
+"""The conv-stem / flatten-head image tower (`tiny_cnn`) behind the ViT's token interface."""
+
+import pytest
+import torch
+
+from vltrain.models.captioner import Captioner
+from vltrain.models.presets import vision_config
+from vltrain.models.vit import VisionTower, VisionTowerConfig
+
+
+def test_conv_stem_keeps_the_token_interface():
+    torch.manual_seed(0)
+    tower = VisionTower(vision_config("tiny_cnn"))
+    x = torch.rand(3, 3, 64, 64)
+    tokens = tower(x)
+    assert tokens.shape == (3, 1 + 64, 128)  # class slot + the 8x8 grid, like the patch-8 ViT
+    assert torch.equal(tower.pooled(x), tokens[:, 0])
+    # token 0 is a map of the whole grid, so it depends on where a shape is (a moved copy of
+    # the same content gives another feature), not only on what is there
+    moved = torch.roll(x, shifts=16, dims=-1)
+    assert not torch.allclose(tower.eval().pooled(x), tower.pooled(moved), atol=1e-4)
+    # a ViT with the conv stem and a class token also builds (stem default: 32, 64, 128)
+    hybrid = VisionTower(vision_config("tiny", stem="conv"))
+    assert hybrid.cfg.stem_channels == (32, 64, 128) and hybrid(x).shape == (3, 65, 128)
+
+
+@pytest.mark.parametrize(
+    "over,message",
+    [
+        ({"stem": "conv", "patch_size": 12, "image_size": 48}, "power of two"),
+        ({"stem": "conv", "stem_channels": (32, 64)}, "3 positive channel counts"),
+        ({"stem_channels": (32, 64, 128)}, "needs stem='conv'"),
+        ({"stem": "convolution"}, "stem must be one of"),
+        ({"pool": "mean"}, "pool one of"),
+    ],
+)
+def test_bad_stem_options_are_refused(over, message):
+    dims = {"image_size": 64, "patch_size": 8, "width": 64, "layers": 1, "heads": 2, **over}
+    with pytest.raises(ValueError, match=message):
+        VisionTowerConfig(**dims)
+
+
+def _captioner() -> Captioner:
+    torch.manual_seed(0)
+    return Captioner.from_config("tiny_cnn", "tiny", vocab_size=64, max_text_len=8)
+
+
+def _bn_means(model: Captioner) -> list[torch.Tensor]:
+    bns = [m for m in model.vision.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert bns
+    return [m.running_mean.clone() for m in bns]
+
+
+def test_a_frozen_tower_keeps_its_batch_norm_statistics():
+    images = torch.rand(4, 3, 64, 64)
+    ids = torch.randint(3, 64, (4, 6))
+    mask = torch.ones_like(ids)
+    frozen = _captioner()
+    frozen.freeze(["vision"])
+    before = _bn_means(frozen)
+    frozen.train()
+    frozen(images, ids, mask)
+    assert all(torch.equal(a, b) for a, b in zip(before, _bn_means(frozen), strict=True))
+    assert frozen.decoder.training and not frozen.vision.patch_embed[1].training
+    # negative control: the same model, not frozen, moves its running statistics
+    live = _captioner()
+    live.train()
+    live(images, ids, mask)
+    assert not all(torch.equal(a, b) for a, b in zip(before, _bn_means(live), strict=True))
+
+
+def test_vision_options_reach_the_tower_and_typos_are_named(tmp_path):
+    from vltrain.config.core import ConfigError
+    from vltrain.models.backbones import vision_options
+
+    assert vision_options({"stem_channels": [16, 32, 64, 128]}) == {
+        "stem_channels": (16, 32, 64, 128)
+    }
+    with pytest.raises(ConfigError, match="did you mean 'stem_norm'"):
+        vision_options({"stem_nrom": "group"})
+    with pytest.raises(ConfigError, match="unknown field 'image_size'"):
+        vision_options({"image_size": 32})  # data.image_size decides it
