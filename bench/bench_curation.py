@@ -225,6 +225,14 @@ def _decode_files(paths: list[Path]) -> float:
     return time.process_time() - c0
 
 
+def _decode_grey_files(paths: list[Path]) -> float:
+    c0 = time.process_time()
+    for p in paths:
+        with Image.open(p) as im:
+            im.convert("L")
+    return time.process_time() - c0
+
+
 def _floor_files(paths: list[Path]) -> float:
     """The floor for identical pHash + dHash: what imagehash itself needs, done once: decode,
     one grey conversion, the two full-resolution LANCZOS thumbnails (32x32 and 9x8)."""
@@ -254,6 +262,21 @@ def _timed(fn, paths: list[Path], workers: int) -> tuple[float, float]:
                 cpu = sum(pool.map(fn, [paths[i::workers] for i in range(workers)]))
                 runs.append((time.perf_counter() - t0, cpu))
     return float(np.median([x[0] for x in runs])), float(np.median([x[1] for x in runs]))
+
+
+def _interleaved(fns: dict, paths: list[Path], rounds: int = 5) -> dict:
+    """{name: (wall, CPU seconds)}, medians over rounds that each run every fn once in turn,
+    so a change of machine load hits all of them alike (one process)."""
+    runs: dict[str, list] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            cpu = fn(paths)
+            runs[name].append((time.perf_counter() - t0, cpu))
+    return {
+        k: (float(np.median([x[0] for x in v])), float(np.median([x[1] for x in v])))
+        for k, v in runs.items()
+    }
 
 
 def _shortcut_checks(imgs: list[Image.Image]) -> str:
@@ -309,17 +332,18 @@ def bench_image_hashes(imgs: list[Image.Image], reps: int) -> list[str]:
                 im.save(p, quality=90) if fmt == "jpg" else im.save(p)
                 paths.append(p)
             n = len(paths)
-            t = {
-                name: _timed(fn, paths, w)
-                for name, fn, w in (
-                    ("decode", _decode_files, 1),
-                    ("floor", _floor_files, 1),
-                    ("ours", _hash_files, 1),
-                    ("theirs", _imagehash_files, 1),
-                    ("ours2", _hash_files, 2),
-                    ("theirs2", _imagehash_files, 2),
-                )
-            }
+            t = _interleaved(
+                {
+                    "decode": _decode_files,
+                    "grey": _decode_grey_files,
+                    "floor": _floor_files,
+                    "ours": _hash_files,
+                    "theirs": _imagehash_files,
+                },
+                paths,
+            )
+            t["ours2"] = _timed(_hash_files, paths, 2)
+            t["theirs2"] = _timed(_imagehash_files, paths, 2)
             cpu_theirs = t["theirs"][1]
             for name, label in (
                 ("ours", "vltrain features (identical hashes: " + str(same) + "), 1 process"),
@@ -327,6 +351,7 @@ def bench_image_hashes(imgs: list[Image.Image], reps: int) -> list[str]:
                 ("theirs", "imagehash phash + dhash, 1 process"),
                 ("theirs2", "imagehash, 2 processes"),
                 ("decode", "decode alone"),
+                ("grey", "decode + one grey conversion"),
                 ("floor", "floor: decode + grey + the two LANCZOS thumbnails"),
             ):
                 wall, cpu = t[name]
