@@ -8,9 +8,12 @@ from photos that ship in scikit-image plus planted transforms.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
+import os
 import platform
 import random
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -65,41 +68,91 @@ def captions(n: int, seed: int = 0) -> tuple[list[str], list[int]]:
     return texts, label
 
 
-def _minhash_part(texts: list[str], num_perm: int = 128) -> tuple:
-    """Shingles and signatures of one part of the captions (one worker's share)."""
-    h = NgramHasher(3)
-    flat, off = h.shingle_sets([[t] for t in words_batch(texts)])
-    return flat, off, minhash.MinHasher(num_perm).signatures_flat(flat, off)
+def _minhash_part(texts: list[str], num_perm: int = 128, bands: int = 14, rows: int = 9) -> tuple:
+    """One worker's share, shared-nothing: tokens, shingle sets, signatures and band keys;
+    returns (flat shingles, offsets, band keys, CPU seconds it took). The parent only merges
+    the band keys (one sort per band) and verifies candidates."""
+    c0 = time.process_time()
+    flat, off = NgramHasher(3).shingle_sets([[t] for t in words_batch(texts)])
+    sigs = minhash.MinHasher(num_perm).signatures_flat(flat, off)  # (n, P)
+    return flat, off, minhash.band_keys(sigs, bands, rows), time.process_time() - c0
+
+
+_TEXTS: list[str] = []
+
+
+def _load_texts(texts: list[str]) -> None:
+    """Pool initializer: each worker holds the input, as a worker reading its own part of a
+    file would (not timed); a task then names only its range."""
+    _TEXTS[:] = texts
+
+
+def _minhash_range(start: int, end: int, num_perm: int, bands: int, rows: int) -> tuple:
+    return _minhash_part(_TEXTS[start:end], num_perm, bands, rows)
 
 
 def _ours_minhash(texts: list[str], pool, b: int, r: int, threshold: float) -> tuple:
-    """Shingles + signatures in this process (pool None) or in a warm pool's workers (chunks of
-    2,000 captions), then LSH candidates and exact verification here."""
+    """Shingles + signatures + band keys in this process (pool None) or in a warm pool's
+    workers (one chunk per worker), then LSH candidates and exact verification here.
+    Returns (flat, offsets, verified pairs, CPU seconds spent in workers)."""
     if pool is None:
-        parts = [_minhash_part(texts)]
+        parts = [_minhash_part(texts, 128, b, r)]
     else:
-        parts = pool.map(_minhash_part, [texts[i : i + 2000] for i in range(0, len(texts), 2000)])
+        step = -(-len(texts) // pool._processes)  # one shared-nothing range per worker
+        ranges = [(i, min(i + step, len(texts)), 128, b, r) for i in range(0, len(texts), step)]
+        parts = pool.starmap(_minhash_range, ranges)
     flat = np.concatenate([x[0] for x in parts])
     sizes = np.concatenate([np.diff(x[1]) for x in parts])
     off = np.concatenate([[0], np.cumsum(sizes)])
-    sigs = np.concatenate([x[2] for x in parts])
-    return flat, off, minhash.verified_pairs_flat(flat, off, sigs, b, r, threshold)
+    keys = np.concatenate([x[2] for x in parts])  # (N, bands)
+    pairs = minhash.key_pairs(keys)
+    sim = minhash.pair_jaccard(flat, off, pairs)
+    ok = sim >= threshold
+    found = {(i, j): s for (i, j), s in zip(pairs[ok].tolist(), sim[ok].tolist(), strict=True)}
+    return flat, off, found, (sum(x[3] for x in parts) if pool is not None else 0.0)
 
 
-def bench_minhash(n: int, threshold: float = 0.7, num_perm: int = 128) -> list[str]:
+def _textdedup(texts: list[str], python: str | None, threshold: float) -> dict | None:
+    """text-dedup's MinHash on the same captions, in its own venv (bench/textdedup_runner.py);
+    None when that interpreter is not there."""
+    if not python or not Path(python).exists():
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "captions.txt"
+        path.write_text("\n".join(texts), encoding="utf-8")
+        runner = Path(__file__).with_name("textdedup_runner.py")
+        out = subprocess.run(
+            [python, str(runner), str(path), "--threshold", str(threshold)],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    res = json.loads(out.stdout)
+    res["pairs"] = {tuple(x) for x in res["pairs"]}
+    return res
+
+
+def bench_minhash(
+    n: int, threshold: float = 0.7, num_perm: int = 128, textdedup_python: str | None = None
+) -> list[str]:
     from datasketch import MinHash, MinHashLSH
 
     texts, _ = captions(n)
     b, r = minhash.optimal_params(threshold, num_perm)
-    t0, c0 = time.perf_counter(), time.process_time()
-    flat, off, found = _ours_minhash(texts, None, b, r, threshold)
-    t_ours, c_ours = time.perf_counter() - t0, time.process_time() - c0
-    with multiprocessing.get_context("spawn").Pool(2) as pool:
-        pool.map(_minhash_part, [texts[:10], texts[10:20]])  # warm: the spawn is not counted
-        t0 = time.perf_counter()
-        _, _, found2 = _ours_minhash(texts, pool, b, r, threshold)
-        t_ours2 = time.perf_counter() - t0
-    assert found2.keys() == found.keys()
+    _ours_minhash(texts[:200], None, b, r, threshold)  # warm: imports, first-call numpy
+    runs = []
+    for _ in range(3):
+        t0, c0 = time.perf_counter(), time.process_time()
+        flat, off, found, _ = _ours_minhash(texts, None, b, r, threshold)
+        runs.append((time.perf_counter() - t0, time.process_time() - c0))
+    t_ours, c_ours = (float(np.median([x[i] for x in runs])) for i in (0, 1))
+    runs2 = []
+    with multiprocessing.get_context("spawn").Pool(2, _load_texts, (texts,)) as pool:
+        pool.starmap(_minhash_range, [(0, 10, 128, b, r)] * 2)  # warm: spawn not counted
+        for _ in range(3):
+            t0, c0 = time.perf_counter(), time.process_time()
+            _, _, found2, c_workers = _ours_minhash(texts, pool, b, r, threshold)
+            runs2.append((time.perf_counter() - t0, time.process_time() - c0 + c_workers))
+            assert found2.keys() == found.keys()
+    t_ours2, c_ours2 = (float(np.median([x[i] for x in runs2])) for i in (0, 1))
     ours = set(found)
     t0, c0 = time.perf_counter(), time.process_time()
     lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)
@@ -112,62 +165,148 @@ def bench_minhash(n: int, threshold: float = 0.7, num_perm: int = 128) -> list[s
         mhs.append(m)
     theirs = {(min(i, j), max(i, j)) for i, m in enumerate(mhs) for j in lsh.query(m) if i != j}
     t_theirs, c_theirs = time.perf_counter() - t0, time.process_time() - c0
+    td = _textdedup(texts, textdedup_python, threshold)
+    tdp = td["pairs"] if td else set()
     sh = [flat[off[i] : off[i + 1]] for i in range(n)]
-    truth = {p for p in ours | theirs if jaccard(sh[p[0]], sh[p[1]]) >= threshold}
+    truth = {p for p in ours | theirs | tdp if jaccard(sh[p[0]], sh[p[1]]) >= threshold}
 
-    # exhaustive truth on a sample of pairs would be O(n^2); candidate union + exact check is the
-    # standard bound (a pair neither finds counts for neither)
-    def pr(found):
+    # exhaustive truth would be O(n^2) pairs; the union of every tool's candidates, checked by
+    # exact Jaccard, is the standard bound (a pair no tool finds counts for none)
+    def prf(found: set) -> str:
         tp = len(found & truth)
-        return tp / max(len(found), 1), tp / max(len(truth), 1)
+        prec, rec = tp / max(len(found), 1), tp / max(len(truth), 1)
+        return f"P={prec:.3f} R={rec:.3f} F1={2 * prec * rec / max(prec + rec, 1e-12):.3f}"
 
-    po, ro = pr(ours)
-    pt, rt = pr(theirs)
-    return [
-        f"| caption MinHash-LSH, {n} captions, J>={threshold}, {num_perm} perms | vltrain "
-        f"P={po:.3f} R={ro:.3f}; 1 process {n / t_ours:,.0f} captions/s wall "
-        f"({n / c_ours:,.0f} per CPU-second), 2 workers {n / t_ours2:,.0f}/s wall | datasketch "
-        f"P={pt:.3f} R={rt:.3f} {n / t_theirs:,.0f}/s wall ({n / c_theirs:,.0f} per CPU-second) "
-        f"| 1 process {t_theirs / t_ours:.1f}x wall, {c_theirs / c_ours:.1f}x CPU; 2 workers "
-        f"{t_theirs / t_ours2:.1f}x |"
+    rows = [
+        f"| caption MinHash-LSH, {n:,} captions, word 3-grams, J>={threshold}, {num_perm} perms, "
+        f"{b}x{r} bands, true pairs {len(truth):,} | tool | P/R/F1 | captions/s wall | "
+        f"captions per CPU-second |",
+        f"| | vltrain, 1 process | {prf(ours)} | {n / t_ours:,.0f} | {n / c_ours:,.0f} |",
+        f"| | vltrain, 2 workers (parent merges band keys, verifies) | {prf(ours)} | "
+        f"{n / t_ours2:,.0f} | {n / c_ours2:,.0f} (parent + workers) |",
+        f"| | datasketch MinHashLSH | {prf(theirs)} | {n / t_theirs:,.0f} | {n / c_theirs:,.0f} |",
     ]
+    if td:
+        rows.append(
+            f"| | text-dedup {td['version'] or '0.4.0'} minhash (its embed_func, {td['bands']}x"
+            f"{td['rows']}) | {prf(tdp)} | {n / td['wall_s']:,.0f} | {n / td['cpu_s']:,.0f} |"
+        )
+    else:
+        rows.append("| | text-dedup | not run (no --textdedup-python interpreter) | | |")
+    return rows
 
 
-def _hash_files(paths: list[Path]) -> int:
+def _hash_files(paths: list[Path]) -> float:
+    """vltrain's features of each file: one decode, then `image_hashes` (content key, pHash,
+    dHash and mirrors, colour thumbnail, crop windows). Returns this process's CPU seconds."""
+    c0 = time.process_time()
     for p in paths:
         with Image.open(p) as im:
             image_hashes(im.convert("RGB"))
-    return len(paths)
+    return time.process_time() - c0
 
 
-def _imagehash_files(paths: list[Path]) -> int:
+def _imagehash_files(paths: list[Path]) -> float:
     import imagehash
 
+    c0 = time.process_time()
     for p in paths:
         with Image.open(p) as im:
             imagehash.phash(im)
             imagehash.dhash(im)
-    return len(paths)
+    return time.process_time() - c0
 
 
-def _decode_files(paths: list[Path]) -> int:
+def _decode_files(paths: list[Path]) -> float:
+    c0 = time.process_time()
     for p in paths:
         with Image.open(p) as im:
             im.load()
-    return len(paths)
+    return time.process_time() - c0
+
+
+def _decode_grey_files(paths: list[Path]) -> float:
+    c0 = time.process_time()
+    for p in paths:
+        with Image.open(p) as im:
+            im.convert("L")
+    return time.process_time() - c0
+
+
+def _floor_files(paths: list[Path]) -> float:
+    """The floor for identical pHash + dHash: what imagehash itself needs, done once: decode,
+    one grey conversion, the two full-resolution LANCZOS thumbnails (32x32 and 9x8)."""
+    c0 = time.process_time()
+    for p in paths:
+        with Image.open(p) as im:
+            grey = im.convert("L")
+            grey.resize((32, 32), Image.Resampling.LANCZOS)
+            grey.resize((9, 8), Image.Resampling.LANCZOS)
+    return time.process_time() - c0
 
 
 def _timed(fn, paths: list[Path], workers: int) -> tuple[float, float]:
-    """(wall, CPU seconds of this process) of fn over paths in `workers` warm processes."""
+    """(wall, CPU seconds of all processes doing the work) of fn over paths, in this process
+    or in `workers` warm processes (median of 3 runs)."""
+    runs = []
     if workers == 1:
-        t0, c0 = time.perf_counter(), time.process_time()
-        fn(paths)
-        return time.perf_counter() - t0, time.process_time() - c0
-    with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        pool.map(fn, [paths[:1]] * workers)  # warm the workers (imports)
-        t0 = time.perf_counter()
-        pool.map(fn, [paths[i::workers] for i in range(workers)])
-        return time.perf_counter() - t0, float("nan")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            cpu = fn(paths)
+            runs.append((time.perf_counter() - t0, cpu))
+    else:
+        with multiprocessing.get_context("spawn").Pool(workers) as pool:
+            pool.map(fn, [paths[:1]] * workers)  # warm the workers (imports)
+            for _ in range(3):
+                t0 = time.perf_counter()
+                cpu = sum(pool.map(fn, [paths[i::workers] for i in range(workers)]))
+                runs.append((time.perf_counter() - t0, cpu))
+    return float(np.median([x[0] for x in runs])), float(np.median([x[1] for x in runs]))
+
+
+def _interleaved(fns: dict, paths: list[Path], rounds: int = 5) -> dict:
+    """{name: (wall, CPU seconds)}, medians over rounds that each run every fn once in turn,
+    so a change of machine load hits all of them alike (one process)."""
+    runs: dict[str, list] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            cpu = fn(paths)
+            runs[name].append((time.perf_counter() - t0, cpu))
+    return {
+        k: (float(np.median([x[0] for x in v])), float(np.median([x[1] for x in v])))
+        for k, v in runs.items()
+    }
+
+
+def _shortcut_checks(imgs: list[Image.Image]) -> str:
+    """Are `reduce()` / JPEG `draft()` before the LANCZOS thumbnails equivalent to imagehash's
+    full-resolution path? Counts photos whose pHash AND dHash stay identical."""
+    import io
+
+    import imagehash
+
+    def hashes(im: Image.Image) -> tuple[str, str]:
+        return str(imagehash.phash(im)), str(imagehash.dhash(im))
+
+    same_reduce = same_draft = n_reduce = 0
+    for im in imgs:
+        want = hashes(im)
+        k = min(im.size) // 64  # leaves >= 64 px, twice the 32 px thumbnail
+        if k >= 2:
+            n_reduce += 1
+            same_reduce += hashes(im.reduce(k)) == want
+        buf = io.BytesIO()
+        im.save(buf, "JPEG", quality=90)
+        with Image.open(io.BytesIO(buf.getvalue())) as full:
+            want_jpeg = hashes(full.convert("RGB"))
+        with Image.open(io.BytesIO(buf.getvalue())) as small:
+            small.draft("RGB", (64, 64))
+            same_draft += hashes(small.convert("RGB")) == want_jpeg
+    return (
+        f"| shortcuts (not used) | `reduce(k)` to >= 64 px first: {same_reduce}/{n_reduce} "
+        f"photos keep both hashes; JPEG `draft` to >= 64 px: {same_draft}/{len(imgs)} | | |"
+    )
 
 
 def bench_image_hashes(imgs: list[Image.Image], reps: int) -> list[str]:
@@ -178,7 +317,13 @@ def bench_image_hashes(imgs: list[Image.Image], reps: int) -> list[str]:
         and image_hashes(im).dhash == int(str(imagehash.dhash(im)), 16)
         for im in imgs
     )
-    rows = []
+    px = sorted(im.width * im.height for im in imgs)
+    rows = [
+        f"| {len(imgs)} photos, {px[0]:,}..{px[-1]:,} px (median {px[len(px) // 2]:,}; "
+        f"{sum(p >= 512 * 512 for p in px)} of them >= 512x512), x{reps} | images/s wall | "
+        f"images per CPU-second | vs imagehash (CPU) |",
+        _shortcut_checks(imgs),
+    ]
     with tempfile.TemporaryDirectory() as d:
         for fmt in ("png", "jpg"):
             paths = []
@@ -187,20 +332,33 @@ def bench_image_hashes(imgs: list[Image.Image], reps: int) -> list[str]:
                 im.save(p, quality=90) if fmt == "jpg" else im.save(p)
                 paths.append(p)
             n = len(paths)
-            dec, _ = _timed(_decode_files, paths, 1)
-            ours, ours_cpu = _timed(_hash_files, paths, 1)
-            theirs, theirs_cpu = _timed(_imagehash_files, paths, 1)
-            ours2, _ = _timed(_hash_files, paths, 2)
-            theirs2, _ = _timed(_imagehash_files, paths, 2)
-            rows.append(
-                f"| pHash+dHash, {n} {fmt.upper()} photos, decode included | vltrain 1 process "
-                f"{n / ours:.0f} img/s ({n / ours_cpu:.0f} per CPU-s), 2 workers {n / ours2:.0f} "
-                f"img/s (also content hash, mirrors, crop windows, thumbnails) | imagehash 1 "
-                f"process {n / theirs:.0f} img/s ({n / theirs_cpu:.0f} per CPU-s), 2 processes "
-                f"{n / theirs2:.0f} img/s; decode alone {n / dec:.0f} img/s | 1 process "
-                f"{theirs / ours:.2f}x, 2 workers vs imagehash 1 process {theirs / ours2:.2f}x; "
-                f"identical hashes: {same} |"
+            t = _interleaved(
+                {
+                    "decode": _decode_files,
+                    "grey": _decode_grey_files,
+                    "floor": _floor_files,
+                    "ours": _hash_files,
+                    "theirs": _imagehash_files,
+                },
+                paths,
             )
+            t["ours2"] = _timed(_hash_files, paths, 2)
+            t["theirs2"] = _timed(_imagehash_files, paths, 2)
+            cpu_theirs = t["theirs"][1]
+            for name, label in (
+                ("ours", "vltrain features (identical hashes: " + str(same) + "), 1 process"),
+                ("ours2", "vltrain features, 2 workers"),
+                ("theirs", "imagehash phash + dhash, 1 process"),
+                ("theirs2", "imagehash, 2 processes"),
+                ("decode", "decode alone"),
+                ("grey", "decode + one grey conversion"),
+                ("floor", "floor: decode + grey + the two LANCZOS thumbnails"),
+            ):
+                wall, cpu = t[name]
+                rows.append(
+                    f"| {fmt.upper()} {label} | {n / wall:,.0f} | {n / cpu:,.0f} | "
+                    f"{cpu_theirs / cpu:.2f}x |"
+                )
     return rows
 
 
@@ -288,15 +446,29 @@ def main() -> None:
     p.add_argument("--captions", type=int, default=20000)
     p.add_argument("--copies", type=int, default=3)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument(
+        "--textdedup-python",
+        default="/work/venv-textdedup/bin/python",
+        help="interpreter of a venv with text-dedup (bench/textdedup_runner.py)",
+    )
+    p.add_argument("--only", choices=("minhash", "images", "bloom", "planted"), nargs="*")
     a = p.parse_args()
-    imgs = photos()
     cpu = next(
         (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if "model name" in ln), "?"
     )
-    print(f"CPU: {cpu}; Python {platform.python_version()}; numpy {np.__version__}")
-    for row in (bench_minhash(a.captions) + bench_image_hashes(imgs, a.reps) +
-                bench_bloom(100_000) + bench_planted(imgs, a.copies)):  # fmt: skip
+    print(f"CPU: {cpu}; Python {platform.python_version()}; numpy {np.__version__}; "
+          f"load average {os.getloadavg()}")  # fmt: skip
+    only = set(a.only or ("minhash", "images", "bloom", "planted"))
+    imgs = photos() if only & {"images", "planted"} else []
+    rows = (
+        bench_minhash(a.captions, textdedup_python=a.textdedup_python) if "minhash" in only else []
+    )
+    rows += bench_image_hashes(imgs, a.reps) if "images" in only else []
+    rows += bench_bloom(100_000) if "bloom" in only else []
+    rows += bench_planted(imgs, a.copies) if "planted" in only else []
+    for row in rows:
         print(row)
+    print(f"load average after: {os.getloadavg()}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,15 @@ from vltrain.data.curation import minhash, semantic
 from vltrain.data.curation.bloom import BloomFilter
 from vltrain.data.curation.hamming import HammingIndex
 from vltrain.data.curation.hashing import image_hashes
-from vltrain.data.curation.text import NgramHasher, jaccard, normalize, words, words_batch
+from vltrain.data.curation.text import (
+    NgramHasher,
+    fmix64,
+    jaccard,
+    normalize,
+    sort_within,
+    words,
+    words_batch,
+)
 
 
 def test_normalize_and_shingles_are_order_sensitive_and_seeded() -> None:
@@ -87,6 +95,59 @@ def test_batch_tokens_shingles_and_pairs_equal_the_one_by_one_definitions() -> N
     some = np.array([(i, j) for i in range(0, 300, 7) for j in range(i + 1, 300, 11)])
     got = minhash.pair_jaccard(flat, off, some)
     assert np.allclose(got, [jaccard(sets[i], sets[j]) for i, j in some.tolist()])
+
+
+def _brute_signature(h: minhash.MinHasher, values: np.ndarray) -> np.ndarray:
+    """The MinHash definition, one set at a time: min over values of fmix64(v * a + b)."""
+    if len(values) == 0:
+        return np.full(h.num_perm, np.iinfo(np.uint64).max, np.uint64)
+    return fmix64(values[:, None] * h.a[None, :] + h.b[None, :]).min(axis=0)
+
+
+def test_blocked_signatures_equal_the_definition_for_every_set_size() -> None:
+    """Size-sorted, padded blocks (and the sliced path for sets over a block) change no value;
+    the control shows a wrong padding value would be caught."""
+    rng = np.random.default_rng(5)
+    sizes = [0, 1, 2, 3, 17, 17, 40, 0, minhash._BLOCK, minhash._BLOCK + 1, 3 * minhash._BLOCK + 7]
+    sizes += rng.integers(0, 60, 200).tolist()
+    sets = [np.unique(rng.integers(0, 2**63, n, dtype=np.uint64) * np.uint64(2)) for n in sizes]
+    offsets = np.concatenate([[0], np.cumsum([len(x) for x in sets])]).astype(np.int64)
+    h = minhash.MinHasher(32, seed=9)
+    got = h.signatures_flat(np.concatenate(sets), offsets)
+    want = np.stack([_brute_signature(h, x) for x in sets])
+    assert np.array_equal(got, want)
+    padded_with_zero = _brute_signature(h, np.append(sets[4], np.uint64(0)))  # negative control
+    assert not np.array_equal(padded_with_zero, want[4])
+
+
+def test_key_pairs_of_large_runs_and_sort_within_equal_the_brute_force() -> None:
+    rng = np.random.default_rng(2)
+    keys = rng.integers(0, 6, (80, 3)).astype(np.uint64)  # runs of ~13 equal keys per band
+    keys[:, 2] = np.arange(80, dtype=np.uint64)  # a band with no equal keys at all
+    brute = {(i, j) for i in range(80) for j in range(i + 1, 80) if (keys[i] == keys[j]).any()}
+    got = minhash.key_pairs(keys)
+    assert {tuple(p) for p in got.tolist()} == brute and len(got) == len(brute) > 400
+    assert np.all(got[:, 0] < got[:, 1]) and len(minhash.key_pairs(keys[:, 2:])) == 0
+    for hi in (50, 70_000, 2**32 + 5):  # radix halves, both halves, the lexsort fallback
+        group = np.sort(rng.integers(0, hi, 5000))
+        group[-1] = hi - 1  # the top group id is what picks the path
+        vals = rng.integers(0, 2**63, 5000, dtype=np.uint64) * np.uint64(2)
+        order = sort_within(group, vals)
+        assert np.array_equal(group[order], np.sort(group))
+        assert np.array_equal(vals[order], vals[np.lexsort((vals, group))])
+
+
+def test_word_hash_cache_reset_gives_the_same_hashes(monkeypatch) -> None:
+    from vltrain.data.curation import text
+
+    toks = [f"w{i % 37}" for i in range(300)]
+    want = NgramHasher(2, seed=3).word_hashes(toks)
+    monkeypatch.setattr(text, "_CACHE_MAX", 10)  # the cache is cleared on every call
+    h = NgramHasher(2, seed=3)
+    for _ in range(3):
+        assert np.array_equal(h.word_hashes(iter(toks), len(toks)), want)
+    assert len(h._vocab) <= 37
+    assert not np.array_equal(NgramHasher(2, seed=4).word_hashes(toks), want)
 
 
 def test_optimal_params_matches_datasketch_rule() -> None:

@@ -46,30 +46,52 @@ class MinHasher:
     def signatures_flat(self, flat: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         """(N, P) signatures of sets given as flat[offsets[d]:offsets[d + 1]] (N = len - 1).
 
-        Documents are processed in blocks of about `_BLOCK` shingles so the (block, P) values
-        stay in cache, with in-place numpy arithmetic (no temporaries per operation).
+        Documents are taken in order of size, as many at a time as fill about `_BLOCK`
+        shingles, each padded to the block's longest by repeating its first shingle (a minimum
+        does not change when a value repeats, and neighbours in size order are nearly equally
+        long, so padding costs ~nothing). The block's values then sit in one (L, D, P) array,
+        hashed with in-place arithmetic and reduced over its first axis: contiguous
+        element-wise minima instead of a segmented `reduceat`, which costs several times more.
         """
         n_docs, p = len(offsets) - 1, self.num_perm
         out = np.full((n_docs, p), _MAX, dtype=np.uint64)
-        x = np.empty((_BLOCK, p), dtype=np.uint64)
-        t = np.empty_like(x)
-        d0 = 0
-        while d0 < n_docs:
-            d1 = int(np.searchsorted(offsets, offsets[d0] + _BLOCK, side="right")) - 1
-            d1 = min(max(d1, d0 + 1), n_docs)  # at least one document per block
-            s0, s1 = int(offsets[d0]), int(offsets[d1])
-            if s1 - s0 > len(x):
-                x, t = np.empty((s1 - s0, p), dtype=np.uint64), np.empty((s1 - s0, p), np.uint64)
-            xv, tv = x[: s1 - s0], t[: s1 - s0]  # (s, P)
-            np.multiply(flat[s0:s1, None], self.a[None, :], out=xv)
-            xv += self.b[None, :]
-            _fmix64_inplace(xv, tv)
-            docs = np.arange(d0, d1)
-            nonempty = docs[offsets[d0 + 1 : d1 + 1] > offsets[d0:d1]]
-            if len(nonempty):
-                out[nonempty] = np.minimum.reduceat(xv, offsets[nonempty] - s0, axis=0)
-            d0 = d1
+        lens = np.diff(offsets)
+        order = np.argsort(lens, kind="stable")
+        order = order[lens[order] > 0]  # an empty set keeps all-max values
+        size = lens[order].tolist()
+        buf, tmp = np.empty(_BLOCK * p, dtype=np.uint64), np.empty(_BLOCK * p, dtype=np.uint64)
+        i = 0
+        while i < len(order):
+            if size[i] > _BLOCK:  # one long document, its shingles in slices
+                self._long(flat[offsets[order[i]] : offsets[order[i] + 1]], out[order[i]], buf, tmp)
+                i += 1
+                continue
+            j = min(len(order), i + _BLOCK // size[i])
+            while (j - i) * size[j - 1] > _BLOCK:  # the block's longest sets its size
+                j = i + max(1, _BLOCK // size[j - 1])
+            docs, longest = order[i:j], size[j - 1]
+            pos = np.minimum(np.arange(longest)[:, None], lens[docs][None, :] - 1)  # (L, D)
+            x = buf[: longest * len(docs) * p].reshape(longest, len(docs), p)  # (L, D, P)
+            np.multiply(flat[offsets[docs][None, :] + pos][:, :, None], self.a, out=x)
+            self._permute_inplace(x, tmp[: x.size].reshape(x.shape))
+            out[docs] = x.min(axis=0)
+            i = j
         return out
+
+    def _long(self, values: np.ndarray, out: np.ndarray, buf: np.ndarray, tmp: np.ndarray) -> None:
+        """out (P,) = the signature of one set of more than `_BLOCK` values, in slices."""
+        p = self.num_perm
+        for s0 in range(0, len(values), _BLOCK):
+            v = values[s0 : s0 + _BLOCK]
+            x = buf[: len(v) * p].reshape(len(v), p)  # (s, P)
+            np.multiply(v[:, None], self.a, out=x)
+            self._permute_inplace(x, tmp[: x.size].reshape(x.shape))
+            np.minimum(out, x.min(axis=0), out=out)
+
+    def _permute_inplace(self, x: np.ndarray, tmp: np.ndarray) -> None:
+        """x (..., P) holding h * a: x = fmix64(h * a + b), per permutation, in place."""
+        x += self.b
+        _fmix64_inplace(x, tmp)
 
 
 _BLOCK = 512  # shingles per block: (512, 128) uint64 = 512 KiB, two buffers fit in L2
@@ -98,7 +120,8 @@ def band_keys(sigs: np.ndarray, bands: int, rows: int) -> np.ndarray:
     cols = sigs[:, : bands * rows].reshape(len(sigs), bands, rows)  # (N, b, r)
     k = np.zeros(cols.shape[:2], dtype=np.uint64)  # (N, b)
     for r in range(rows):
-        k = k * _ROLL + cols[:, :, r]
+        np.multiply(k, _ROLL, out=k)
+        np.add(k, cols[:, :, r], out=k)
     return fmix64(k ^ np.uint64(rows))
 
 
@@ -167,31 +190,38 @@ class LSHIndex:
 
 def candidate_pairs(sigs: np.ndarray, bands: int, rows: int) -> np.ndarray:
     """(K, 2) int64 pairs (i, j), i < j, sharing a band: the unverified LSH candidates of a
-    whole set, sorted and without repeats (one sort per band, no per-row Python)."""
-    keys = band_keys(sigs, bands, rows)  # (N, b)
-    n = len(sigs)
-    found = []
-    for b in range(bands):
-        order = np.argsort(keys[:, b], kind="stable")
-        k = keys[order, b]
-        same = np.flatnonzero(k[1:] == k[:-1])  # (m,) order[same] ~ order[same + 1]
-        if len(same) == 0:
-            continue
-        # runs of equal keys: every pair inside a run; runs of 2 (the common case) at once
-        run_start = np.flatnonzero(np.diff(np.concatenate([[-2], same])) != 1)
-        run_len = np.diff(np.concatenate([run_start, [len(same)]])) + 1  # items per run
-        two = same[run_start[run_len == 2]]
-        found.append(np.stack([order[two], order[two + 1]], 1))
-        for s0, ln in zip(same[run_start[run_len > 2]].tolist(), run_len[run_len > 2].tolist(),
-                          strict=True):  # fmt: skip
-            ids = order[s0 : s0 + ln]
-            a, c = np.triu_indices(ln, 1)
-            found.append(np.stack([ids[a], ids[c]], 1))
-    if not found:
-        return np.zeros((0, 2), dtype=np.int64)
-    pairs = np.sort(np.concatenate(found), axis=1).astype(np.int64)  # (K', 2) i < j
+    whole set, sorted and without repeats."""
+    return key_pairs(band_keys(sigs, bands, rows))
+
+
+def key_pairs(keys: np.ndarray) -> np.ndarray:
+    """`candidate_pairs` from band keys (N, bands), e.g. computed by workers chunk by chunk
+    and concatenated: one sort per band, every pair inside a run of equal keys (no Python
+    loop over runs)."""
+    n = len(keys)
+    found = [np.zeros((0, 2), dtype=np.int64)]
+    for b in range(keys.shape[1]):
+        col = np.ascontiguousarray(keys[:, b])
+        order = np.argsort(col)  # unstable is fine: pairs are normalised below
+        found.append(_run_pairs(order, col[order]))
+    pairs = np.sort(np.concatenate(found), axis=1)  # (K', 2) i < j
     codes = np.unique(pairs[:, 0] * n + pairs[:, 1])
-    return np.stack([codes // n, codes % n], 1)
+    return np.stack([codes // n, codes % n], 1) if n else pairs
+
+
+def _run_pairs(order: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """(K, 2) every pair (order[s], order[t]), s < t, inside each run of equal sorted keys k."""
+    start = np.flatnonzero(np.concatenate([[True], k[1:] != k[:-1]]))  # (R,) run starts
+    length = np.diff(np.append(start, len(k)))  # (R,)
+    start, length = start[length > 1], length[length > 1]
+    if len(start) == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    run = np.repeat(np.arange(len(start)), length)  # (M,) run of each member
+    t = np.arange(len(run)) - np.repeat(np.cumsum(length) - length, length)  # rank in run
+    after = length[run] - 1 - t  # (M,) members after this one in its run
+    left = np.repeat(start[run] + t, after)  # (K,)
+    right = left + 1 + np.arange(len(left)) - np.repeat(np.cumsum(after) - after, after)
+    return np.stack([order[left], order[right]], 1).astype(np.int64)
 
 
 def pair_jaccard(flat: np.ndarray, offsets: np.ndarray, pairs: np.ndarray) -> np.ndarray:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import hashlib
 import re
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from itertools import chain
 
 import numpy as np
 
@@ -75,6 +76,20 @@ def fmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(33))
 
 
+class _Vocab(dict):
+    """word -> row of a hash table; a word not seen before takes the next row and waits in
+    `new` to be hashed (so a lookup of a known word is one C-level dict access)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.new: list[str] = []
+
+    def __missing__(self, word: str) -> int:
+        row = self[word] = len(self)
+        self.new.append(word)
+        return row
+
+
 class NgramHasher:
     """Word n-gram hashes of captions, caching the hash of each word it has seen."""
 
@@ -83,26 +98,30 @@ class NgramHasher:
             raise ValueError(f"n-gram size must be >= 1, got {n}")
         self.n, self.seed = n, seed
         self._key = key_bytes(seed)
-        self._cache: dict[str, int] = {}
-        self._hashes: list[int] = []
-        self._table = np.zeros(0, dtype=np.uint64)
+        self._vocab = _Vocab()
+        self._table = np.zeros(0, dtype=np.uint64)  # (V,) hash of each vocabulary row
 
-    def word_hashes(self, toks: Sequence[str]) -> np.ndarray:
-        """(W,) uint64 hash of each word (each distinct word is hashed once per hasher)."""
-        index = self._cache  # word -> row of self._table
-        missing = set(toks).difference(index)
-        if len(index) + len(missing) > _CACHE_MAX:  # bounded memory on an open vocabulary
-            index.clear()
-            self._hashes.clear()
-            missing = set(toks)
-        key = self._key
-        for w in sorted(missing):
-            d = hashlib.blake2b(w.encode("utf-8", "surrogatepass"), digest_size=8, key=key)
-            index[w] = len(self._hashes)
-            self._hashes.append(int.from_bytes(d.digest(), "little"))
-        if len(self._table) != len(self._hashes):
-            self._table = np.array(self._hashes, dtype=np.uint64)
-        rows = np.fromiter(map(index.__getitem__, toks), dtype=np.int64, count=len(toks))
+    def word_hashes(self, toks: Iterable[str], count: int | None = None) -> np.ndarray:
+        """(W,) uint64 hash of each word (each distinct word is hashed once per hasher);
+        `count` = the number of words, needed when `toks` is an iterator."""
+        if len(self._vocab) > _CACHE_MAX:  # bounded memory on an open vocabulary
+            self._vocab, self._table = _Vocab(), np.zeros(0, dtype=np.uint64)
+        vocab = self._vocab
+        count = len(toks) if count is None else count  # type: ignore[arg-type]
+        rows = np.fromiter(map(vocab.__getitem__, toks), dtype=np.int64, count=count)
+        if vocab.new:
+            key, blake = self._key, hashlib.blake2b
+            new = np.fromiter(
+                (
+                    int.from_bytes(blake(w.encode("utf-8", "surrogatepass"), digest_size=8,
+                                         key=key).digest(), "little")
+                    for w in vocab.new
+                ),
+                dtype=np.uint64,
+                count=len(vocab.new),
+            )  # fmt: skip
+            self._table = np.concatenate([self._table, new])
+            vocab.new.clear()
         return self._table[rows]
 
     def ngrams(self, toks: Sequence[str], n: int | None = None) -> np.ndarray:
@@ -132,10 +151,10 @@ class NgramHasher:
         `np.unique(concat(ngrams(toks) for toks in docs[d]))`, computed in a few numpy passes
         over the whole batch instead of dozens of small calls per caption.
         """
-        caps = [toks for doc in docs for toks in doc]
+        caps = list(chain.from_iterable(docs))
         cap_doc = np.repeat(np.arange(len(docs)), [len(doc) for doc in docs])  # (C,)
-        wh = self.word_hashes([w for toks in caps for w in toks])  # (T,)
-        lens = np.array([len(t) for t in caps], dtype=np.int64)  # (C,)
+        lens = np.fromiter(map(len, caps), dtype=np.int64, count=len(caps))  # (C,)
+        wh = self.word_hashes(chain.from_iterable(caps), int(lens.sum()))  # (T,)
         n_eff = np.minimum(lens, self.n)  # (C,) fewer words than n: one n-gram of all
         grams = np.where(lens > 0, lens - n_eff + 1, 0)  # (C,) n-grams per caption
         gram_cap = np.repeat(np.arange(len(caps)), grams)  # (G,)
@@ -150,7 +169,7 @@ class NgramHasher:
             h = np.where(j < ng, h * _ROLL + term, h)
         h = fmix64(h ^ ng.astype(np.uint64))
         doc = cap_doc[gram_cap]  # (G,) non-decreasing
-        order = np.lexsort((h, doc))
+        order = sort_within(doc, h)
         h, doc = h[order], doc[order]
         new = np.ones(len(h), dtype=bool)
         new[1:] = (h[1:] != h[:-1]) | (doc[1:] != doc[:-1])
@@ -158,6 +177,19 @@ class NgramHasher:
         offsets = np.zeros(len(docs) + 1, dtype=np.int64)
         np.cumsum(np.bincount(doc, minlength=len(docs)), out=offsets[1:])
         return flat, offsets
+
+
+def sort_within(group: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """`np.lexsort((values, group))` for group ids in [0, 2**32): one argsort of the values,
+    then two stable radix passes over 16-bit halves of the group ids (several times faster
+    than lexsort, which compares 64-bit pairs)."""
+    if len(group) and int(group.max()) >= 2**32:
+        return np.lexsort((values, group))
+    order = np.argsort(values)
+    for shift in (0, 16):  # least significant half first: a radix sort over both halves
+        half = ((group[order] >> shift) & 0xFFFF).astype(np.uint16)
+        order = order[np.argsort(half, kind="stable")]
+    return order
 
 
 def caption_key(texts: Sequence[str], seed: int = 0) -> int:
