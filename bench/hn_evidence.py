@@ -3,8 +3,8 @@
     python bench/hn_evidence.py --out runs/hn_evidence [--seeds 0 1 2] [--steps 1500] [--k 5]
 
 The quickstart's CLIP stage (tiny dual encoder, batch 128, lr 2e-3) on the quickstart's
-synthetic data (4,000 train / 300 val / 300 test images), trained from scratch for `--steps`
-steps per seed twice: without hard negatives and with `objective.hard_negatives=k` (the
+synthetic data (`--n-train` train images, default the quickstart's 12,000; 300 val, 300 test),
+trained from scratch for `--steps` steps per seed twice: without hard negatives and with `objective.hard_negatives=k` (the
 synthetic records' attribute-swapped captions). Both arms then evaluate their final weights on
 val and on the compositional test split: hard-negative accuracy overall and per kind of swap
 (`hardneg_acc_<kind>`), and R@1. Prints a markdown table, per seed and the mean over seeds.
@@ -70,13 +70,14 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--k", type=int, default=5)
+    p.add_argument("--n-train", type=int, default=12000, help="synthetic training images")
     p.add_argument("--threads", type=int, default=0, help="torch threads per run (0: default)")
     p.add_argument("--jobs", type=int, default=1, help="arms trained at once (1 or 2)")
     a = p.parse_args()
     out = Path(a.out)
     data = out / "data"
     if not (data / "test.jsonl").is_file():
-        synth_command(str(data), 4000, 300, 300, 0)
+        synth_command(str(data), a.n_train, 300, 300, 0, workers=2)
     results: dict[tuple[int, int], dict] = {}
     for seed in a.seeds:
         runs = {k: out / f"seed{seed}_hn{k}" for k in (0, a.k)}

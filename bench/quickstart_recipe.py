@@ -24,6 +24,9 @@ from vltrain.data.synth import synth_command
 from vltrain.runs.quickstart import CONFIGS
 
 S1 = "model.vision_options={stem_channels: [16, 32, 64, 128]}"  # a stride-1 conv first
+CAUSAL = (
+    "model.text_options={causal: true}"  # CLIP's causal text encoder: word order by construction
+)
 #: name -> overrides of configs/quickstart.yaml
 VARIANTS: dict[str, list[str]] = {
     "vit": ["model.vision=tiny", "objective.hard_negatives=0"],  # the quickstart before
@@ -33,6 +36,20 @@ VARIANTS: dict[str, list[str]] = {
     "cnn_hn3": ["model.vision=tiny_cnn", "objective.hard_negatives=3"],
     "cnn_s1": ["model.vision=tiny_cnn", S1, "objective.hard_negatives=0"],
     "cnn_s1_hn3": ["model.vision=tiny_cnn", S1, "objective.hard_negatives=3"],
+    "cnn_hn3_t03": [
+        "model.vision=tiny_cnn",
+        "objective.hard_negatives=3",
+        "objective.temperature=0.03",
+    ],
+    "cnn_hn3_causal": ["model.vision=tiny_cnn", "objective.hard_negatives=3", CAUSAL],
+    "cnn_hn1_causal": ["model.vision=tiny_cnn", "objective.hard_negatives=1", CAUSAL],
+    "cnn_hn1_causal_t3": [
+        "model.vision=tiny_cnn",
+        "objective.hard_negatives=1",
+        CAUSAL,
+        "model.text_layers=3",
+    ],
+    "cnn_causal": ["model.vision=tiny_cnn", "objective.hard_negatives=0", CAUSAL],
     "cnn1": ["model.vision=tiny_cnn", "model.vision_layers=1", "objective.hard_negatives=0"],
     "cnn1_hn3": ["model.vision=tiny_cnn", "model.vision_layers=1", "objective.hard_negatives=3"],
 }
@@ -82,12 +99,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--n-train", type=int, default=4000, help="synthetic training images")
     p.add_argument("--threads", type=int, default=0, help="torch threads per run (0: all)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     a = p.parse_args(argv)
     data = a.out / "data"
     if not (data / "test.jsonl").is_file():
-        synth_command(str(data), 4000, 300, 300, 0, force=True)  # the quickstart's data
+        synth_command(str(data), a.n_train, 300, 300, 0, force=True, workers=2)
     final, curves = [], []
     for name in a.variants:
         for seed in a.seeds:

@@ -124,8 +124,9 @@ def test_deterministic_bytes(tmp_path: Path) -> None:
     write_shapes_dataset(tmp_path / "a", seed=1, **small)
     write_shapes_dataset(tmp_path / "b", seed=1, **small)
     write_shapes_dataset(tmp_path / "c", seed=2, **small)
-    a, b, c = (_digest(tmp_path / x) for x in "abc")
-    assert a == b and len(a) == 25 + 4
+    write_shapes_dataset(tmp_path / "d", seed=1, workers=2, **small)  # two processes
+    a, b, c, d = (_digest(tmp_path / x) for x in "abcd")
+    assert a == b == d and len(a) == 25 + 4
     assert a["train.jsonl"] != c["train.jsonl"]  # control: the seed matters
     assert sum(a[k] != c[k] for k in a) >= 20
 

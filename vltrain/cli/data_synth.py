@@ -45,6 +45,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="shapes: copy this fraction of test records to train",
     )
     s.add_argument(
+        "--workers",
+        type=positive_int,
+        default=1,
+        help="shapes: render in this many processes (the same files for any number)",
+    )
+    s.add_argument(
         "--negatives", type=non_negative_int, default=3, help="pages: hard-negative pages each"
     )
     s.add_argument(
@@ -81,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         dup_rate=args.dup_rate,
         leak_rate=args.leak_rate,
         force=args.force,
+        workers=args.workers,
     )
     print(f"wrote {counts} to {args.out}")
     return 0

@@ -29,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "ViT and text tower; slower)",
     )
     q.add_argument("--steps", type=positive_int, default=500, help="training steps")
-    q.add_argument("--n-train", type=positive_int, default=4000, help="synthetic training images")
+    q.add_argument("--n-train", type=positive_int, default=12000, help="synthetic training images")
     q.add_argument(
         "--caption-steps",
         type=non_negative_int,

@@ -160,6 +160,11 @@ class ModelConfig:
         "Built-in vision tower: VisionTowerConfig fields over the preset, e.g. "
         "{stem_channels: [16, 32, 64, 128], stem_norm: group} (vltrain/models/vit.py).",
     )
+    text_options: dict[str, Any] = option(
+        {},
+        "Built-in dual encoder: TextTowerConfig fields over the text preset, e.g. {causal: true} "
+        "(vltrain/models/text.py).",
+    )
     text_layers: int = option(0, "Override the text preset's depth (0: preset).", ge=0)
     text_width: int = option(0, "Override the text preset's width (0: preset).", ge=0)
     dropout: float = option(0.0, "Dropout in both towers.", ge=0.0, le=0.9)

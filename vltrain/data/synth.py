@@ -381,8 +381,12 @@ def write_shapes_dataset(
     image_size: int = 64,
     dup_rate: float = 0.0,
     leak_rate: float = 0.0,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """Write the shapes data set (see module docstring) and return counts and held-out combos.
+
+    `workers` > 1 renders the images in that many processes; every record depends only on
+    (seed, split, index), so the files are the same bytes for any number of workers.
 
     `dup_rate` > 0 appends round(dup_rate * n_train) planted near-duplicates of train records to
     train, `leak_rate` > 0 appends copies of round(leak_rate * n_test) test records (see
@@ -401,10 +405,17 @@ def write_shapes_dataset(
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     held = held_out_combos(seed)
-    by_split = {
-        split: [_make_record(split, i, seed, image_size, held, out) for i in range(n)]
-        for split, n in sizes.items()
-    }
+    jobs = [(split, i, seed, image_size, held, out) for split, n in sizes.items() for i in range(n)]
+    if workers > 1 and len(jobs) > 1:
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(workers) as pool:
+            made = pool.starmap(_make_record, jobs, chunksize=max(1, len(jobs) // (8 * workers)))
+    else:
+        made = [_make_record(*job) for job in jobs]
+    by_split: dict[str, list[dict[str, Any]]] = {split: [] for split in sizes}
+    for job, rec in zip(jobs, made, strict=True):
+        by_split[job[0]].append(rec)
     planted_counts = plant_duplicates(out, by_split, seed, image_size, dup_rate, leak_rate)
     for split, records in by_split.items():
         _write_jsonl(out / f"{split}.jsonl", records)
@@ -520,12 +531,13 @@ def synth_command(
     dup_rate: float = 0.0,
     leak_rate: float = 0.0,
     force: bool = False,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """`vltrain data synth`: write the shapes data set to `out` (an empty folder, or any
     folder with `force`, see `prepare_output_folder`) and print a one-line summary."""
     prepare_output_folder(out, force)
     result = write_shapes_dataset(
-        out, n_train, n_val, n_test, seed, image_size, dup_rate, leak_rate
+        out, n_train, n_val, n_test, seed, image_size, dup_rate, leak_rate, workers
     )
     print(
         f"wrote {result['images']} images to {out} (train={n_train} val={n_val} test={n_test}); "

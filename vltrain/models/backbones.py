@@ -23,6 +23,7 @@ from vltrain.engine.checkpoint import load_weights, resolve_checkpoint
 from vltrain.models.captioner import Captioner
 from vltrain.models.dual_encoder import DualEncoder
 from vltrain.models.presets import text_config, vision_config
+from vltrain.models.text import TextTowerConfig
 from vltrain.models.vit import VisionTowerConfig
 
 HF_KINDS = ("hf_clip", "hf_siglip", "vlm")
@@ -118,6 +119,7 @@ def build_encoder(cfg: Config, tokenizer: TextTokenizer | None) -> nn.Module:
                 vocab_size=tokenizer.vocab_size,
                 context_length=cfg.data.max_text_len,
                 dropout=m.dropout,
+                **tower_options(m.text_options, TextTowerConfig, "model.text_options"),
             ),
             m.embed_dim,
         )
@@ -141,17 +143,24 @@ def build_encoder(cfg: Config, tokenizer: TextTokenizer | None) -> nn.Module:
     return build_embedder(m.kind, m.path, **opts)
 
 
-def vision_options(options: dict[str, Any]) -> dict[str, Any]:
-    """`model.vision_options` checked against the tower's config fields (did-you-mean)."""
-    fields = {f.name for f in dataclasses.fields(VisionTowerConfig)} - {"image_size"}
+def tower_options(options: dict[str, Any], fields_of: type, key: str) -> dict[str, Any]:
+    """`model.vision_options` / `model.text_options` checked against the tower config's fields
+    (did-you-mean); lists become tuples."""
+    fields = {f.name for f in dataclasses.fields(fields_of)}
+    fields -= {"image_size", "vocab_size", "context_length"}  # data.* and the tokenizer decide
     out = {}
-    for key, value in options.items():
-        if key not in fields:
-            close = difflib.get_close_matches(key, sorted(fields), n=1)
+    for name, value in options.items():
+        if name not in fields:
+            close = difflib.get_close_matches(name, sorted(fields), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"model.vision_options: unknown field {key!r}{hint}")
-        out[key] = tuple(value) if isinstance(value, list) else value
+            raise ConfigError(f"{key}: unknown field {name!r}{hint}")
+        out[name] = tuple(value) if isinstance(value, list) else value
     return out
+
+
+def vision_options(options: dict[str, Any]) -> dict[str, Any]:
+    """`model.vision_options` as `VisionTowerConfig` overrides."""
+    return tower_options(options, VisionTowerConfig, "model.vision_options")
 
 
 def _sized(make: Any, preset: str, layers: int, width: int, **dims: Any) -> Any:

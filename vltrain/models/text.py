@@ -40,6 +40,10 @@ class TextTowerConfig:
     """MLP hidden size as a multiple of width."""
     dropout: float = 0.0
     """Dropout on attention weights and residual branches."""
+    causal: bool = False
+    """Encoder: each token attends only to itself and earlier tokens (CLIP's text transformer),
+    so the pooled last token depends on word order by construction; the decoder is always
+    causal."""
 
     def __post_init__(self) -> None:
         check_dims("TextTowerConfig", self.width, self.heads, self.layers, self.mlp_ratio)
@@ -121,7 +125,7 @@ class TextTower(_TextBase):
         else:
             pos = mask_positions(attention_mask)  # (B, T)
         x = self.token_embed(input_ids) + F.embedding(pos, self.pos_embed)  # (B, T, W)
-        attn_mask, _ = build_attention_mask(attention_mask, t, causal=False)
+        attn_mask, _ = build_attention_mask(attention_mask, t, causal=self.cfg.causal)
         for block in self.blocks:
             x, _ = block(x, attn_mask)
         return self.norm(x)

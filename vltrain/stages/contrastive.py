@@ -133,7 +133,7 @@ def used_keys(cfg: Config) -> tuple[str, ...]:
     if m.kind == "dual_encoder":
         used += ["data.tokenizer_vocab", "model.vision", "model.text", "model.embed_dim"]
         used += ["model.vision_layers", "model.vision_width", "model.vision_options"]
-        used += ["model.text_layers"]
+        used += ["model.text_layers", "model.text_options"]
         used += ["model.text_width", "model.dropout"]
     else:
         # LoRA options stay accepted with model.lora_r=0: that is how a LoRA preset is turned off
