@@ -7,8 +7,9 @@ synthetic data (`--n-train` train images, default the quickstart's 12,000; 300 v
 trained from scratch for `--steps` steps per seed twice: without hard negatives and with
 `objective.hard_negatives=k` (the synthetic records' attribute-swapped captions). Both arms then
 evaluate their final weights on val and on the compositional test split: hard-negative accuracy
-overall and per kind of swap (`hardneg_acc_<kind>`), and R@1. Prints a markdown table, per seed and the mean over seeds.
-`--threads 1 --jobs 2` trains the two arms of a seed side by side (one core each).
+overall and per kind of swap (`hardneg_acc_<kind>`), and R@1. Prints a markdown table, per seed
+and the mean over seeds. `--threads 1 --jobs 2` trains the two arms of a seed side by side (one
+core each).
 """
 
 from __future__ import annotations
