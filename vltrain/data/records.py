@@ -163,6 +163,11 @@ def _data_root(jsonl_path: str) -> tuple[Path, Path]:
     return root, Path(os.path.realpath(root))
 
 
+@functools.lru_cache(maxsize=4096)
+def _real_dir(folder: str) -> Path:
+    return Path(os.path.realpath(folder))
+
+
 def resolve_image_path(jsonl_path: str | os.PathLike[str], rel: str) -> Path:
     """Resolve a record's image path against the data file's folder.
 
@@ -178,7 +183,9 @@ def resolve_image_path(jsonl_path: str | os.PathLike[str], rel: str) -> Path:
     full = Path(os.path.normpath(root / rel))
     if full != root and root not in full.parents:
         raise BadSample("path_escape", rel, f"image path leaves the data folder {root}")
-    real = Path(os.path.realpath(full))
+    # links resolved: the folder once per process (cached), the file itself with one lstat
+    parent, name = os.path.split(full)
+    real = Path(os.path.realpath(full)) if os.path.islink(full) else _real_dir(parent) / name
     if real != real_root and real_root not in real.parents:
         raise BadSample("path_escape", rel, f"image path is a link to {real}, outside {root}")
     return full
