@@ -21,7 +21,7 @@ from vltrain.data.tokenizer import TextTokenizer, prepare_tokenizer
 from vltrain.scaling.flops import ModelFlops, captioner_flops, dual_encoder_flops
 
 #: model kinds with a FLOP formula for a train.max_flops budget
-FLOP_KINDS = ("captioner", "dual_encoder")
+FLOP_KINDS = ("captioner", "dual_encoder", "vlm")
 
 
 def _texts(cfg: Config) -> list[str]:
@@ -70,8 +70,9 @@ def mean_text_tokens(cfg: Config, tokenizer: TextTokenizer) -> int:
 
 
 def config_flops(cfg: Config, tokenizer: TextTokenizer | None = None) -> ModelFlops:
-    """Per-sample accounting of the model `cfg` describes (captioner or built-in dual
-    encoder), built on the meta device, freezing as configured."""
+    """Per-sample accounting of the model `cfg` describes (captioner, built-in dual encoder,
+    or an HF VLM: `vlm_flops.vlm_config_flops`), built on the meta device, freezing as
+    configured."""
     from vltrain.models.backbones import build_captioner, build_encoder
 
     if cfg.model.kind not in FLOP_KINDS:
@@ -80,6 +81,10 @@ def config_flops(cfg: Config, tokenizer: TextTokenizer | None = None) -> ModelFl
             f"{list(FLOP_KINDS)}); use train.max_samples, or count an HF model with "
             "vltrain.scaling.flops.measure_flops / hf_dual_encoder_flops"
         )
+    if cfg.model.kind == "vlm":  # the HF model's own tokenizer and image processor
+        from vltrain.scaling.vlm_flops import vlm_config_flops
+
+        return vlm_config_flops(cfg)
     tokenizer = tokenizer or run_tokenizer(cfg)
     tokens = mean_text_tokens(cfg, tokenizer)
     with torch.device("meta"):
