@@ -61,36 +61,45 @@ def test_bootstrap_interval_covers_truth_and_exclusion_drops_outliers():
 
 
 def test_fit_cli_contract(tmp_path):
-    """`vltrain scaling fit FILE.csv --bootstrap B --json OUT` with a flops-only CSV."""
+    """`vltrain scaling fit FILE.csv --exclude-worst K --bootstrap B --json OUT.json` on a
+    flops-only CSV whose counted FLOPs miss each budget by up to 1% (as a sweep's do):
+    tokens = flops / (6 params), the budgets regrouped, approach 3's E A B alpha beta and
+    approach 2's a b as numbers at the top level, intervals under `ci`."""
     runs = isoflop_grid(EPOCH_AI, BUDGETS[:3], per_budget=5, noise=0.003, seed=4)
+    jitter = np.random.default_rng(0).uniform(0.99, 1.0, len(runs))
     csv = tmp_path / "runs.csv"
     lines = ["params,flops,loss"] + [
-        f"{n},{6 * n * d},{loss}"
-        for n, d, loss in zip(runs.params, runs.tokens, runs.loss, strict=True)
+        f"{n},{6 * n * d * j},{loss}"
+        for n, d, j, loss in zip(runs.params, runs.tokens, jitter, runs.loss, strict=True)
     ]
     csv.write_text("\n".join(lines) + "\n")
+    read = fit.read_runs_csv(csv)
+    assert len(set(read.budget.tolist())) == 3  # the jittered FLOPs form the 3 budgets
+    assert np.allclose(read.tokens, runs.tokens * jitter)
     out = tmp_path / "fit.json"
-    assert (
-        main(
-            [
-                "scaling",
-                "fit",
-                str(csv),
-                "--bootstrap",
-                "3",
-                "--json",
-                str(out),
-                "--plots",
-                str(tmp_path / "plots"),
-            ]
-        )
-        == 0
-    )
+    args = ["scaling", "fit", str(csv), "--exclude-worst", "1", "--bootstrap", "3"]
+    assert main([*args, "--json", str(out), "--plots", str(tmp_path / "plots")]) == 0
     got = json.loads(out.read_text())
     for key in ("E", "A", "B", "alpha", "beta", "a", "b"):
-        assert isinstance(got[key], float)
-        assert key in got["ci"]
+        assert isinstance(got[key], float), key
+        lo, hi = got["ci"][key]
+        assert lo <= hi, key
+    assert len(got["excluded_runs"]) == 1
+    assert got["a"] == pytest.approx(TRUE_A, abs=0.1)
     assert (tmp_path / "plots" / "isoflop.png").stat().st_size > 1000
+
+
+def test_group_budgets_negative_control():
+    """Budgets 10% apart stay apart; FLOPs within 5% of a budget join it."""
+    got = fit.group_budgets(np.array([1.0, 0.99, 1.1, 1.11, 2.0]))
+    assert len(set(got.tolist())) == 3
+    assert got[0] == got[1] and got[2] == got[3] != got[0]
+
+
+def test_exclude_by_unknown_rule_names_the_choices():
+    runs = isoflop_grid(EPOCH_AI, BUDGETS[:3], per_budget=5, noise=0.003, seed=4)
+    with pytest.raises(fit.ConfigError, match="did you mean 'loss'"):
+        fit.fit_all(runs, exclude_worst=1, exclude_by="losss")
 
 
 def test_size_rule():
@@ -100,3 +109,24 @@ def test_size_rule():
         assert abs(np.log(s.block_params / target)) < 0.35
         assert 32 <= s.width / s.layers <= 128
     assert parse_size("100k") == size_for_params(1e5)
+
+
+def test_prediction_uses_the_approach_with_the_narrower_interval():
+    """`narrower` follows the bootstrap: approach 2 when its N_opt interval is tighter, approach
+    3 when that one is (the negative control), either by name; no groups -> approach 3."""
+    res = fit.FitResult(
+        {},
+        {"a": 0.5},
+        [],
+        target={"N_opt": 1e5, "D_opt": 1.0, "N_opt_approach2": 6e4, "D_opt_approach2": 2.0},
+    )
+    res.ci = {"N_opt": [1e4, 1e6], "N_opt_approach2": [4e4, 9e4]}
+    assert fit.choose_prediction(res)["predicted_by"] == "approach2"
+    assert fit.choose_prediction(res)["N_opt_predicted"] == 6e4
+    res.ci = {"N_opt": [9e4, 1.1e5], "N_opt_approach2": [4e4, 9e4]}
+    assert fit.choose_prediction(res)["predicted_by"] == "approach3"
+    assert fit.choose_prediction(res, "approach2")["D_opt_predicted"] == 2.0
+    res.ci = {}  # no bootstrap: approach 3 (both widths unknown)
+    assert fit.choose_prediction(res)["predicted_by"] == "approach3"
+    with pytest.raises(fit.ConfigError, match="did you mean 'approach2'"):
+        fit.choose_prediction(res, "approach_2")

@@ -33,10 +33,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     f.add_argument("runs", help="a sweep folder (its runs.csv) or a CSV file")
     f.add_argument("--exclude-worst", type=int, default=0, help="drop the K worst-fit runs")
+    f.add_argument(
+        "--exclude-by",
+        default="residual",
+        help="what makes a run 'worst': residual (approach 3's fit, default) or loss (the "
+        "highest losses, Besiroglu et al.'s protocol)",
+    )
     f.add_argument("--bootstrap", type=int, default=0, help="bootstrap resamples (e.g. 200)")
     f.add_argument("--json", help="write the fit here")
     f.add_argument("--plots", help="folder for isoflop.png, nopt.png, contours.png")
     f.add_argument("--predict", type=float, help="a budget C: print N_opt, D_opt; write a config")
+    f.add_argument(
+        "--predict-with",
+        default="narrower",
+        help="the approach whose N_opt(C) --predict uses: approach2, approach3, or narrower "
+        "(the one with the narrower bootstrap interval; default)",
+    )
     f.add_argument("--config-out", help="where --predict writes its config (sweep folders)")
     f.add_argument("--seed", type=int, default=0)
     f.set_defaults(fn=run_fit)
@@ -72,7 +84,15 @@ def run_fit(args: argparse.Namespace) -> int:
     path = Path(args.runs)
     csv_path = path / "runs.csv" if path.is_dir() else path
     runs = read_runs_csv(csv_path)
-    result = fit_all(runs, args.bootstrap, args.exclude_worst, args.predict, args.seed)
+    result = fit_all(
+        runs,
+        args.bootstrap,
+        args.exclude_worst,
+        args.predict,
+        args.seed,
+        exclude_by=args.exclude_by,
+        predict_with=args.predict_with,
+    )
     out = result.to_json()
     p = result.approach3
     print(
@@ -87,18 +107,23 @@ def run_fit(args: argparse.Namespace) -> int:
         print(f"warning: {w}")
     if args.predict:
         print(
-            f"at C = {args.predict:.4g}: N_opt = {out['N_opt']:.4g}, D_opt = {out['D_opt']:.4g}"
+            f"at C = {args.predict:.4g}: approach 3 N_opt = {out['N_opt']:.4g}, "
+            f"D_opt = {out['D_opt']:.4g}"
             + (
                 f" (approach 2: N_opt = {out['N_opt_approach2']:.4g})"
                 if "N_opt_approach2" in out
                 else ""
             )
         )
+        print(
+            f"prediction ({out['predicted_by']}): N_opt = {out['N_opt_predicted']:.4g}, "
+            f"D_opt = {out['D_opt_predicted']:.4g}"
+        )
         if path.is_dir() and (path / "sweep.json").is_file():
             from vltrain.runs.sweep import predicted_config
 
             target = Path(args.config_out or path / f"predict_C{args.predict:.3g}.yaml")
-            size = predicted_config(path, out["N_opt"], args.predict, target)
+            size = predicted_config(path, out["N_opt_predicted"], args.predict, target)
             out["predicted_size"] = size.label
             print(f"wrote {target} (size {size.label}); train it with `vltrain train {target}`")
     if args.plots:

@@ -97,8 +97,9 @@ def uses_tokenizer(cfg: Config) -> bool:
     return cfg.model.kind == "dual_encoder"
 
 
-def build_encoder(cfg: Config, tokenizer: TextTokenizer | None) -> nn.Module:
-    """The encoder `model.kind` names, with `encode_image` / `encode_text`."""
+def build_encoder(cfg: Config, tokenizer: TextTokenizer | None, weights: bool = True) -> nn.Module:
+    """The encoder `model.kind` names, with `encode_image` / `encode_text`; an HF backbone
+    with `weights=False` is its architecture on the meta device (for FLOP accounting)."""
     m = cfg.model
     if m.kind == "dual_encoder":
         return DualEncoder(
@@ -126,6 +127,8 @@ def build_encoder(cfg: Config, tokenizer: TextTokenizer | None) -> nn.Module:
     from vltrain.models.hf_embedders import build_embedder
 
     opts: dict[str, Any] = {"local_files_only": m.local_files_only}
+    if not weights:
+        opts["weights"] = False
     if m.lora_r:
         opts["lora"] = {
             "r": m.lora_r,

@@ -120,19 +120,25 @@ class _HFEmbedder(nn.Module):
         local_files_only: bool = True,
         lora: Mapping[str, Any] | None = None,
         dtype: torch.dtype = torch.float32,
+        weights: bool = True,
     ) -> None:
         super().__init__()
         self.path = check_model_path(path, local_files_only)
         self.local_files_only = local_files_only
         from transformers import AutoConfig
 
-        mt = AutoConfig.from_pretrained(self.path, local_files_only=local_files_only).model_type
+        config = AutoConfig.from_pretrained(self.path, local_files_only=local_files_only)
+        mt = config.model_type
         if self.model_types and mt not in self.model_types:  # checked before loading weights
             raise ValueError(
                 f"{self.path} holds a {mt!r} model, but embedder kind {self.kind!r} expects "
                 f"{' or '.join(self.model_types)}; pick the matching kind ({sorted(EMBEDDERS)})."
             )
-        model = self._load(self.path, local_files_only=local_files_only, dtype=dtype)
+        if weights:
+            model = self._load(self.path, local_files_only=local_files_only, dtype=dtype)
+        else:  # the architecture on the meta device (FLOP accounting): no weights read
+            with torch.device("meta"):
+                model = self._from_config(config)
         self.lora = dict(lora) if lora else None
         self.model = apply_lora(model, self.lora, self.lora_targets) if self.lora else model
         # after LoRA, so adapters peft attached inside unused modules are frozen with them
@@ -141,6 +147,9 @@ class _HFEmbedder(nn.Module):
 
     def _load(self, path: str, **kw: Any) -> nn.Module:
         raise NotImplementedError
+
+    def _from_config(self, config: Any) -> nn.Module:
+        raise NotImplementedError(f"{type(self).__name__} is built with its weights only")
 
     def _freeze_unused(self, model: nn.Module) -> None:
         """Freeze parameters the embedding never uses, so DDP sees no unused parameters."""
@@ -375,10 +384,13 @@ class VLMEmbedder(_HFEmbedder):
         local_files_only: bool = True,
         lora: Mapping[str, Any] | None = None,
         dtype: torch.dtype = torch.float32,
+        weights: bool = True,
     ) -> None:
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {sorted(POOLINGS)}, got {pooling!r}")
-        super().__init__(path, local_files_only=local_files_only, lora=lora, dtype=dtype)
+        super().__init__(
+            path, local_files_only=local_files_only, lora=lora, dtype=dtype, weights=weights
+        )
         self.pooling = pooling
         self.instruction_query = instruction_query
         self.instruction_doc = instruction_doc
@@ -394,6 +406,11 @@ class VLMEmbedder(_HFEmbedder):
         from transformers import AutoModelForImageTextToText
 
         return AutoModelForImageTextToText.from_pretrained(path, **kw)
+
+    def _from_config(self, config: Any) -> nn.Module:
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText.from_config(config)
 
     def _freeze_unused(self, model: nn.Module) -> None:
         """Freeze what never reaches the embedding: the LM head (unless tied to the input

@@ -21,7 +21,7 @@ from vltrain.data.tokenizer import TextTokenizer, prepare_tokenizer
 from vltrain.scaling.flops import ModelFlops, captioner_flops, dual_encoder_flops
 
 #: model kinds with a FLOP formula for a train.max_flops budget
-FLOP_KINDS = ("captioner", "dual_encoder")
+FLOP_KINDS = ("captioner", "dual_encoder", "vlm")
 
 
 def _texts(cfg: Config) -> list[str]:
@@ -45,6 +45,23 @@ def _texts(cfg: Config) -> list[str]:
     return [t for r in read_records(cfg.data.train) for t in r["text"] if valid(t)]
 
 
+#: per process: (inputs of the tokenizer training) -> tokenizer, (..., tokenizer, max length)
+#: -> mean length. A sweep checks and counts every run of its grid on the same data; BPE
+#: training is deterministic, so the same inputs give the same tokenizer.
+_MEMO: dict[tuple, object] = {}
+
+
+def _text_key(cfg: Config) -> tuple:
+    """What `_texts(cfg)` depends on, the data file's size and mtime included."""
+    path = Path(cfg.data.train)
+    stat = path.stat() if path.is_file() else None
+    c = cfg.caption
+    return (
+        str(path.resolve()), stat and stat.st_size, stat and stat.st_mtime_ns, cfg.model.kind,
+        cfg.data.image_column, cfg.data.text_column, c.prompt, c.instruction,
+    )  # fmt: skip
+
+
 def run_tokenizer(cfg: Config) -> TextTokenizer:
     """The tokenizer the run will use, without writing into its folder."""
     from vltrain.engine.checkpoint import resolve_init
@@ -52,26 +69,34 @@ def run_tokenizer(cfg: Config) -> TextTokenizer:
     own = Path(cfg.run.out_dir) / "tokenizer"
     if (own / "tokenizer.json").is_file() and (cfg.train.resume or not cfg.train.overwrite):
         return TextTokenizer.load(own)
-    with tempfile.TemporaryDirectory() as tmp:
-        init = resolve_init(cfg.model.init_from)
-        prepare_tokenizer(
-            Path(tmp), init, lambda: _texts(cfg), cfg.data.tokenizer_vocab, is_main=True
-        )
-        return TextTokenizer.load(Path(tmp))
+    init = resolve_init(cfg.model.init_from)
+    key = ("tokenizer", _text_key(cfg), cfg.data.tokenizer_vocab, str(init))
+    if key not in _MEMO:
+        with tempfile.TemporaryDirectory() as tmp:
+            prepare_tokenizer(
+                Path(tmp), init, lambda: _texts(cfg), cfg.data.tokenizer_vocab, is_main=True
+            )
+            _MEMO[key] = TextTokenizer.load(Path(tmp))
+    return _MEMO[key]
 
 
 def mean_text_tokens(cfg: Config, tokenizer: TextTokenizer) -> int:
     """Mean real tokens per training text (bos + text + eos, cut at data.max_text_len)."""
-    texts = _texts(cfg)[:20000]
-    if not texts:
-        raise ConfigError(f"data.train={cfg.data.train} holds no texts to count tokens of")
-    lengths = [min(len(tokenizer.encode(t)) + 2, cfg.data.max_text_len) for t in texts]
-    return max(2, round(sum(lengths) / len(lengths)))
+    # the memo holds the tokenizer itself, so its id cannot be reused by another one
+    key = ("length", _text_key(cfg), cfg.data.max_text_len, id(tokenizer))
+    if key not in _MEMO:
+        texts = _texts(cfg)[:20000]
+        if not texts:
+            raise ConfigError(f"data.train={cfg.data.train} holds no texts to count tokens of")
+        lengths = [min(len(tokenizer.encode(t)) + 2, cfg.data.max_text_len) for t in texts]
+        _MEMO[key] = (tokenizer, max(2, round(sum(lengths) / len(lengths))))
+    return _MEMO[key][1]
 
 
 def config_flops(cfg: Config, tokenizer: TextTokenizer | None = None) -> ModelFlops:
-    """Per-sample accounting of the model `cfg` describes (captioner or built-in dual
-    encoder), built on the meta device, freezing as configured."""
+    """Per-sample accounting of the model `cfg` describes (captioner, built-in dual encoder,
+    or an HF VLM: `vlm_flops.vlm_config_flops`), built on the meta device, freezing as
+    configured."""
     from vltrain.models.backbones import build_captioner, build_encoder
 
     if cfg.model.kind not in FLOP_KINDS:
@@ -80,6 +105,10 @@ def config_flops(cfg: Config, tokenizer: TextTokenizer | None = None) -> ModelFl
             f"{list(FLOP_KINDS)}); use train.max_samples, or count an HF model with "
             "vltrain.scaling.flops.measure_flops / hf_dual_encoder_flops"
         )
+    if cfg.model.kind == "vlm":  # the HF model's own tokenizer and image processor
+        from vltrain.scaling.vlm_flops import vlm_config_flops
+
+        return vlm_config_flops(cfg)
     tokenizer = tokenizer or run_tokenizer(cfg)
     tokens = mean_text_tokens(cfg, tokenizer)
     with torch.device("meta"):

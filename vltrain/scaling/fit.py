@@ -17,7 +17,7 @@ import numpy as np
 from scipy import optimize
 from scipy.special import logsumexp
 
-from vltrain.config.core import ConfigError
+from vltrain.config.core import ConfigError, check_choice
 
 HUBER_DELTA = 1e-3
 #: approach 3's initialisation grid (Hoffmann et al.'s, every other point in e, a, b)
@@ -50,7 +50,7 @@ class Runs:
 
 def read_runs_csv(path: str | Path) -> Runs:
     """Columns `params`, `tokens` (or `flops`: tokens = flops / (6 params)) and `loss`;
-    optional `budget` (else `flops`) names each run's isoFLOP group."""
+    optional `budget` names each run's isoFLOP group (else `flops`, grouped within 5%)."""
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     if not rows:
@@ -67,13 +67,33 @@ def read_runs_csv(path: str | Path) -> Runs:
 
     params, loss = col("params"), col("loss")
     tokens = col("tokens") if "tokens" in cols else col("flops") / (6 * params)
-    group = "budget" if "budget" in cols else ("flops" if "flops" in cols else None)
-    budget = col(group) if group else None
+    budget = col("budget") if "budget" in cols else None
+    if budget is None and "flops" in cols:
+        budget = group_budgets(col("flops"))
     bad = ~(np.isfinite(params) & np.isfinite(tokens) & np.isfinite(loss))
     bad |= (params <= 0) | (tokens <= 0) | (loss <= 0)
     if bad.any():
         raise ConfigError(f"{path}: rows {list(np.nonzero(bad)[0] + 2)} hold non-positive values")
     return Runs(params, tokens, loss, budget)
+
+
+#: counted FLOPs within this relative distance of a group's smallest are one isoFLOP budget
+BUDGET_TOLERANCE = 0.05
+
+
+def group_budgets(flops: np.ndarray, tolerance: float = BUDGET_TOLERANCE) -> np.ndarray:
+    """isoFLOP groups from counted FLOPs: a run belongs to the group of the smallest value it
+    lies within `tolerance` (relative) of, since counted FLOPs miss a budget by a fraction of
+    a step (e.g. 4.96e10 and 4.99e10 for a 5e10 budget). Each group is named by its median."""
+    order = np.argsort(flops)
+    label = np.empty(len(flops), dtype=int)
+    start, g = flops[order[0]], 0
+    for i in order:
+        if flops[i] > start * (1 + tolerance):
+            start, g = flops[i], g + 1
+        label[i] = g
+    names = np.array([np.median(flops[label == k]) for k in range(g + 1)])
+    return names[label]
 
 
 # ------------------------------------------------------------------------------ approach 3
@@ -207,6 +227,26 @@ def fit_isoflop(runs: Runs) -> tuple[list[IsoFlopGroup], dict[str, float], list[
     )
 
 
+# ------------------------------------------------------------------------------ exclusion
+
+
+def _worst_by_residual(runs: Runs, p3: dict[str, float], k: int) -> list[int]:
+    """The k runs approach 3 fits worst (largest |log residual|)."""
+    resid = np.abs(np.log(predict_loss(p3, runs.params, runs.tokens)) - np.log(runs.loss))
+    return sorted(int(i) for i in np.argsort(resid)[::-1][:k])
+
+
+def _worst_by_loss(runs: Runs, p3: dict[str, float], k: int) -> list[int]:
+    """The k runs with the highest loss (Besiroglu et al.'s protocol: they drop the 5
+    highest-loss runs of Hoffmann et al.'s Figure 4, ties included)."""
+    cut = np.sort(runs.loss)[-k]
+    return [int(i) for i in np.nonzero(runs.loss >= cut)[0]]
+
+
+#: how `--exclude-worst K` picks the runs it drops
+EXCLUSION_RULES = {"residual": _worst_by_residual, "loss": _worst_by_loss}
+
+
 # ------------------------------------------------------------------------------ bootstrap
 
 
@@ -218,7 +258,7 @@ class FitResult:
     ci: dict[str, list[float]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     excluded: list[int] = field(default_factory=list)
-    target: dict[str, float] = field(default_factory=dict)
+    target: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: self.approach3[k] for k in ("E", "A", "B", "alpha", "beta")}
@@ -255,14 +295,23 @@ def fit_all(
     target: float | None = None,
     seed: int = 0,
     level: float = 0.95,
+    exclude_by: str = "residual",
+    predict_with: str = "narrower",
 ) -> FitResult:
-    """Both approaches, the worst runs excluded by approach 3's residual, bootstrap intervals
-    (runs resampled with replacement, within each budget group when there are groups)."""
+    """Both approaches, the `exclude_worst` worst runs dropped (by approach 3's residual, or
+    by loss: `EXCLUSION_RULES`), bootstrap intervals (runs resampled with replacement, within
+    each budget group when there are groups), the allocation at `target` FLOPs by the
+    approach `predict_with` picks (:func:`choose_prediction`)."""
+    check_choice("--exclude-by", exclude_by, EXCLUSION_RULES)
     excluded: list[int] = []
     p3 = fit_parametric(runs)
     if exclude_worst:
-        resid = np.abs(np.log(predict_loss(p3, runs.params, runs.tokens)) - np.log(runs.loss))
-        excluded = sorted(int(i) for i in np.argsort(resid)[::-1][:exclude_worst])
+        if exclude_worst >= len(runs) - 4:
+            raise ConfigError(
+                f"--exclude-worst {exclude_worst} leaves {len(runs) - exclude_worst} of "
+                f"{len(runs)} runs; approach 3 needs at least 5"
+            )
+        excluded = EXCLUSION_RULES[exclude_by](runs, p3, exclude_worst)
         runs = runs.take(np.setdiff1d(np.arange(len(runs)), excluded))
         p3 = fit_parametric(runs)
     p2, groups, warnings = None, [], []
@@ -276,7 +325,43 @@ def fit_all(
     )
     if bootstrap:
         result.ci = _bootstrap(runs, p3, bootstrap, target, seed, level, p2 is not None)
+    if target:
+        result.target.update(choose_prediction(result, predict_with))
     return result
+
+
+# ------------------------------------------------------------------------------ prediction
+
+#: approach -> (its N_opt, D_opt keys in FitResult.target)
+PREDICTORS = {"approach3": ("N_opt", "D_opt"), "approach2": ("N_opt_approach2", "D_opt_approach2")}
+
+
+def _log_width(ci: dict[str, list[float]], key: str) -> float:
+    lo, hi = ci.get(key, (0.0, 0.0))
+    return math.log(hi / lo) if lo > 0 and hi > 0 else math.inf
+
+
+def choose_prediction(result: FitResult, predict_with: str = "narrower") -> dict[str, Any]:
+    """Which approach's N_opt(C) the prediction (and `--predict`'s config) uses: `approach3`,
+    `approach2`, or `narrower`: the one whose bootstrap interval on N_opt at C is narrower
+    in log (approach 3 without a bootstrap or without isoFLOP groups). With few runs the five
+    parameters of approach 3 are poorly determined (E trades off against B / D^beta), while
+    approach 2 only interpolates measured minima; the bootstrap says which is the case."""
+    check_choice("--predict-with", predict_with, {**PREDICTORS, "narrower": None})
+    t = result.target
+    have = [k for k, (n, _) in PREDICTORS.items() if n in t]
+    if predict_with == "narrower":
+        widths = {k: _log_width(result.ci, PREDICTORS[k][0]) for k in have}
+        name = min(have, key=lambda k: (widths[k], k != "approach3"))
+    elif predict_with in have:
+        name = predict_with
+    else:
+        raise ConfigError(f"--predict-with {predict_with}: the runs hold no isoFLOP groups")
+    n_key, d_key = PREDICTORS[name]
+    out = {"predicted_by": name, "N_opt_predicted": t[n_key], "D_opt_predicted": t[d_key]}
+    if n_key in result.ci:
+        out["N_opt_predicted_ci"] = result.ci[n_key]
+    return out
 
 
 def _resample(runs: Runs, rng: np.random.Generator) -> np.ndarray:

@@ -1,7 +1,7 @@
 """The family of model sizes a sweep trains: a target non-embedding parameter count -> a
 (depth, width) pair by one documented rule.
 
-Rule: among depths 1..16 and widths that are multiples of 32 (32..2048) whose aspect ratio
+Rule: among depths 1..16 and widths that are multiples of 16 (32..2048) whose aspect ratio
 width / depth lies in [32, 128], pick the pair whose non-embedding parameter count
 12 * L * W^2 (+ the connector, fixed per family) is closest to the target in log space; ties
 go to the aspect ratio closest to 64 (Kaplan et al. found loss flat across aspect ratios
@@ -41,7 +41,7 @@ def size_for_params(target: float, aspect: float = 64.0) -> Size:
         raise ConfigError(f"a model size must be positive, got {target}")
     best: tuple[float, float, Size] | None = None
     for layers in range(1, 17):
-        for width in range(32, 2049, 32):
+        for width in range(32, 2049, 16):
             if not 32 <= width / layers <= 128:
                 continue
             s = Size(layers, width)
