@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -397,12 +397,21 @@ def run_quickstart(out: Path) -> None:
     subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=3600)
 
 
-def _clean_row(name: str, run: Path, error: str = "") -> dict[str, Any]:
+def _clean_row(name: str, run: Path, error: str = "", offline: bool = False) -> dict[str, Any]:
     """Warn-or-error findings of one clean run (each is a false alarm unless shown real), the
-    steps the spike checks judged, and the peer spike rules on the same series."""
-    warn = [f for f in _findings(run) if f["severity"] != "info"]
+    steps the spike checks judged, and the peer spike rules on the same series. `offline`:
+    the findings of `vltrain doctor RUN` (today's rules replayed over the run's records),
+    not the ones the run wrote while training."""
+    if offline:
+        found = [asdict(f) for f in doctor_mod.analyse_run(run)]
+    else:
+        found = _findings(run)
+    warn = [f for f in found if f["severity"] != "info"]
+    info = sorted({f["check"] for f in found if f["severity"] == "info"})
     row: dict[str, Any] = {
         "run": name, "false_alarms": len(warn), "checks": sorted({f["check"] for f in warn}),
+        "info": [f"{f['check']}@{f['step']}" for f in found if f["severity"] == "info"],
+        "info_checks": info,
         "findings": [f"{f['check']}@{f['step']}: {f['message']}" for f in warn],
         "error": error,
     }  # fmt: skip
@@ -601,6 +610,11 @@ def main() -> None:
     p.add_argument(
         "--quickstart", default="", help="a finished quickstart folder to use (else run one)"
     )
+    p.add_argument(
+        "--offline",
+        action="store_true",
+        help="with --clean: re-judge the existing clean runs with today's rules (no training)",
+    )
     p.add_argument("--skip-overhead", action="store_true")
     p.add_argument("--overhead-only", action="store_true")
     p.add_argument("--skip", default="", help="'|'-separated scenario names not to run")
@@ -629,6 +643,16 @@ def main() -> None:
                 )
             )
             print(json.dumps(rows[-1]), flush=True)
+    if args.clean and args.offline:
+        rows = [
+            {**_clean_row(sc.name, out / "clean" / _slug(sc.name), offline=True), "offline": True}
+            for sc in clean_runs()
+            if _wanted(sc.name, args.only, skip) and (out / "clean" / _slug(sc.name)).is_dir()
+        ]
+        clean = _merge(out / "clean.json", rows)
+        (out / "clean.json").write_text(json.dumps(clean, indent=2))
+        print(clean_table(clean))
+        return None
     if args.clean:
         clean = _merge(out / "clean.json", run_clean(data, out, args.only, skip, args.quickstart))
         (out / "clean.json").write_text(json.dumps(clean, indent=2))
@@ -680,15 +704,18 @@ def _peer(v: int | None) -> str:
 def clean_table(rows: list[dict[str, Any]]) -> str:
     """Markdown: one row per clean run, its steps, warn-or-error findings, the peer rules."""
     lines = [
-        "| clean run | steps | warn/error findings | Foundry rule | OLMo rule (loss / grad) |",
-        "|---|---:|---|---:|---|",
+        "| clean run | steps | warn/error findings | info findings | Foundry rule | "
+        "OLMo rule (loss / grad) |",
+        "|---|---:|---|---|---:|---|",
     ]
     for r in rows:
         what = "; ".join(f.replace("|", "/") for f in r["findings"]) or "0"
         if r["error"]:
             what += f" (run failed: {r['error'][:120]})"
+        info = ", ".join(r.get("info", [])) or "-"
         lines.append(
-            f"| {r['run']} | {r.get('steps', '?')} | {what} | {_peer(r.get('foundry'))} | "
+            f"| {r['run']} | {r.get('steps', '?')} | {what} | {info} "
+            f"| {_peer(r.get('foundry'))} | "
             f"{_peer(r.get('olmo_loss'))} / {_peer(r.get('olmo_grad'))} |"
         )
     total = sum(r["false_alarms"] for r in rows)
@@ -699,7 +726,8 @@ def _merge(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows of earlier partial invocations (in `path`) updated with this one's, by run name."""
     merged = {r["run"]: r for r in json.loads(path.read_text())} if path.is_file() else {}
     merged.update({r["run"]: r for r in rows})
-    return list(merged.values())
+    order = {sc.name: i for i, sc in enumerate(clean_runs())}
+    return sorted(merged.values(), key=lambda r: (order.get(r["run"], len(order)), r["run"]))
 
 
 def _wanted(name: str, only: str, skip: set[str]) -> bool:

@@ -3,7 +3,7 @@
 TrainCheck instruments a script's torch calls (`traincheck-collect --pyscript`), so the faults
 are planted here in plain torch, mirroring bench_doctor.py's: the same kinds of fault on a
 small model (an MLP classifier with a tanh-gated side branch, the shape of a gated
-cross-attention block) trained on a fixed synthetic set. Two epochs of 6 batches; mid-run
+cross-attention block) trained on a fixed synthetic set. Two epochs of 8 batches; mid-run
 faults start at ONSET.
 
     python bench/traincheck_target.py --fault none --seed 0 [--times FILE]
@@ -24,8 +24,8 @@ from torch import nn
 from traincheck import annotate_stage
 from traincheck.instrumentor import META_VARS
 
-STEPS_PER_EPOCH, EPOCHS, BATCH = 6, 2, 16
-ONSET = 8  # in the second epoch, after the reference behaviour is established
+STEPS_PER_EPOCH, EPOCHS, BATCH = 8, 2, 16
+ONSET = 10  # in the second epoch, after the reference behaviour is established
 FAULTS = (
     "none", "no_zero_grad", "lr0", "frozen_layer", "not_in_optimizer", "nan", "loss_spike",
     "grad_spike", "replayed_order", "zero_loss", "label_mask", "dead_gate", "eval_on_train",
