@@ -6,7 +6,12 @@ checks clean runs for false alarms. On the same runs' loss / grad-norm series it
 LLM Foundry ``KillLossSpike`` rule (loss > 2x the mean of the last 100 steps) and the OLMo-core
 rule (> 6 sigma over the last 128 steps), as implemented here from their documentation.
 
-    PYTHONPATH=. python bench/bench_doctor.py --out bench/out/doctor [--steps 16] [--quickstart DIR]
+    PYTHONPATH=. python bench/bench_doctor.py --out bench/out/doctor [--only NAME]
+    PYTHONPATH=. python bench/bench_doctor.py --out bench/out/doctor --clean [--quickstart DIR]
+
+``--clean`` runs only the clean runs (each past warmup + the doctor's min_history, so every
+check judges) and the reduced quickstart, and tabulates each run's warn-or-error findings in
+OUT/clean.md.
 
 Two-process runs use torchrun (gloo); the script re-invokes itself as `--ddp-worker`.
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -23,7 +29,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +89,7 @@ class Scenario:
     patches: Callable[[], contextlib.AbstractContextManager] | None = None
     ddp: bool = False
     steps: int = STEPS
+    preset: Path | None = None  # a shipped YAML the overrides apply to (None: the defaults)
 
 
 class Hooks:
@@ -311,34 +318,112 @@ def scenarios(data: Path) -> list[Scenario]:
     ]
 
 
-CLEAN_STEPS = 10
+# Clean runs must outlast warmup + doctor.min_history (2 + 10 here), or the spike and
+# update-ratio checks never judge a step: 30 steps leaves 18 judged steps per run.
+CLEAN_STEPS = 30
+PRESETS = REPO / "vltrain" / "configs"
+BUCKETED = "clean captioner, length buckets (caption_finetune.yaml)"
+
+
+def _preset_run(data: Path, out: Path, **extra: Any) -> list[str]:
+    """A shipped caption preset shrunk to the bench: shapes data, batch 8, no eval/saves."""
+    base = {
+        "run.out_dir": out, "data.train": data / "train.jsonl", "data.eval": "",
+        "data.batch_size": 8, "data.num_workers": 0, "data.tokenizer_vocab": 400,
+        "model.init_from": "", "train.eval_every": 0, "train.save_every": 0,
+        "train.log_every": 1, "optim.warmup_steps": 2, "log.progress": False,
+        "log.tensorboard": False,
+    }  # fmt: skip
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def _from_bucketed(data: Path, out: Path) -> list[str]:
+    """SFT / RL start from the bucketed finetune run (same model keys as their presets)."""
+    return _preset_run(data, out, **{"model.init_from": out.parent / _slug(BUCKETED)})
 
 
 def clean_runs() -> list[Scenario]:
-    c, cap = contrastive, caption
+    c, cap, n = contrastive, caption, CLEAN_STEPS
+    gated = {"model.connector": "gated_xattn", "model.connector_options": "{}"}
+    frozen = {"model.freeze": "[vision,decoder]", "caption.mode": "pretrain"}
     return [
-        Scenario("clean contrastive (InfoNCE) seed 0", c, steps=CLEAN_STEPS),
-        Scenario("clean contrastive seed 1", lambda d, o: c(d, o, **{"run.seed": 1}), steps=12),
-        Scenario("clean contrastive SigLIP", lambda d, o: c(d, o, **{"objective.loss": "siglip"})),
-        Scenario("clean captioner, projector", cap, steps=CLEAN_STEPS),
+        Scenario("clean contrastive (InfoNCE) seed 0", c, steps=n),
+        Scenario("clean contrastive seed 1", lambda d, o: c(d, o, **{"run.seed": 1}), steps=n),
+        Scenario(
+            "clean contrastive SigLIP",
+            lambda d, o: c(d, o, **{"objective.loss": "siglip"}),
+            steps=n,
+        ),
+        Scenario("clean captioner, projector", cap, steps=n),
         Scenario(
             "clean captioner, pretrain (frozen vision+decoder)",
-            lambda d, o: cap(
-                d, o, **{"model.freeze": "[vision,decoder]", "caption.mode": "pretrain"}
-            ),
+            lambda d, o: cap(d, o, **frozen),
+            steps=n,
         ),
         Scenario(
-            "clean captioner, gated cross-attention",
-            lambda d, o: cap(
-                d, o, **{"model.connector": "gated_xattn", "model.connector_options": "{}"}
-            ),
+            "clean captioner, gated cross-attention", lambda d, o: cap(d, o, **gated), steps=n
         ),
         Scenario(
-            "clean captioner, length buckets",
-            lambda d, o: cap(d, o, **{"data.length_buckets": 3, "data.max_same_bucket_run": 3}),
+            BUCKETED,
+            # saves its last step: the SFT and RL runs start from it
+            lambda d, o: _preset_run(d, o, **{"train.save_every": n}),
+            steps=n,
+            preset=PRESETS / "caption_finetune.yaml",
         ),
-        Scenario("clean 2-process DDP contrastive", c, ddp=True, steps=CLEAN_STEPS),
+        Scenario(
+            "clean SFT (caption_sft.yaml)",
+            _from_bucketed,
+            steps=n,
+            preset=PRESETS / "caption_sft.yaml",
+        ),  # fmt: skip
+        Scenario("clean RL (rl.yaml)", _from_bucketed, steps=n, preset=PRESETS / "rl.yaml"),
+        Scenario("clean 2-process DDP contrastive", c, ddp=True, steps=n),
     ]
+
+
+QUICKSTART = [
+    "--steps", "60", "--caption-steps", "60", "--rl-steps", "24", "--n-train", "800",
+    "--n-eval", "100", "--batch-size", "32",
+]  # fmt: skip
+
+
+def run_quickstart(out: Path) -> None:
+    """The reduced quickstart (every stage passes warmup + min_history), as users run it."""
+    if out.exists():
+        shutil.rmtree(out)
+    cmd = [sys.executable, "-m", "vltrain", "quickstart", "--out", str(out), *QUICKSTART]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=3600)
+
+
+def _clean_row(name: str, run: Path, error: str = "", offline: bool = False) -> dict[str, Any]:
+    """Warn-or-error findings of one clean run (each is a false alarm unless shown real), the
+    steps the spike checks judged, and the peer spike rules on the same series. `offline`:
+    the findings of `vltrain doctor RUN` (today's rules replayed over the run's records),
+    not the ones the run wrote while training."""
+    if offline:
+        found = [asdict(f) for f in doctor_mod.analyse_run(run)]
+    else:
+        found = _findings(run)
+    warn = [f for f in found if f["severity"] != "info"]
+    info = sorted({f["check"] for f in found if f["severity"] == "info"})
+    row: dict[str, Any] = {
+        "run": name, "false_alarms": len(warn), "checks": sorted({f["check"] for f in warn}),
+        "info": [f"{f['check']}@{f['step']}" for f in found if f["severity"] == "info"],
+        "info_checks": info,
+        "findings": [f"{f['check']}@{f['step']}: {f['message']}" for f in warn],
+        "error": error,
+    }  # fmt: skip
+    if (run / "doctor_steps.jsonl").is_file():
+        loss, grad = _series(run)
+        row["steps"] = len(loss)
+        row["foundry"], row["olmo_loss"], row["olmo_grad"] = (
+            foundry_kill_loss_spike(loss),
+            olmo_spike(loss),
+            olmo_spike(grad),
+        )
+    return row
 
 
 def _findings(out: Path) -> list[dict[str, Any]]:
@@ -365,7 +450,7 @@ def run_one(sc: Scenario, data: Path, out: Path) -> dict[str, Any]:
 
 
 def _train_in_process(sc: Scenario, data: Path, out: Path) -> str:
-    cfg = load_config(None, [*sc.overrides(data, out), f"train.max_steps={sc.steps}"])
+    cfg = load_config(sc.preset, [*sc.overrides(data, out), f"train.max_steps={sc.steps}"])
     trainer = loop.Trainer(cfg, stage=check_config(cfg))
     Hooks.trainer, Hooks.scenario = trainer, sc
     if sc.install is not None:
@@ -408,6 +493,12 @@ def ddp_worker(name: str, data: Path, out: Path) -> None:
         loop.set_lr = Hooks.set_lr
     with stack:
         trainer.run()
+    # free the DDP wrapper while the process group is still registered: if its Reducer holds
+    # the last reference at exit, ~ProcessGroupGloo joins a gloo thread that waits for the GIL
+    # the destructor holds (a torch teardown deadlock seen on the clean 2-process run)
+    del trainer, stack
+    Hooks.trainer = None
+    gc.collect()
     D.shutdown()
 
 
@@ -508,13 +599,25 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/out/doctor")
     p.add_argument("--ddp-worker", nargs=3, metavar=("NAME", "DATA", "OUT"))
-    p.add_argument("--only", default="", help="substring: run only matching scenarios")
     p.add_argument(
-        "--quickstart", default="", help="a finished quickstart folder to count as clean"
+        "--only", default="", help="'|'-separated substrings: run only matching scenarios"
+    )
+    p.add_argument(
+        "--clean",
+        action="store_true",
+        help="run only the clean runs (and the reduced quickstart): false alarms per run",
+    )
+    p.add_argument(
+        "--quickstart", default="", help="a finished quickstart folder to use (else run one)"
+    )
+    p.add_argument(
+        "--offline",
+        action="store_true",
+        help="with --clean: re-judge the existing clean runs with today's rules (no training)",
     )
     p.add_argument("--skip-overhead", action="store_true")
     p.add_argument("--overhead-only", action="store_true")
-    p.add_argument("--skip", default="", help="comma-separated scenario names not to run")
+    p.add_argument("--skip", default="", help="'|'-separated scenario names not to run")
     args = p.parse_args()
     if args.ddp_worker:
         name, data, out = args.ddp_worker
@@ -529,9 +632,9 @@ def main() -> None:
         print(json.dumps(overhead(data, out / "overhead")))
         return None
     rows, clean = [], []
-    skip = set(filter(None, args.skip.split(",")))
-    for sc in scenarios(data):
-        if args.only in sc.name and sc.name not in skip:
+    skip = set(filter(None, args.skip.split("|")))
+    for sc in [] if args.clean else scenarios(data):
+        if _wanted(sc.name, args.only, skip):
             rows.append(
                 evaluate(
                     sc,
@@ -540,37 +643,22 @@ def main() -> None:
                 )
             )
             print(json.dumps(rows[-1]), flush=True)
-    for sc in clean_runs():
-        if args.only in sc.name and sc.name not in skip:
-            res = run_one(sc, data, out / "clean" / _slug(sc.name))
-            warn = [f for f in res["findings"] if f["severity"] != "info"]
-            row = {
-                "run": sc.name,
-                "false_alarms": len(warn),
-                "checks": sorted({f["check"] for f in warn}),
-                "error": res["error"],
-            }
-            loss, grad = _series(out / "clean" / _slug(sc.name))
-            row["foundry"], row["olmo_loss"], row["olmo_grad"] = (
-                foundry_kill_loss_spike(loss),
-                olmo_spike(loss),
-                olmo_spike(grad),
-            )
-            clean.append(row)
-            print(json.dumps(row), flush=True)
-    if args.quickstart:
-        for run in sorted(Path(args.quickstart).iterdir()):
-            if (run / "doctor.jsonl").is_file():
-                warn = [f for f in _findings(run) if f["severity"] != "info"]
-                clean.append(
-                    {
-                        "run": f"quickstart/{run.name}",
-                        "false_alarms": len(warn),
-                        "checks": sorted({f["check"] for f in warn}),
-                        "error": "",
-                    }
-                )
-                print(json.dumps(clean[-1]), flush=True)
+    if args.clean and args.offline:
+        rows = [
+            {**_clean_row(sc.name, out / "clean" / _slug(sc.name), offline=True), "offline": True}
+            for sc in clean_runs()
+            if _wanted(sc.name, args.only, skip) and (out / "clean" / _slug(sc.name)).is_dir()
+        ]
+        clean = _merge(out / "clean.json", rows)
+        (out / "clean.json").write_text(json.dumps(clean, indent=2))
+        print(clean_table(clean))
+        return None
+    if args.clean:
+        clean = _merge(out / "clean.json", run_clean(data, out, args.only, skip, args.quickstart))
+        (out / "clean.json").write_text(json.dumps(clean, indent=2))
+        (out / "clean.md").write_text(clean_table(clean))
+        print(clean_table(clean))
+        return None
     result: dict[str, Any] = {"faults": rows, "clean": clean}
     if not args.skip_overhead:
         result["overhead"] = overhead(data, out / "overhead")
@@ -581,6 +669,70 @@ def main() -> None:
         f"detected within 2 steps: {len(det)}/{len(rows)}; "
         f"false alarms on clean runs: {sum(c['false_alarms'] for c in clean)}"
     )
+
+
+def run_clean(
+    data: Path, out: Path, only: str, skip: set[str], quickstart: str
+) -> list[dict[str, Any]]:
+    """Every clean run, one at a time, then the quickstart's stage runs (of the finished
+    `quickstart` folder, else of a fresh reduced one); one row per run."""
+    rows = []
+    for sc in clean_runs():
+        if _wanted(sc.name, only, skip):
+            run = out / "clean" / _slug(sc.name)
+            res = run_one(sc, data, run)
+            rows.append(_clean_row(sc.name, run, res["error"]))
+            rows[-1]["seconds"] = round(res["seconds"], 1)
+            print(json.dumps(rows[-1]), flush=True)
+    if not _wanted("quickstart", only, skip):
+        return rows
+    qs = Path(quickstart) if quickstart else out / "clean" / "quickstart"
+    if not quickstart:
+        t0 = time.time()
+        run_quickstart(qs)
+        print(json.dumps({"quickstart_seconds": round(time.time() - t0, 1)}), flush=True)
+    for run in sorted(p for p in qs.iterdir() if (p / "doctor.jsonl").is_file()):
+        rows.append(_clean_row(f"quickstart/{run.name}", run))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _peer(v: int | None) -> str:
+    return "-" if v is None or v < 0 else str(v)
+
+
+def clean_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: one row per clean run, its steps, warn-or-error findings, the peer rules."""
+    lines = [
+        "| clean run | steps | warn/error findings | info findings | Foundry rule | "
+        "OLMo rule (loss / grad) |",
+        "|---|---:|---|---|---:|---|",
+    ]
+    for r in rows:
+        what = "; ".join(f.replace("|", "/") for f in r["findings"]) or "0"
+        if r["error"]:
+            what += f" (run failed: {r['error'][:120]})"
+        info = ", ".join(r.get("info", [])) or "-"
+        lines.append(
+            f"| {r['run']} | {r.get('steps', '?')} | {what} | {info} "
+            f"| {_peer(r.get('foundry'))} | "
+            f"{_peer(r.get('olmo_loss'))} / {_peer(r.get('olmo_grad'))} |"
+        )
+    total = sum(r["false_alarms"] for r in rows)
+    return "\n".join(lines) + f"\n\n{len(rows)} clean runs, {total} warn-or-error findings\n"
+
+
+def _merge(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows of earlier partial invocations (in `path`) updated with this one's, by run name."""
+    merged = {r["run"]: r for r in json.loads(path.read_text())} if path.is_file() else {}
+    merged.update({r["run"]: r for r in rows})
+    order = {sc.name: i for i, sc in enumerate(clean_runs())}
+    return sorted(merged.values(), key=lambda r: (order.get(r["run"], len(order)), r["run"]))
+
+
+def _wanted(name: str, only: str, skip: set[str]) -> bool:
+    """`name` is selected by `only` ('|'-separated substrings; '' = all) and not skipped."""
+    return name not in skip and (not only or any(o in name for o in only.split("|")))
 
 
 def _slug(name: str) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+import statistics
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from tests.conftest import hardlink_tree
 from vltrain.data import chat as C
 from vltrain.data.caption_data import CaptionDataset, read_caption_source
 from vltrain.data.records import DataError, read_jsonl
+from vltrain.data.samplers import TAIL_BUCKET, LengthBucketBatchSampler
 from vltrain.data.tokenizer import train_bpe_tokenizer
 from vltrain.models.captioner import IGNORE_INDEX
 
@@ -63,6 +66,45 @@ def test_train_caption_choice_depends_on_seed_epoch_index_only(shapes_dir: Path,
     assert len({tuple(x) for x in a}) > 1  # but the epoch does: captions vary
     ev = _dataset(shapes_dir / "val.jsonl", tok, train=False)[0]
     assert len(ev["refs"]) >= 3 and ev["prompt_ids"] == [tok.bos_id]
+
+
+def _multi_caption_data(shapes_dir: Path, tmp_path: Path) -> Path:
+    """The shapes records, each with three captions of very different lengths (short, medium,
+    long) in a per-record random order, so the first caption says little about the drawn one."""
+    rng = random.Random(0)
+    rows = read_jsonl(shapes_dir / "train.jsonl")
+    for r in rows:
+        base = r["text"][0]
+        caps = [base, f"{base} , {base}", f"{base} , {base} , {base}"]
+        rng.shuffle(caps)
+        r["text"] = caps
+    hardlink_tree(shapes_dir / "images", tmp_path / "images")
+    (tmp_path / "multi.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return tmp_path / "multi.jsonl"
+
+
+def test_length_buckets_follow_the_caption_training_draws(
+    shapes_dir: Path, tok, tmp_path: Path
+) -> None:
+    ds = _dataset(_multi_caption_data(shapes_dir, tmp_path), tok)
+    drawn = LengthBucketBatchSampler(ds.epoch_token_lengths, 8, seed=0, n_buckets=6)
+    first = LengthBucketBatchSampler(  # the old rule: each record's first caption
+        [ds.token_length(i) for i in range(len(ds))], 8, seed=0, n_buckets=6
+    )
+
+    def within_over_total(sampler: LengthBucketBatchSampler, epoch: int) -> float:
+        """Within-batch share of the variance of the lengths training actually sees."""
+        batches = [b for g, b in sampler.epoch_schedule(epoch) if g != TAIL_BUCKET]
+        lens = [[len(ds[(epoch, 0, i)]["input_ids"]) for i in b] for b in batches]
+        flat = [x for b in lens for x in b]
+        return statistics.fmean(statistics.pvariance(b) for b in lens) / statistics.pvariance(flat)
+
+    for epoch in (0, 1):
+        assert within_over_total(drawn, epoch) < 0.03  # measured 0.016-0.018
+        assert within_over_total(first, epoch) > 0.5  # measured 0.73-0.76
+    # the draw the buckets assume is the one __getitem__ makes
+    lens = ds.epoch_token_lengths(1)
+    assert [len(ds[(1, 0, i)]["input_ids"]) for i in range(8)] == lens[:8]
 
 
 def test_coco_json_reader(shapes_dir: Path, tok, tmp_path: Path) -> None:

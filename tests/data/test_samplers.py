@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import statistics
 
 import pytest
 import torch
@@ -150,7 +151,18 @@ def bucketed(rank=0, world_size=1, start=(0, 0)):
     )
 
 
-@pytest.mark.parametrize("make", [sharded, bucketed])
+def epoch_lengths(epoch: int) -> torch.Tensor:
+    """Lengths that change every epoch (a caption drawn per epoch from several)."""
+    return torch.randint(1, 61, (300,), generator=torch.Generator().manual_seed(100 + epoch))
+
+
+def bucketed_per_epoch(rank=0, world_size=1, start=(0, 0)):
+    return LengthBucketBatchSampler(
+        epoch_lengths, 8, rank, world_size, seed=11, n_buckets=4, start=start
+    )
+
+
+@pytest.mark.parametrize("make", [sharded, bucketed, bucketed_per_epoch])
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_resume_from_last_consumed_key_continues_identically(make, world_size):
     for rank in range(world_size):
@@ -237,6 +249,38 @@ def test_buckets_are_disjoint_length_ranges():
     assert [lo for lo, _ in ranges] == s.bucket_bounds
     # the common length 12 fills several quantiles; it gets a bucket of its own
     assert (12, 12) in ranges
+
+
+def within_batch_variance(s: LengthBucketBatchSampler, epoch: int, lens: torch.Tensor) -> float:
+    """Mean variance of `lens` inside the bucket (non-tail) batches of `epoch`."""
+    rows = [b for g, b in s.epoch_schedule(epoch) if g != TAIL_BUCKET]
+    return statistics.fmean(float(lens[b].float().var()) for b in rows)
+
+
+def test_per_epoch_lengths_bucket_each_epoch_by_its_own_lengths():
+    s = bucketed_per_epoch()
+    # negative control: buckets cut once, from epoch 0's lengths (the first caption's)
+    fixed = LengthBucketBatchSampler(epoch_lengths(0), 8, seed=11, n_buckets=4)
+    for epoch in range(3):
+        lens = epoch_lengths(epoch)
+        assert torch.equal(s.bucketing(epoch).lengths, lens)
+        bounds = s.bucketing(epoch).bounds
+        for bucket, b in s.epoch_schedule(epoch):
+            if bucket != TAIL_BUCKET:  # every sample of the batch lies in the bucket's range
+                hi = bounds[bucket + 1] if bucket + 1 < len(bounds) else math.inf
+                assert all(bounds[bucket] <= int(lens[i]) < hi for i in b)
+        total = float(lens.float().var())
+        own, stale = (
+            within_batch_variance(s, epoch, lens),
+            within_batch_variance(fixed, epoch, lens),
+        )
+        assert own < 0.1 * total  # 4 buckets of a uniform range: 1/16 of the variance
+        if epoch == 0:
+            assert stale == pytest.approx(own)
+        else:  # the epoch-0 buckets do not sort this epoch's lengths at all
+            assert stale > 0.8 * total
+    with pytest.raises(ValueError, match="one per sample"):
+        LengthBucketBatchSampler(lambda e: [3] * (40 + e), 4).epoch_schedule(1)
 
 
 @pytest.mark.parametrize("n,batch_size", [(960, 8), (1000, 16), (333, 4)])

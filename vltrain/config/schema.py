@@ -349,6 +349,18 @@ class DoctorConfig:
         0.5, "Spike checks: and at least this fraction above the median (0.5: 1.5x).", ge=0.0
     )
     min_history: int = option(10, "Spike checks: steps seen before spikes are judged.", ge=2)
+    grad_spike_warn_rise: float = option(
+        2.0,
+        "Grad-norm spikes at least this fraction above the median (2.0: 3x) are warnings; "
+        "smaller ones are info (single-batch 2x blips are common and harmless).",
+        ge=0.0,
+    )
+    grad_spike_clipped_warn_rise: float = option(
+        9.0,
+        "The same for a step whose pre-clip norm optim.grad_clip capped (9.0: 10x, Megatron's "
+        "spiky factor): the clip bounded the update, so only a large outlier warns.",
+        ge=0.0,
+    )
     constant_steps: int = option(
         3, "Steps of loss exactly 0 / bit-identical / zero gradient before it is reported.", ge=2
     )

@@ -95,6 +95,7 @@ class CaptionDataset(Dataset):
         self.source, self.tokenizer = source, tokenizer
         self.image_size, self.max_len, self.seed = image_size, max_len, seed
         self.mode, self.prompt, self.instruction, self.train = mode, prompt, instruction, train
+        self._caption_lengths: list[list[int]] | None = None  # tokens per caption per record
 
     @property
     def records(self) -> list[dict[str, Any]]:
@@ -104,6 +105,7 @@ class CaptionDataset(Dataset):
     @records.setter
     def records(self, value: list[dict[str, Any]]) -> None:
         self.source.records = value
+        self._caption_lengths = None
 
     def __len__(self) -> int:
         return len(self.source.records)
@@ -136,13 +138,40 @@ class CaptionDataset(Dataset):
             return [(f"{C.USER} {self.instruction}", False), (C.ASSISTANT, False)], refs
         return ([(self.prompt, False)] if self.prompt else []), refs
 
-    def token_length(self, index: int) -> int:
-        """Tokens of the record's first caption (or its chat); 1 for a record with bad text."""
+    def token_length(self, index: int, caption: str | None = None) -> int:
+        """Tokens of the record's first caption (or `caption`, or its chat); 1 for a record
+        with bad text."""
         try:
-            segs = self.segments(self.source.records[index])
+            segs = self.segments(self.source.records[index], caption)
         except BadSample:
             return 1
         return len(C.encode_segments(self.tokenizer, segs, self.max_len)[0])
+
+    def caption_choice(self, rec: dict[str, Any], epoch: int, index: int) -> int | None:
+        """Which of the record's captions training draws at (seed, epoch, index); None: the
+        first (eval, chat records, a single caption)."""
+        if not self.train or "messages" in rec or len(rec["text"]) <= 1:
+            return None
+        g = sample_generator(self.seed, epoch, index, salt="caption")
+        return int(torch.randint(len(rec["text"]), (1,), generator=g))
+
+    def epoch_token_lengths(self, epoch: int) -> list[int]:
+        """Tokens of what each sample trains on in `epoch` (its drawn caption), for length
+        bucketing; every caption is tokenised once, on the first call."""
+        if self._caption_lengths is None:
+            self._caption_lengths = [
+                [self.token_length(i)]
+                if "messages" in rec or len(rec["text"]) <= 1
+                else [self.token_length(i, t) for t in rec["text"]]
+                for i, rec in enumerate(self.source.records)
+            ]
+        out = []
+        for i, (rec, lens) in enumerate(
+            zip(self.source.records, self._caption_lengths, strict=True)
+        ):
+            choice = self.caption_choice(rec, epoch, i)
+            out.append(lens[0 if choice is None else choice])
+        return out
 
     def __getitem__(self, key: Any) -> dict[str, Any]:
         epoch, _, index = as_key(key)
@@ -156,11 +185,8 @@ class CaptionDataset(Dataset):
             return {"bad": e.reason, "path": where, "detail": e.detail, "key": key, "index": index}
 
     def _sample(self, rec: dict[str, Any], epoch: int, index: int, key: Any) -> dict[str, Any]:
-        caption = None
-        if self.train and "messages" not in rec and len(rec["text"]) > 1:
-            g = sample_generator(self.seed, epoch, index, salt="caption")
-            caption = rec["text"][int(torch.randint(len(rec["text"]), (1,), generator=g))]
-        segs = self.segments(rec, caption)
+        choice = self.caption_choice(rec, epoch, index)
+        segs = self.segments(rec, None if choice is None else rec["text"][choice])
         out: dict[str, Any] = {"index": index, "key": key}
         if not self.train:
             prompt, out["refs"] = self.prompt_and_refs(rec)

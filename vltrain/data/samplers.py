@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -22,6 +23,9 @@ SampleKey = tuple[int, int, int]
 
 TAIL_BUCKET = -1
 """Bucket id of the mixed-length tail batches built from bucket leftovers."""
+
+Lengths = Sequence[int] | torch.Tensor
+"""One token length per sample."""
 
 
 def shard_range(n: int, rank: int, world_size: int) -> range:
@@ -279,11 +283,17 @@ class LengthBucketBatchSampler(_ForeverSampler):
 
     Each global batch is split across ranks like `ShardedBatchSampler` (rank r takes
     items [r*B, (r+1)*B)).
+
+    `lengths` is one length per sample, or a function epoch -> lengths when a sample's length
+    depends on the epoch (a caption drawn per (seed, epoch, index) from several): buckets are
+    then cut each epoch from the lengths of what that epoch will actually train on. The
+    attributes `lengths`, `bucket_of`, `bucket_bounds` and `bucket_sizes` describe epoch 0;
+    `bucketing(epoch)` gives any epoch's.
     """
 
     def __init__(
         self,
-        lengths: Sequence[int] | torch.Tensor,
+        lengths: Lengths | Callable[[int], Lengths],
         batch_size: int,
         rank: int = 0,
         world_size: int = 1,
@@ -298,26 +308,32 @@ class LengthBucketBatchSampler(_ForeverSampler):
                 f"n_buckets and max_same_bucket_run must be >= 1, got n_buckets={n_buckets}, "
                 f"max_same_bucket_run={max_same_bucket_run}"
             )
-        lens = torch.as_tensor(lengths, dtype=torch.int64)
-        if lens.dim() != 1 or lens.numel() == 0:
-            raise ValueError(
-                f"lengths must be a non-empty 1-D sequence of ints (one per sample), "
-                f"got shape {tuple(lens.shape)}"
-            )
-        self.n = lens.numel()
+        self._lengths_of = lengths if callable(lengths) else None
+        fixed = _bucketing(_as_lengths(lengths(0) if callable(lengths) else lengths), n_buckets)
+        self.n = fixed.lengths.numel()
+        self.n_buckets_asked = n_buckets
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.seed, self.max_same_bucket_run = seed, max_same_bucket_run
         self.global_batch_size = batch_size * world_size
         if self.n < self.global_batch_size:
             raise _too_few_samples(self.n, batch_size, world_size)
-        self.lengths = lens
-        self.bucket_of, self.bucket_bounds = _quantile_buckets(lens, n_buckets)
-        order = torch.argsort(self.bucket_of, stable=True)
-        sizes = torch.bincount(self.bucket_of, minlength=len(self.bucket_bounds)).tolist()
-        self.bucket_sizes: list[int] = sizes
-        self._members = list(torch.split(order, sizes))
+        self._epoch0 = fixed
+        self.lengths, self.bucket_of = fixed.lengths, fixed.bucket_of
+        self.bucket_bounds, self.bucket_sizes = fixed.bounds, fixed.sizes
         self._cache: tuple[int, list[int], torch.Tensor, int] | None = None
         self._init_start(start)
+
+    def bucketing(self, epoch: int) -> Bucketing:
+        """The lengths and buckets of `epoch` (the same every epoch for fixed lengths)."""
+        if self._lengths_of is None or epoch == 0:
+            return self._epoch0
+        lens = _as_lengths(self._lengths_of(epoch))
+        if lens.numel() != self.n:
+            raise ValueError(
+                f"the lengths function returned {lens.numel()} lengths for epoch {epoch}, "
+                f"expected one per sample ({self.n})"
+            )
+        return _bucketing(lens, self.n_buckets_asked)
 
     @property
     def n_buckets(self) -> int:
@@ -337,10 +353,11 @@ class LengthBucketBatchSampler(_ForeverSampler):
 
     def _build_epoch(self, epoch: int) -> tuple[list[int], torch.Tensor, int]:
         g = self.global_batch_size
+        buckets = self.bucketing(epoch)
         gen = torch.Generator()
         gen.manual_seed(sample_seed(self.seed, epoch, -1, "length_buckets"))
         rows, leftovers, group_ids, positions = [], [], [], []
-        for members in self._members:
+        for members in buckets.members:
             shuffled = members[torch.randperm(len(members), generator=gen)]
             m = len(shuffled) // g
             rows.append(shuffled[: m * g].view(m, g))
@@ -349,13 +366,13 @@ class LengthBucketBatchSampler(_ForeverSampler):
         drop = self.n % g
         if drop:  # random choice of which leftovers sit this epoch out
             left = left[torch.randperm(len(left), generator=gen)[drop:]]
-        left = left[torch.argsort(self.lengths[left], stable=True)]
+        left = left[torch.argsort(buckets.lengths[left], stable=True)]
         rows.append(left.view(-1, g))
         offsets = torch.rand(len(rows), generator=gen, dtype=torch.float64)
         for b, r in enumerate(rows):
             m = r.shape[0]
             positions.append((torch.arange(m, dtype=torch.float64) + offsets[b]) / max(m, 1))
-            group_ids.append(torch.full((m,), b if b < len(self._members) else TAIL_BUCKET))
+            group_ids.append(torch.full((m,), b if b < len(buckets.members) else TAIL_BUCKET))
         natural = torch.argsort(torch.cat(positions), stable=True)
         all_rows, all_groups = torch.cat(rows)[natural], torch.cat(group_ids)[natural]
         groups = all_groups.tolist()
@@ -381,6 +398,34 @@ class LengthBucketBatchSampler(_ForeverSampler):
     def global_batch(self, epoch: int, batch: int) -> list[int]:
         """Sample indices of global batch `batch` of `epoch` (all ranks together)."""
         return self._epoch(epoch)[1][batch].tolist()
+
+
+class Bucketing(NamedTuple):
+    """One epoch's lengths (n,), bucket id per sample (n,), each bucket's min length, sizes and
+    member indices (sorted by bucket)."""
+
+    lengths: torch.Tensor
+    bucket_of: torch.Tensor
+    bounds: list[int]
+    sizes: list[int]
+    members: list[torch.Tensor]
+
+
+def _as_lengths(lengths: Lengths) -> torch.Tensor:
+    lens = torch.as_tensor(lengths, dtype=torch.int64)
+    if lens.dim() != 1 or lens.numel() == 0:
+        raise ValueError(
+            f"lengths must be a non-empty 1-D sequence of ints (one per sample), "
+            f"got shape {tuple(lens.shape)}"
+        )
+    return lens
+
+
+def _bucketing(lengths: torch.Tensor, n_buckets: int) -> Bucketing:
+    bucket_of, bounds = _quantile_buckets(lengths, n_buckets)
+    order = torch.argsort(bucket_of, stable=True)
+    sizes = torch.bincount(bucket_of, minlength=len(bounds)).tolist()
+    return Bucketing(lengths, bucket_of, bounds, sizes, list(torch.split(order, sizes)))
 
 
 def _quantile_buckets(lengths: torch.Tensor, n_buckets: int) -> tuple[torch.Tensor, list[int]]:

@@ -317,9 +317,9 @@ class CaptionStage:
         d, ctx = self.cfg.data, self.ctx
         dataset = self.core.train_dataset()
         if d.length_buckets > 0:
-            lengths = [dataset.token_length(i) for i in range(len(dataset))]
+            # buckets by the caption each epoch will draw, not by the first one
             sampler: Any = LengthBucketBatchSampler(
-                lengths,
+                dataset.epoch_token_lengths,
                 d.batch_size,
                 ctx.rank,
                 ctx.world_size,
