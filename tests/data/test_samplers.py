@@ -434,3 +434,28 @@ def test_bucketed_scales_to_a_million_samples():
     first = next(iter(s))
     assert len(first) == 64 and first[0][:2] == (0, 100)
     assert s.batches_per_epoch == 1_000_000 // 64
+
+
+def test_the_loader_names_the_bucket_each_batch_came_from():
+    """MapLoader tags every batch with `bucket_of_batch`, the bucket of the sampler's own
+    schedule (what the doctor judges runs by), in every epoch."""
+    from vltrain.data.loaders import MapLoader
+
+    sampler = bucketed_per_epoch()
+    loader = MapLoader(_Keyed(300), sampler, lambda good: {"n": len(good)}, num_workers=0, seed=0)
+    got = [b.bucket for b in itertools.islice(iter(loader), 2 * sampler.batches_per_epoch)]
+    want = [g for e in (0, 1) for g, _ in sampler.epoch_schedule(e)]
+    assert got == want and len(set(got)) > 2
+
+
+class _Keyed(torch.utils.data.Dataset):
+    """Samples that carry their key, as the stage datasets do."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, key):
+        return {"key": key, "index": key[2]}

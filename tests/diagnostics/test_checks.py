@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import dataclasses
 import random
 
 import pytest
@@ -267,6 +268,27 @@ def test_homogeneous_batches():
     assert any(f.check == "homogeneous_batches" and "consecutive" in f.message for f in found)
     ok = _cfg("data.length_buckets=3", "data.max_same_bucket_run=8")
     assert "homogeneous_batches" not in _checks(_run(ok, _with_lengths(_clean(), True)))
+
+
+def test_bucket_runs_use_the_samplers_own_buckets():
+    """Interleaved buckets 0, 1, 0, 1 whose batch means happen to fall in one length bin: the
+    sampler's bucket ids say the run is 1; judging by mean length alone said 6 (the false alarm
+    a full quickstart caption run raised)."""
+    cfg = _cfg("data.length_buckets=4", "data.max_same_bucket_run=3")
+    recs = _clean()
+    rng = random.Random(1)
+    for r in recs:
+        short = r.step % 2 == 0 or r.step < 10
+        r.lengths = [rng.randint(8, 10) if short else rng.randint(30, 32) for _ in range(4)]
+        r.bucket = 0 if r.step % 2 == 0 else 1
+    guessed = [dataclasses.replace(r, bucket=None) for r in recs]
+    assert "homogeneous_batches" in _checks(_run(cfg, guessed))  # control: the guess misfires
+    assert "homogeneous_batches" not in _checks(_run(cfg, recs))
+    for r in recs[20:24]:  # four in a row from one bucket (19 and 24 differ): the finding
+        r.bucket = 0
+    recs[24].bucket = 1
+    found = [f for f in _run(cfg, recs) if f.check == "homogeneous_batches"]
+    assert found and found[0].step == 20 and found[0].evidence["run"] == 4
 
 
 def test_eval_overlap(tmp_path):

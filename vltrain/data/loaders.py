@@ -35,6 +35,7 @@ class Batch:
     position: Any = None  # the loader's position after this batch (opaque to the engine)
     keys: list[tuple[int, int]] = field(default_factory=list)  # (epoch, index) per good sample
     lengths: list[int] = field(default_factory=list)  # token length per good sample, if known
+    bucket: int | None = None  # the length bucket the sampler drew this batch from, if any
 
     def pin_memory(self) -> Batch:
         """DataLoader(pin_memory=True) calls this: pin the tensors, keep the bookkeeping."""
@@ -144,7 +145,10 @@ class MapLoader:
             pin_memory=self.pin_memory,
             prefetch_factor=4 if self.num_workers > 0 else None,
         )
+        bucket_of = getattr(self.sampler, "bucket_of_batch", None)
         for batch in loader:
+            if bucket_of is not None:  # position is still the batch's last key here
+                batch.bucket = bucket_of(int(batch.position[0]), int(batch.position[1]))
             self.position = self.sampler.position_after(batch.position)
             batch.position = self.state_dict()
             yield batch

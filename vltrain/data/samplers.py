@@ -391,6 +391,10 @@ class LengthBucketBatchSampler(_ForeverSampler):
         groups, rows, _ = self._epoch(epoch)
         return list(zip(groups, rows.tolist(), strict=True))
 
+    def bucket_of_batch(self, epoch: int, batch: int) -> int:
+        """The bucket global batch `batch` of `epoch` was drawn from (`TAIL_BUCKET`: mixed)."""
+        return self._epoch(epoch)[0][batch]
+
     def run_limit(self, epoch: int) -> int:
         """Longest same-bucket run allowed in `epoch`: max_same_bucket_run unless infeasible."""
         return self._epoch(epoch)[2]

@@ -27,6 +27,7 @@ class BatchComposition:
         self.recent: deque[list[int]] = deque(maxlen=16)
         self.means: deque[float] = deque(maxlen=64)  # recent batch mean lengths
         self.run, self.longest = 0, 0
+        self.drawn: deque[int] = deque(maxlen=64)  # the sampler's own bucket ids, when given
         self.loss_by_bucket: dict[int, list[float]] = {}
         self.reported: set[str] = set()
 
@@ -49,6 +50,9 @@ class BatchComposition:
         # the trailing run, re-bucketed with the current edges (they settle as lengths arrive)
         edges = statistics.quantiles(self.pool, n=self.n_buckets) if len(self.pool) > 1 else []
         buckets = [sum(m > e for e in edges) for m in self.means]
+        if rec.bucket is not None:  # the bucket the sampler drew from, not a guess by length
+            self.drawn.append(rec.bucket)
+            buckets = list(self.drawn)
         b = buckets[-1]
         self.run = next((i for i, x in enumerate(reversed(buckets)) if x != b), len(buckets))
         self.longest = max(self.longest, self.run)

@@ -278,6 +278,7 @@ class Trainer:
             sample_ids=[i for _, i in keys],
             epoch=keys[0][0] if keys else -1,
             lengths=[n for b in micro for n in b.lengths],
+            bucket=micro[0].bucket if micro else None,
         )
         found = self.doctor.observe(rec)  # gathers over ranks inside: every rank calls it
         for f in found:
