@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import dataclasses
 import random
 
 import pytest
