@@ -155,17 +155,16 @@ def read_records(
     return read_source(path, image_column, text_column).records
 
 
-@functools.lru_cache(maxsize=64)
-def _data_root(jsonl_path: str) -> tuple[Path, Path]:
-    """The data file's folder, as written (absolute) and with links resolved (the folder
-    itself is resolved once per process; every image path is still resolved on each read)."""
-    root = Path(os.path.abspath(Path(jsonl_path).parent))
-    return root, Path(os.path.realpath(root))
-
-
 @functools.lru_cache(maxsize=4096)
 def _real_dir(folder: str) -> Path:
+    """A folder with its links resolved, once per process."""
     return Path(os.path.realpath(folder))
+
+
+def _data_root(jsonl_path: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """The data file's folder, as written (absolute) and with links resolved."""
+    root = Path(os.path.abspath(Path(jsonl_path).parent))
+    return root, _real_dir(str(root))
 
 
 def resolve_image_path(jsonl_path: str | os.PathLike[str], rel: str) -> Path:
@@ -175,7 +174,7 @@ def resolve_image_path(jsonl_path: str | os.PathLike[str], rel: str) -> Path:
     both as written (a ``..`` in the record) and after resolving symlinks (a link inside the
     folder that points outside it), so no file outside the data folder is ever opened.
     """
-    root, real_root = _data_root(os.fspath(jsonl_path))
+    root, real_root = _data_root(jsonl_path)
     if not rel or "\x00" in rel:
         raise BadSample("path_escape", rel, "image path is empty or contains NUL")
     if os.path.isabs(rel) or Path(rel).drive:

@@ -47,12 +47,13 @@ class BatchComposition:
         self.recent.append(list(rec.lengths))
         mean_len = statistics.fmean(rec.lengths)
         self.means.append(mean_len)
-        # the trailing run, re-bucketed with the current edges (they settle as lengths arrive)
-        edges = statistics.quantiles(self.pool, n=self.n_buckets) if len(self.pool) > 1 else []
-        buckets = [sum(m > e for e in edges) for m in self.means]
         if rec.bucket is not None:  # the bucket the sampler drew from, not a guess by length
             self.drawn.append(rec.bucket)
             buckets = list(self.drawn)
+        else:  # the trailing run, re-bucketed with the current edges (they settle with data)
+            pool = self.pool
+            edges = statistics.quantiles(pool, n=self.n_buckets) if len(pool) > 1 else []
+            buckets = [sum(m > e for e in edges) for m in self.means]
         b = buckets[-1]
         self.run = next((i for i, x in enumerate(reversed(buckets)) if x != b), len(buckets))
         self.longest = max(self.longest, self.run)

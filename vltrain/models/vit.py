@@ -73,7 +73,7 @@ class VisionTowerConfig:
             )
         self.stem_channels = tuple(int(c) for c in self.stem_channels)
         if self.stem == "conv":
-            halvings = self.patch_size.bit_length() - 1
+            halvings = self.halvings
             if self.patch_size != 1 << halvings:
                 raise ValueError(
                     f"VisionTowerConfig: stem='conv' halves the image per stride-2 conv, so "
@@ -92,6 +92,11 @@ class VisionTowerConfig:
                 )
         elif self.stem_channels:
             raise ValueError("VisionTowerConfig: stem_channels needs stem='conv'")
+
+    @property
+    def halvings(self) -> int:
+        """Stride-2 convolutions of a conv stem: log2(patch_size), rounded down."""
+        return self.patch_size.bit_length() - 1
 
     @property
     def num_patches(self) -> int:
@@ -116,7 +121,7 @@ def conv_stem(cfg: VisionTowerConfig) -> nn.Sequential:
     convs with a norm and GELU each, then a 3x3 conv to width (norm, GELU)."""
     layers: list[nn.Module] = []
     c = 3
-    halvings = cfg.patch_size.bit_length() - 1
+    halvings = cfg.halvings
     strides = [1] * (len(cfg.stem_channels) - halvings) + [2] * halvings + [1]
     for out, stride in zip((*cfg.stem_channels, cfg.width), strides, strict=True):
         layers += [nn.Conv2d(c, out, 3, stride, 1, bias=False), _norm(cfg.stem_norm, out)]

@@ -200,7 +200,7 @@ def vision_tower_flops(tower: nn.Module) -> tuple[float, int]:
     hidden = int(cfg.width * cfg.mlp_ratio)
     if getattr(cfg, "stem", "patch") == "conv":  # 3x3 convs, each output pixel 9 x c_in MACs
         side, c, stem = cfg.image_size, 3, 0.0
-        full = len(cfg.stem_channels) - (cfg.patch_size.bit_length() - 1)  # stride-1 convs
+        full = len(cfg.stem_channels) - cfg.halvings  # stride-1 convs first
         for i, out in enumerate(cfg.stem_channels):
             side = side if i < full else side // 2
             stem += linear(side * side, 9 * c, out)
