@@ -17,13 +17,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
 from torch.utils.data import Dataset
 
 from vltrain.data import chat as C
 from vltrain.data.images import BadSample, check_text
-from vltrain.data.records import DataError, as_key, normalise_record, read_jsonl
-from vltrain.data.rng import sample_generator
+from vltrain.data.records import DataError, as_key, caption_index, normalise_record, read_jsonl
 from vltrain.data.sources import Source, load_source_image, read_source
 from vltrain.data.tokenizer import TextTokenizer
 
@@ -152,8 +150,7 @@ class CaptionDataset(Dataset):
         first (eval, chat records, a single caption)."""
         if not self.train or "messages" in rec or len(rec["text"]) <= 1:
             return None
-        g = sample_generator(self.seed, epoch, index, salt="caption")
-        return int(torch.randint(len(rec["text"]), (1,), generator=g))
+        return caption_index(len(rec["text"]), self.seed, epoch, index)
 
     def epoch_token_lengths(self, epoch: int) -> list[int]:
         """Tokens of what each sample trains on in `epoch` (its drawn caption), for length

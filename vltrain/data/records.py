@@ -289,10 +289,16 @@ class ImageTextDataset(Dataset):
         return out
 
 
+def caption_index(n: int, seed: int, epoch: int, index: int) -> int:
+    """Which of a record's `n` captions training draws, deterministic in (seed, epoch, index)
+    (every stage draws through here, so length buckets can predict the draw)."""
+    g = sample_generator(seed, epoch, index, salt="caption")
+    return int(torch.randint(n, (1,), generator=g))
+
+
 def pick_caption(texts: list[str], seed: int, epoch: int, index: int) -> str:
     """One training caption, deterministic in (seed, epoch, index)."""
-    g = sample_generator(seed, epoch, index, salt="caption")
-    return texts[int(torch.randint(len(texts), (1,), generator=g))]
+    return texts[caption_index(len(texts), seed, epoch, index)]
 
 
 def pick_negatives(negs: list[str], k: int, seed: int, epoch: int, index: int) -> list[str]:
