@@ -459,3 +459,16 @@ class _Keyed(torch.utils.data.Dataset):
 
     def __getitem__(self, key):
         return {"key": key, "index": key[2]}
+
+
+def test_asking_for_the_previous_epoch_does_not_rebuild_it(monkeypatch):
+    """The loader asks for a batch's bucket while the DataLoader prefetches the next epoch:
+    alternating between two epochs builds each once."""
+    sampler = bucketed_per_epoch()
+    built = []
+    real = sampler._build_epoch
+    monkeypatch.setattr(sampler, "_build_epoch", lambda e: built.append(e) or real(e))
+    for _ in range(3):
+        sampler.bucket_of_batch(0, 0)
+        sampler.global_batch(1, 0)
+    assert built == [0, 1]

@@ -320,7 +320,9 @@ class LengthBucketBatchSampler(_ForeverSampler):
         self._epoch0 = fixed
         self.lengths, self.bucket_of = fixed.lengths, fixed.bucket_of
         self.bucket_bounds, self.bucket_sizes = fixed.bounds, fixed.sizes
-        self._cache: tuple[int, list[int], torch.Tensor, int] | None = None
+        # built epochs, the newest two: the loader asks which bucket a batch came from while
+        # the DataLoader already prefetches the next epoch's batches
+        self._cache: dict[int, tuple[list[int], torch.Tensor, int]] = {}
         self._init_start(start)
 
     def bucketing(self, epoch: int) -> Bucketing:
@@ -347,9 +349,11 @@ class LengthBucketBatchSampler(_ForeverSampler):
 
     def _epoch(self, epoch: int) -> tuple[list[int], torch.Tensor, int]:
         """(bucket id per batch, (N, G) index tensor, run limit) for `epoch`; cached."""
-        if self._cache is None or self._cache[0] != epoch:
-            self._cache = (epoch, *self._build_epoch(epoch))
-        return self._cache[1], self._cache[2], self._cache[3]
+        if epoch not in self._cache:
+            built = self._build_epoch(epoch)
+            self._cache = {e: v for e, v in self._cache.items() if e == max(self._cache)}
+            self._cache[epoch] = built
+        return self._cache[epoch]
 
     def _build_epoch(self, epoch: int) -> tuple[list[int], torch.Tensor, int]:
         g = self.global_batch_size
