@@ -24,40 +24,17 @@ from pathlib import Path
 
 import torch
 
-TOPICS = [
-    "the moon",
-    "volcanoes",
-    "bees",
-    "rain",
-    "the ocean",
-    "bread",
-    "trains",
-    "music",
-    "maps",
-    "glaciers",
-    "coffee",
-    "owls",
-    "electricity",
-    "deserts",
-    "chess",
-    "gardens",
-    "bicycles",
-    "clouds",
-    "libraries",
-    "rivers",
-    "forests",
-    "tea",
-    "stars",
-    "bridges",
-    "whales",
-    "snow",
-    "computers",
-    "honey",
-    "mountains",
-    "birds",
-    "cities",
-    "wind",
-]
+TOPICS = """the moon, volcanoes, bees, rain, the ocean, bread, trains, music, maps, glaciers,
+coffee, owls, electricity, deserts, chess, gardens, bicycles, clouds, libraries,
+rivers, forests, tea, stars, bridges, whales, snow, computers, honey, mountains,
+birds, cities, wind, the sun, rainbows, dolphins, ants, lighthouses, castles, pianos,
+rockets, islands, caves, butterflies, apples, earthquakes, lightning, frogs,
+windmills, telescopes, cheese, kites, sharks, elephants, autumn, spring, summer,
+winter, clocks, paper, glass, salt, soap, boats, airplanes, robots, dinosaurs,
+fireflies, coral reefs, waterfalls, tornadoes, wolves, horses, cats, dogs, spiders,
+mushrooms, bamboo, cactus plants, sand dunes, the Arctic, rainforests, comets, the
+planet Mars, magnets, batteries, printing, the internet, football, swimming, running,
+painting, poetry, cooking, rice, chocolate, oranges""".replace("\n", " ").split(", ")
 TEMPLATES = [
     "Explain {} in two sentences.",
     "Write a short poem about {}.",
@@ -69,6 +46,10 @@ HELD_OUT = [
     "Write a short poem about lanterns.",
     "Give three facts about penguins.",
     "Why do people like puzzles?",
+    "Explain thunder in two sentences.",
+    "Write a short poem about harbors.",
+    "Give three facts about octopuses.",
+    "Why do people like picnics?",
 ]
 PROMPTS = [t.format(x) for x in TOPICS for t in TEMPLATES]
 
@@ -95,42 +76,112 @@ def machine() -> dict:
 
 
 @torch.no_grad()
-def verify_costs(model, ctx_len: int = 200, reps: int = 3) -> dict:  # noqa: ANN001
+def verify_costs(model, sizes=(1, 4, 8, 16), ctx_len: int = 200, reps: int = 3) -> dict:  # noqa: ANN001
+    """Median ms of a forward over k new tokens after a ctx_len-token cache, and k / 1 ratios."""
     from transformers import DynamicCache
 
-    ids = torch.randint(100, 1000, (1, ctx_len))
+    ids = torch.randint(100, 1000, (1, ctx_len + max(sizes)))
     out = {}
-    for k in (1, 4, 8, 16):
+    for k in sorted(set(sizes)):
         times = []
         for _ in range(reps):
             cache = DynamicCache(config=model.config)
-            model(input_ids=ids, cache=cache, use_cache=True)
+            model(input_ids=ids[:, :ctx_len], cache=cache, use_cache=True)
             t = time.perf_counter()
-            model(input_ids=ids[:, :k], cache=cache, use_cache=True, logits_to_keep=k)
+            model(
+                input_ids=ids[:, ctx_len : ctx_len + k],
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=k,
+            )
             times.append(time.perf_counter() - t)
         out[k] = sorted(times)[len(times) // 2]
     return {f"forward_{k}_ms": 1000 * v for k, v in out.items()} | {
-        f"ratio_{k}": out[k] / out[1] for k in (4, 8, 16)
+        f"ratio_{k}": out[k] / out[1] for k in out if k > 1
     }
 
 
 @torch.no_grad()
-def hf_baselines(model, tok, max_new: int) -> dict:  # noqa: ANN001
-    """HF `generate` greedy vs HF prompt-lookup assisted generation (no draft LM is available
-    offline for SmolLM2-135M, the smallest of its family) on the held-out prompts."""
+def hf_generate(model, tok, prompts: list[str], max_new: int, **kw) -> dict:  # noqa: ANN001
+    """HF ``generate`` (greedy, or an assisted mode via ``kw``) over the prompts, one at a time."""
     from vltrain.data.draft_data import chat_prompt_ids
 
-    out = {}
-    for name, kw in (("hf_greedy", {}), ("hf_prompt_lookup", {"prompt_lookup_num_tokens": 8})):
-        t, n, texts = time.perf_counter(), 0, []
-        for q in HELD_OUT:
+    t, ids_out = time.perf_counter(), []
+    for q in prompts:
+        ids = torch.tensor([chat_prompt_ids(tok, q)])
+        gen = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False, **kw
+        )
+        ids_out.append(gen[0, ids.shape[1] :].tolist())
+    sec = time.perf_counter() - t
+    n = sum(len(x) for x in ids_out)
+    return {"seconds": sec, "tokens": n, "tokens_per_s": n / sec, "ids": ids_out}
+
+
+class Timer:
+    """Seconds spent inside the wrapped functions (drafting; target verification)."""
+
+    def __init__(self) -> None:
+        self.draft = self.verify = 0.0
+
+    def wrap(self, fn, name: str):  # noqa: ANN001, ANN202
+        def timed(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            setattr(self, name, getattr(self, name) + time.perf_counter() - t)
+            return out
+
+        return timed
+
+
+@torch.no_grad()
+def spec_generate(model, tok, run: Path, prompts: list[str], max_new: int, budget: int) -> dict:  # noqa: ANN001
+    """Speculative greedy decoding of the prompts (batch 1) with the drafter of ``run``."""
+    from vltrain.data.draft_data import chat_prompt_ids
+    from vltrain.inference import speculative as S
+    from vltrain.inference.spec_targets import HFTarget
+    from vltrain.models.drafter import load_drafter
+    from vltrain.tools.speculate import attach
+
+    drafter, _ = load_drafter(run)
+    target = HFTarget(model, drafter.cfg.target_layer_ids)
+    attach(drafter, target)
+    timer, orig_draft = Timer(), S._draft
+    S._draft = timer.wrap(orig_draft, "draft")
+    target.verify = timer.wrap(target.verify, "verify")
+    rows, accepted = [], []
+    t = time.perf_counter()
+    try:
+        for q in prompts:
             ids = torch.tensor([chat_prompt_ids(tok, q)])
-            gen = model.generate(ids, max_new_tokens=max_new, do_sample=False, **kw)
-            n += gen.shape[1] - ids.shape[1]
-            texts.append(gen[0, ids.shape[1] :].tolist())
-        out[name] = {"seconds": time.perf_counter() - t, "tokens": n, "ids": texts}
-    out["identical"] = out["hf_greedy"]["ids"] == out["hf_prompt_lookup"]["ids"]
-    return out
+            out, st = S.speculative_generate(
+                target,
+                drafter,
+                {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                max_new,
+                tree_budget=budget,
+            )
+            rows.append(out[0])
+            accepted.append(st.accepted[0])
+    finally:
+        S._draft = orig_draft
+    sec = time.perf_counter() - t
+    rounds = sum(len(a) for a in accepted)
+    n = sum(len(r) for r in rows)
+    streak = [sum(1 for acc in accepted for x in acc if x >= k) / max(rounds, 1) for k in (4, 8)]
+    return {
+        "seconds": sec,
+        "tokens": n,
+        "tokens_per_s": n / sec,
+        "tau": sum(map(sum, accepted)) / max(rounds, 1),
+        "row_tau": [sum(a) / max(len(a), 1) for a in accepted],
+        "rounds": rounds,
+        "share_rounds_ge4": streak[0],
+        "share_rounds_ge8": streak[1],
+        "draft_ms_per_round": 1000 * timer.draft / max(rounds, 1),
+        "verify_ms_per_round": 1000 * timer.verify / max(rounds, 1),
+        "ids": rows,
+    }
 
 
 def predicted_speedup(tau: float, ratio: float, draft_ms: float, step_ms: float) -> float:
@@ -138,67 +189,17 @@ def predicted_speedup(tau: float, ratio: float, draft_ms: float, step_ms: float)
     return tau / (ratio + draft_ms / step_ms)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default="bench/out/drafter")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--prompts", type=int, default=len(PROMPTS))
-    p.add_argument("--costs-only", action="store_true")
-    p.add_argument("--max-new", type=int, default=96, help="answer length (regenerate, decode)")
-    p.add_argument("--batch-size", type=int, default=4, help="drafter training batch")
-    p.add_argument("--blocks", default="8,16")
-    p.add_argument("--gammas", default="4,7,10")
-    p.add_argument("--budgets", default="0,16,32,64")
-    args = p.parse_args()
-    from vltrain.inference.spec_targets import load_hf_causal_lm
-
-    t0 = time.perf_counter()
-    model, tok = load_hf_causal_lm(gguf_path())
-    res = {"machine": machine(), "load_s": time.perf_counter() - t0}
-    res["costs"] = verify_costs(model)
-    print(json.dumps(res, indent=1))
-    if args.costs_only:
-        return
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    prompts = PROMPTS[: args.prompts]
-    (out / "prompts.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in prompts))
-    (out / "eval.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in HELD_OUT))
+def train_grid(args, out: Path, g: str) -> list[Path]:  # noqa: ANN001
+    """One drafter per (block, gamma); a finished run (summary.json) is not trained again."""
     from vltrain.cli import main as cli
 
-    g = str(gguf_path())
-    cli(
-        [
-            "data",
-            "regenerate",
-            "--model",
-            g,
-            "--data",
-            str(out / "prompts.jsonl"),
-            "--out",
-            str(out / "answers.jsonl"),
-            "--max-new-tokens",
-            "128",
-        ]
-    )
-    cli(
-        [
-            "data",
-            "regenerate",
-            "--model",
-            g,
-            "--data",
-            str(out / "eval.jsonl"),
-            "--out",
-            str(out / "eval_answers.jsonl"),
-            "--max-new-tokens",
-            "128",
-        ]
-    )
-    rows = []
+    runs = []
     for block in map(int, args.blocks.split(",")):
         for gamma in map(float, args.gammas.split(",")):
-            run = out / f"b{block}_g{gamma:g}"
+            run = out / f"b{block}_g{gamma:g}_s{args.steps}"
+            runs.append(run)
+            if (run / "summary.json").is_file():
+                continue
             cli(
                 [
                     "train",
@@ -210,62 +211,146 @@ def main() -> None:
                     f"train.max_steps={args.steps}",
                     f"drafter.block_size={block}",
                     f"drafter.gamma={gamma}",
+                    f"drafter.anchors={args.anchors}",
+                    "drafter.cache_target=true",
+                    f"drafter.eval_prompts={len(HELD_OUT)}",
+                    f"drafter.eval_max_new_tokens={args.max_new}",
+                    f"optim.warmup_steps={max(1, args.steps // 20)}",
                     "log.progress=false",
                     "log.tensorboard=false",
-                    f"train.eval_every={max(1, args.steps // 4)}",
+                    f"train.eval_every={max(1, args.steps // args.curve_points)}",
+                    f"train.save_every={args.steps}",
                 ]
             )
-            for budget in map(int, args.budgets.split(",")):
-                stats = run / f"stats_{budget}.json"
-                t = time.perf_counter()
-                cli(
-                    [
-                        "generate",
-                        "--model",
-                        g,
-                        "--prompts",
-                        str(out / "eval.jsonl"),
-                        "--draft",
-                        str(run),
-                        "--tree-budget",
-                        str(budget),
-                        "--stats",
-                        str(stats),
-                        "--max-new-tokens",
-                        "128",
-                        "--out",
-                        str(run / f"gen_{budget}.jsonl"),
-                    ]
-                )
-                s = json.loads(stats.read_text())
-                rows.append(
-                    {
-                        "block": block,
-                        "gamma": gamma,
-                        "budget": budget,
-                        **s,
-                        "wall_s": time.perf_counter() - t,
-                    }
-                )
-    t = time.perf_counter()
-    cli(
-        [
-            "generate",
-            "--model",
-            g,
-            "--prompts",
-            str(out / "eval.jsonl"),
-            "--max-new-tokens",
-            "128",
-            "--out",
-            str(out / "gen_plain.jsonl"),
-        ]
-    )
-    res["target_greedy_s"] = time.perf_counter() - t
-    res["hf"] = hf_baselines(model, tok, args.max_new)
-    res["rows"] = rows
-    (out / "results.json").write_text(json.dumps(res, indent=1))
+    return runs
+
+
+def curve(run: Path) -> list[dict]:
+    """The learning curve: eval tau (block labels) and tau_decode (real decoding) per eval."""
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    keys = ("eval_tau", "eval_tau_decode", "eval_loss", "eval_acc_1")
+    return [
+        {"step": r["step"], **{k: r[k] for k in keys if k in r}} for r in rows if "eval_tau" in r
+    ]
+
+
+def regenerate(out: Path, g: str) -> None:
+    from vltrain.cli import main as cli
+
+    for src, dst, bs in (("eval", "eval_answers", 8), ("prompts", "answers", 16)):
+        cli(
+            [
+                "data",
+                "regenerate",
+                "--model",
+                g,
+                "--data",
+                str(out / f"{src}.jsonl"),
+                "--out",
+                str(out / f"{dst}.jsonl"),
+                "--max-new-tokens",
+                "128",
+                "--batch-size",
+                str(bs),
+            ]
+        )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench/out/drafter")
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--anchors", type=int, default=16, help="anchors per training sequence")
+    p.add_argument("--curve-points", type=int, default=6, help="evaluations per run")
+    p.add_argument("--prompts", type=int, default=len(PROMPTS))
+    p.add_argument("--costs-only", action="store_true")
+    p.add_argument("--train-only", action="store_true", help="regenerate + train, no timing")
+    p.add_argument("--max-new", type=int, default=96, help="new tokens per held-out prompt")
+    p.add_argument("--blocks", default="8,16")
+    p.add_argument("--gammas", default="4,7,10")
+    p.add_argument("--budgets", default="0,16,32,64")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats, alternating")
+    args = p.parse_args()
+    from vltrain.inference.spec_targets import load_hf_causal_lm
+
+    t0 = time.perf_counter()
+    g = str(gguf_path())
+    model, tok = load_hf_causal_lm(g)
+    res = {"machine": machine(), "load_s": time.perf_counter() - t0, "args": vars(args)}
+    blocks = list(map(int, args.blocks.split(",")))
+    budgets = list(map(int, args.budgets.split(",")))
+    res["costs"] = verify_costs(model, (1, 4, *blocks, *(1 + b for b in budgets if b)))
     print(json.dumps(res, indent=1))
+    if args.costs_only:
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = PROMPTS[: args.prompts]
+    (out / "prompts.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in prompts))
+    (out / "eval.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in HELD_OUT))
+    regenerate(out, g)
+    runs = train_grid(args, out, g)
+    res["curves"] = {r.name: curve(r) for r in runs}
+    if args.train_only:
+        print(json.dumps(res["curves"], indent=1))
+        return
+    step_ms = res["costs"]["forward_1_ms"]
+    rows, base = [], []
+    for rep in range(args.repeats):  # alternate: the target's own generate, then every drafter
+        base.append(hf_generate(model, tok, HELD_OUT, args.max_new))
+        for run in runs:
+            block = int(run.name.split("_")[0][1:])
+            for budget in map(int, args.budgets.split(",")):
+                r = spec_generate(model, tok, run, HELD_OUT, args.max_new, budget)
+                r.update(run=run.name, block=block, budget=budget, repeat=rep)
+                r["lossless"] = r["ids"] == base[0]["ids"]
+                ratio = res["costs"][
+                    f"ratio_{min(16, max(4, 1 << (budget or block - 1).bit_length()))}"
+                ]
+                r["predicted_speedup"] = predicted_speedup(
+                    r["tau"], ratio, r["draft_ms_per_round"], step_ms
+                )
+                rows.append(r)
+    res["hf_greedy"] = [{k: v for k, v in b.items() if k != "ids"} for b in base]
+    res["hf_prompt_lookup"] = {
+        k: v
+        for k, v in hf_generate(
+            model, tok, HELD_OUT, args.max_new, prompt_lookup_num_tokens=8
+        ).items()
+        if k != "ids"
+    }
+    greedy_s = sorted(b["seconds"] for b in base)[len(base) // 2]
+    res["rows"] = [{k: v for k, v in r.items() if k != "ids"} for r in rows]
+    res["table"] = summarize(rows, greedy_s)
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps(res["table"], indent=1))
+
+
+def summarize(rows: list[dict], greedy_s: float) -> list[dict]:
+    """Per (run, budget): medians over repeats; speed-up = HF greedy seconds / ours."""
+    table = {}
+    for r in rows:
+        table.setdefault((r["run"], r["budget"]), []).append(r)
+    out = []
+    for (run, budget), rs in table.items():
+        sec = sorted(x["seconds"] for x in rs)[len(rs) // 2]
+        first = rs[0]
+        out.append(
+            {
+                "run": run,
+                "budget": budget,
+                "tau": first["tau"],
+                "min_row_tau": min(first["row_tau"]),
+                "share_rounds_ge4": first["share_rounds_ge4"],
+                "draft_ms_per_round": first["draft_ms_per_round"],
+                "verify_ms_per_round": first["verify_ms_per_round"],
+                "lossless": all(x["lossless"] for x in rs),
+                "seconds_median": sec,
+                "speedup_vs_hf_greedy": greedy_s / sec,
+                "predicted_speedup": first["predicted_speedup"],
+            }
+        )
+    return out
 
 
 if __name__ == "__main__":

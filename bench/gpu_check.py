@@ -10,7 +10,8 @@ Checks (each row: check, status ok|FAILED|skipped, result, seconds):
 - stage_<name>: 3 bf16 steps of each shipped stage preset on CUDA (synthetic data), through
   the `vltrain train` CLI (rl starts from the caption run);
 - nccl_fsdp: an NCCL process group over every visible GPU (all_reduce checked), then FSDP2
-  (`engine/sharding.py`) on a tiny dual encoder: two steps equal an unsharded copy;
+  (`engine/sharding.py`) on a tiny dual encoder, with and without CPU offload: two steps
+  equal an unsharded copy;
 - fsdp_cli: `torchrun --nproc_per_node=<GPUs> -m vltrain train configs/clip.yaml
   train.parallel=fsdp` on CUDA, bf16;
 - grad_cache_qwen3vl2b: GradCache (chunks of 8 of 32 texts) through a randomly initialised
@@ -127,28 +128,36 @@ def nccl_worker() -> None:
     make = lambda: DualEncoder(  # noqa: E731
         vision_config("tiny", image_size=64), text_config("tiny", vocab_size=256), 64
     ).cuda()
-    ref, model = make(), make()
+    ref, model, off = make(), make(), make()
     model.load_state_dict(ref.state_dict())
+    off.load_state_dict(ref.state_dict())
     sharding.apply_fsdp(model, world, None, offload=False)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, model)]
+    sharding.apply_fsdp(off, world, None, offload=True)  # shards + optimizer state in CPU RAM
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, model, off)]
     for step in range(2):
         g = torch.Generator(device="cuda").manual_seed(step)
         images = torch.randn(2 * world, 3, 64, 64, device="cuda", generator=g)
         ids = torch.randint(1, 256, (2 * world, 16), device="cuda", generator=g)
         mine = slice(2 * rank, 2 * rank + 2)  # this rank's half of the global batch
-        for m, opt, rows in ((ref, opts[0], slice(None)), (model, opts[1], mine)):
+        runs = ((ref, opts[0], slice(None)), (model, opts[1], mine), (off, opts[2], mine))
+        for m, opt, rows in runs:
             img = m.encode_image(images[rows])
             txt = m.encode_text(ids[rows], torch.ones_like(ids[rows]))
             (img * txt).sum(-1).mean().backward()
             opt.step()
             opt.zero_grad()
-    full = sharding.full_state_dict(model)
-    diff = max(float((full[k] - v.cpu()).abs().max()) for k, v in ref.state_dict().items())
+    diffs = {}
+    for name, m in (("FSDP2", model), ("FSDP2 + CPU offload", off)):
+        full = sharding.full_state_dict(m)
+        ref_sd = ref.state_dict()
+        diffs[name] = max(float((full[k] - v.cpu()).abs().max()) for k, v in ref_sd.items())
     if rank == 0:
-        print(f"NCCL over {world} GPU(s) ok; FSDP2 vs unsharded after 2 steps: max diff {diff:.2e}")
+        said = ", ".join(f"{k} {v:.2e}" for k, v in diffs.items())
+        print(f"NCCL over {world} GPU(s) ok; vs unsharded after 2 steps, max diff: {said}")
     torch.distributed.destroy_process_group()
-    if diff > 1e-4:
-        raise SystemExit(f"FSDP2 differs from the unsharded model by {diff}")
+    for name, diff in diffs.items():
+        if diff > 1e-4:
+            raise SystemExit(f"{name} differs from the unsharded model by {diff}")
 
 
 def check_fsdp_cli(args: argparse.Namespace) -> tuple[str, str]:

@@ -76,22 +76,48 @@ def test_hf_vlm_blocks_are_decoder_layers_and_vision_blocks(qwen2vl_dir: str) ->
     assert len(names) == layers + depth
 
 
+def _fsdp_hf_run(model_dir: str, out: Path, modes: str = "") -> dict:
+    worker = Path(__file__).with_name("fsdp_hf_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(worker), model_dir, str(out), modes]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 def test_fsdp_per_layer_on_tiny_hf_vlm_equals_one_process(
     qwen2vl_dir: str,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    out = tmp_path / "result.json"
-    worker = Path(__file__).with_name("fsdp_hf_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [str(worker), qwen2vl_dir, str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    got = json.loads(out.read_text())
+    got = _fsdp_hf_run(qwen2vl_dir, tmp_path / "result.json")
     assert "Qwen2VLDecoderLayer" in got["units"] and "Qwen2VLVisionBlock" in got["units"]
     assert got["keys_equal"]
     assert got["moved"] > 1e-3  # training moved the weights: the comparison means something
     assert got["diff"] < 1e-5
+
+
+def test_fsdp_with_lora_equals_one_process(
+    qwen2vl_dir: str,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """LoRA adapters (trainable) beside the frozen backbone in each FSDP unit: the sharded
+    copy trains the adapters exactly as one process does, and the backbone not at all."""
+    got = _fsdp_hf_run(qwen2vl_dir, tmp_path / "result.json", "lora")
+    assert got["keys_equal"]
+    assert got["trainable"] == got["lora_params"] > 0  # the adapters train, nothing else
+    assert got["moved"] > 1e-3 and got["diff"] < 1e-5
+    assert got["frozen_moved"] == 0.0
+
+
+def test_cpu_offload_on_a_cpu_run_is_a_clear_error() -> None:
+    """CPUOffloadPolicy needs an accelerator to move shards off (FSDP2 fails deep inside with
+    'Cannot access accelerator device'); vltrain says what the option means instead. The
+    offload itself is exercised on CUDA by bench/gpu_check.py (nccl_fsdp)."""
+    from vltrain.config.core import ConfigError
+
+    with pytest.raises(ConfigError, match="already live there"):
+        sharding.apply_fsdp(_tiny(), 2, None, offload=True)
 
 
 @pytest.mark.slow

@@ -335,3 +335,78 @@ def test_captioner_drafter_end_to_end(caption_run, shapes_dir, tmp_path, capsys)
         got = capsys.readouterr()
         assert got.out == plain  # the same JSON lines, batched
         assert json.loads(got.err.strip().splitlines()[-1])["rounds"] > 0
+
+
+def _draft_batch(lm, answers, n: int = 4):  # noqa: ANN001, ANN202
+    """(target, a right-padded batch of the first n answers, its records' true lengths)."""
+    from vltrain.data.draft_data import ChatRecords, DraftCollate, DraftDataset
+    from vltrain.inference.spec_targets import HFTarget, load_hf_causal_lm
+
+    model, tok = load_hf_causal_lm(lm)
+    target = HFTarget(model, [0, 1])
+    data = DraftDataset(ChatRecords(str(answers / "answers.jsonl"), tok, 256), 8, 0)
+    samples = [data[(0, 0, i)] for i in range(n)]
+    return target, DraftCollate(target.pad_token_id)(samples)
+
+
+def test_cached_target_features_equal_the_online_ones(lm, answers) -> None:  # noqa: ANN001
+    from vltrain.inference.feature_cache import FeatureCache, greedy_tokens
+
+    target, batch = _draft_batch(lm, answers)
+    mask = batch["attention_mask"].bool()
+    assert (~mask).any(), "the batch must hold padded rows for this test to mean anything"
+    ctx, logits, _ = target.features(batch["input_ids"], batch["attention_mask"])
+    cache = FeatureCache(target)
+    cctx, greedy, p = cache.features(batch)
+    assert p == 0 and cache.computed == len(batch["index"])
+    torch.testing.assert_close(cctx.features[mask], ctx.features[mask], atol=1e-5, rtol=0)
+    assert torch.equal(cctx.valid, ctx.valid) and torch.equal(
+        cctx.positions[mask], ctx.positions[mask]
+    )
+    assert torch.equal(greedy, greedy_tokens(logits, mask))
+    assert (greedy[~mask] == -100).all() and (cctx.features[~mask] == 0).all()
+    # a later epoch: same records, reordered, assembled from memory without a forward
+    order = torch.tensor([2, 0, 3, 1])
+    again = {k: v[order] for k, v in batch.items()}
+    actx, agreedy, _ = cache.features(again)
+    assert cache.computed == 4 and torch.equal(actx.features, cctx.features[order])
+    assert torch.equal(agreedy, greedy[order])
+    # negative control: a cache keyed by batch row instead of record gives other rows' features
+    wrong = {k: (v if k != "index" else torch.arange(4)) for k, v in again.items()}
+    stale = FeatureCache(target)
+    stale.features(batch)
+    wctx, _, _ = stale.features(wrong)
+    assert not torch.allclose(wctx.features, actx.features)
+
+
+def test_cached_features_train_like_online_ones(lm, answers, tmp_path) -> None:  # noqa: ANN001
+    """Same run with and without drafter.cache_target: the same losses (to float noise)."""
+    online = _train(lm, answers, tmp_path / "online", "train.log_every=1")
+    cached = _train(
+        lm, answers, tmp_path / "cached", "train.log_every=1", "drafter.cache_target=true"
+    )
+    for key in ("eval_loss", "eval_tau", "eval_tau_target", "eval_label_agreement"):
+        assert abs(online[key] - cached[key]) < 1e-4, key
+
+    def losses(run: Path) -> list[float]:
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in rows if "loss" in r and "eval_tau" not in r]
+
+    a, b = losses(tmp_path / "online"), losses(tmp_path / "cached")
+    assert len(a) == 6 and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
+
+
+def test_cache_target_refuses_soft_labels(lm) -> None:  # noqa: ANN001
+    from tests.config.test_config import PRESETS
+    from vltrain.config import load_config
+    from vltrain.config.core import ConfigError
+    from vltrain.stages import STAGES
+
+    preset = next(p for p in PRESETS if p.name == "drafter_smollm2.yaml")
+    cfg = load_config(preset, [f"model.target={lm}", "drafter.cache_target=true"])
+    STAGES["drafter"].check_config(cfg)
+    cfg = load_config(
+        preset, [f"model.target={lm}", "drafter.cache_target=true", "drafter.soft_labels=true"]
+    )
+    with pytest.raises(ConfigError, match="soft_labels"):
+        STAGES["drafter"].check_config(cfg)

@@ -544,6 +544,11 @@ class DrafterConfig:
         0.0, "Drafter: D-PACE alpha (0: off; 0.5 as in the paper).", ge=0.0, le=1.0
     )
     soft_labels: bool = option(False, "Drafter: CE against the target's own distribution.")
+    cache_target: bool = option(
+        False,
+        "Drafter: compute each record's target features once (alone, unpadded) and keep them "
+        "in memory for later epochs (vltrain.inference.feature_cache); not with soft_labels.",
+    )
     anchors: int = option(64, "Drafter: anchors sampled per training sequence (0: all).", ge=0)
     chunk_blocks: int = option(
         32, "Drafter: blocks per loss chunk (checkpointed; memory flat in anchors).", ge=1

@@ -31,6 +31,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from vltrain.config.core import ConfigError
+
 BLOCK_FLAG = "vltrain_block"
 
 
@@ -89,6 +91,11 @@ def apply_fsdp(
     )
 
     device = next(module.parameters()).device
+    if offload and device.type == "cpu":
+        raise ConfigError(
+            "train.fsdp_cpu_offload moves the shards off an accelerator into CPU memory; this "
+            "run's parameters already live there (device cpu): turn it off"
+        )
     mesh = init_device_mesh(device.type, (world_size,))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     kwargs = {

@@ -3,11 +3,11 @@
 Targets (``model.kind``): ``hf_lm`` (a local HF causal LM directory or ``.gguf`` file:
 Llama, Qwen2, Qwen3 families) or ``captioner`` (a vltrain caption/rl run; the image prefix is
 in the context, text is drafted). ``model.target`` names it. The target's features are computed
-online under ``no_grad`` in every step (a 135M target costs one forward; caching them would be
-(T, n * W) floats per sequence on disk, 3 x 576 x 4 B = 7 KB per token for SmolLM2, and would
-pin the anchors). Data should be the target's own answers (``vltrain data regenerate``): the
-drafter must predict the target, and evaluation flags data whose labels are not the target's
-greedy tokens.
+online under ``no_grad`` in every step, or once per record with ``drafter.cache_target`` (kept
+in memory, 3 x 576 x 4 B = 7 KB per token for SmolLM2; anchors are still drawn per epoch, over
+the cached features; vltrain.inference.feature_cache). Data should be the target's own
+answers (``vltrain data regenerate``): the drafter must predict the target, and evaluation
+flags data whose labels are not the target's greedy tokens.
 
 Evaluation (docs/drafters.md): per-slot and top-4/top-8 accuracy, the exact per-block
 acceptance length against the data labels (``tau``) and against the target's greedy tokens
@@ -37,6 +37,7 @@ from vltrain.engine.parallel import ParallelModel
 from vltrain.engine.runtime import RunContext
 from vltrain.engine.task import StepOutput
 from vltrain.inference.captioning import left_pad
+from vltrain.inference.feature_cache import FeatureCache, greedy_tokens
 from vltrain.inference.spec_targets import (
     CaptionerTarget,
     HFTarget,
@@ -98,6 +99,11 @@ class DrafterStage:
         check_choice("model.kind", cfg.model.kind, TARGET_KINDS, "stage drafter")
         if not cfg.model.target:
             raise ConfigError("stage drafter needs 'model.target' (the frozen target model)")
+        if cfg.drafter.cache_target and cfg.drafter.soft_labels:
+            raise ConfigError(
+                "'drafter.cache_target' keeps features and greedy tokens, not the target's "
+                "logits, so it cannot feed 'drafter.soft_labels': turn one of them off"
+            )
 
     @classmethod
     def eval_metrics(cls, cfg: Config) -> tuple[str, ...]:
@@ -120,6 +126,7 @@ class DrafterStage:
             ids = list(d.layer_ids) or target_layer_ids(n_layers, d.target_layers)
             self.target = CaptionerTarget(model.to(self.ctx.device), ids)
             self.pad_id = self.tokenizer.pad_id
+        self.caches: dict[str, FeatureCache] = {}
         bad = [i for i in ids if not 0 <= i < n_layers]
         if bad:
             raise ConfigError(
@@ -188,19 +195,27 @@ class DrafterStage:
 
     # ---- one step --------------------------------------------------------------------------
 
-    def _inputs(self, batch: dict[str, Any]) -> tuple:
-        """Target features and the drafter's inputs of one batch (target under no_grad)."""
+    def _target(self, batch: dict[str, Any], split: str) -> tuple:
+        """(Context, logits or None when cached, greedy tokens (B, T), prefix length)."""
+        if self.cfg.drafter.cache_target:
+            cache = self.caches.setdefault(split, FeatureCache(self.target))
+            ctx, greedy, p = cache.features(batch)
+            return ctx, None, greedy, p
         mask = batch["attention_mask"]
         if "images" in batch:
             ctx, tlogits, p = self.target.features(batch["images"], batch["input_ids"], mask)
         else:
             ctx, tlogits, p = self.target.features(batch["input_ids"], mask)
+        return ctx, tlogits, greedy_tokens(tlogits, mask), p
+
+    def _inputs(self, batch: dict[str, Any], split: str = "train") -> tuple:
+        """Target features and the drafter's inputs of one batch (target under no_grad)."""
+        ctx, tlogits, greedy, p = self._target(batch, split)
         labels = batch["labels"]
         full = torch.cat([labels.new_full((labels.shape[0], p), IGNORE_INDEX), labels], 1)
         anchors, valid = batch["anchors"], batch["anchor_valid"]
         a_ids = batch["input_ids"].gather(1, anchors)
         lab, lab_valid = block_labels(full, anchors + p, valid, self.cfg.drafter.block_size)
-        greedy = tlogits.argmax(-1)  # (B, T): the target's token after each position
         return ctx, tlogits, greedy, p, a_ids, anchors + p, lab, lab_valid
 
     @staticmethod
@@ -263,7 +278,7 @@ class DrafterStage:
             if not good:
                 continue
             batch = {k: v.to(dev) for k, v in collate(good).items()}
-            ctx, tlogits, greedy, p, a_ids, a_pos, lab, valid = self._inputs(batch)
+            ctx, tlogits, greedy, p, a_ids, a_pos, lab, valid = self._inputs(batch, split)
             loss, weight, s = model(
                 ctx.features,
                 ctx.positions,
