@@ -118,6 +118,49 @@ def hf_generate(model, tok, prompts: list[str], max_new: int, **kw) -> dict:  # 
     return {"seconds": sec, "tokens": n, "tokens_per_s": n / sec, "ids": ids_out}
 
 
+def train_assistant(model, tok, answers: Path, layers: int, steps: int, out: Path):  # noqa: ANN001, ANN201
+    """A small draft LM for HF assisted generation: the target's first ``layers`` layers, its
+    embeddings, final norm and (tied) head, fine-tuned on the same regenerated answers the
+    drafters train on (loss on the answer tokens); cached in ``out`` after the first run."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from vltrain.data.draft_data import ChatRecords
+
+    if (out / "config.json").is_file():
+        return AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    small = copy.deepcopy(model)
+    small.model.layers = small.model.layers[:layers]
+    small.config.num_hidden_layers = layers
+    small.train()
+    small.get_input_embeddings().requires_grad_(False)  # tied to the head: frozen, shared rows
+    data = ChatRecords(str(answers), tok, 256)
+    opt = torch.optim.AdamW([p for p in small.parameters() if p.requires_grad], lr=5e-4)
+    g = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        idx = torch.randint(len(data), (8,), generator=g).tolist()
+        rows = [data.encode(i) for i in idx]
+        t = max(len(r[0]) for r in rows)
+        ids = torch.full((8, t), tok.pad_token_id or 0)
+        labels = torch.full((8, t), -100)
+        mask = torch.zeros(8, t, dtype=torch.long)
+        for i, (a, b) in enumerate(rows):
+            ids[i, : len(a)], labels[i, : len(b)], mask[i, : len(a)] = (
+                torch.tensor(a),
+                torch.tensor(b),
+                1,
+            )
+        loss = small(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step % 50 == 0:
+            print(f"assistant step {step}: loss {float(loss):.3f}", flush=True)
+    small.eval().save_pretrained(out)
+    return small
+
+
 class Timer:
     """Seconds spent inside the wrapped functions (drafting; target verification)."""
 
@@ -270,6 +313,8 @@ def main() -> None:
     p.add_argument("--gammas", default="4,7,10")
     p.add_argument("--budgets", default="0,16,32,64")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats, alternating")
+    p.add_argument("--assistant-layers", type=int, default=2, help="HF assisted-generation LM")
+    p.add_argument("--assistant-steps", type=int, default=400)
     args = p.parse_args()
     from vltrain.inference.spec_targets import load_hf_causal_lm
 
@@ -294,10 +339,19 @@ def main() -> None:
     if args.train_only:
         print(json.dumps(res["curves"], indent=1))
         return
+    assistant = train_assistant(
+        model,
+        tok,
+        out / "answers.jsonl",
+        args.assistant_layers,
+        args.assistant_steps,
+        out / f"assistant_l{args.assistant_layers}_s{args.assistant_steps}",
+    )
     step_ms = res["costs"]["forward_1_ms"]
-    rows, base = [], []
+    rows, base, assisted = [], [], []
     for rep in range(args.repeats):  # alternate: the target's own generate, then every drafter
         base.append(hf_generate(model, tok, HELD_OUT, args.max_new))
+        assisted.append(hf_generate(model, tok, HELD_OUT, args.max_new, assistant_model=assistant))
         for run in runs:
             block = int(run.name.split("_")[0][1:])
             for budget in map(int, args.budgets.split(",")):
@@ -312,6 +366,8 @@ def main() -> None:
                 )
                 rows.append(r)
     res["hf_greedy"] = [{k: v for k, v in b.items() if k != "ids"} for b in base]
+    res["hf_assisted"] = [{k: v for k, v in b.items() if k != "ids"} for b in assisted]
+    res["hf_assisted_identical"] = all(a["ids"] == base[0]["ids"] for a in assisted)
     res["hf_prompt_lookup"] = {
         k: v
         for k, v in hf_generate(
@@ -320,6 +376,9 @@ def main() -> None:
         if k != "ids"
     }
     greedy_s = sorted(b["seconds"] for b in base)[len(base) // 2]
+    res["hf_assisted_speedup"] = (
+        greedy_s / sorted(a["seconds"] for a in assisted)[len(assisted) // 2]
+    )
     res["rows"] = [{k: v for k, v in r.items() if k != "ids"} for r in rows]
     res["table"] = summarize(rows, greedy_s)
     (out / "results.json").write_text(json.dumps(res, indent=1))

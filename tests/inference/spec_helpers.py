@@ -36,7 +36,7 @@ def oracle_draft(
     """
     g = torch.Generator().manual_seed(seed)
 
-    def draft(drafter, ctx, root, anchor):  # noqa: ANN001, ANN202
+    def draft(drafter, ctx, root, anchor, cache=None):  # noqa: ANN001, ANN202
         k = drafter.cfg.block_size - 1
         logits = torch.randn(len(root), k, vocab, generator=g)
         for i in range(len(root)):

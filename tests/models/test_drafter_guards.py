@@ -169,3 +169,33 @@ def test_layer_rule_and_gamma_rule() -> None:
     assert (
         w[0] == 0 and w[1] == 1 and abs(float(w[8]) - torch.exp(torch.tensor(-1.0)).item()) < 1e-6
     )
+
+
+def test_context_cache_equals_the_full_context() -> None:
+    """Decoding's DraftContextCache: the context grows (prompt, then accepted rows, some
+    padding on batch rows); projecting only the new rows gives the drafter's full-context
+    outputs. Negative control: new keys not rotated by their own positions differ."""
+    from vltrain.models.drafter import DraftContextCache
+
+    d = _drafter()
+    g = torch.Generator().manual_seed(2)
+    feats = torch.randn(2, 14, 2 * W, generator=g)
+    pos = torch.arange(14).expand(2, -1).clone()
+    valid = torch.ones(2, 14, dtype=torch.bool)
+    valid[1, 9:11] = False  # a row that accepted fewer tokens in a round: padded slots
+    cache = DraftContextCache()
+    for s in (5, 9, 11, 14):  # rounds
+        a_ids, a_pos = torch.tensor([[3], [8]]), torch.tensor([[s], [s]])
+        args = (feats[:, :s], pos[:, :s], valid[:, :s], a_ids, a_pos)
+        torch.testing.assert_close(d(*args, cache=cache), d(*args), atol=1e-5, rtol=0)
+        assert cache.n == s
+    with pytest.raises(ValueError, match="shrank"):
+        d(feats[:, :5], pos[:, :5], valid[:, :5], a_ids, a_pos, cache=cache)
+
+    bad, layer = DraftContextCache(), d.layers[0]
+    orig = layer.context_kv
+    layer.context_kv = lambda c, p: orig(c, torch.zeros_like(p))  # the bug: positions lost
+    d(feats[:, :5], pos[:, :5], valid[:, :5], a_ids, torch.tensor([[5], [5]]), cache=bad)
+    layer.context_kv = orig
+    args = (feats[:, :9], pos[:, :9], valid[:, :9], a_ids, torch.tensor([[9], [9]]))
+    assert not torch.allclose(d(*args, cache=bad), d(*args), atol=1e-4)

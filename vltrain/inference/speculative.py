@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from vltrain.inference.spec_targets import Context, SpecTarget
-from vltrain.models.drafter import Drafter
+from vltrain.models.drafter import DraftContextCache, Drafter
 
 
 @dataclass
@@ -150,9 +150,13 @@ class _Rows:
     done: list[bool]
 
 
-def _draft(drafter: Drafter, ctx: Context, root: Tensor, anchor_pos: Tensor) -> Tensor:
+def _draft(
+    drafter: Drafter, ctx: Context, root: Tensor, anchor_pos: Tensor, cache: DraftContextCache
+) -> Tensor:
     """Per-slot draft log-probs (B, K - 1, V) of the block after each row's root."""
-    h = drafter(ctx.features, ctx.positions, ctx.valid, root[:, None], anchor_pos[:, None])
+    h = drafter(
+        ctx.features, ctx.positions, ctx.valid, root[:, None], anchor_pos[:, None], cache=cache
+    )
     logits = drafter.logits(h[:, 0, 1:]).float()  # (B, K - 1, V)
     return torch.log_softmax(logits, dim=-1)
 
@@ -195,10 +199,11 @@ def speculative_generate(
     b = logits.shape[0]
     stats.accepted, stats.anchors = [[] for _ in range(b)], [[] for _ in range(b)]
     root = _pick(logits, sample, temperature, generator)  # (B,)
+    dcache = DraftContextCache()  # the drafter projects each context row once
     rows = _Rows([[int(t)] for t in root], [int(t) == eos or max_new_tokens <= 1 for t in root])
     while not all(rows.done):
         anchor = target.next_positions(cache).to(root.device)  # (B,)
-        logq = _draft(drafter, ctx, root, anchor)
+        logq = _draft(drafter, ctx, root, anchor, dcache)
         toks, parents = _proposals(logq, tree_budget, sample, generator)
         fed = torch.cat([root[:, None], toks.to(root.device)], 1)  # (B, 1 + N)
         fed_par = torch.cat([torch.full_like(parents[:, :1], -1), parents + 1], 1)

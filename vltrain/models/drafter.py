@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -128,14 +128,34 @@ class DraftLayer(nn.Module):
         b, t, w = x.shape
         return x.view(b, t, self.heads, w // self.heads).transpose(1, 2)  # (B, H, T, Dh)
 
-    def forward(self, x: Tensor, ctx: Tensor, pos: Tensor, ctx_pos: Tensor, mask: Tensor) -> Tensor:
-        """x (B, N, W) block states, ctx (B, S, W) context states -> (B, N, W)."""
+    def context_kv(self, ctx: Tensor, ctx_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotated keys and values (B, H, S, Dh) of context states ctx (B, S, W)."""
+        return rotate(self._heads(self.k(ctx)), ctx_pos, self.theta), self._heads(self.v(ctx))
+
+    def forward(
+        self,
+        x: Tensor,
+        ctx: Tensor,
+        pos: Tensor,
+        ctx_pos: Tensor,
+        mask: Tensor,
+        ctx_kv: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """x (B, N, W) block states, ctx (B, S, W) context states -> (B, N, W).
+
+        ``ctx_kv``: the context's keys and values already computed (decoding's
+        ``DraftContextCache``); then ``ctx`` is not read.
+        """
         h = self.norm1(x)
-        kv_in = torch.cat([ctx, h], dim=1)  # (B, S + N, W)
-        kv_pos = torch.cat([ctx_pos, pos], dim=1)  # (B, S + N)
         q = rotate(self._heads(self.q(h)), pos, self.theta)
-        k = rotate(self._heads(self.k(kv_in)), kv_pos, self.theta)
-        v = self._heads(self.v(kv_in))
+        if ctx_kv is None:
+            kv_in = torch.cat([ctx, h], dim=1)  # (B, S + N, W)
+            kv_pos = torch.cat([ctx_pos, pos], dim=1)  # (B, S + N)
+            k = rotate(self._heads(self.k(kv_in)), kv_pos, self.theta)
+            v = self._heads(self.v(kv_in))
+        else:
+            kb, vb = self.context_kv(h, pos)  # the block's own keys and values
+            k, v = torch.cat([ctx_kv[0], kb], dim=2), torch.cat([ctx_kv[1], vb], dim=2)
         att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, N, Dh)
         x = x + self.o(att.transpose(1, 2).flatten(2))
         h = self.norm2(x)
@@ -150,6 +170,21 @@ class SharedParts:
     """Token ids (B, T) -> embeddings (B, T, W)."""
     head: Callable[[Tensor], Tensor]
     """Hidden states (..., W) -> logits (..., V)."""
+
+
+@dataclass
+class DraftContextCache:
+    """Decoding state of a drafter: each layer's keys/values of the context seen so far.
+
+    The context only grows during speculative decoding (prompt, then each round's accepted
+    positions), so a round projects only the new rows (``fc`` + norm + each layer's k/v)
+    instead of the whole context: the drafter's cost per round stops growing with the length.
+    """
+
+    n: int = 0
+    """Context rows already projected."""
+    kv: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    """Per layer (keys, values) (B, H, n, Dh)."""
 
 
 class Drafter(nn.Module):
@@ -210,22 +245,45 @@ class Drafter(nn.Module):
         anchor_ids: Tensor,
         anchor_pos: Tensor,
         mask_fn: Callable[..., Tensor] = draft_attention_mask,
+        cache: DraftContextCache | None = None,
     ) -> Tensor:
         """Final draft states (B, J, K, W) of J blocks per row.
 
         ``features`` (B, S, F) at positions ``ctx_pos`` (B, S) (``ctx_valid`` marks real ones);
         ``anchor_ids`` / ``anchor_pos`` (B, J) the anchors. Slot k of block j is at position
-        ``anchor_pos + k`` and predicts the token there.
+        ``anchor_pos + k`` and predicts the token there. ``cache`` (decoding): the context
+        rows before ``cache.n`` were projected in an earlier call and are not read again.
         """
         k = self.cfg.block_size
-        ctx = self.context(features)  # (B, S, W)
+        if cache is None:
+            ctx, kvs = self.context(features), [None] * len(self.layers)  # ctx (B, S, W)
+        else:
+            ctx, kvs = None, self._grow(cache, features, ctx_pos)
         x = self.block_inputs(anchor_ids)  # (B, N, W)
         offs = torch.arange(k, device=anchor_pos.device)
         pos = (anchor_pos[:, :, None] + offs).flatten(1)  # (B, N)
         mask = mask_fn(anchor_pos, ctx_pos, ctx_valid, k)
-        for layer in self.layers:
-            x = layer(x, ctx, pos, ctx_pos, mask)
+        for layer, kv in zip(self.layers, kvs, strict=True):
+            x = layer(x, ctx, pos, ctx_pos, mask, kv)
         return self.norm(x).view(*anchor_ids.shape, k, -1)
+
+    def _grow(
+        self, cache: DraftContextCache, features: Tensor, ctx_pos: Tensor
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Project the context rows the cache has not seen; every layer's full context k/v."""
+        s = features.shape[1]
+        if s < cache.n:
+            raise ValueError(f"the context shrank ({cache.n} -> {s} rows): start a new cache")
+        if s > cache.n:
+            new = self.context(features[:, cache.n :])  # (B, S - n, W)
+            parts = [layer.context_kv(new, ctx_pos[:, cache.n :]) for layer in self.layers]
+            if cache.kv:
+                parts = [
+                    (torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
+                    for (k0, v0), (k1, v1) in zip(cache.kv, parts, strict=True)
+                ]
+            cache.kv, cache.n = parts, s
+        return cache.kv
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Draft states (..., W) -> logits (..., V) through the target's LM head."""
