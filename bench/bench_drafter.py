@@ -51,7 +51,19 @@ HELD_OUT = [
     "Give three facts about octopuses.",
     "Why do people like picnics?",
 ]
-PROMPTS = [t.format(x) for x in TOPICS for t in TEMPLATES]
+MORE_TEMPLATES = [  # the second prompt set (--prompts beyond 384 reads into it)
+    "Describe {} to a child.",
+    "What is interesting about {}?",
+    "List two uses of {}.",
+    "Tell a short story about {}.",
+    "How would you explain {} to a friend?",
+    "Write one sentence about {}.",
+    "What should everyone know about {}?",
+    "Summarize {} in a few words.",
+]
+PROMPTS = [t.format(x) for x in TOPICS for t in TEMPLATES] + [
+    t.format(x) for x in TOPICS for t in MORE_TEMPLATES
+]
 
 
 def gguf_path() -> Path:
@@ -239,7 +251,7 @@ def train_grid(args, out: Path, g: str) -> list[Path]:  # noqa: ANN001
     runs = []
     for block in map(int, args.blocks.split(",")):
         for gamma in map(float, args.gammas.split(",")):
-            run = out / f"b{block}_g{gamma:g}_s{args.steps}"
+            run = out / f"b{block}_g{gamma:g}_s{args.steps}_p{args.prompts}"
             runs.append(run)
             if (run / "summary.json").is_file():
                 continue
@@ -249,7 +261,7 @@ def train_grid(args, out: Path, g: str) -> list[Path]:  # noqa: ANN001
                     "configs/drafter_smollm2.yaml",
                     f"run.out_dir={run}",
                     f"model.target={g}",
-                    f"data.train={out}/answers.jsonl",
+                    f"data.train={out}/answers_p{args.prompts}.jsonl",
                     f"data.eval={out}/eval_answers.jsonl",
                     f"train.max_steps={args.steps}",
                     f"drafter.block_size={block}",
@@ -315,6 +327,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed repeats, alternating")
     p.add_argument("--assistant-layers", type=int, default=2, help="HF assisted-generation LM")
     p.add_argument("--assistant-steps", type=int, default=400)
+    p.add_argument("--tag", default="", help="suffix of results{TAG}.json")
     args = p.parse_args()
     from vltrain.inference.spec_targets import load_hf_causal_lm
 
@@ -334,19 +347,25 @@ def main() -> None:
     (out / "prompts.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in prompts))
     (out / "eval.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in HELD_OUT))
     regenerate(out, g)
+    first = [  # the answers to the first --prompts prompts (ids are prompt indices)
+        x
+        for x in (out / "answers.jsonl").read_text().splitlines()
+        if int(json.loads(x)["id"]) < len(prompts)
+    ]
+    (out / f"answers_p{len(prompts)}.jsonl").write_text("\n".join(first) + "\n")
     runs = train_grid(args, out, g)
     res["curves"] = {r.name: curve(r) for r in runs}
-    if args.train_only:
-        print(json.dumps(res["curves"], indent=1))
-        return
     assistant = train_assistant(
         model,
         tok,
-        out / "answers.jsonl",
+        out / f"answers_p{len(prompts)}.jsonl",
         args.assistant_layers,
         args.assistant_steps,
-        out / f"assistant_l{args.assistant_layers}_s{args.assistant_steps}",
+        out / f"assistant_l{args.assistant_layers}_s{args.assistant_steps}_p{len(prompts)}",
     )
+    if args.train_only:
+        print(json.dumps(res["curves"], indent=1))
+        return
     step_ms = res["costs"]["forward_1_ms"]
     rows, base, assisted = [], [], []
     for rep in range(args.repeats):  # alternate: the target's own generate, then every drafter
@@ -381,7 +400,16 @@ def main() -> None:
     )
     res["rows"] = [{k: v for k, v in r.items() if k != "ids"} for r in rows]
     res["table"] = summarize(rows, greedy_s)
-    (out / "results.json").write_text(json.dumps(res, indent=1))
+    chain = {r["run"]: r["row_tau"] for r in rows if r["budget"] == 0 and r["repeat"] == 0}
+    for t in res["table"]:
+        first = next(r for r in rows if (r["run"], r["budget"]) == (t["run"], t["budget"]))
+        ct = next(c["tau"] for c in res["table"] if (c["run"], c["budget"]) == (t["run"], 0))
+        t["tau_vs_chain"] = t["tau"] / ct
+        t["ge_chain_every_prompt"] = all(
+            a >= b for a, b in zip(first["row_tau"], chain[t["run"]], strict=True)
+        )
+    res["tag"] = args.tag
+    (out / f"results{args.tag}.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res["table"], indent=1))
 
 
