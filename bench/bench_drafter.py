@@ -326,7 +326,9 @@ def main() -> None:
     p.add_argument("--budgets", default="0,16,32,64")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats, alternating")
     p.add_argument("--assistant-layers", type=int, default=2, help="HF assisted-generation LM")
-    p.add_argument("--assistant-steps", type=int, default=400)
+    p.add_argument(
+        "--assistant-steps", type=int, default=400, help="0: no assisted-generation draft LM"
+    )
     p.add_argument("--tag", default="", help="suffix of results{TAG}.json")
     args = p.parse_args()
     from vltrain.inference.spec_targets import load_hf_causal_lm
@@ -355,49 +357,46 @@ def main() -> None:
     (out / f"answers_p{len(prompts)}.jsonl").write_text("\n".join(first) + "\n")
     runs = train_grid(args, out, g)
     res["curves"] = {r.name: curve(r) for r in runs}
-    assistant = train_assistant(
-        model,
-        tok,
-        out / f"answers_p{len(prompts)}.jsonl",
-        args.assistant_layers,
-        args.assistant_steps,
-        out / f"assistant_l{args.assistant_layers}_s{args.assistant_steps}_p{len(prompts)}",
-    )
+    assistant = None
+    if args.assistant_steps > 0:
+        assistant = train_assistant(
+            model,
+            tok,
+            out / f"answers_p{len(prompts)}.jsonl",
+            args.assistant_layers,
+            args.assistant_steps,
+            out / f"assistant_l{args.assistant_layers}_s{args.assistant_steps}_p{len(prompts)}",
+        )
     if args.train_only:
         print(json.dumps(res["curves"], indent=1))
         return
     step_ms = res["costs"]["forward_1_ms"]
-    rows, base, assisted = [], [], []
-    for rep in range(args.repeats):  # alternate: the target's own generate, then every drafter
+    rows, base, assisted, lookup = [], [], [], []
+    for rep in range(args.repeats):  # alternate: the target's own generate, HF assisted, ours
         base.append(hf_generate(model, tok, HELD_OUT, args.max_new))
-        assisted.append(hf_generate(model, tok, HELD_OUT, args.max_new, assistant_model=assistant))
+        lookup.append(hf_generate(model, tok, HELD_OUT, args.max_new, prompt_lookup_num_tokens=8))
+        if assistant is not None:
+            assisted.append(
+                hf_generate(model, tok, HELD_OUT, args.max_new, assistant_model=assistant)
+            )
         for run in runs:
             block = int(run.name.split("_")[0][1:])
             for budget in map(int, args.budgets.split(",")):
                 r = spec_generate(model, tok, run, HELD_OUT, args.max_new, budget)
                 r.update(run=run.name, block=block, budget=budget, repeat=rep)
                 r["lossless"] = r["ids"] == base[0]["ids"]
-                ratio = res["costs"][
-                    f"ratio_{min(16, max(4, 1 << (budget or block - 1).bit_length()))}"
-                ]
+                ratio = res["costs"][f"ratio_{1 + budget if budget else block}"]  # fed tokens
                 r["predicted_speedup"] = predicted_speedup(
                     r["tau"], ratio, r["draft_ms_per_round"], step_ms
                 )
                 rows.append(r)
-    res["hf_greedy"] = [{k: v for k, v in b.items() if k != "ids"} for b in base]
-    res["hf_assisted"] = [{k: v for k, v in b.items() if k != "ids"} for b in assisted]
-    res["hf_assisted_identical"] = all(a["ids"] == base[0]["ids"] for a in assisted)
-    res["hf_prompt_lookup"] = {
-        k: v
-        for k, v in hf_generate(
-            model, tok, HELD_OUT, args.max_new, prompt_lookup_num_tokens=8
-        ).items()
-        if k != "ids"
-    }
     greedy_s = sorted(b["seconds"] for b in base)[len(base) // 2]
-    res["hf_assisted_speedup"] = (
-        greedy_s / sorted(a["seconds"] for a in assisted)[len(assisted) // 2]
-    )
+    for name, runs_ in (("hf_prompt_lookup", lookup), ("hf_assisted", assisted)):
+        if runs_:
+            res[name] = [{k: v for k, v in b.items() if k != "ids"} for b in runs_]
+            res[f"{name}_identical"] = all(b["ids"] == base[0]["ids"] for b in runs_)
+            res[f"{name}_speedup"] = greedy_s / sorted(b["seconds"] for b in runs_)[len(runs_) // 2]
+    res["hf_greedy"] = [{k: v for k, v in b.items() if k != "ids"} for b in base]
     res["rows"] = [{k: v for k, v in r.items() if k != "ids"} for r in rows]
     res["table"] = summarize(rows, greedy_s)
     chain = {r["run"]: r["row_tau"] for r in rows if r["budget"] == 0 and r["repeat"] == 0}
