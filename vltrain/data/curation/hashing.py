@@ -62,14 +62,15 @@ def dhash_bits(grey9x8: np.ndarray) -> tuple[int, int]:
     return pack_bits(g[:, 1:] > g[:, :-1]), pack_bits(m[:, 1:] > m[:, :-1])
 
 
-def content_hash(img: Image.Image, seed: int = 0) -> bytes:
+def content_hash(img: Image.Image, seed: int = 0, pixels: np.ndarray | None = None) -> bytes:
     """16 bytes of SHA-1 over the seed, the size and the RGB pixels (SHA-1 is about twice as
     fast as BLAKE2b here; an exact-duplicate key needs no more than accidental-collision
-    resistance)."""
+    resistance). `pixels`: `img`'s RGB bytes as a contiguous (H, W, 3) array, when the decoder
+    made them (hashed in place, no `tobytes` copy)."""
     rgb = img if img.mode == "RGB" else img.convert("RGB")
     h = hashlib.sha1(key_bytes(seed))
     h.update(f"{rgb.width}x{rgb.height}".encode())
-    h.update(rgb.tobytes())
+    h.update(rgb.tobytes() if pixels is None else pixels)
     return h.digest()[:16]
 
 
@@ -182,8 +183,9 @@ def thumb_similarity(a: bytes, b: bytes) -> float:
     return best
 
 
-def image_hashes(img: Image.Image, seed: int = 0) -> ImageHashes:
-    """Hashes of a decoded image (imagehash's grey conversion: PIL mode 'L' of the picture)."""
+def image_hashes(img: Image.Image, seed: int = 0, pixels: np.ndarray | None = None) -> ImageHashes:
+    """Hashes of a decoded image (imagehash's grey conversion: PIL mode 'L' of the picture).
+    `pixels`: the RGB image's bytes as an (H, W, 3) array when the decoder has them."""
     grey = img.convert("L")
     p, pm = phash_bits(np.asarray(grey.resize((32, 32), Image.Resampling.LANCZOS)))
     d, dm = dhash_bits(np.asarray(grey.resize((9, 8), Image.Resampling.LANCZOS)))
@@ -192,7 +194,7 @@ def image_hashes(img: Image.Image, seed: int = 0) -> ImageHashes:
     thumb = base.resize((16, 16), Image.Resampling.BOX).tobytes()
     crops, small = crop_hashes(base)
     return ImageHashes(
-        content_hash(rgb, seed), p, pm, d, dm, img.width, img.height, thumb, crops, small
+        content_hash(rgb, seed, pixels), p, pm, d, dm, img.width, img.height, thumb, crops, small
     )
 
 
