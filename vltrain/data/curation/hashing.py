@@ -40,12 +40,16 @@ def _dct_matrix(n: int) -> np.ndarray:
 
 _DCT8 = _dct_matrix(32)[:8]  # (8, 32): only the 8 lowest frequencies are used
 _FLIP_SIGN = np.where(np.arange(8) % 2 == 1, -1.0, 1.0)[None, :]  # odd horizontal freqs
-_WEIGHTS = (np.uint64(1) << np.arange(63, -1, -1, dtype=np.uint64)).astype(np.uint64)
 
 
 def pack_bits(bits: np.ndarray) -> int:
     """64 booleans (row-major) -> int, first bit most significant."""
-    return int(np.sum(_WEIGHTS[bits.reshape(64)], dtype=np.uint64))
+    return int(np.packbits(bits.reshape(64)).view(">u8")[0])
+
+
+def pack_rows(bits: np.ndarray) -> tuple[int, ...]:
+    """(N, 64) booleans -> N ints, as `pack_bits` of each row (one packing call)."""
+    return tuple(int(x) for x in np.packbits(bits, axis=1).view(">u8").reshape(-1))
 
 
 def phash_bits(grey32: np.ndarray) -> tuple[int, int]:
@@ -121,7 +125,7 @@ def crop_hashes(base: Image.Image) -> tuple[tuple[int, ...], bytes]:
     low = (_DCT8 @ g32 @ _DCT8.T).reshape(len(_BOXES), 64)  # (10, 8, 8) -> (10, 64)
     bits = low > np.median(low, axis=1)[:, None]
     small = base.resize((_SMALL, _SMALL), Image.Resampling.BOX).tobytes()
-    return tuple(pack_bits(b) for b in bits), small
+    return pack_rows(bits), small
 
 
 _SMALL = 32  # side of the colour thumbnail kept for crop verification
