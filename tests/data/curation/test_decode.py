@@ -16,8 +16,6 @@ from tests.data.curation.test_image_features_pinned import write_pinned_images
 from vltrain.data.curation import decode
 from vltrain.data.images import BadSample, load_image_native
 
-pytest.importorskip("pyspng")
-
 
 def _png(img: Image.Image, **kw) -> bytes:
     buf = io.BytesIO()
@@ -67,6 +65,8 @@ def _outcome(fn, path: Path) -> tuple:
 def test_decode_rgb_equals_load_image_native_on_every_file(
     tmp_path: Path, monkeypatch, with_spng: bool
 ) -> None:
+    if with_spng:
+        pytest.importorskip("pyspng")
     names = write_pinned_images(tmp_path)
     fast = _extra_files(tmp_path)
     if not with_spng:
