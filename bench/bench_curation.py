@@ -23,7 +23,8 @@ from PIL import Image
 
 from vltrain.data.curation import minhash, planted
 from vltrain.data.curation.bloom import BloomFilter
-from vltrain.data.curation.features import Features
+from vltrain.data.curation.decode import decode_rgb
+from vltrain.data.curation.features import Features, FeatureSettings, iter_features
 from vltrain.data.curation.hashing import image_hashes
 from vltrain.data.curation.pipeline import CurateOptions, Decider
 from vltrain.data.curation.text import NgramHasher, jaccard, words, words_batch
@@ -197,13 +198,30 @@ def bench_minhash(
 
 
 def _hash_files(paths: list[Path]) -> float:
-    """vltrain's features of each file: one decode, then `image_hashes` (content key, pHash,
-    dHash and mirrors, colour thumbnail, crop windows). Returns this process's CPU seconds."""
+    """vltrain's features of each file as `vltrain data curate`'s workers compute them:
+    `decode_rgb` (libspng for plain PNGs, else Pillow via `load_image_native`: bomb check,
+    EXIF orientation, RGB), then `image_hashes` (content key, pHash, dHash and mirrors, colour
+    thumbnail, crop windows). Returns this process's CPU seconds."""
     c0 = time.process_time()
     for p in paths:
-        with Image.open(p) as im:
-            image_hashes(im.convert("RGB"))
+        d = decode_rgb(p)
+        image_hashes(d.image, 0, d.pixels)
     return time.process_time() - c0
+
+
+def _curate_workers(paths: list[Path], workers: int) -> tuple[float, float, int]:
+    """(wall seconds of `iter_features` over >= 640 records of these files with `workers`
+    processes less the pool start-up, the start-up (a run on one file), the record count): the
+    code path of `vltrain data curate --workers N` (one caption each)."""
+    s = FeatureSettings(str(paths[0].parent), 0, 3, 128, 13, 14, 9)
+    names = [p.name for p in paths] * -(-640 // len(paths))  # >= 10 chunks: a balanced tail
+    items = [(i, name, ["a photo"]) for i, name in enumerate(names)]
+    t0 = time.perf_counter()
+    list(iter_features(items[:1], s, workers))
+    start = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    list(iter_features(items, s, workers))
+    return time.perf_counter() - t0 - start, start, len(items)
 
 
 def _imagehash_files(paths: list[Path]) -> float:
@@ -245,23 +263,46 @@ def _floor_files(paths: list[Path]) -> float:
     return time.process_time() - c0
 
 
-def _timed(fn, paths: list[Path], workers: int) -> tuple[float, float]:
-    """(wall, CPU seconds of all processes doing the work) of fn over paths, in this process
-    or in `workers` warm processes (median of 3 runs)."""
-    runs = []
-    if workers == 1:
-        for _ in range(3):
-            t0 = time.perf_counter()
-            cpu = fn(paths)
-            runs.append((time.perf_counter() - t0, cpu))
-    else:
-        with multiprocessing.get_context("spawn").Pool(workers) as pool:
-            pool.map(fn, [paths[:1]] * workers)  # warm the workers (imports)
-            for _ in range(3):
+def _floor_ours(paths: list[Path]) -> float:
+    """The same floor with vltrain's decoder (libspng for plain PNGs)."""
+    c0 = time.process_time()
+    for p in paths:
+        grey = decode_rgb(p).image.convert("L")
+        grey.resize((32, 32), Image.Resampling.LANCZOS)
+        grey.resize((9, 8), Image.Resampling.LANCZOS)
+    return time.process_time() - c0
+
+
+def _decode_ours(paths: list[Path]) -> float:
+    c0 = time.process_time()
+    for p in paths:
+        decode_rgb(p)
+    return time.process_time() - c0
+
+
+def _alternating(fns: dict, paths: list[Path], workers: int, rounds: int) -> dict:
+    """{name: (wall, CPU seconds of the workers)}, medians over rounds that run every fn once
+    in turn, each fn in its own warm pool of `workers` processes fed 4-file chunks as they
+    free up (so one slow photo does not leave a worker idle)."""
+    chunks = [paths[i : i + 4] for i in range(0, len(paths), 4)]
+    ctx = multiprocessing.get_context("spawn")
+    pools = {name: ctx.Pool(workers) for name in fns}
+    try:
+        for name, fn in fns.items():
+            pools[name].map(fn, [paths[:1]] * workers)  # warm the workers (imports)
+        runs: dict[str, list] = {name: [] for name in fns}
+        for _ in range(rounds):
+            for name, fn in fns.items():
                 t0 = time.perf_counter()
-                cpu = sum(pool.map(fn, [paths[i::workers] for i in range(workers)]))
-                runs.append((time.perf_counter() - t0, cpu))
-    return float(np.median([x[0] for x in runs])), float(np.median([x[1] for x in runs]))
+                cpu = sum(pools[name].map(fn, chunks, chunksize=1))
+                runs[name].append((time.perf_counter() - t0, cpu))
+    finally:
+        for pool in pools.values():
+            pool.terminate()
+    return {
+        k: (float(np.median([x[0] for x in v])), float(np.median([x[1] for x in v])))
+        for k, v in runs.items()
+    }
 
 
 def _interleaved(fns: dict, paths: list[Path], rounds: int = 5) -> dict:
@@ -342,23 +383,35 @@ def bench_image_hashes(imgs: list[Image.Image], reps: int) -> list[str]:
                 },
                 paths,
             )
-            t["ours2"] = _timed(_hash_files, paths, 2)
-            t["theirs2"] = _timed(_imagehash_files, paths, 2)
+            t |= _interleaved({"decode_ours": _decode_ours, "floor_ours": _floor_ours}, paths)
+            pair = _alternating({"ours2": _hash_files, "theirs2": _imagehash_files}, paths, 2, 5)
+            t |= pair
             cpu_theirs = t["theirs"][1]
             for name, label in (
                 ("ours", "vltrain features (identical hashes: " + str(same) + "), 1 process"),
-                ("ours2", "vltrain features, 2 workers"),
+                ("ours2", "vltrain features, 2 workers (5 rounds alternating with imagehash)"),
                 ("theirs", "imagehash phash + dhash, 1 process"),
-                ("theirs2", "imagehash, 2 processes"),
-                ("decode", "decode alone"),
-                ("grey", "decode + one grey conversion"),
-                ("floor", "floor: decode + grey + the two LANCZOS thumbnails"),
+                ("theirs2", "imagehash, 2 processes (alternating)"),
+                ("decode", "Pillow decode alone"),
+                ("decode_ours", "vltrain decode alone (libspng for plain PNGs)"),
+                ("grey", "Pillow decode + one grey conversion"),
+                ("floor", "floor, Pillow decode: + grey + the two LANCZOS thumbnails"),
+                ("floor_ours", "floor, vltrain decode: + grey + the two LANCZOS thumbnails"),
             ):
                 wall, cpu = t[name]
                 rows.append(
                     f"| {fmt.upper()} {label} | {n / wall:,.0f} | {n / cpu:,.0f} | "
                     f"{cpu_theirs / cpu:.2f}x |"
                 )
+            rows.append(
+                f"| {fmt.upper()} 2-worker wall vs imagehash 2 processes | "
+                f"{pair['theirs2'][0] / pair['ours2'][0]:.2f}x | | |"
+            )
+            wall, start, m = _curate_workers(paths, 2)
+            rows.append(
+                f"| {fmt.upper()} `iter_features` (the curate workers, 64-record chunks), {m} "
+                f"records, 2 workers, pool start-up {start:.1f} s excluded | {m / wall:,.0f} | | |"
+            )
     return rows
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageFile, ImageOps
+from PIL import ExifTags, Image, ImageFile, ImageOps
 
 # Fixed, ordered list of bad-sample reasons; ranks all-reduce counts in this order.
 REASONS: tuple[str, ...] = (
@@ -148,8 +148,9 @@ def _decode_checked(
         raise BadSample(reason, p, f"cannot identify image: {type(e).__name__}: {e}") from None
     try:
         _decode(img, p, max_pixels, draft_size)
-        try:
-            oriented = ImageOps.exif_transpose(img)
+        try:  # exif_transpose copies the whole picture even when there is nothing to turn
+            turned = img.getexif().get(ExifTags.Base.Orientation, 1) != 1
+            oriented = ImageOps.exif_transpose(img) if turned else img
         except Exception:
             oriented = img  # malformed EXIF: keep the pixels, skip the rotation
         return _to_rgb_or_float(oriented)

@@ -15,10 +15,11 @@ from pathlib import Path
 import numpy as np
 
 from vltrain.data.curation.bloom import BloomFilter
+from vltrain.data.curation.decode import decode_rgb
 from vltrain.data.curation.hashing import ImageHashes, image_hashes
 from vltrain.data.curation.minhash import MinHasher, band_keys
 from vltrain.data.curation.text import NgramHasher, normalized_key, words_batch
-from vltrain.data.images import BadSample, load_image_native
+from vltrain.data.images import BadSample
 from vltrain.data.records import resolve_image_path
 
 _CHUNK = 64
@@ -95,8 +96,8 @@ class _Worker:
 
     def _image(self, rel: str) -> tuple[ImageHashes | None, str | None]:
         try:
-            img = load_image_native(resolve_image_path(Path(self.s.root) / "x", rel))
-            return image_hashes(img, self.s.seed), None
+            img = decode_rgb(resolve_image_path(Path(self.s.root) / "x", rel))
+            return image_hashes(img.image, self.s.seed, img.pixels), None
         except BadSample as e:
             return None, e.reason
 

@@ -40,12 +40,16 @@ def _dct_matrix(n: int) -> np.ndarray:
 
 _DCT8 = _dct_matrix(32)[:8]  # (8, 32): only the 8 lowest frequencies are used
 _FLIP_SIGN = np.where(np.arange(8) % 2 == 1, -1.0, 1.0)[None, :]  # odd horizontal freqs
-_WEIGHTS = (np.uint64(1) << np.arange(63, -1, -1, dtype=np.uint64)).astype(np.uint64)
 
 
 def pack_bits(bits: np.ndarray) -> int:
     """64 booleans (row-major) -> int, first bit most significant."""
-    return int(np.sum(_WEIGHTS[bits.reshape(64)], dtype=np.uint64))
+    return int(np.packbits(bits.reshape(64)).view(">u8")[0])
+
+
+def pack_rows(bits: np.ndarray) -> tuple[int, ...]:
+    """(N, 64) booleans -> N ints, as `pack_bits` of each row (one packing call)."""
+    return tuple(int(x) for x in np.packbits(bits, axis=1).view(">u8").reshape(-1))
 
 
 def phash_bits(grey32: np.ndarray) -> tuple[int, int]:
@@ -62,14 +66,15 @@ def dhash_bits(grey9x8: np.ndarray) -> tuple[int, int]:
     return pack_bits(g[:, 1:] > g[:, :-1]), pack_bits(m[:, 1:] > m[:, :-1])
 
 
-def content_hash(img: Image.Image, seed: int = 0) -> bytes:
+def content_hash(img: Image.Image, seed: int = 0, pixels: np.ndarray | None = None) -> bytes:
     """16 bytes of SHA-1 over the seed, the size and the RGB pixels (SHA-1 is about twice as
     fast as BLAKE2b here; an exact-duplicate key needs no more than accidental-collision
-    resistance)."""
+    resistance). `pixels`: `img`'s RGB bytes as a contiguous (H, W, 3) array, when the decoder
+    made them (hashed in place, no `tobytes` copy)."""
     rgb = img if img.mode == "RGB" else img.convert("RGB")
     h = hashlib.sha1(key_bytes(seed))
     h.update(f"{rgb.width}x{rgb.height}".encode())
-    h.update(rgb.tobytes())
+    h.update(rgb.tobytes() if pixels is None else pixels)
     return h.digest()[:16]
 
 
@@ -120,7 +125,7 @@ def crop_hashes(base: Image.Image) -> tuple[tuple[int, ...], bytes]:
     low = (_DCT8 @ g32 @ _DCT8.T).reshape(len(_BOXES), 64)  # (10, 8, 8) -> (10, 64)
     bits = low > np.median(low, axis=1)[:, None]
     small = base.resize((_SMALL, _SMALL), Image.Resampling.BOX).tobytes()
-    return tuple(pack_bits(b) for b in bits), small
+    return pack_rows(bits), small
 
 
 _SMALL = 32  # side of the colour thumbnail kept for crop verification
@@ -182,8 +187,9 @@ def thumb_similarity(a: bytes, b: bytes) -> float:
     return best
 
 
-def image_hashes(img: Image.Image, seed: int = 0) -> ImageHashes:
-    """Hashes of a decoded image (imagehash's grey conversion: PIL mode 'L' of the picture)."""
+def image_hashes(img: Image.Image, seed: int = 0, pixels: np.ndarray | None = None) -> ImageHashes:
+    """Hashes of a decoded image (imagehash's grey conversion: PIL mode 'L' of the picture).
+    `pixels`: the RGB image's bytes as an (H, W, 3) array when the decoder has them."""
     grey = img.convert("L")
     p, pm = phash_bits(np.asarray(grey.resize((32, 32), Image.Resampling.LANCZOS)))
     d, dm = dhash_bits(np.asarray(grey.resize((9, 8), Image.Resampling.LANCZOS)))
@@ -192,7 +198,7 @@ def image_hashes(img: Image.Image, seed: int = 0) -> ImageHashes:
     thumb = base.resize((16, 16), Image.Resampling.BOX).tobytes()
     crops, small = crop_hashes(base)
     return ImageHashes(
-        content_hash(rgb, seed), p, pm, d, dm, img.width, img.height, thumb, crops, small
+        content_hash(rgb, seed, pixels), p, pm, d, dm, img.width, img.height, thumb, crops, small
     )
 
 
