@@ -368,7 +368,7 @@ class DoctorConfig:
         0.5, "Warn when a param group's per-step update/weight norm ratio exceeds this.", gt=0.0
     )
     chance_steps: int = option(
-        5, "Contrastive loss at chance: steps in a row past warmup before it is reported.", ge=2
+        10, "Contrastive loss at chance: steps in a row past warmup before it is reported.", ge=2
     )
     chance_tolerance: float = option(
         0.01, "Contrastive loss at chance: within this fraction of the chance loss.", gt=0.0

@@ -17,11 +17,16 @@ from vltrain.config.schema import Config
 from vltrain.diagnostics.record import Finding, StepRecord
 from vltrain.objectives.chance import infonce_chance, siglip_chance
 
+#: a collapsed run on its way out shows its grad norm climbing back from the trough (seen on a
+#: batch-32 run that sat at chance for 7 steps, then learned): no finding while it climbs
+CLIMB = 3.0
+
 
 class ChanceLoss:
     """Contrastive loss within `chance_tolerance` of chance for `chance_steps` steps past
     warmup, with every grad norm of those steps `chance_grad_drop` x below the early peak
-    (the largest grad norm of the run's first `chance_steps` steps)."""
+    (the largest grad norm of the run's first `chance_steps` steps) and the last one not
+    climbing back (< CLIMB x the window's smallest)."""
 
     name = "contrastive_chance"
 
@@ -47,8 +52,9 @@ class ChanceLoss:
         if len(self.window) < self.steps or len(self.early) < self.steps:
             return []
         peak = max(self.early)
-        worst = max(g for _, _, g, _ in self.window)  # every step of the window is collapsed
-        if not 0 < worst * self.drop <= peak:
+        grads = [g for _, _, g, _ in self.window]
+        worst = max(grads)  # every step of the window is collapsed
+        if not 0 < worst * self.drop <= peak or grads[-1] > CLIMB * min(grads):
             return []
         self.reported = True
         return [self._finding(peak, worst)]
