@@ -48,6 +48,7 @@ from vltrain.stages import check_config  # noqa: E402
 
 STEPS = 10  # clean runs and onset-0 faults; mid-run spike faults use 16
 ONSET = 12  # mid-run faults start here (after the spike rules' minimum history)
+CHANCE_ONSET = 20  # blank images from here: after the learning recipe has left chance
 
 
 def contrastive(data: Path, out: Path, **extra: Any) -> list[str]:
@@ -61,6 +62,17 @@ def contrastive(data: Path, out: Path, **extra: Any) -> list[str]:
     }  # fmt: skip
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+# Batch 8 of the tiny dual encoder collapses at the LR peak and never leaves chance (loss ln 8,
+# grad norm down ~500x, train accuracy 1/8: the doctor's contrastive_chance finds it); at a
+# global batch of 32 it sits at chance for ~7 steps and then learns (3.47 -> 3.15 by step 29).
+# Clean contrastive runs and the contrastive collapse fault use this recipe.
+LEARNING_CLIP = {"data.batch_size": 32}
+
+
+def learning_contrastive(data: Path, out: Path, **extra: Any) -> list[str]:
+    return contrastive(data, out, **{**LEARNING_CLIP, **extra})
 
 
 def caption(data: Path, out: Path, **extra: Any) -> list[str]:
@@ -147,6 +159,15 @@ def _nan(trainer):
     def fn(real, model, batch, scale, step):
         if step == _onset():
             batch = {**batch, "images": batch["images"] * float("inf")}
+        return real(model, batch, scale)
+
+    _wrap_fb(trainer, fn)
+
+
+def _blank_images(trainer):
+    def fn(real, model, batch, scale, step):
+        if step >= _onset():  # a decode/normalisation bug: every image the same (black)
+            batch = {**batch, "images": torch.zeros_like(batch["images"])}
         return real(model, batch, scale)
 
     _wrap_fb(trainer, fn)
@@ -315,6 +336,16 @@ def scenarios(data: Path) -> list[Scenario]:
         ),
         Scenario("duplicated shards across ranks", c, 0, ddp=True, steps=3),
         Scenario("DDP desync", c, 2, ddp=True, steps=5),
+        # the reduced quickstart's failure at bench size: the clean recipe of earlier
+        # sessions (batch 8) collapses once the LR peaks (onset: the end of warmup)
+        Scenario("contrastive collapse at the LR peak (batch 8)", c, 2, steps=30),
+        Scenario(
+            "contrastive collapse (blank images)",
+            learning_contrastive,
+            CHANCE_ONSET,
+            install=_blank_images,
+            steps=CHANCE_ONSET + 20,
+        ),
     ]
 
 
@@ -344,7 +375,7 @@ def _from_bucketed(data: Path, out: Path) -> list[str]:
 
 
 def clean_runs() -> list[Scenario]:
-    c, cap, n = contrastive, caption, CLEAN_STEPS
+    c, cap, n = learning_contrastive, caption, CLEAN_STEPS
     gated = {"model.connector": "gated_xattn", "model.connector_options": "{}"}
     frozen = {"model.freeze": "[vision,decoder]", "caption.mode": "pretrain"}
     return [
@@ -471,7 +502,9 @@ def ddp_worker(name: str, data: Path, out: Path) -> None:
     from vltrain.engine import distributed as D
 
     steps, onset = int(os.environ["BENCH_STEPS"]), int(os.environ["BENCH_ONSET"])
-    cfg = load_config(None, [*contrastive(data, out), f"train.max_steps={steps}"])
+    # the clean run: the learning recipe's global batch of 32 as 2 x 16
+    extra = {"data.batch_size": 16} if name.startswith("clean") else {}
+    cfg = load_config(None, [*contrastive(data, out, **extra), f"train.max_steps={steps}"])
     trainer = loop.Trainer(cfg, stage=check_config(cfg))
     stack = contextlib.ExitStack()
     if name == "duplicated shards across ranks":  # a sampler that ignores the rank

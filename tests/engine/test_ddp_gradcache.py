@@ -26,6 +26,7 @@ from vltrain.config.schema import load_config
 from vltrain.engine.parallel import ParallelModel, average_gradients
 from vltrain.models.dual_encoder import DualEncoder
 from vltrain.models.presets import text_config, vision_config
+from vltrain.objectives.chance import infonce_chance
 from vltrain.objectives.contrastive import build_loss
 from vltrain.objectives.grad_cache import dual_encoder_grad_cache
 from vltrain.runs import train
@@ -89,7 +90,7 @@ def _worker(rank: int, store: str, out: str) -> None:
             model.reduce_gradients()
         local = _grads(model.module)
         with model.micro_step(sync=True):
-            dual_encoder_grad_cache(model.module, _rank_slice(micro[1], rank), 4, 0.5)
+            _, metrics = dual_encoder_grad_cache(model.module, _rank_slice(micro[1], rank), 4, 0.5)
             model.reduce_gradients()
         final = _grads(model.module)
         # average_gradients with tiny buckets (many all-reduces) averages rank-dependent grads
@@ -98,7 +99,9 @@ def _worker(rank: int, store: str, out: str) -> None:
             p.grad = torch.full_like(p, float(10 * rank + i))
         average_gradients(params, bucket_elems=100)
         synced = {str(i): p.grad for i, p in enumerate(params)}
-        torch.save({"local": local, "final": final, "synced": synced}, f"{out}/rank{rank}.pt")
+        chance = torch.tensor(float(metrics["chance_loss"]))  # what the doctor compares with
+        state = {"local": local, "final": final, "synced": synced, "chance": chance}
+        torch.save(state, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -126,6 +129,10 @@ def test_spawned_ranks_grad_cache_equals_global_batch(tmp_path: Path) -> None:
     for r in ranks:
         for i, g in r["synced"].items():
             assert torch.equal(g, torch.full_like(g, 5.0 + int(i)))  # mean of i and 10 + i
+    # chance counts the gathered batch (2B) and rank 1's hard negatives, on both ranks
+    for r in ranks:
+        assert float(r["chance"]) == pytest.approx(infonce_chance(2 * B, NEG), rel=1e-6)
+    assert infonce_chance(2 * B, NEG) != pytest.approx(infonce_chance(B, 0))
     # control: before the synchronising micro-step the ranks' gradients differ
     gap = max((ranks[0]["local"][k] - ranks[1]["local"][k]).abs().max().item() for k in ref)
     assert gap > 1e-4

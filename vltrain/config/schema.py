@@ -367,6 +367,18 @@ class DoctorConfig:
     max_update_ratio: float = option(
         0.5, "Warn when a param group's per-step update/weight norm ratio exceeds this.", gt=0.0
     )
+    chance_steps: int = option(
+        10, "Contrastive loss at chance: steps in a row past warmup before it is reported.", ge=2
+    )
+    chance_tolerance: float = option(
+        0.01, "Contrastive loss at chance: within this fraction of the chance loss.", gt=0.0
+    )
+    chance_grad_drop: float = option(
+        100.0,
+        "Contrastive loss at chance: only when every grad norm of those steps is this many "
+        "times below the largest of the first chance_steps steps (a run that learns keeps it).",
+        gt=1.0,
+    )
     write_steps: bool = option(
         True, "Write doctor_steps.jsonl (one StepRecord per step) for `vltrain doctor/report`."
     )

@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from vltrain.config.schema import Config, load_config
 from vltrain.diagnostics.card import write_run_card
 from vltrain.diagnostics.checks import CHECKS
+from vltrain.diagnostics.contrastive_checks import ChanceLoss, config_chance
 from vltrain.diagnostics.data_checks import BatchComposition, DataOrder, eval_overlap
 from vltrain.diagnostics.probe import Probe
 from vltrain.diagnostics.record import Finding, StepRecord, severity_rank
@@ -28,6 +29,7 @@ ALL_CHECKS: dict[str, Any] = {
     **CHECKS,
     "batch_composition": BatchComposition,
     "data_order": DataOrder,
+    ChanceLoss.name: ChanceLoss,
 }
 
 
@@ -170,10 +172,16 @@ def load_records(run_dir: Path) -> list[StepRecord]:
                     grad_norm=g,
                     lr=float(r.get("lr", 0.0)),
                     finite=loss == loss and g == g,
+                    chance_loss=r.get("train_chance_loss"),
                 )
             )
         # metrics.jsonl 'step' counts finished steps; records are 0-based
     return out
+
+
+def _world_size(run_dir: Path) -> int:
+    path = run_dir / "run_card.json"
+    return int(json.loads(path.read_text()).get("world_size", 1)) if path.is_file() else 1
 
 
 def run_config(run_dir: Path) -> Config:
@@ -193,7 +201,12 @@ def analyse_run(run_dir: str | Path) -> list[Finding]:
     cfg = run_config(run_dir)
     doc = Doctor(cfg, None, False)
     found = eval_overlap(cfg)
-    for rec in load_records(run_dir):
+    records = load_records(run_dir)
+    if any(r.chance_loss is None for r in records):  # a run recorded before chance_loss
+        chance = config_chance(cfg, _world_size(run_dir))
+        for r in records:
+            r.chance_loss = chance if r.chance_loss is None else r.chance_loss
+    for rec in records:
         found += [f for c in doc.checks for f in c.observe(rec)]
     found += [f for c in doc.checks for f in c.finish()]
     seen = {(f.check, f.step) for f in found}

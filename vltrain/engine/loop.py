@@ -178,7 +178,7 @@ class Trainer:
                 loss, metrics, grad_norm, finite = self._forward_backward(model, micro)
             lr = set_lr(self.optimizer, state.step, cfg.train.max_steps, cfg.optim)
             self._apply_step(n_empty, finite, loss, grad_norm, logger)
-            self._doctor_step(micro, loss, grad_norm, lr, finite, t_step, logger)
+            self._doctor_step(micro, loss, grad_norm, lr, finite, t_step, logger, metrics)
             self.optimizer.zero_grad(set_to_none=True)
             state.step += 1
             window["samples"] += sum(b.n_good for b in micro) * self.ctx.world_size
@@ -262,7 +262,7 @@ class Trainer:
             self.optimizer.step()
             state.consecutive_skips = 0
 
-    def _doctor_step(self, micro, loss, grad_norm, lr, finite, t_step, logger) -> None:
+    def _doctor_step(self, micro, loss, grad_norm, lr, finite, t_step, logger, metrics) -> None:
         """One StepRecord to the doctor (before zero_grad: gradients are still there for
         non-finite provenance); its findings go to the log and to metrics.jsonl."""
         if self.doctor is None:
@@ -279,6 +279,7 @@ class Trainer:
             epoch=keys[0][0] if keys else -1,
             lengths=[n for b in micro for n in b.lengths],
             bucket=micro[0].bucket if micro else None,
+            chance_loss=metrics.get("chance_loss"),  # a contrastive loss's no-information level
         )
         found = self.doctor.observe(rec)  # gathers over ranks inside: every rank calls it
         for f in found:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vltrain.engine import distributed as D
+from vltrain.objectives.chance import infonce_chance, siglip_chance
 
 
 @dataclass
@@ -125,6 +126,8 @@ class InfoNCELoss(nn.Module):
                 metrics["acc_t2i"] = (logits_t2i.argmax(1) == labels).float().mean().detach()
                 loss = 0.5 * (loss + loss_t2i)
         metrics["logit_scale"] = scale.detach()
+        # the doctor's `contrastive_chance` check compares the loss with this (global batch)
+        metrics["chance_loss"] = infonce_chance(n, logits_i2t.shape[1] - n, self.symmetric)
         return loss, metrics
 
 
@@ -198,6 +201,7 @@ class SigLIPLoss(nn.Module):
             }
         metrics["logit_scale"] = scale.detach()
         metrics["logit_bias"] = bias.detach()
+        metrics["chance_loss"] = siglip_chance(n, logits.shape[1] - n)
         return loss, metrics
 
 
