@@ -120,7 +120,11 @@ FINETUNE_GRAD_NORMS = [
     9.792, 5.698, 2.775, 3.896, 3.284, 4.045, 6.558, 3.568, 3.29, 3.632, 2.977, 3.177, 2.722,
     3.282, 2.676, 2.978, 2.88,
 ]  # fmt: skip
-OLD_RULE = ("doctor.grad_spike_warn_rise=0.5", "doctor.grad_spike_clipped_warn_rise=0.5")
+OLD_RULE = (
+    "doctor.grad_spike_warn_rise=0.5",
+    "doctor.grad_spike_clipped_warn_rise=0.5",
+    "doctor.grad_spike_step_rise=0",
+)
 
 
 @pytest.mark.parametrize(
@@ -303,3 +307,26 @@ def test_eval_overlap(tmp_path):
     assert [x.check for x in f] == ["eval_overlap"] and f[0].severity == "error"
     (tmp_path / "val.jsonl").write_text(json.dumps({"image": "b.png", "text": "another text"}))
     assert eval_overlap(cfg) == []
+
+
+def test_a_climb_out_of_a_collapse_is_not_a_grad_spike():
+    """The batch-32 contrastive run (tests/diagnostics/test_contrastive_checks.py): collapsed to
+    a grad norm of ~0.1 for 10 steps, then climbing back 1.4-2.7x a step to 3.5 while it learns.
+    Over the collapsed median that is 10-21x: the rule without the jump condition warned 8
+    times; a spike jumps at once, so a planted x50 spike still warns at its step."""
+    from tests.diagnostics.test_contrastive_checks import BATCH32_GRAD
+
+    recs = _clean(30)
+    for r, g in zip(recs, BATCH32_GRAD, strict=True):
+        r.grad_norm = g
+
+    def warned(cfg, records) -> list[int]:  # noqa: ANN001
+        found = _run(cfg, records)
+        return [f.step for f in found if f.check == "grad_spike" and f.severity == "warn"]
+
+    cfg = _cfg("optim.warmup_steps=2", "optim.grad_clip=1.0")
+    assert warned(cfg, recs) == []
+    old = _cfg("optim.warmup_steps=2", "optim.grad_clip=1.0", "doctor.grad_spike_step_rise=0")
+    assert len(warned(old, recs)) >= 5  # the rule as it was: the climb read as spikes
+    recs[25].grad_norm *= 50
+    assert warned(cfg, recs) == [25]

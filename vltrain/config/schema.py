@@ -355,6 +355,13 @@ class DoctorConfig:
         "smaller ones are info (single-batch 2x blips are common and harmless).",
         ge=0.0,
     )
+    grad_spike_step_rise: float = option(
+        2.0,
+        "A grad-norm spike also has to jump this fraction over the previous step's norm to "
+        "warn (2.0: 3x): a run climbing out of a collapse rises 1.4-2.7x a step for many steps "
+        "over a collapsed median; a real spike jumps at once (0: no jump required).",
+        ge=0.0,
+    )
     grad_spike_clipped_warn_rise: float = option(
         9.0,
         "The same for a step whose pre-clip norm optim.grad_clip capped (9.0: 10x, Megatron's "

@@ -59,6 +59,8 @@ class Spikes:
         self.grad_warn = 1.0 + d.grad_spike_warn_rise
         self.clipped_warn = 1.0 + d.grad_spike_clipped_warn_rise
         self.clip = cfg.optim.grad_clip
+        self.step_warn = 1.0 + d.grad_spike_step_rise if d.grad_spike_step_rise > 0 else 0.0
+        self.prev_grad = math.nan  # the previous step's grad norm (warmup steps included)
         self.grad_spikes: list[int] = []
         self.after_save: list[int] = []
 
@@ -67,6 +69,7 @@ class Spikes:
         return bool(s) and any(t >= 0 and (t + 1) % s == 0 for t in (step - 1, step - 2))
 
     def observe(self, rec: StepRecord) -> list[Finding]:
+        prev, self.prev_grad = self.prev_grad, rec.grad_norm
         if rec.step < self.judge_from:
             return []
         out = []
@@ -78,7 +81,11 @@ class Spikes:
             # larger one where the clip capped the update (g["clipped"])
             ratio = g["value"] / g["median"] if g["median"] > 0 else math.inf
             g["clipped"] = 0 < self.clip < g["value"]
+            # a level change (a run climbing out of a collapse) rises over a median of the
+            # collapsed steps for many steps, by 1.4-2.7x a step; a spike jumps at once
+            g["jump"] = g["value"] / prev if prev > 0 else math.inf
             severe = ratio >= (self.clipped_warn if g["clipped"] else self.grad_warn)
+            severe = severe and g["jump"] >= self.step_warn
             out.append(
                 Finding(
                     "warn" if severe else "info", "grad_spike", rec.step,
