@@ -130,14 +130,31 @@ def _grid_objective(runs: Runs, delta: float) -> tuple[np.ndarray, np.ndarray]:
     return grid, vals
 
 
+#: the smooth problem whose solution starts a small-delta fit (near least squares for log-noise
+#: up to a few %)
+CONTINUATION_DELTA = 0.1
+
+
 def fit_parametric(
-    runs: Runs, delta: float = HUBER_DELTA, starts: Sequence[np.ndarray] = (), n_best: int = 8
+    runs: Runs,
+    delta: float = HUBER_DELTA,
+    starts: Sequence[np.ndarray] = (),
+    n_best: int = 8,
+    continuation: bool = True,
 ) -> dict[str, float]:
-    """Approach 3: L-BFGS from the `n_best` grid points (plus `starts`); E, A, B, alpha, beta."""
+    """Approach 3: L-BFGS from the `n_best` grid points (plus `starts`); E, A, B, alpha, beta.
+
+    `continuation`: for delta < CONTINUATION_DELTA, also start from the solution at
+    CONTINUATION_DELTA. A delta far below the noise makes the surface nearly piecewise
+    linear, where L-BFGS-B stalls and every grid start can end in a wrong basin; the smooth
+    problem's optimum lies in the right one. Same loss, one more start."""
     if len(runs) < 5:
         raise ConfigError(f"approach 3 fits 5 parameters: needs at least 5 runs, got {len(runs)}")
     grid, vals = _grid_objective(runs, delta)
     inits = list(starts) + list(grid[np.argsort(vals)[:n_best]])
+    if continuation and delta < CONTINUATION_DELTA:
+        smooth = fit_parametric(runs, CONTINUATION_DELTA, starts, n_best, continuation=False)
+        inits.append(_theta(smooth))
     args = (np.log(runs.params), np.log(runs.tokens), np.log(runs.loss), delta)
     best = None
     for x0 in inits:
@@ -430,7 +447,7 @@ def _bootstrap(
     samples: dict[str, list[float]] = {}
     for _ in range(n):
         sub = runs.take(_resample(runs, rng))
-        q3 = fit_parametric(sub, delta=delta, starts=[start], n_best=1)
+        q3 = fit_parametric(sub, delta=delta, starts=[start], n_best=1, continuation=False)
         row = {k: q3[k] for k in ("E", "A", "B", "alpha", "beta")}
         row["a_approach3"] = q3["beta"] / (q3["alpha"] + q3["beta"])
         q2 = None
