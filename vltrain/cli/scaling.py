@@ -49,6 +49,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="the approach whose N_opt(C) --predict uses: approach2, approach3, or narrower "
         "(the one with the narrower bootstrap interval; default)",
     )
+    f.add_argument(
+        "--huber-delta",
+        default="1e-3",
+        help="approach 3's Huber delta on log L: a number (default 1e-3, Hoffmann et al.'s) "
+        "or auto (1.345 x the robust std of the residuals: see docs/scaling.md)",
+    )
     f.add_argument("--config-out", help="where --predict writes its config (sweep folders)")
     f.add_argument("--seed", type=int, default=0)
     f.set_defaults(fn=run_fit)
@@ -61,6 +67,17 @@ def _floats(text: str) -> list[float]:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ConfigError(f"--budgets {text!r}: expected numbers like 1e12,2e12") from None
+
+
+def _delta(text: str) -> float | str:
+    from vltrain.config.core import ConfigError
+
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"--huber-delta {text!r}: expected a number like 1e-3, or auto") from None
 
 
 def run_sweep(args: argparse.Namespace) -> int:
@@ -92,6 +109,7 @@ def run_fit(args: argparse.Namespace) -> int:
         args.seed,
         exclude_by=args.exclude_by,
         predict_with=args.predict_with,
+        huber_delta=_delta(args.huber_delta),
     )
     out = result.to_json()
     p = result.approach3

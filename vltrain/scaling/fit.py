@@ -20,6 +20,10 @@ from scipy.special import logsumexp
 from vltrain.config.core import ConfigError, check_choice
 
 HUBER_DELTA = 1e-3
+#: `huber_delta="auto"`: delta = this x the robust standard deviation of the log residuals
+#: (Huber's constant: 95% of least squares' efficiency under Gaussian noise, while a run
+#: further out than delta still pulls on the fit only linearly)
+AUTO_DELTA_K = 1.345
 #: approach 3's initialisation grid (Hoffmann et al.'s, every other point in e, a, b)
 GRID = {
     "e": (-1.0, 0.0, 1.0),
@@ -126,14 +130,31 @@ def _grid_objective(runs: Runs, delta: float) -> tuple[np.ndarray, np.ndarray]:
     return grid, vals
 
 
+#: the smooth problem whose solution starts a small-delta fit (near least squares for log-noise
+#: up to a few %)
+CONTINUATION_DELTA = 0.1
+
+
 def fit_parametric(
-    runs: Runs, delta: float = HUBER_DELTA, starts: Sequence[np.ndarray] = (), n_best: int = 8
+    runs: Runs,
+    delta: float = HUBER_DELTA,
+    starts: Sequence[np.ndarray] = (),
+    n_best: int = 8,
+    continuation: bool = True,
 ) -> dict[str, float]:
-    """Approach 3: L-BFGS from the `n_best` grid points (plus `starts`); E, A, B, alpha, beta."""
+    """Approach 3: L-BFGS from the `n_best` grid points (plus `starts`); E, A, B, alpha, beta.
+
+    `continuation`: for delta < CONTINUATION_DELTA, also start from the solution at
+    CONTINUATION_DELTA. A delta far below the noise makes the surface nearly piecewise
+    linear, where L-BFGS-B stalls and every grid start can end in a wrong basin; the smooth
+    problem's optimum lies in the right one. Same loss, one more start."""
     if len(runs) < 5:
         raise ConfigError(f"approach 3 fits 5 parameters: needs at least 5 runs, got {len(runs)}")
     grid, vals = _grid_objective(runs, delta)
     inits = list(starts) + list(grid[np.argsort(vals)[:n_best]])
+    if continuation and delta < CONTINUATION_DELTA:
+        smooth = fit_parametric(runs, CONTINUATION_DELTA, starts, n_best, continuation=False)
+        inits.append(_theta(smooth))
     args = (np.log(runs.params), np.log(runs.tokens), np.log(runs.loss), delta)
     best = None
     for x0 in inits:
@@ -149,6 +170,29 @@ def fit_parametric(
         "beta": float(beta),
         "objective": float(best.fun),
     }
+
+
+def _theta(p: dict[str, float]) -> np.ndarray:
+    """(log E, log A, log B, alpha, beta): the parameterisation the optimiser works in."""
+    return np.array([math.log(p["E"]), math.log(p["A"]), math.log(p["B"]), p["alpha"], p["beta"]])
+
+
+def residual_scale(runs: Runs, p: dict[str, float]) -> float:
+    """Robust standard deviation of fit `p`'s log residuals: 1.4826 x their median absolute
+    deviation, scaled by sqrt(R / (R - 5)) for the five fitted parameters."""
+    r = np.log(predict_loss(p, runs.params, runs.tokens)) - np.log(runs.loss)  # (R,)
+    mad = float(np.median(np.abs(r - np.median(r))))
+    return 1.4826 * mad * math.sqrt(len(r) / max(len(r) - 5, 1))
+
+
+def refit_auto_delta(runs: Runs, p3: dict[str, float]) -> tuple[dict[str, float], float]:
+    """Approach 3 again with delta = AUTO_DELTA_K x the residual scale of `p3` (a fit with
+    HUBER_DELTA), started from `p3` and the grid. With delta 1e-3 far below the noise
+    (log-loss noise ~1e-2 is common) the Huber loss is an absolute-error loss, which uses
+    Gaussian-like noise at ~64% efficiency; sized to the noise it is ~95% efficient and
+    still bounds the pull of an outlier."""
+    delta = max(AUTO_DELTA_K * residual_scale(runs, p3), 1e-6)
+    return fit_parametric(runs, delta=delta, starts=[_theta(p3)]), delta
 
 
 def predict_loss(p: dict[str, float], n: np.ndarray, d: np.ndarray) -> np.ndarray:
@@ -259,6 +303,8 @@ class FitResult:
     warnings: list[str] = field(default_factory=list)
     excluded: list[int] = field(default_factory=list)
     target: dict[str, Any] = field(default_factory=dict)
+    huber_delta: float = HUBER_DELTA
+    """The delta approach 3 was fitted with (HUBER_DELTA, a given one, or the auto one)."""
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: self.approach3[k] for k in ("E", "A", "B", "alpha", "beta")}
@@ -274,6 +320,7 @@ class FitResult:
         out["ci"] = self.ci
         out["warnings"] = self.warnings
         out["excluded_runs"] = self.excluded
+        out["huber_delta"] = self.huber_delta
         return out
 
 
@@ -297,12 +344,16 @@ def fit_all(
     level: float = 0.95,
     exclude_by: str = "residual",
     predict_with: str = "narrower",
+    huber_delta: float | str = HUBER_DELTA,
 ) -> FitResult:
     """Both approaches, the `exclude_worst` worst runs dropped (by approach 3's residual, or
     by loss: `EXCLUSION_RULES`), bootstrap intervals (runs resampled with replacement, within
     each budget group when there are groups), the allocation at `target` FLOPs by the
-    approach `predict_with` picks (:func:`choose_prediction`)."""
+    approach `predict_with` picks (:func:`choose_prediction`). `huber_delta`: a number, or
+    "auto" (:func:`refit_auto_delta`, after the exclusion; the bootstrap keeps that delta)."""
     check_choice("--exclude-by", exclude_by, EXCLUSION_RULES)
+    if not (huber_delta == "auto" or (isinstance(huber_delta, float) and huber_delta > 0)):
+        raise ConfigError(f"--huber-delta {huber_delta!r}: expected a positive number or auto")
     excluded: list[int] = []
     p3 = fit_parametric(runs)
     if exclude_worst:
@@ -314,6 +365,12 @@ def fit_all(
         excluded = EXCLUSION_RULES[exclude_by](runs, p3, exclude_worst)
         runs = runs.take(np.setdiff1d(np.arange(len(runs)), excluded))
         p3 = fit_parametric(runs)
+    delta = HUBER_DELTA
+    if huber_delta == "auto":
+        p3, delta = refit_auto_delta(runs, p3)
+    elif huber_delta != HUBER_DELTA:
+        delta = float(huber_delta)
+        p3 = fit_parametric(runs, delta=delta, starts=[_theta(p3)])
     p2, groups, warnings = None, [], []
     if runs.budget is not None and len(set(runs.budget.tolist())) >= 2:
         try:
@@ -323,8 +380,9 @@ def fit_all(
     result = FitResult(
         p3, p2, groups, warnings=warnings, excluded=excluded, target=_targets(p3, p2, target)
     )
+    result.huber_delta = delta
     if bootstrap:
-        result.ci = _bootstrap(runs, p3, bootstrap, target, seed, level, p2 is not None)
+        result.ci = _bootstrap(runs, p3, bootstrap, target, seed, level, p2 is not None, delta)
     if target:
         result.target.update(choose_prediction(result, predict_with))
     return result
@@ -375,16 +433,21 @@ def _resample(runs: Runs, rng: np.random.Generator) -> np.ndarray:
 
 
 def _bootstrap(
-    runs: Runs, p3: dict, n: int, target: float | None, seed: int, level: float, with_p2: bool
+    runs: Runs,
+    p3: dict,
+    n: int,
+    target: float | None,
+    seed: int,
+    level: float,
+    with_p2: bool,
+    delta: float = HUBER_DELTA,
 ) -> dict[str, list[float]]:
     rng = np.random.default_rng(seed)
-    start = np.array(
-        [math.log(p3["E"]), math.log(p3["A"]), math.log(p3["B"]), p3["alpha"], p3["beta"]]
-    )
+    start = _theta(p3)
     samples: dict[str, list[float]] = {}
     for _ in range(n):
         sub = runs.take(_resample(runs, rng))
-        q3 = fit_parametric(sub, starts=[start], n_best=1)
+        q3 = fit_parametric(sub, delta=delta, starts=[start], n_best=1, continuation=False)
         row = {k: q3[k] for k in ("E", "A", "B", "alpha", "beta")}
         row["a_approach3"] = q3["beta"] / (q3["alpha"] + q3["beta"])
         q2 = None
