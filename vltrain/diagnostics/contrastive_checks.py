@@ -3,7 +3,7 @@
 "Chance" is the loss's value when its logits carry no information, computed by the loss itself
 for the global batch it saw (``StepRecord.chance_loss``): InfoNCE's mean over the two
 directions of ln(candidates), with the cross-rank gather and hard negatives counted; SigLIP's
-best input-independent loss (``vltrain.objectives.contrastive.siglip_chance``). A run can start
+best input-independent loss (``vltrain.objectives.chance.siglip_chance``). A run can start
 there and learn (every CLIP run starts near ln N); a run whose embeddings collapsed stays there
 while its gradient norm falls by orders of magnitude: that pair, past warmup, is the finding.
 """

@@ -198,8 +198,9 @@ class DrafterStage:
     def _target(self, batch: dict[str, Any], split: str) -> tuple:
         """(Context, logits or None when cached, greedy tokens (B, T), prefix length)."""
         if self.cfg.drafter.cache_target:
-            cache = self.caches.setdefault(split, FeatureCache(self.target))
-            ctx, greedy, p = cache.features(batch)
+            if split not in self.caches:
+                self.caches[split] = FeatureCache(self.target)
+            ctx, greedy, p = self.caches[split].features(batch)
             return ctx, None, greedy, p
         mask = batch["attention_mask"]
         if "images" in batch:
