@@ -245,16 +245,21 @@ def _same_order_every_epoch() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _uncapped_buckets() -> Iterator[None]:
-    real = samplers.limit_runs
-    # the cap is reported as applied but the order is bucket by bucket (sorted by bucket id)
-    samplers.limit_runs = lambda groups, max_run: (
-        sorted(range(len(groups)), key=lambda i: groups[i]),
-        max_run,
-    )
+    """The sampler's epoch order bucket by bucket (sorted by bucket id, stable) while it still
+    reports the cap as applied: what a repair pass that never runs would leave."""
+    cls = samplers.LengthBucketBatchSampler
+    real = cls._epoch
+
+    def uncapped(self, epoch):
+        groups, rows, limit = real(self, epoch)
+        order = sorted(range(len(groups)), key=lambda i: groups[i])
+        return [groups[i] for i in order], rows[torch.tensor(order)], limit
+
+    cls._epoch = uncapped
     try:
         yield
     finally:
-        samplers.limit_runs = real
+        cls._epoch = real
 
 
 def one_caption_data(data: Path) -> Path:

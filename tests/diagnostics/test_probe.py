@@ -63,3 +63,42 @@ def test_probe_structure_and_provenance():
     assert probe.provenance()["first"] == "head.bias"
     probe.close()
     ok.close()
+
+
+def _torch_path(probe: Probe) -> list[torch.Tensor]:
+    """The sampled weights through the per-tensor torch indexing (the reference path)."""
+    return [
+        torch.cat([p.detach().reshape(-1)[i] for p, i in zip(ps, ix, strict=True)]).double()
+        for ps, ix in zip(probe.groups, probe.index, strict=True)
+    ]
+
+
+def test_numpy_sampling_equals_torch_indexing_and_follows_replaced_weights():
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.AdamW(
+        [{"params": net.vision.parameters()}, {"params": net.head.parameters(), "lr": 0.1}]
+    )
+    probe = Probe(net, opt, [], False)
+    first = probe._sampled()
+    assert all(torch.equal(a, b) for a, b in zip(first, _torch_path(probe), strict=True))
+    rec = _step(net, opt, probe)  # in-place updates are seen through the cached views
+    assert all(r > 0 for r in rec.update_ratio)
+    assert not torch.equal(probe._sampled()[1], first[1])
+    # `p.data = ...` moves the storage: the views are rebuilt, not read stale
+    net.head.weight.data = torch.full_like(net.head.weight, 3.0)
+    assert torch.equal(probe._sampled()[1], _torch_path(probe)[1])
+    assert float(probe._sampled()[1][0]) == 3.0
+    probe.close()
+
+
+def test_bfloat16_weights_take_the_torch_path():
+    net = Net().to(torch.bfloat16)
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    probe = Probe(net, opt, [], False)
+    assert probe._numpy_views(0) is None
+    got = probe._sampled()
+    assert got[0].dtype == torch.float64 and torch.equal(got[0], _torch_path(probe)[0])
+    rec = _step(net, opt, probe, x=torch.randn(8, 4, dtype=torch.bfloat16))
+    assert rec.update_ratio[0] > 0
+    probe.close()

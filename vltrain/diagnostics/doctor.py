@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,8 @@ from vltrain.diagnostics.contrastive_checks import ChanceLoss, config_chance
 from vltrain.diagnostics.data_checks import BatchComposition, DataOrder, eval_overlap
 from vltrain.diagnostics.probe import Probe
 from vltrain.diagnostics.record import Finding, StepRecord, severity_rank
+
+_RECORD_FIELDS = tuple(f.name for f in fields(StepRecord))  # one doctor_steps.jsonl row
 
 #: every check, by name (the online and offline doctor run the same table)
 ALL_CHECKS: dict[str, Any] = {
@@ -122,7 +124,7 @@ class Doctor:
             f.detected_at = rec.step
         steps = self.files.get("doctor_steps.jsonl")
         if steps is not None:
-            steps.write(json.dumps(asdict(rec)) + "\n")
+            steps.write(json.dumps({k: getattr(rec, k) for k in _RECORD_FIELDS}) + "\n")
         self._emit(found)
         return found
 

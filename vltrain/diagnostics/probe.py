@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -20,6 +21,7 @@ from vltrain.models.connectors import TanhGate
 
 #: sampled elements per parameter
 SAMPLE = 8
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -69,6 +71,7 @@ class Probe:
             if isinstance(getattr(m, "max_log_scale", None), float) and hasattr(m, "logit_scale")
         }
         self._before: list[torch.Tensor] = []
+        self._views: dict[int, Any] = {}  # group -> (data pointers, numpy views, indices)
         self._facts: dict[str, Any] = {}
         # A gradient hook sees the incoming gradient before it is accumulated into `.grad`: at
         # the first backward of a step `.grad` must be empty (or zero), else the step applies
@@ -99,10 +102,38 @@ class Probe:
     def _sampled(self) -> list[torch.Tensor]:
         """Per group, the sampled weights (float64, on CPU)."""
         out = []
-        for params, index in zip(self.groups, self.index, strict=True):
+        for gi, (params, index) in enumerate(zip(self.groups, self.index, strict=True)):
+            fast = self._numpy_views(gi)
+            if fast is not None:  # plain CPU weights: numpy indexing, ~10x fewer dispatches
+                views, idx = fast
+                parts_np = [v[i] for v, i in zip(views, idx, strict=True)]
+                out.append(torch.from_numpy(np.concatenate(parts_np).astype(np.float64)))
+                continue
             parts = [_local(p.detach()).reshape(-1)[i] for p, i in zip(params, index, strict=True)]
             out.append(torch.cat(parts).double().cpu() if parts else torch.zeros(0))
         return out
+
+    def _numpy_views(self, gi: int) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
+        """Flat numpy views of group `gi`'s weights when each is a plain CPU tensor of a numpy
+        dtype, rebuilt when a weight's storage moved (``p.data = ...``); None otherwise
+        (DTensor shards, CUDA, bfloat16: the torch path)."""
+        params = self.groups[gi]
+        cached = self._views.get(gi)
+        if cached is False:
+            return None
+        if cached is None and (
+            not params
+            or any(hasattr(p, "to_local") for p in params)
+            or any(p.device.type != "cpu" or p.dtype not in _NUMPY_DTYPES for p in params)
+        ):
+            self._views[gi] = False
+            return None
+        ptrs = [p.data_ptr() for p in params]
+        if cached is None or cached[0] != ptrs:
+            views = [p.detach().numpy().reshape(-1) for p in params]
+            cached = (ptrs, views, [i.numpy() for i in self.index[gi]])
+            self._views[gi] = cached
+        return cached[1], cached[2]
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         self._before = self._sampled()

@@ -107,7 +107,8 @@ def stage_overrides(
     return {
         "clip": [
             *sizes,
-            *budget(steps, 50, max(steps // 3, 1)),
+            # three evaluations, the last at the end (not 2 steps before it: 166, 332, 498, 500)
+            *budget(steps, 50, max(-(-steps // 3), 1)),
             f"data.batch_size={batch_size}",
             *extra,
         ],
