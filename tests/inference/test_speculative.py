@@ -105,6 +105,63 @@ def test_captioner_batched_greedy_is_lossless(connector, budget, monkeypatch) ->
     assert out == ref and stats.tau > 1.5
 
 
+@pytest.mark.parametrize("budget", [0, 12])
+def test_a_finished_row_stops_growing_while_others_decode(budget, monkeypatch) -> None:  # noqa: ANN001
+    """A row that ends (EOS) keeps its cache and positions where its text ended; it used to
+    take each round's accepted path too, and in the drafter stage's eval a short caption
+    beside a long one ran its positions past the decoder's context length."""
+    model = _captioner("projector")
+    target = CaptionerTarget(model, [0, 1])
+    images = torch.rand(3, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[BOS], [BOS], [BOS]])
+    inputs = {"images": images, "input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    free = H.greedy_reference(model, inputs, 24)
+    stop = free[0][1]  # row 0 ends after two tokens; the others run on (their text avoids it)
+    assert all(stop not in r[:24] for r in free[1:]), "pick another row-0 token"
+    model.eos_token_id = target.eos_token_id = stop
+    ref = H.greedy_reference(model, inputs, 24)
+    assert len(ref[0]) == 2 and min(len(r) for r in ref[1:]) > 10
+    seen: list[list[int]] = []
+    real = target.verify
+
+    def verify(tokens, parents, cache):  # noqa: ANN001, ANN202
+        seen.append(target.next_positions(cache).tolist())
+        return real(tokens, parents, cache)
+
+    monkeypatch.setattr(target, "verify", verify)
+    first = (model.connector.num_prefix_tokens() + inputs["attention_mask"].sum(1)).tolist()
+    monkeypatch.setattr(S, "_draft", H.oracle_draft(ref, first, V, 0.7))
+    out, _ = S.speculative_generate(target, H.random_drafter(target), inputs, 24, budget)
+    assert out == ref
+    ended = [pos[0] for pos in seen[1:]]  # row 0 is done after the first verify
+    assert len(ended) > 2 and len(set(ended)) == 1  # the fix: no growth (before: +1..K a round)
+
+
+@pytest.mark.parametrize("budget", [0, 12])
+def test_a_row_finished_near_the_context_end_is_not_fed_past_it(budget, monkeypatch) -> None:  # noqa: ANN001
+    """Block 8 in a 16-token caption context, max_new_tokens at the room the CLI leaves: row 0
+    accepts whole blocks and ends a block from the end while the others still decode. Its nodes
+    used to be fed at its end + depth (up to 7 past the context: "position_ids must lie in
+    [0, context_length)", the drafter stage's eval crash at block 16)."""
+    torch.manual_seed(0)
+    model = Captioner.from_config(
+        vocab_size=V, connector="projector", connector_options={"pool": 2}, max_text_len=16
+    ).eval()
+    target = CaptionerTarget(model, [0, 1])
+    images = torch.rand(3, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[BOS], [BOS], [BOS]])
+    inputs = {"images": images, "input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    room = model.max_text_len - 1 - 8
+    ref = H.greedy_reference(model, inputs, room)
+    first = (model.connector.num_prefix_tokens() + 1,) * 3
+    wrong = [[(t + 1) % V for t in r] for r in ref[1:]]  # rows 1, 2 accept about one a round
+    monkeypatch.setattr(S, "_draft", H.oracle_draft([ref[0], *wrong], list(first), V, 1.0))
+    out, stats = S.speculative_generate(
+        target, H.random_drafter(target, block_size=8), inputs, room, budget
+    )
+    assert out == ref and stats.accepted[0][0] >= 7 and len(stats.accepted[1]) > 2
+
+
 def test_tree_accepts_at_least_the_chain_on_every_prompt(hf_target, monkeypatch) -> None:  # noqa: ANN001
     inputs = prompts(4)
     ref = H.greedy_reference(HFDecodeAdapter(hf_target.model), inputs, 40)
