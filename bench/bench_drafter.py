@@ -145,6 +145,10 @@ def train_assistant(model, tok, answers: Path, layers: int, steps: int, out: Pat
     small = copy.deepcopy(model)
     small.model.layers = small.model.layers[:layers]
     small.config.num_hidden_layers = layers
+    weights = out / "assistant.pt"  # a GGUF-loaded model refuses save_pretrained
+    if weights.is_file():
+        small.load_state_dict(torch.load(weights, weights_only=True))
+        return small.eval()
     small.train()
     small.get_input_embeddings().requires_grad_(False)  # tied to the head: frozen, shared rows
     data = ChatRecords(str(answers), tok, 256)
@@ -169,8 +173,9 @@ def train_assistant(model, tok, answers: Path, layers: int, steps: int, out: Pat
         opt.zero_grad()
         if step % 50 == 0:
             print(f"assistant step {step}: loss {float(loss):.3f}", flush=True)
-    small.eval().save_pretrained(out)
-    return small
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(small.state_dict(), weights)
+    return small.eval()
 
 
 class Timer:
