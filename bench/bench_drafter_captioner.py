@@ -135,11 +135,10 @@ def main() -> None:
             "speedup": g_s / statistics.median(times[label]),
             "train_tau": {k: v for k, v in val.items() if "tau" in k or "streak" in k},
         })  # fmt: skip
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    name = next((x.split(":", 1)[1].strip() for x in cpu.splitlines() if "Model name" in x), "")
+    from vltrain.diagnostics.card import cpu_model
+
     machine = {
-        "cpu": name,
-        "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
         "python": platform.python_version(),
     }  # fmt: skip
     result = {"machine": machine, "greedy_seconds": g_s, "images": len(images),

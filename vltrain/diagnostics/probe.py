@@ -71,6 +71,14 @@ class Probe:
             if isinstance(getattr(m, "max_log_scale", None), float) and hasattr(m, "logit_scale")
         }
         self._before: list[torch.Tensor] = []
+        self._numpy_ok = [
+            bool(g)
+            and all(
+                not hasattr(p, "to_local") and p.device.type == "cpu" and p.dtype in _NUMPY_DTYPES
+                for p in g
+            )
+            for g in self.groups
+        ]
         self._views: dict[int, Any] = {}  # group -> (data pointers, numpy views, indices)
         self._facts: dict[str, Any] = {}
         # A gradient hook sees the incoming gradient before it is accumulated into `.grad`: at
@@ -115,24 +123,16 @@ class Probe:
 
     def _numpy_views(self, gi: int) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
         """Flat numpy views of group `gi`'s weights when each is a plain CPU tensor of a numpy
-        dtype, rebuilt when a weight's storage moved (``p.data = ...``); None otherwise
-        (DTensor shards, CUDA, bfloat16: the torch path)."""
+        dtype (else None: DTensor shards, CUDA, bfloat16 take the torch path), rebuilt when a
+        weight's storage moved (``p.data = ...``)."""
+        if not self._numpy_ok[gi]:
+            return None
         params = self.groups[gi]
-        cached = self._views.get(gi)
-        if cached is False:
-            return None
-        if cached is None and (
-            not params
-            or any(hasattr(p, "to_local") for p in params)
-            or any(p.device.type != "cpu" or p.dtype not in _NUMPY_DTYPES for p in params)
-        ):
-            self._views[gi] = False
-            return None
         ptrs = [p.data_ptr() for p in params]
+        cached = self._views.get(gi)
         if cached is None or cached[0] != ptrs:
             views = [p.detach().numpy().reshape(-1) for p in params]
-            cached = (ptrs, views, [i.numpy() for i in self.index[gi]])
-            self._views[gi] = cached
+            cached = self._views[gi] = (ptrs, views, [i.numpy() for i in self.index[gi]])
         return cached[1], cached[2]
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:

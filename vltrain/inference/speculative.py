@@ -208,9 +208,8 @@ def speculative_generate(
         fed = torch.cat([root[:, None], toks.to(root.device)], 1)  # (B, 1 + N)
         fed_par = torch.cat([torch.full_like(parents[:, :1], -1), parents + 1], 1)
         fed_par[:, 1:] = fed_par[:, 1:].masked_fill(parents < 0, 0)
-        done = torch.tensor(rows.done, device=fed_par.device)
-        if bool(done.any()):  # a finished row's nodes all hang off its root: they sit one
-            fed_par[done, 1:] = 0  # position past its end, not a block deep past the context
+        if any(rows.done):  # a finished row's nodes all hang off its root: one position
+            fed_par[torch.tensor(rows.done, device=fed_par.device), 1:] = 0  # past its end
         n_old = _cache_len(cache)
         tlogits, cache, new_ctx = target.verify(fed, fed_par.to(root.device), cache)
         stats.target_calls += 1

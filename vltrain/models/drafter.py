@@ -148,14 +148,9 @@ class DraftLayer(nn.Module):
         """
         h = self.norm1(x)
         q = rotate(self._heads(self.q(h)), pos, self.theta)
-        if ctx_kv is None:
-            kv_in = torch.cat([ctx, h], dim=1)  # (B, S + N, W)
-            kv_pos = torch.cat([ctx_pos, pos], dim=1)  # (B, S + N)
-            k = rotate(self._heads(self.k(kv_in)), kv_pos, self.theta)
-            v = self._heads(self.v(kv_in))
-        else:
-            kb, vb = self.context_kv(h, pos)  # the block's own keys and values
-            k, v = torch.cat([ctx_kv[0], kb], dim=2), torch.cat([ctx_kv[1], vb], dim=2)
+        ck, cv = self.context_kv(ctx, ctx_pos) if ctx_kv is None else ctx_kv
+        kb, vb = self.context_kv(h, pos)  # the block's own keys and values
+        k, v = torch.cat([ck, kb], dim=2), torch.cat([cv, vb], dim=2)  # (B, H, S + N, Dh)
         att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, N, Dh)
         x = x + self.o(att.transpose(1, 2).flatten(2))
         h = self.norm2(x)

@@ -378,9 +378,14 @@ def fit_all(
         except ConfigError as e:
             warnings.append(f"approach 2 not fitted: {e}")
     result = FitResult(
-        p3, p2, groups, warnings=warnings, excluded=excluded, target=_targets(p3, p2, target)
+        p3,
+        p2,
+        groups,
+        warnings=warnings,
+        excluded=excluded,
+        target=_targets(p3, p2, target),
+        huber_delta=delta,
     )
-    result.huber_delta = delta
     if bootstrap:
         result.ci = _bootstrap(runs, p3, bootstrap, target, seed, level, p2 is not None, delta)
     if target:
