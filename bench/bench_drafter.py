@@ -17,7 +17,6 @@ import importlib.util
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -74,12 +73,12 @@ def gguf_path() -> Path:
 
 
 def machine() -> dict:
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    name = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if "Model name" in ln), "")
     import transformers
 
+    from vltrain.diagnostics.card import cpu_model
+
     return {
-        "cpu": name,
+        "cpu": cpu_model(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -15,7 +15,6 @@ import argparse
 import os
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import faiss
 import numpy as np
 import torch
 
+from vltrain.diagnostics.card import cpu_model
 from vltrain.eval import topk
 from vltrain.eval.retrieval import evaluate_retrieval
 from vltrain.eval.topk import topk_similarity
@@ -72,13 +72,7 @@ def _topk_torch_mm(q: torch.Tensor, d: torch.Tensor):
 
 
 def _machine() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        model = next(
-            line.split(":", 1)[1].strip() for line in out.splitlines() if "Model name" in line
-        )
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        model = platform.processor() or "unknown"
+    model = cpu_model()
     threads = f"{torch.get_num_threads()} torch / {faiss.omp_get_max_threads()} faiss threads"
     return f"{model} ({os.cpu_count()} CPUs), {threads}"
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -27,11 +26,7 @@ import torch
 
 from vltrain.data import shard_decode, shards, streaming
 from vltrain.data.synth import synth_command
-
-
-def lscpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if "Model name" in ln), "?")
+from vltrain.diagnostics.card import cpu_model
 
 
 def make_data(root: Path, n: int, shard_size: int, image_size: int) -> list[str]:
@@ -227,7 +222,7 @@ def main() -> None:
     import webdataset
 
     print(
-        f"CPU: {lscpu_model()}; python {platform.python_version()}, torch {torch.__version__}, "
+        f"CPU: {cpu_model()}; python {platform.python_version()}, torch {torch.__version__}, "
         f"webdataset {webdataset.__version__}, datasets {datasets.__version__}, torchdata "
         f"{torchdata.__version__}; {n} samples in {len(urls)} shards, buffer {args.buffer}, "
         f"batch {args.batch}, kill after {args.kill_at} samples"

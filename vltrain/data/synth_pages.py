@@ -21,6 +21,7 @@ of the word pair, so no held-out page's title was ever a training title.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import zlib
@@ -89,13 +90,19 @@ def make_page(rng: random.Random, vocab: list[str], size: int, held_out: bool) -
     return Page(title, lines, _style(rng, size))
 
 
+@functools.lru_cache(maxsize=64)
+def _font(px: int) -> Any:
+    """Pillow's bundled font at `px` (loading it costs about a third of drawing a page)."""
+    return ImageFont.load_default(size=px)
+
+
 def render(page: Page, size: int) -> Image.Image:
     """Draw the page (title, optional rule, body lines) on a size x size canvas."""
     st = page.style
     img = Image.new("L", (size, size), st["bg"])
     draw = ImageDraw.Draw(img)
-    title_font = ImageFont.load_default(size=st["title_px"])
-    body_font = ImageFont.load_default(size=st["body_px"])
+    title_font = _font(st["title_px"])
+    body_font = _font(st["body_px"])
 
     def put(text: str, y: int, font: Any) -> int:
         w = draw.textlength(text, font=font)

@@ -1,0 +1,226 @@
+"""A plain-torch reference for the pages workload: can a small CNN learn to read these pages?
+
+    python bench/pages_reference.py --data D --steps 800                 # fixed pages from D
+    python bench/pages_reference.py --data D --steps 600 --fresh         # a new batch every step
+    python bench/pages_reference.py --data D --steps 600 --fresh --title-only
+    python bench/pages_reference.py --data D --steps 600 --fresh --pool max \
+        --arch 32s2,64s2,128s2,128s1,256s2,256s1 --presence 1.0
+
+The model is the issue's quick check: a BatchNorm CNN on the grey page (``--arch`` lists
+``<channels>s<stride>`` per 3x3 conv), a flatten or global-max head, and a bag-of-words query
+tower (one embedding per vocabulary word plus a position, summed, then an MLP), trained with
+in-batch InfoNCE (query -> page, learned temperature from 0.07), AdamW, warmup 50 and cosine.
+
+Training pages: fixed (``D/train.jsonl``), or with ``--fresh`` a new batch rendered every step by
+`vltrain.data.synth_pages` (training-side titles only), so no page is seen twice. Knobs of the
+fresh pages: ``--title-only F`` draws that fraction of each batch without body lines, queried by
+title; ``--font-scale S`` scales the fonts (of the title-only pages when 0 < F < 1, else of every
+page); ``--font-scale-end E`` moves S linearly to E over the first 80% of the steps.
+``--presence W`` adds a per-word presence loss (400-way sigmoid on the max-pooled features).
+Held-out R@1 is measured on ``D/val`` (the queries, corpus and qrels that `vltrain data synth
+--kind pages` writes) every ``--eval-every`` steps. Prints one line per 50 steps (loss, in-batch
+accuracy, seconds) and the R@1 lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import nn
+
+from vltrain.data import synth_pages as sp
+from vltrain.diagnostics.card import cpu_model
+
+
+def grey(img: Image.Image) -> np.ndarray:
+    return np.asarray(img.convert("L"))
+
+
+class PageTower(nn.Module):
+    def __init__(self, arch: str, size: int, pool: str, dim: int = 128) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        c, side = 1, size
+        for spec in arch.split(","):
+            out, stride = (int(x) for x in spec.split("s"))
+            layers += [nn.Conv2d(c, out, 3, stride, 1, bias=False), nn.BatchNorm2d(out), nn.GELU()]
+            c, side = out, side // stride
+        self.convs, self.pool, self.channels = nn.Sequential(*layers), pool, c
+        self.head = nn.Linear(c * side * side if pool == "flatten" else c, dim)
+        self.presence_features = torch.empty(0)
+
+    def forward(self, pages: torch.Tensor) -> torch.Tensor:
+        h = self.convs((pages.float() / 255.0 - 0.5)[:, None])
+        self.presence_features = h.amax((2, 3))
+        h = h.flatten(1) if self.pool == "flatten" else self.presence_features
+        return F.normalize(self.head(h), dim=-1)
+
+
+class QueryTower(nn.Module):
+    def __init__(self, vocab: int, words: int = 2, dim: int = 128) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.position = nn.Parameter(torch.zeros(words, dim))
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.mlp((self.embed(ids) + self.position).sum(1)), dim=-1)
+
+
+class FreshPages:
+    """Training-side pages drawn and rendered on demand (no page is ever repeated)."""
+
+    def __init__(self, seed: int, size: int, title_only: float, font_scale: float) -> None:
+        self.rng, self.size = random.Random(f"reference-{seed}"), size
+        self.title_only, self.font_scale = title_only, font_scale
+        self.vocab = sp.vocabulary()
+
+    def batch(self, n: int, index: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor, list]:
+        pages, queries, words = [], [], []
+        for i in range(n):
+            page = sp.make_page(self.rng, self.vocab, self.size, held_out=False)
+            title_only = i < round(self.title_only * n)
+            scale = self.font_scale if title_only or self.title_only == 0 else 1.0
+            style = dict(page.style)
+            style["title_px"] = max(6, round(style["title_px"] * scale))
+            style["body_px"] = max(6, round(style["body_px"] * scale))
+            page = dataclasses.replace(page, style=style, lines=[] if title_only else page.lines)
+            query = " ".join(page.title) if title_only else sp.make_query(self.rng, page)[0]
+            pages.append(grey(sp.render(page, self.size)))
+            queries.append([index[w] for w in query.split()])
+            words.append([index[w] for w in page.words()])
+        return torch.from_numpy(np.stack(pages)), torch.tensor(queries), words
+
+
+def held_out_r1(data: Path, pages: PageTower, queries: QueryTower, index: dict[str, int]) -> float:
+    qs = [json.loads(line) for line in open(data / "queries.jsonl")]
+    docs = [json.loads(line) for line in open(data / "corpus.jsonl")]
+    positive = {}
+    for line in (data / "qrels.tsv").read_text().splitlines()[1:]:
+        q, d, score = line.split("\t")
+        if int(score) > 0:
+            positive[q] = d
+    pages.eval()
+    queries.eval()
+    with torch.no_grad():
+        chunks = []
+        for i in range(0, len(docs), 512):
+            imgs = [grey(Image.open(data / d["image"])) for d in docs[i : i + 512]]
+            chunks.append(pages(torch.from_numpy(np.stack(imgs))))
+        top = (
+            queries(torch.tensor([[index[w] for w in q["text"].split()] for q in qs]))
+            @ torch.cat(chunks).T
+        ).argmax(1)
+    pages.train()
+    queries.train()
+    return float(
+        np.mean([docs[int(t)]["_id"] == positive[q["_id"]] for t, q in zip(top, qs, strict=True)])
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--data", required=True, help="a `vltrain data synth --kind pages` folder")
+    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--arch", default="32s2,64s2,128s2,256s2")
+    p.add_argument("--pool", choices=("flatten", "max"), default="flatten")
+    p.add_argument("--size", type=int, default=96, help="page side (fresh pages)")
+    p.add_argument("--fresh", action="store_true")
+    p.add_argument(
+        "--title-only",
+        type=float,
+        default=0.0,
+        help="fraction of each batch drawn as title-only pages (at --font-scale; the rest at 1)",
+    )
+    p.add_argument("--font-scale", type=float, default=1.0)
+    p.add_argument(
+        "--font-scale-end", type=float, default=0.0, help="anneal linearly to this scale"
+    )
+    p.add_argument("--presence", type=float, default=0.0)
+    p.add_argument("--eval-every", type=int, default=400)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args()
+    torch.manual_seed(a.seed)
+    torch.set_num_threads(a.threads)
+    root = Path(a.data)
+    vocab = sp.vocabulary()
+    index = {w: i for i, w in enumerate(vocab)}
+    print(
+        f"# {cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads; {vars(a)}"
+    )
+
+    pages, queries = PageTower(a.arch, a.size, a.pool), QueryTower(len(vocab))
+    presence = nn.Linear(pages.channels, len(vocab))
+    log_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+    params = [*pages.parameters(), *queries.parameters(), *presence.parameters(), log_scale]
+    opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: (
+            min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, a.steps) / a.steps))
+        ),
+    )
+    if a.fresh:
+        source = FreshPages(a.seed, a.size, a.title_only, a.font_scale)
+    else:
+        recs = [json.loads(line) for line in open(root / "train.jsonl")]
+        fixed = torch.from_numpy(
+            np.stack([grey(Image.open(root / r["positive"]["image"])) for r in recs])
+        )
+        fixed_q = torch.tensor([[index[w] for w in r["query"]["text"].split()] for r in recs])
+        print(f"# {len(recs)} fixed training pages")
+    g = torch.Generator().manual_seed(a.seed)
+    labels = torch.arange(a.batch_size)
+    t0 = time.perf_counter()
+    for step in range(a.steps):
+        words: list = []
+        if a.fresh:
+            if a.font_scale_end:
+                frac = min(1.0, step / max(1, int(0.8 * a.steps)))
+                source.font_scale = a.font_scale + frac * (a.font_scale_end - a.font_scale)
+            x, q, words = source.batch(a.batch_size, index)
+        else:
+            idx = torch.randint(0, len(recs), (a.batch_size,), generator=g)
+            x, q = fixed[idx], fixed_q[idx]
+        logits = log_scale.exp().clamp(max=100) * queries(q) @ pages(x).T
+        loss = F.cross_entropy(logits, labels)
+        if a.presence and words:
+            target = torch.zeros(a.batch_size, len(vocab))
+            for i, ws in enumerate(words):
+                target[i, ws] = 1.0
+            loss = loss + a.presence * F.binary_cross_entropy_with_logits(
+                presence(pages.presence_features), target
+            ) * (len(vocab) / 12)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % 50 == 0 or step == a.steps - 1:
+            acc = (logits.argmax(1) == labels).float().mean().item()
+            print(
+                f"step {step} loss {loss.item():.3f} acc {acc:.2f} "
+                f"t {time.perf_counter() - t0:.0f}",
+                flush=True,
+            )
+        if ((step + 1) % a.eval_every == 0 or step == a.steps - 1) and (
+            a.fresh is False or a.size == 96
+        ):
+            r1 = held_out_r1(root / "val", pages, queries, index)
+            print(f"step {step + 1} held-out R@1 {r1:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
