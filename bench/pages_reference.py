@@ -16,10 +16,12 @@ Training pages: fixed (``D/train.jsonl``), or with ``--fresh`` a new batch rende
 fresh pages: ``--title-only F`` draws that fraction of each batch without body lines, queried by
 title; ``--font-scale S`` scales the fonts (of the title-only pages when 0 < F < 1, else of every
 page); ``--font-scale-end E`` moves S linearly to E over the first 80% of the steps.
-``--presence W`` adds a per-word presence loss (400-way sigmoid on the max-pooled features).
-Held-out R@1 is measured on ``D/val`` (the queries, corpus and qrels that `vltrain data synth
---kind pages` writes) every ``--eval-every`` steps. Prints one line per 50 steps (loss, in-batch
-accuracy, seconds) and the R@1 lines.
+``--hard-negatives`` adds each page's hard negative (one queried word swapped) to the batch's
+pages. ``--presence W`` adds a per-word presence loss (400-way sigmoid on the max-pooled
+features). Every ``--eval-every`` steps: held-out R@1 on ``D/val`` (the queries, corpus and
+qrels of `vltrain data synth --kind pages`) and hard-negative accuracy (the page scores above
+every page qrels judge 0 for its query). Prints one line per 50 steps (loss, in-batch
+accuracy, seconds) and the eval lines.
 """
 
 from __future__ import annotations
@@ -85,8 +87,11 @@ class FreshPages:
         self.title_only, self.font_scale = title_only, font_scale
         self.vocab = sp.vocabulary()
 
-    def batch(self, n: int, index: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor, list]:
-        pages, queries, words = [], [], []
+    def batch(
+        self, n: int, index: dict[str, int], hard_negatives: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """n pages (then, with `hard_negatives`, each page's hard negative), queries, words."""
+        pages, negatives, queries, words = [], [], [], []
         for i in range(n):
             page = sp.make_page(self.rng, self.vocab, self.size, held_out=False)
             title_only = i < round(self.title_only * n)
@@ -95,21 +100,41 @@ class FreshPages:
             style["title_px"] = max(6, round(style["title_px"] * scale))
             style["body_px"] = max(6, round(style["body_px"] * scale))
             page = dataclasses.replace(page, style=style, lines=[] if title_only else page.lines)
-            query = " ".join(page.title) if title_only else sp.make_query(self.rng, page)[0]
+            query, span = (
+                (" ".join(page.title), (-1, 0)) if title_only else sp.make_query(self.rng, page)
+            )
             pages.append(grey(sp.render(page, self.size)))
             queries.append([index[w] for w in query.split()])
             words.append([index[w] for w in page.words()])
-        return torch.from_numpy(np.stack(pages)), torch.tensor(queries), words
+            if hard_negatives:
+                if title_only:  # swap one title word (there is no body word to swap)
+                    title = list(page.title)
+                    title[self.rng.randrange(2)] = self.rng.choice(
+                        [w for w in self.vocab if w not in page.title]
+                    )
+                    neg = dataclasses.replace(page, title=title)
+                else:
+                    neg = sp.hard_negative(self.rng, page, span, self.vocab)
+                negatives.append(grey(sp.render(neg, self.size)))
+        return torch.from_numpy(np.stack(pages + negatives)), torch.tensor(queries), words
 
 
-def held_out_r1(data: Path, pages: PageTower, queries: QueryTower, index: dict[str, int]) -> float:
+def held_out(
+    data: Path, pages: PageTower, queries: QueryTower, index: dict[str, int]
+) -> tuple[float, float]:
+    """R@1 over the split's whole corpus, and hard-negative accuracy (the page scores above
+    every page that qrels judge 0 for its query)."""
     qs = [json.loads(line) for line in open(data / "queries.jsonl")]
     docs = [json.loads(line) for line in open(data / "corpus.jsonl")]
-    positive = {}
+    row = {d["_id"]: i for i, d in enumerate(docs)}
+    positive: dict[str, int] = {}
+    judged_0: dict[str, list[int]] = {}
     for line in (data / "qrels.tsv").read_text().splitlines()[1:]:
         q, d, score = line.split("\t")
         if int(score) > 0:
-            positive[q] = d
+            positive[q] = row[d]
+        else:
+            judged_0.setdefault(q, []).append(row[d])
     pages.eval()
     queries.eval()
     with torch.no_grad():
@@ -117,15 +142,18 @@ def held_out_r1(data: Path, pages: PageTower, queries: QueryTower, index: dict[s
         for i in range(0, len(docs), 512):
             imgs = [grey(Image.open(data / d["image"])) for d in docs[i : i + 512]]
             chunks.append(pages(torch.from_numpy(np.stack(imgs))))
-        top = (
-            queries(torch.tensor([[index[w] for w in q["text"].split()] for q in qs]))
-            @ torch.cat(chunks).T
-        ).argmax(1)
+        ids = torch.tensor([[index[w] for w in q["text"].split()] for q in qs])
+        scores = queries(ids) @ torch.cat(chunks).T
     pages.train()
     queries.train()
-    return float(
-        np.mean([docs[int(t)]["_id"] == positive[q["_id"]] for t, q in zip(top, qs, strict=True)])
-    )
+    top = scores.argmax(1)
+    r1 = np.mean([int(top[i]) == positive[q["_id"]] for i, q in enumerate(qs)])
+    hn = [
+        bool(scores[i, positive[q["_id"]]] > scores[i, judged_0[q["_id"]]].max())
+        for i, q in enumerate(qs)
+        if q["_id"] in judged_0
+    ]
+    return float(r1), float(np.mean(hn)) if hn else float("nan")
 
 
 def main() -> None:
@@ -149,6 +177,7 @@ def main() -> None:
         "--font-scale-end", type=float, default=0.0, help="anneal linearly to this scale"
     )
     p.add_argument("--presence", type=float, default=0.0)
+    p.add_argument("--hard-negatives", action="store_true", help="one image hard negative each")
     p.add_argument("--eval-every", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
@@ -180,6 +209,11 @@ def main() -> None:
         fixed = torch.from_numpy(
             np.stack([grey(Image.open(root / r["positive"]["image"])) for r in recs])
         )
+        fixed_neg = torch.from_numpy(
+            np.stack([grey(Image.open(root / r["negatives"][0]["image"])) for r in recs])
+            if a.hard_negatives
+            else np.zeros((1, 1, 1), np.uint8)
+        )
         fixed_q = torch.tensor([[index[w] for w in r["query"]["text"].split()] for r in recs])
         print(f"# {len(recs)} fixed training pages")
     g = torch.Generator().manual_seed(a.seed)
@@ -191,10 +225,12 @@ def main() -> None:
             if a.font_scale_end:
                 frac = min(1.0, step / max(1, int(0.8 * a.steps)))
                 source.font_scale = a.font_scale + frac * (a.font_scale_end - a.font_scale)
-            x, q, words = source.batch(a.batch_size, index)
+            x, q, words = source.batch(a.batch_size, index, a.hard_negatives)
         else:
             idx = torch.randint(0, len(recs), (a.batch_size,), generator=g)
             x, q = fixed[idx], fixed_q[idx]
+            if a.hard_negatives:
+                x = torch.cat([x, fixed_neg[idx]])
         logits = log_scale.exp().clamp(max=100) * queries(q) @ pages(x).T
         loss = F.cross_entropy(logits, labels)
         if a.presence and words:
@@ -215,11 +251,9 @@ def main() -> None:
                 f"t {time.perf_counter() - t0:.0f}",
                 flush=True,
             )
-        if ((step + 1) % a.eval_every == 0 or step == a.steps - 1) and (
-            a.fresh is False or a.size == 96
-        ):
-            r1 = held_out_r1(root / "val", pages, queries, index)
-            print(f"step {step + 1} held-out R@1 {r1:.3f}", flush=True)
+        if ((step + 1) % a.eval_every == 0 or step == a.steps - 1) and a.size == 96:
+            r1, hn = held_out(root / "val", pages, queries, index)
+            print(f"step {step + 1} held-out R@1 {r1:.3f} hard-negative acc {hn:.3f}", flush=True)
 
 
 if __name__ == "__main__":
