@@ -223,7 +223,21 @@ def _place(rng: random.Random, attrs: tuple[str, str, str], s: int) -> _Obj:
 def _make_scene(
     rng: random.Random, s: int, combos: list[tuple[str, str]], forced: list[tuple[str, str]]
 ) -> tuple[list[_Obj], str | None]:
-    """Sample 1-3 shapes; `forced` non-empty puts one of those combos among the first two."""
+    """Sample 1-3 shapes; `forced` non-empty puts one of those combos among the first two.
+
+    A draw whose first two shapes cannot be placed in their relation (e.g. two large shapes one
+    above the other; about one draw in 45,000 at 64 px) is drawn again from the same stream, so
+    every scene that used to place at once comes out unchanged."""
+    for _ in range(20):
+        scene = _try_scene(rng, s, combos, forced)
+        if scene is not None:
+            return scene
+    raise RuntimeError(f"could not place shapes on a {s}px canvas; use image_size >= 32")
+
+
+def _try_scene(
+    rng: random.Random, s: int, combos: list[tuple[str, str]], forced: list[tuple[str, str]]
+) -> tuple[list[_Obj], str | None] | None:
     n = rng.choices([1, 2, 3], weights=[0.2, 0.45, 0.35])[0]
     attrs = [_pick_attrs(rng, combos) for _ in range(n)]
     if forced:
@@ -244,7 +258,7 @@ def _make_scene(
                     objs.append(c)
                     break
         return objs, rel
-    raise RuntimeError(f"could not place shapes on a {s}px canvas; use image_size >= 32")
+    return None
 
 
 def _draw(objs: Sequence[_Obj], rng: random.Random, s: int) -> Image.Image:
