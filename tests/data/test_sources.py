@@ -131,3 +131,34 @@ def test_bad_bytes_in_a_table_are_bad_samples(shapes_dir: Path, tmp_path: Path) 
     datasets.Dataset.from_dict(data, features=feats).to_parquet(str(tmp_path / "d.parquet"))
     ds = ImageTextDataset(tmp_path / "d.parquet", 32, 0, train=False)
     assert [ds[i].get("bad", "ok") for i in range(3)] == ["ok", "not_image", "empty_file"]
+
+
+def test_decoded_images_are_the_decoded_pixels_and_respect_the_budget(
+    shapes_dir: Path, tmp_path: Path
+) -> None:
+    """`data.image_cache_mb`: later epochs read kept pixels equal to a fresh decode; a full
+    budget keeps nothing more; a file that fails is never kept, so it is counted every time."""
+    from vltrain.data.images import DecodedImages
+
+    recs = _copy_split(shapes_dir, tmp_path, n=6)
+    (tmp_path / "images" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    recs.append({**recs[0], "image": "images/broken.png", "id": "broken"})
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    plain = ImageTextDataset(tmp_path / "d.jsonl", 32, seed=0)
+    cached = ImageTextDataset(tmp_path / "d.jsonl", 32, seed=0)
+    one_image = 3 * 32 * 32  # uint8 bytes
+    cached.source.decoded = DecodedImages(4.5 * one_image / 2**20)  # room for 4 images
+    for epoch in range(2):
+        for i in range(len(recs) - 1):
+            a, b = plain[(epoch, 0, i)], cached[(epoch, 0, i)]
+            assert torch.equal(a["image"], b["image"]) and a["text"] == b["text"]
+        assert cached[(epoch, 0, len(recs) - 1)]["bad"] == "corrupt"
+    assert len(cached.source.decoded.arrays) == 4
+    assert cached.source.decoded.used == 4 * one_image
+    # negative control: the kept pixels are what the dataset serves (a changed array shows)
+    key = next(iter(cached.source.decoded.arrays))
+    changed = cached.source.decoded.arrays[key].copy()
+    changed[0, 0, 0] ^= 0xFF
+    cached.source.decoded.arrays[key] = changed
+    index = next(i for i, r in enumerate(recs) if r["image"] == key[0])
+    assert not torch.equal(cached[(0, 0, index)]["image"], plain[(0, 0, index)]["image"])

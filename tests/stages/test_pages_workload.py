@@ -188,3 +188,12 @@ def test_image_text_sides_need_a_vlm(pages: Path, tmp_path: Path) -> None:
         check_config(
             load_config(PRESET, _overrides(pages, tmp_path / "r", **{"train.best_metric": ""}))
         )
+
+
+def test_image_cache_is_refused_where_it_would_do_nothing(pages: Path, tmp_path: Path) -> None:
+    """data.image_cache_mb keeps image-caption pixels at data.image_size: a query/positive
+    run (and an HF backbone, which reads native sizes) refuses it at load."""
+    over = _overrides(pages, tmp_path / "r", **{"data.image_cache_mb": 64})
+    with pytest.raises(ConfigError, match="image_cache_mb.*query/positive"):
+        check_config(load_config(PRESET, over))
+    check_config(load_config(PRESET, _overrides(pages, tmp_path / "r")))  # control: 0 is fine

@@ -76,6 +76,12 @@ class DataConfig:
     )
     eval_batch_size: int = option(0, "Per-process eval batch size (0: same as batch_size).", ge=0)
     num_workers: int = option(2, "DataLoader worker processes per rank (0: load in-process).", ge=0)
+    image_cache_mb: int = option(
+        0,
+        "Image-caption training records: keep decoded images (uint8, data.image_size) in memory "
+        "up to this many MB per loader process, so later epochs skip decoding; 0: off.",
+        ge=0,
+    )
     image_size: int = option(64, "Square image side fed to the built-in vision tower.", ge=8)
     max_text_len: int = option(32, "Max text tokens (incl. bos/eos); longer texts are cut.", ge=4)
     tokenizer_vocab: int = option(

@@ -240,6 +240,39 @@ def load_image_native(
     return img
 
 
+def decode_image_array(
+    path: str | Path,
+    size: int,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    data: bytes | None = None,
+) -> np.ndarray:
+    """Decode and resize (square BICUBIC) to a (3, size, size) array: uint8 for 8-bit images,
+    float32 in [0, 1] for high-bit-depth grayscale. `image_tensor` turns it into the float
+    tensor `load_image` returns; `DecodedImages` keeps these arrays (4x smaller than floats).
+
+    Raises BadSample with a reason from `REASONS` for any input that cannot be used.
+    """
+    if size <= 0:
+        raise ValueError(f"image size must be positive, got {size}")
+    img = _open_checked(path, max_pixels, draft_size=size, data=data)
+    if img.mode == "F":
+        small = img.resize((size, size), Image.Resampling.BICUBIC)
+        arr = np.clip(np.asarray(small, dtype=np.float32), 0.0, 1.0)  # (S, S)
+        return np.repeat(arr[None], 3, axis=0)  # (3, S, S)
+    if img.size != (size, size):
+        img = img.resize((size, size), Image.Resampling.BICUBIC)
+    return np.ascontiguousarray(np.asarray(img, dtype=np.uint8).transpose(2, 0, 1))  # (3, S, S)
+
+
+def image_tensor(arr: np.ndarray) -> torch.Tensor:
+    """A `decode_image_array` result as a (3, S, S) float32 tensor in [0, 1] (a new array)."""
+    if arr.dtype != np.uint8:
+        return torch.from_numpy(arr.copy())
+    # numpy, not torch ops: a strided torch cast spins up intra-op threads in every loader
+    # worker and was ~10x slower than this on a busy 2-core machine.
+    return torch.from_numpy(np.divide(arr, np.float32(255.0), dtype=np.float32, order="C"))
+
+
 def load_image(
     path: str | Path,
     size: int,
@@ -251,17 +284,31 @@ def load_image(
     Raises BadSample with a reason from `REASONS` for any input that cannot be used. `data`:
     the encoded bytes (a tar member), in which case `path` only labels errors.
     """
-    if size <= 0:
-        raise ValueError(f"image size must be positive, got {size}")
-    img = _open_checked(path, max_pixels, draft_size=size, data=data)
-    if img.mode == "F":
-        small = img.resize((size, size), Image.Resampling.BICUBIC)
-        arr = np.clip(np.asarray(small, dtype=np.float32), 0.0, 1.0)  # (S, S)
-        return torch.from_numpy(np.repeat(arr[None], 3, axis=0))  # (3, S, S)
-    if img.size != (size, size):
-        img = img.resize((size, size), Image.Resampling.BICUBIC)
-    # numpy, not torch ops: a strided torch cast spins up intra-op threads in every loader
-    # worker and was ~10x slower than this on a busy 2-core machine.
-    arr = np.asarray(img, dtype=np.uint8).transpose(2, 0, 1)  # (3, S, S) view
-    out = np.divide(arr, np.float32(255.0), dtype=np.float32, order="C")  # (3, S, S)
-    return torch.from_numpy(out)
+    return image_tensor(decode_image_array(path, size, max_pixels, data))
+
+
+class DecodedImages:
+    """Decoded images kept in memory up to a byte budget, so later epochs skip decoding.
+
+    One per dataset and process (each DataLoader worker fills its own copy). Keys are the
+    record's image value; only images that decoded cleanly are kept, so a bad file is checked
+    and counted again every time it is drawn. Once the budget is full, further images are
+    decoded every time as usual.
+    """
+
+    def __init__(self, budget_mb: float) -> None:
+        self.budget = int(budget_mb * 2**20)
+        self.used = 0
+        self.arrays: dict[object, np.ndarray] = {}
+
+    def get(self, key: object) -> np.ndarray | None:
+        """The stored array of `key`, or None."""
+        return self.arrays.get(key)
+
+    def put(self, key: object, arr: np.ndarray) -> None:
+        """Keep `arr` (read-only) while it fits the budget."""
+        if key in self.arrays or self.used + arr.nbytes > self.budget:
+            return
+        arr.flags.writeable = False
+        self.arrays[key] = arr
+        self.used += arr.nbytes

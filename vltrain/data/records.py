@@ -156,15 +156,21 @@ def read_records(
 
 
 @functools.lru_cache(maxsize=4096)
-def _real_dir(folder: str) -> Path:
+def _real_dir(folder: str) -> str:
     """A folder with its links resolved, once per process."""
-    return Path(os.path.realpath(folder))
+    return os.path.realpath(folder)
 
 
-def _data_root(jsonl_path: str | os.PathLike[str]) -> tuple[Path, Path]:
+@functools.lru_cache(maxsize=64)
+def _data_root(jsonl_path: str) -> tuple[str, str]:
     """The data file's folder, as written (absolute) and with links resolved."""
-    root = Path(os.path.abspath(Path(jsonl_path).parent))
-    return root, _real_dir(str(root))
+    root = os.path.dirname(os.path.abspath(jsonl_path))
+    return root, _real_dir(root)
+
+
+def _inside(path: str, folder: str) -> bool:
+    """Whether normalised absolute `path` is `folder` or lies below it (string test: no I/O)."""
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
 def resolve_image_path(jsonl_path: str | os.PathLike[str], rel: str) -> Path:
@@ -174,20 +180,20 @@ def resolve_image_path(jsonl_path: str | os.PathLike[str], rel: str) -> Path:
     both as written (a ``..`` in the record) and after resolving symlinks (a link inside the
     folder that points outside it), so no file outside the data folder is ever opened.
     """
-    root, real_root = _data_root(jsonl_path)
+    root, real_root = _data_root(os.fspath(jsonl_path))
     if not rel or "\x00" in rel:
         raise BadSample("path_escape", rel, "image path is empty or contains NUL")
     if os.path.isabs(rel) or Path(rel).drive:
         raise BadSample("path_escape", rel, f"absolute image path; make it relative to {root}")
-    full = Path(os.path.normpath(root / rel))
-    if full != root and root not in full.parents:
+    full = os.path.normpath(os.path.join(root, rel))
+    if not _inside(full, root):
         raise BadSample("path_escape", rel, f"image path leaves the data folder {root}")
     # links resolved: the folder once per process (cached), the file itself with one lstat
     parent, name = os.path.split(full)
-    real = Path(os.path.realpath(full)) if os.path.islink(full) else _real_dir(parent) / name
-    if real != real_root and real_root not in real.parents:
+    real = os.path.realpath(full) if os.path.islink(full) else os.path.join(_real_dir(parent), name)
+    if not _inside(real, real_root):
         raise BadSample("path_escape", rel, f"image path is a link to {real}, outside {root}")
-    return full
+    return Path(full)
 
 
 def as_key(key: object) -> SampleKey:

@@ -30,7 +30,13 @@ from typing import Any
 
 from PIL import Image
 
-from vltrain.data.images import BadSample, load_image, load_image_native
+from vltrain.data.images import (
+    BadSample,
+    DecodedImages,
+    decode_image_array,
+    image_tensor,
+    load_image_native,
+)
 from vltrain.data.records import DataError, read_coco_captions, read_jsonl, resolve_image_path
 
 #: file names that make a folder of images a data source, in lookup order
@@ -59,6 +65,8 @@ class Source:
     records: list[dict[str, Any]]
     images: ArrowImages | None = None
     """Row accessor for HF/parquet sources; None: ``record["image"]`` is a relative path."""
+    decoded: DecodedImages | None = None
+    """Decoded images kept in memory (``data.image_cache_mb``); None: decode every time."""
 
     @property
     def anchor(self) -> Path:
@@ -205,14 +213,33 @@ def load_source_image(
     max_pixels: int | None = None,
 ) -> Any:
     """The image of a record (`image` is its ``record["image"]``): a (3, size, size) tensor, or
-    with `native` an RGB PIL image at its own size; BadSample for anything unusable."""
+    with `native` an RGB PIL image at its own size; BadSample for anything unusable.
+
+    With ``source.decoded`` set, a sized image decodes (and its path is checked) once per
+    process and later calls read the kept pixels."""
+    if native:
+        return _load(source, image, size, label, native, max_pixels)
+    if source.decoded is None:
+        return image_tensor(_load(source, image, size, label, native, max_pixels))
+    key = (image if isinstance(image, (str, int)) else repr(image), size)
+    arr = source.decoded.get(key)
+    if arr is None:
+        arr = _load(source, image, size, label, native, max_pixels)
+        source.decoded.put(key, arr)
+    return image_tensor(arr)
+
+
+def _load(
+    source: Source, image: Any, size: int, label: str, native: bool, max_pixels: int | None
+) -> Any:
+    """`load_source_image` without the cache: a PIL image (native) or a decoded array."""
     value = source.images(image) if source.images is not None else image
     kw = {} if max_pixels is None else {"max_pixels": max_pixels}
 
     def decode(path: str | os.PathLike[str], data: bytes | None = None) -> Any:
         if native:
             return load_image_native(path, data=data, **kw)
-        return load_image(path, size, data=data, **kw)
+        return decode_image_array(path, size, data=data, **kw)
 
     if isinstance(value, dict):  # HF Image storage; its absolute paths are HF's own choice
         path = value.get("path")

@@ -27,6 +27,7 @@ from vltrain.config.core import ConfigError, check_choice, reject_unused
 from vltrain.config.schema import Config
 from vltrain.data.caption_data import CaptionDataset, read_caption_source, training_texts
 from vltrain.data.chat import IGNORE_INDEX
+from vltrain.data.images import DecodedImages
 from vltrain.data.loaders import Loader, MapLoader
 from vltrain.data.records import split_bad
 from vltrain.data.samplers import EvalShardSampler, LengthBucketBatchSampler, ShardedBatchSampler
@@ -191,6 +192,8 @@ class CaptionCore:
         """The training records (first data.max_train_samples of them when set); `train=False`
         gives eval-style samples (prompt ids and every reference), as RL samples from."""
         ds = self.dataset(self.cfg.data.train, train=train)
+        if self.cfg.data.image_cache_mb:
+            ds.source.decoded = DecodedImages(self.cfg.data.image_cache_mb)
         if self.cfg.data.max_train_samples:
             ds.records = ds.records[: self.cfg.data.max_train_samples]
         return ds

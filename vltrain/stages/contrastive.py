@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from vltrain.config.core import ConfigError, check_choice, reject_unused
 from vltrain.config.schema import Config
-from vltrain.data.images import BadSample, check_text
+from vltrain.data.images import BadSample, DecodedImages, check_text
 from vltrain.data.loaders import MapLoader
 from vltrain.data.records import DataError, ImageTextDataset, read_records, split_bad
 from vltrain.data.samplers import EvalShardSampler, ShardedBatchSampler
@@ -119,6 +119,7 @@ def used_keys(cfg: Config) -> tuple[str, ...]:
     used = [*COMMON, "model.kind", "model.init_from"]
     used += [f"data.{k}" for k in ("train", "eval", "test", "batch_size", "max_train_samples")]
     used += [f"data.{k}" for k in ("max_visual_tokens", "eval_batch_size", "num_workers")]
+    used.append("data.image_cache_mb")
     used += [f"data.{k}" for k in ("image_size", "max_text_len", "max_bad_fraction")]
     used += ["data.image_column", "data.text_column", "data.streams", "data.shuffle_buffer"]
     used.append("data.train_corpus")
@@ -160,6 +161,11 @@ class ContrastiveStage:
         check_choice("objective.loss", cfg.objective.loss, LOSSES)
         if m.kind in HF_KINDS and not m.path:
             raise ConfigError(f"model.kind={m.kind} needs 'model.path' (a local HF model dir)")
+        if m.kind in HF_KINDS and cfg.data.image_cache_mb:
+            raise ConfigError(
+                f"data.image_cache_mb keeps images decoded at data.image_size for the built-in "
+                f"towers; model.kind={m.kind} reads images at their own size: set it to 0"
+            )
         reject_unused(cfg, used_keys(cfg), f"stage contrastive with model.kind={m.kind}", WHY)
         if cfg.train.parallel == "fsdp" and cfg.objective.grad_cache_chunk:
             raise ConfigError(
@@ -265,6 +271,8 @@ class ContrastiveStage:
                 image_column=self.cfg.data.image_column,
                 text_column=self.cfg.data.text_column,
             )
+            if self.cfg.data.image_cache_mb:
+                ds.source.decoded = DecodedImages(self.cfg.data.image_cache_mb)
         if self.cfg.data.max_train_samples:
             ds.records = ds.records[: self.cfg.data.max_train_samples]
         return ds

@@ -64,6 +64,11 @@ def uses_pairs(cfg: Config) -> bool:
 
 def check_config(cfg: Config) -> None:
     """Load-time rules for pair data and corpus evaluation."""
+    if uses_pairs(cfg) and cfg.data.image_cache_mb:
+        raise ConfigError(
+            "data.image_cache_mb keeps decoded images of image-caption records; "
+            f"data.train={cfg.data.train} holds query/positive records: set it to 0"
+        )
     for key in ("eval", "test"):
         path = getattr(cfg.data, key)
         if path and Path(path).is_dir() and not C.is_corpus_dir(path):

@@ -89,7 +89,7 @@ class RLStage:
         """The captioner's rules plus RL's own."""
         used = tuple(k for k in CAPTION_KEYS if k != "data.*") + ("rl.*",)
         data = ("train", "eval", "test", "batch_size", "max_train_samples", "eval_batch_size")
-        data += ("num_workers", "image_size", "max_text_len", "tokenizer_vocab")
+        data += ("num_workers", "image_cache_mb", "image_size", "max_text_len", "tokenizer_vocab")
         data += ("max_bad_fraction", "image_column", "text_column")
         check_captioner_config(cfg, "rl", used + tuple(f"data.{k}" for k in data))
         r = cfg.rl

@@ -158,7 +158,8 @@ def write_outputs(
                 "reason": d.reason,
                 "duplicate_of": src[d.witness] if d.witness is not None else None,
                 "duplicate_source": d.witness_source if d.witness is not None else None,
-                "similarity": d.similarity,
+                # 6 decimals: the last bits of a float similarity differ between CPU types
+                "similarity": None if d.similarity is None else round(d.similarity, 6),
                 "detail": d.detail,
                 "record": json.loads(raw.decode("utf-8-sig", "surrogateescape")),
             }
