@@ -24,6 +24,10 @@ from vltrain.data.synth import synth_command
 from vltrain.runs.quickstart import CONFIGS
 
 S1 = "model.vision_options={stem_channels: [16, 32, 64, 128]}"  # a stride-1 conv first
+#: the quickstart defaults these variants were recorded with (rounds 1-2), before round 3 took
+#: the 16-32-64 stem, one text block and lr 1e-3 (bench/quickstart_reference.py)
+ROUND2 = ["model.text_layers=2", "optim.lr=2.0e-3"]
+ROUND2_STEM = "model.vision_options={stem_channels: [32, 64, 128]}"
 CAUSAL = (
     "model.text_options={causal: true}"  # CLIP's causal text encoder: word order by construction
 )
@@ -53,6 +57,21 @@ VARIANTS: dict[str, list[str]] = {
     "cnn1": ["model.vision=tiny_cnn", "model.vision_layers=1", "objective.hard_negatives=0"],
     "cnn1_hn3": ["model.vision=tiny_cnn", "model.vision_layers=1", "objective.hard_negatives=3"],
 }
+#: variants on the current defaults (configs/quickstart.yaml as it ships), not pinned to ROUND2
+CURRENT: dict[str, list[str]] = {
+    "round3": [],
+    "round3_hn0": ["objective.hard_negatives=0"],
+}
+VARIANTS.update(CURRENT)
+
+
+def variant_overrides(name: str) -> list[str]:
+    """The overrides of one variant, recorded ones pinned to the defaults they ran with."""
+    if name in CURRENT:
+        return CURRENT[name]
+    own = VARIANTS[name]
+    cnn = "model.vision=tiny_cnn" in own and not any("vision_options" in o for o in own)
+    return [*ROUND2, *([ROUND2_STEM] if cnn else []), *own]
 
 
 def train(
@@ -73,7 +92,7 @@ def train(
         "train.overwrite=true",
         "log.progress=false",
         f"run.threads={threads}",
-        *VARIANTS[name],
+        *variant_overrides(name),
     ]
     t = time.time()
     cmd = [sys.executable, "-m", "vltrain", "train", str(CONFIGS / "quickstart.yaml"), *over]

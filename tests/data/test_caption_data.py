@@ -107,6 +107,22 @@ def test_length_buckets_follow_the_caption_training_draws(
     assert [len(ds[(1, 0, i)]["input_ids"]) for i in range(8)] == lens[:8]
 
 
+@pytest.mark.parametrize("prompt", ["", "describe:"])
+def test_batched_caption_lengths_equal_one_encode_each(
+    shapes_dir: Path, tok, tmp_path: Path, prompt: str
+) -> None:
+    """epoch_token_lengths encodes every caption in one batch call; each length is the one a
+    caption encoded on its own (with the prompt, and with captions too long for max_len)."""
+    path = _multi_caption_data(shapes_dir, tmp_path)
+    ds = _dataset(path, tok, prompt=prompt)
+    lens = ds.epoch_token_lengths(0)
+    alone = [
+        ds.token_length(i, ds.source.records[i]["text"][c]) if c is not None else ds.token_length(i)
+        for i, c in ((i, ds.caption_choice(r, 0, i)) for i, r in enumerate(ds.source.records))
+    ]
+    assert lens == alone and max(lens) == 40 and min(lens) < 20
+
+
 def test_coco_json_reader(shapes_dir: Path, tok, tmp_path: Path) -> None:
     recs = read_jsonl(shapes_dir / "val.jsonl")[:3]
     images = [{"id": i, "file_name": Path(r["image"]).name} for i, r in enumerate(recs)]

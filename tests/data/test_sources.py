@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -162,3 +163,27 @@ def test_decoded_images_are_the_decoded_pixels_and_respect_the_budget(
     cached.source.decoded.arrays[key] = changed
     index = next(i for i, r in enumerate(recs) if r["image"] == key[0])
     assert not torch.equal(cached[(0, 0, index)]["image"], plain[(0, 0, index)]["image"])
+
+
+def test_decoded_images_are_shared_per_record_file_version(shapes_dir: Path, tmp_path: Path):
+    """Stages of one process (a pipeline) reuse one cache per record file; a rewritten record
+    file gets a fresh one; the budget grows to the largest asked for."""
+    from vltrain.data.images import DecodedImages
+
+    recs = _copy_split(shapes_dir, tmp_path, n=3)
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    first = DecodedImages.shared(path, 1)
+    first.put(("x", 8), np.zeros((3, 8, 8), np.uint8))
+    again = DecodedImages.shared(str(path), 2)
+    assert again is first and again.budget == 2 * 2**20 and ("x", 8) in again.arrays
+    ds = ImageTextDataset(path, 32, seed=0)
+    ds.source.decoded = again
+    ds[(0, 0, 0)]
+    assert len(DecodedImages.shared(path, 1).arrays) == 2  # the dataset filled the shared one
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs[:2]))  # the file changes
+    fresh = DecodedImages.shared(path, 1)
+    assert fresh is not first and not fresh.arrays
+    assert DecodedImages.shared(tmp_path / "missing.jsonl", 1) is not DecodedImages.shared(
+        tmp_path / "missing.jsonl", 1
+    )

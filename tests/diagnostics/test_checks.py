@@ -309,6 +309,23 @@ def test_eval_overlap(tmp_path):
     assert eval_overlap(cfg) == []
 
 
+def test_record_fingerprints_are_hashed_once_per_record_file_version(tmp_path, monkeypatch):
+    from vltrain.diagnostics import data_checks
+
+    (tmp_path / "a.png").write_bytes(b"\x89PNG-a")
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"image": "a.png", "text": "x"}) + "\n")
+    calls = []
+    real = data_checks._fingerprints
+    monkeypatch.setattr(data_checks, "_fingerprints", lambda p, n: calls.append(p) or real(p, n))
+    first = data_checks.record_fingerprints(str(path))
+    assert data_checks.record_fingerprints(str(path)) == first and len(calls) == 1
+    with path.open("a") as f:  # the record file changes: hashed again, the new record seen
+        f.write(json.dumps({"image": "a.png", "text": "y"}) + "\n")
+    again = data_checks.record_fingerprints(str(path))
+    assert len(calls) == 2 and len(again) == 2 and first < again
+
+
 def test_a_climb_out_of_a_collapse_is_not_a_grad_spike():
     """The batch-32 contrastive run (tests/diagnostics/test_contrastive_checks.py): collapsed to
     a grad norm of ~0.1 for 10 steps, then climbing back 1.4-2.7x a step to 3.5 while it learns.

@@ -80,3 +80,60 @@ def test_frozen_parameters_are_not_optimized() -> None:
     m.vision.requires_grad_(False)
     names = {n for g in param_groups(m, _cfg()) for n in g["names"]}
     assert not any(n.startswith("vision") for n in names)
+
+
+def _steps(opt, model: nn.Module, n: int, seed: int = 0) -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        opt.zero_grad()
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    "impl, flags",
+    [
+        ("auto", {"fused": True}),
+        ("fused", {"fused": True}),
+        ("foreach", {"foreach": True}),
+        ("for_loop", {"foreach": False}),
+    ],
+)
+def test_adamw_kernel_choice(impl: str, flags: dict) -> None:
+    opt = build_optimizer(_Toy(), _cfg(f"optim.implementation={impl}"))
+    assert all(opt.defaults[k] == v for k, v in flags.items())
+    assert [g["fused"] for g in opt.param_groups] == [flags.get("fused")] * len(opt.param_groups)
+
+
+def test_fused_adamw_follows_the_loop_and_resumes_its_checkpoints() -> None:
+    """The fused kernel (the CPU default) takes the per-tensor loop's steps, and a checkpoint
+    written by the loop (every run before it) resumes in the fused optimizer."""
+    import copy
+
+    import torch
+
+    torch.manual_seed(0)
+    start = _Toy()
+    cfg = "optim.lr=1e-2", "optim.lr_scale={vision: 0.1}"
+    loop_model, fused_model = copy.deepcopy(start), copy.deepcopy(start)
+    loop = build_optimizer(loop_model, _cfg(*cfg, "optim.implementation=for_loop"))
+    fused = build_optimizer(fused_model, _cfg(*cfg))
+    _steps(loop, loop_model, 5)
+    _steps(fused, fused_model, 5)
+    for a, b in zip(loop_model.parameters(), fused_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(a, dict(start.named_parameters())[_name(loop_model, a)])
+    resumed_model = copy.deepcopy(loop_model)
+    resumed = build_optimizer(resumed_model, _cfg(*cfg))
+    resumed.load_state_dict(copy.deepcopy(loop.state_dict()))  # as read back from a file
+    _steps(loop, loop_model, 3, seed=1)
+    _steps(resumed, resumed_model, 3, seed=1)
+    for a, b in zip(loop_model.parameters(), resumed_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _name(model: nn.Module, param) -> str:
+    return next(n for n, p in model.named_parameters() if p is param)

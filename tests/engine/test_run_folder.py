@@ -253,3 +253,23 @@ def test_sigterm_stops_at_a_step_boundary_saves_and_resumes_exactly(
     assert resume.wait(timeout=600) == 0
     want, got = _losses(full), _losses(part)
     assert got == want  # every step, before and after the stop, bit-identical
+
+
+def test_every_rank_reads_the_run_folder_before_rank_0_rewrites_it(
+    shapes_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Resume planning reads config.yaml on every rank; rank 0 rewrites it. A barrier between
+    the two: without it a slower rank read the rewritten file (the new data.batch_size) and
+    refused a 1 -> 2 rank resume with a spurious "global batch" error (test_fsdp reshards)."""
+    from vltrain.engine import distributed as D
+    from vltrain.engine import loop, run_dir
+
+    order: list[str] = []
+    real_plan, real_dump = run_dir.plan_run, loop.dump_config
+    monkeypatch.setattr(run_dir, "plan_run", lambda *a: order.append("plan") or real_plan(*a))
+    monkeypatch.setattr(D, "barrier", lambda: order.append("barrier"))
+    monkeypatch.setattr(loop, "dump_config", lambda *a: order.append("write") or real_dump(*a))
+    from vltrain.stages.contrastive import ContrastiveStage
+
+    loop.Trainer(_cfg(shapes_dir, tmp_path / "run"), stage=ContrastiveStage)
+    assert order[:4] == ["plan", "barrier", "write", "barrier"]

@@ -317,6 +317,25 @@ def test_ptb_tokenize_caption(caption: str, expected: str) -> None:
     assert ptb_tokenize_caption(caption) == expected
 
 
+def test_ptb_plain_caption_fast_path_equals_the_full_scan(monkeypatch) -> None:
+    import random
+    import re
+
+    from vltrain.eval import ptb_tokenize as ptb
+
+    rng = random.Random(0)
+    words = ["a", "cannot", "gonna", "red", "circle", "3", "1000", "x2", "wanna", "no", "www"]
+    spaces = [" ", "  ", "\t", "\n", "\x1c", "\r\n", ",", ", ", " ,"]
+    caps = ["", " ", "Two RED circles", "cannot gonna gimme", "\tA 3 b\x1f", "1,000 x", "a,b"]
+    for _ in range(300):
+        n = rng.randrange(1, 9)
+        caps.append("".join(rng.choice(words) + rng.choice(spaces) for _ in range(n)))
+    fast = [ptb.ptb_tokenize_caption(c) for c in caps]
+    monkeypatch.setattr(ptb, "_PLAIN", re.compile(r"(?!)"))  # never plain: always the scan
+    assert fast == [ptb.ptb_tokenize_caption(c) for c in caps]
+    assert fast[2:4] == ["two red circles", "can not gon na gim me"]
+
+
 def test_ptb_tokenize_dict_interface() -> None:
     caps = {1: ["A dog.", {"caption": "It's red!"}], "b": []}
     assert ptb_tokenize(caps) == {1: ["a dog", "it 's red"], "b": []}

@@ -80,3 +80,34 @@ def test_vision_options_reach_the_tower_and_typos_are_named(tmp_path):
         vision_options({"stem_nrom": "group"})
     with pytest.raises(ConfigError, match="unknown field 'image_size'"):
         vision_options({"image_size": 32})  # data.image_size decides it
+
+
+def test_channels_last_stem_matches_the_plain_layout():
+    """On CPU the conv stem runs channels-last (faster oneDNN kernels); the tokens, the weights'
+    layout and the gradients are those of the plain NCHW computation."""
+    torch.manual_seed(0)
+    tower = VisionTower(vision_config("tiny_cnn"))
+    x = torch.rand(4, 3, 64, 64)
+    layouts = []
+    tower.patch_embed[0].register_forward_pre_hook(
+        lambda _m, args: layouts.append(args[0].is_contiguous(memory_format=torch.channels_last))
+    )
+    fast = tower(x)
+    assert layouts == [True]
+    fast.square().mean().backward()
+    grads = [p.grad.clone() for p in tower.parameters()]
+    tower.zero_grad()
+    x_plain = (x - tower.pixel_mean) / tower.pixel_std
+    grid = tower.patch_embed(x_plain)  # NCHW, as the tower computed before
+    assert layouts == [True, False] and grid.is_contiguous()
+    tokens = grid.flatten(2).transpose(1, 2)
+    slow = tower.norm(
+        tower.norm_pre(
+            torch.cat([tower.grid_pool(tokens.flatten(1))[:, None], tokens], 1) + tower.pos_embed
+        )
+    )
+    slow.square().mean().backward()
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
+    for p, g in zip(tower.parameters(), grads, strict=True):
+        assert p.is_contiguous() and g.is_contiguous()
+        torch.testing.assert_close(g, p.grad, rtol=1e-3, atol=1e-6)

@@ -24,11 +24,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--size",
         default="tiny",
         choices=("tiny", "tiny_vit", "small"),
-        help="towers: tiny (CNN image tower + 2-layer text transformer; under 5 min for all "
+        help="towers: tiny (CNN image tower + 1-block text transformer; under 5 min for all "
         "stages on a 2-core CPU), tiny_vit (the 2-layer patch-8 ViT instead), small (4-layer "
         "ViT and text tower; slower)",
     )
-    q.add_argument("--steps", type=positive_int, default=500, help="training steps")
+    q.add_argument("--steps", type=positive_int, default=600, help="training steps")
     q.add_argument("--n-train", type=positive_int, default=12000, help="synthetic training images")
     q.add_argument(
         "--caption-steps",
@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument(
         "--rl-steps",
         type=non_negative_int,
-        default=60,
+        default=50,
         help="RL steps after the captioner (0: skip)",
     )
     q.add_argument(
@@ -47,7 +47,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     q.add_argument("--batch-size", type=positive_int, default=128, help="batch size")
     q.add_argument(
-        "--num-workers", type=non_negative_int, default=1, help="DataLoader worker processes"
+        "--num-workers",
+        type=non_negative_int,
+        default=None,
+        help="DataLoader worker processes (default: 0 on a CPU with 2 cores or fewer, where a "
+        "worker takes time from the training threads; else 1)",
     )
     q.add_argument(
         "overrides",

@@ -79,7 +79,8 @@ class DataConfig:
     image_cache_mb: int = option(
         0,
         "Image-caption training records: keep decoded images (uint8, data.image_size) in memory "
-        "up to this many MB per loader process, so later epochs skip decoding; 0: off.",
+        "up to this many MB per loader process, so later epochs skip decoding (stages run in "
+        "one process, as a pipeline's, share one cache per record file); 0: off.",
         ge=0,
     )
     image_size: int = option(64, "Square image side fed to the built-in vision tower.", ge=8)
@@ -256,6 +257,14 @@ class OptimConfig:
     )
     betas: list[float] = option([0.9, 0.98], "AdamW betas.")
     eps: float = option(1e-6, "AdamW epsilon.", gt=0.0)
+    implementation: str = option(
+        "auto",
+        "AdamW kernel: fused (one kernel over all parameters; on CPU 6x faster than the "
+        "per-tensor loop), foreach, for_loop (PyTorch's per-tensor loop), or auto: fused where "
+        "every parameter is a plain floating-point tensor on CPU or CUDA, else PyTorch's "
+        "default (sharded DTensor parameters under FSDP2).",
+        choices=("auto", "fused", "foreach", "for_loop"),
+    )
     grad_clip: float = option(
         1.0,
         "Clip the global grad norm to this (0: no clipping; the "

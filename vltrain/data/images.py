@@ -290,11 +290,36 @@ def load_image(
 class DecodedImages:
     """Decoded images kept in memory up to a byte budget, so later epochs skip decoding.
 
-    One per dataset and process (each DataLoader worker fills its own copy). Keys are the
-    record's image value; only images that decoded cleanly are kept, so a bad file is checked
-    and counted again every time it is drawn. Once the budget is full, further images are
-    decoded every time as usual.
+    One per record file and process (`shared`: the stages of one pipeline process reuse it;
+    each DataLoader worker fills its own copy). Keys are the record's image value and size;
+    only images that decoded cleanly are kept, so a bad file is checked and counted again
+    every time it is drawn. Once the budget is full, further images are decoded every time as
+    usual. Image files are assumed unchanged while the process runs.
     """
+
+    #: (resolved record file, size, mtime_ns) -> its cache; the newest few record files
+    _registry: dict[tuple[str, int, int], DecodedImages] = {}
+    KEEP = 4
+
+    @classmethod
+    def shared(cls, records: str | os.PathLike[str], budget_mb: float) -> DecodedImages:
+        """The process's cache for the record file `records` (a new one once the file
+        changes); its budget grows to the largest asked for."""
+        p = Path(records)
+        if not p.exists():
+            return cls(budget_mb)
+        st = p.stat()
+        key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+        cache = cls._registry.pop(key, None)
+        if cache is None:
+            for old in [k for k in cls._registry if k[0] == key[0]]:  # an older version
+                del cls._registry[old]
+            cache = cls(budget_mb)
+        cache.budget = max(cache.budget, int(budget_mb * 2**20))
+        cls._registry[key] = cache  # newest last
+        while len(cls._registry) > cls.KEEP:
+            del cls._registry[next(iter(cls._registry))]
+        return cache
 
     def __init__(self, budget_mb: float) -> None:
         self.budget = int(budget_mb * 2**20)

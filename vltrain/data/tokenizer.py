@@ -95,6 +95,12 @@ class TextTokenizer:
         """Token ids of ``text`` without special tokens."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of each text, in one call into the Rust tokenizer (threads of its own)."""
+        if self._tok.padding is not None or self._tok.truncation is not None:
+            return [self.encode(t) for t in texts]  # a batch would pad or cut: not `encode`
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
     def encode_batch(
         self, texts: Sequence[str], max_len: int, add_bos: bool = True, add_eos: bool = True
     ) -> tuple[Tensor, Tensor]:

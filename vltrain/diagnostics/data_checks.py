@@ -157,12 +157,30 @@ class DataOrder:
         return []
 
 
-def record_fingerprints(path: str, limit: int = 50_000) -> set[str]:
+#: (resolved path, size, mtime_ns, limit) of a record file -> its fingerprints, so that the
+#: stages of one pipeline process (and the report after them) hash a dataset's images once
+_FINGERPRINTS: dict[tuple[str, int, int, int], frozenset[str]] = {}
+
+
+def record_fingerprints(path: str, limit: int = 50_000) -> frozenset[str]:
     """Content fingerprints of a JSONL record file: sha1 of the image bytes (else its path)
-    plus the normalised texts. Empty for other formats."""
+    plus the normalised texts. Empty for other formats.
+
+    Kept per process while the record file's size and modification time stay the same (an
+    image rewritten in place under an unchanged record file is not hashed again)."""
     p = Path(path)
     if not p.is_file() or p.suffix != ".jsonl":
-        return set()
+        return frozenset()
+    st = p.stat()
+    key = (str(p.resolve()), st.st_size, st.st_mtime_ns, limit)
+    if key not in _FINGERPRINTS:
+        if len(_FINGERPRINTS) >= 16:
+            _FINGERPRINTS.pop(next(iter(_FINGERPRINTS)))
+        _FINGERPRINTS[key] = frozenset(_fingerprints(p, limit))
+    return _FINGERPRINTS[key]
+
+
+def _fingerprints(p: Path, limit: int) -> set[str]:
     from vltrain.data.images import BadSample
     from vltrain.data.records import resolve_image_path
 
@@ -196,7 +214,7 @@ def eval_overlap(cfg: Config) -> list[Finding]:
     found = []
     for split in ("eval", "test"):
         path = getattr(cfg.data, split)
-        held = record_fingerprints(path) if path else set()
+        held = record_fingerprints(path) if path else frozenset()
         shared = held & train
         if shared:
             frac = len(shared) / len(held)

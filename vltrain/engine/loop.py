@@ -89,6 +89,9 @@ class Trainer:
         self.out_dir = Path(cfg.run.out_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
         self.plan = run_dir.plan_run(cfg, self.ctx.world_size)  # every rank; nothing written yet
+        # every rank has read the run folder before rank 0 changes it: a rank that read
+        # config.yaml after rank 0 rewrote it saw the new batch size and refused a resume
+        D.barrier()
         if self.ctx.is_main:
             run_dir.apply_plan(self.plan)
             self.out_dir.mkdir(parents=True, exist_ok=True)

@@ -85,7 +85,26 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
         raise ConfigError("no trainable parameters: check model.freeze")
     for g in groups:
         g["lr"] = cfg.lr * g["lr_scale"]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    params = [p for g in groups for p in g["params"]]
+    kernel = adamw_kernel(params, cfg.implementation)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kernel)
+
+
+def adamw_kernel(params: list[torch.Tensor], implementation: str) -> dict[str, bool]:
+    """AdamW's kernel flags for `optim.implementation` (see its docs)."""
+    if implementation == "fused":
+        return {"fused": True}
+    if implementation == "foreach":
+        return {"foreach": True}
+    if implementation == "for_loop":
+        return {"foreach": False}
+    plain = all(
+        type(p) in (torch.Tensor, nn.Parameter)
+        and p.device.type in ("cpu", "cuda")
+        and p.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+        for p in params
+    )
+    return {"fused": True} if plain else {}
 
 
 def lr_factor(step: int, max_steps: int, cfg: OptimConfig) -> float:

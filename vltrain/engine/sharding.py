@@ -15,20 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from vltrain.config.core import ConfigError
@@ -131,8 +123,10 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor
     the total norm over all ranks' shards, as a plain tensor."""
     from torch.nn.utils import get_total_norm
 
-    sharded = [p.grad for p in params if isinstance(p.grad, DTensor)]
-    plain = [p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
+    sharded, plain = [], []
+    for p in params:
+        if p.grad is not None:
+            (sharded if _is_dtensor(p.grad) else plain).append(p.grad)
     parts = []
     if sharded:
         parts.append(get_total_norm(sharded).full_tensor())  # reduces the partial norms
@@ -148,11 +142,22 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor
     return total
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """A DTensor; never true (and nothing imported) before torch.distributed.tensor is loaded,
+    which FSDP2 and DCP do: importing it costs ~1.5 s of every command's start."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
 # ---------------------------------------------------------------- DCP checkpoints
+# torch.distributed.checkpoint is imported where it is used (see _is_dtensor)
 
 
 def save_shards(module: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
     """Every rank writes its shards of the weights and the optimizer state (FQN keys)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_sd, optim_sd = get_state_dict(module, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
 
@@ -160,6 +165,14 @@ def save_shards(module: nn.Module, optimizer: torch.optim.Optimizer, folder: Pat
 def load_shards(module: nn.Module, optimizer: torch.optim.Optimizer | None, folder: Path) -> None:
     """Load weights (and the optimizer state, when given) from `folder`, resharding to this
     run's layout (any world size, sharded or plain)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
     if optimizer is None:
         state = {"model": get_model_state_dict(module)}
         dcp.load(state, checkpoint_id=str(folder))
@@ -176,6 +189,8 @@ def load_shards(module: nn.Module, optimizer: torch.optim.Optimizer | None, fold
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """The full (gathered, CPU) weights of a sharded module on rank 0 ({} elsewhere); every
     rank must call."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     return get_model_state_dict(
         module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )

@@ -193,7 +193,9 @@ class CaptionCore:
         gives eval-style samples (prompt ids and every reference), as RL samples from."""
         ds = self.dataset(self.cfg.data.train, train=train)
         if self.cfg.data.image_cache_mb:
-            ds.source.decoded = DecodedImages(self.cfg.data.image_cache_mb)
+            ds.source.decoded = DecodedImages.shared(
+                self.cfg.data.train, self.cfg.data.image_cache_mb
+            )
         if self.cfg.data.max_train_samples:
             ds.records = ds.records[: self.cfg.data.max_train_samples]
         return ds

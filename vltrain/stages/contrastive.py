@@ -272,7 +272,9 @@ class ContrastiveStage:
                 text_column=self.cfg.data.text_column,
             )
             if self.cfg.data.image_cache_mb:
-                ds.source.decoded = DecodedImages(self.cfg.data.image_cache_mb)
+                ds.source.decoded = DecodedImages.shared(
+                    self.cfg.data.train, self.cfg.data.image_cache_mb
+                )
         if self.cfg.data.max_train_samples:
             ds.records = ds.records[: self.cfg.data.max_train_samples]
         return ds
