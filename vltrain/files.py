@@ -66,3 +66,11 @@ def atomic_write_lines(path: str | os.PathLike[str], lines: Iterable[str]) -> in
     rows = list(lines)
     atomic_write_text(path, "".join(f"{row}\n" for row in rows))
     return len(rows)
+
+
+def file_version(path: str | os.PathLike[str]) -> tuple[str, int | None, int | None]:
+    """(resolved path, size, mtime_ns) of `path` (size and mtime None when it does not exist):
+    the key of a per-process cache of something derived from the file's content."""
+    p = Path(path)
+    st = p.stat() if p.exists() else None
+    return str(p.resolve()), st and st.st_size, st and st.st_mtime_ns

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 from PIL import ExifTags, Image, ImageFile, ImageOps
 
+from vltrain.files import file_version
+
 # Fixed, ordered list of bad-sample reasons; ranks all-reduce counts in this order.
 REASONS: tuple[str, ...] = (
     "missing",
@@ -298,18 +300,16 @@ class DecodedImages:
     """
 
     #: (resolved record file, size, mtime_ns) -> its cache; the newest few record files
-    _registry: dict[tuple[str, int, int], DecodedImages] = {}
+    _registry: dict[tuple[str, int | None, int | None], DecodedImages] = {}
     KEEP = 4
 
     @classmethod
     def shared(cls, records: str | os.PathLike[str], budget_mb: float) -> DecodedImages:
         """The process's cache for the record file `records` (a new one once the file
         changes); its budget grows to the largest asked for."""
-        p = Path(records)
-        if not p.exists():
+        key = file_version(records)
+        if key[1] is None:  # no such file: nothing to share
             return cls(budget_mb)
-        st = p.stat()
-        key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
         cache = cls._registry.pop(key, None)
         if cache is None:
             for old in [k for k in cls._registry if k[0] == key[0]]:  # an older version

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from vltrain.config.schema import Config
 from vltrain.diagnostics.record import Finding, StepRecord
+from vltrain.files import file_version
 
 
 class BatchComposition:
@@ -159,7 +160,7 @@ class DataOrder:
 
 #: (resolved path, size, mtime_ns, limit) of a record file -> its fingerprints, so that the
 #: stages of one pipeline process (and the report after them) hash a dataset's images once
-_FINGERPRINTS: dict[tuple[str, int, int, int], frozenset[str]] = {}
+_FINGERPRINTS: dict[tuple[str, int | None, int | None, int], frozenset[str]] = {}
 
 
 def record_fingerprints(path: str, limit: int = 50_000) -> frozenset[str]:
@@ -171,8 +172,7 @@ def record_fingerprints(path: str, limit: int = 50_000) -> frozenset[str]:
     p = Path(path)
     if not p.is_file() or p.suffix != ".jsonl":
         return frozenset()
-    st = p.stat()
-    key = (str(p.resolve()), st.st_size, st.st_mtime_ns, limit)
+    key = (*file_version(p), limit)
     if key not in _FINGERPRINTS:
         if len(_FINGERPRINTS) >= 16:
             _FINGERPRINTS.pop(next(iter(_FINGERPRINTS)))

@@ -18,6 +18,7 @@ import torch
 from vltrain.config.core import ConfigError
 from vltrain.config.schema import Config
 from vltrain.data.tokenizer import TextTokenizer, prepare_tokenizer
+from vltrain.files import file_version
 from vltrain.scaling.flops import ModelFlops, captioner_flops, dual_encoder_flops
 
 #: model kinds with a FLOP formula for a train.max_flops budget
@@ -53,11 +54,9 @@ _MEMO: dict[tuple, object] = {}
 
 def _text_key(cfg: Config) -> tuple:
     """What `_texts(cfg)` depends on, the data file's size and mtime included."""
-    path = Path(cfg.data.train)
-    stat = path.stat() if path.is_file() else None
     c = cfg.caption
     return (
-        str(path.resolve()), stat and stat.st_size, stat and stat.st_mtime_ns, cfg.model.kind,
+        *file_version(cfg.data.train), cfg.model.kind,
         cfg.data.image_column, cfg.data.text_column, c.prompt, c.instruction,
     )  # fmt: skip
 
