@@ -3,8 +3,9 @@
     python bench/hn_evidence.py --out runs/hn_evidence [--seeds 0 1 2] [--steps 1500] [--k 5]
 
 The quickstart's CLIP stage (configs/quickstart.yaml as it ships: tiny_cnn image tower, one
-causal text block, batch 128, lr 1e-3; sessions before round 3 ran it with lr 2e-3, the
-32-64-128 stem and two text blocks) on the quickstart's
+causal text block pooled as the mean of its tokens, caption-caption InfoNCE 1.0, batch 128,
+lr 1e-3; round 3 pooled the last token without the caption-caption term, and sessions before
+it ran lr 2e-3, the 32-64-128 stem and two text blocks) on the quickstart's
 synthetic data (`--n-train` train images, default the quickstart's 12,000; 300 val, 300 test),
 trained from scratch for `--steps` steps per seed twice: without hard negatives and with
 `objective.hard_negatives=k` (the synthetic records' attribute-swapped captions). Both arms then

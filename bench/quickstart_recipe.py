@@ -25,12 +25,19 @@ from vltrain.runs.quickstart import CONFIGS
 
 S1 = "model.vision_options={stem_channels: [16, 32, 64, 128]}"  # a stride-1 conv first
 #: the quickstart defaults these variants were recorded with (rounds 1-2), before round 3 took
-#: the 16-32-64 stem, one text block and lr 1e-3 (bench/quickstart_reference.py)
-ROUND2 = ["model.text_layers=2", "optim.lr=2.0e-3"]
+#: the 16-32-64 stem, one text block and lr 1e-3 and round 4 the mean-pooled causal text tower
+#: and the caption-caption loss (bench/quickstart_reference.py); a variant's own
+#: model.text_options (CAUSAL) comes later and wins
+ROUND2 = [
+    "model.text_layers=2",
+    "optim.lr=2.0e-3",
+    "model.text_options={causal: false, pool: last}",  # dict overrides merge: say each field
+    "objective.caption_contrast=0",
+]
+#: round 3's text tower and loss, for the round-3 rows below
+ROUND3 = ["model.text_options={causal: true, pool: last}", "objective.caption_contrast=0"]
 ROUND2_STEM = "model.vision_options={stem_channels: [32, 64, 128]}"
-CAUSAL = (
-    "model.text_options={causal: true}"  # CLIP's causal text encoder: word order by construction
-)
+CAUSAL = "model.text_options={causal: true, pool: last}"  # CLIP's causal text encoder
 #: name -> overrides of configs/quickstart.yaml
 VARIANTS: dict[str, list[str]] = {
     "vit": ["model.vision=tiny", "objective.hard_negatives=0"],  # the quickstart before
@@ -57,10 +64,13 @@ VARIANTS: dict[str, list[str]] = {
     "cnn1": ["model.vision=tiny_cnn", "model.vision_layers=1", "objective.hard_negatives=0"],
     "cnn1_hn3": ["model.vision=tiny_cnn", "model.vision_layers=1", "objective.hard_negatives=3"],
 }
-#: variants on the current defaults (configs/quickstart.yaml as it ships), not pinned to ROUND2
+#: variants on later defaults (round 4 = configs/quickstart.yaml as it ships), not pinned to
+#: ROUND2
 CURRENT: dict[str, list[str]] = {
-    "round3": [],
-    "round3_hn0": ["objective.hard_negatives=0"],
+    "round3": ROUND3,
+    "round3_hn0": [*ROUND3, "objective.hard_negatives=0"],
+    "round4": [],
+    "round4_hn0": ["objective.hard_negatives=0"],
 }
 VARIANTS.update(CURRENT)
 

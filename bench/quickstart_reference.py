@@ -3,7 +3,9 @@
     vltrain data synth --out data/shapes2k --n-train 12000 --n-val 2000 --n-test 2000 --seed 0
     python bench/quickstart_reference.py --data data/shapes2k --tokenizer RUN/clip/tokenizer \\
         [--chans 16,32,64,128] [--text-layers 1] [--lr 1e-3] [--steps 600] [--hard-negatives 1] \\
-        [--inverse-negatives 1.0] [--mirror-negatives 1.0] [--seed 0] [--out results.jsonl]
+        [--text-causal 1] [--text-pool mean] [--text-text 1.0] [--text-mlp swiglu] \\
+        [--text-rel-pos 4] [--inverse-negatives 1.0] [--mirror-negatives 1.0] \\
+        [--oracle-text 1] [--text-only 1] [--seed 0] [--out results.jsonl]
 
 Why it exists: a full `vltrain train` of the quickstart takes minutes, and single runs on the
 quickstart's 300 val images differ by 0.03-0.07 R@1 between seeds, so recipe choices need a
@@ -20,10 +22,19 @@ a record depends only on (seed, split, index)):
   *inverse* swaps ("A left of B" -> "A right of B": needs word order bound to the objects) and
   *orthogonal* ones ("A left of B" -> "A above B": a bag of words tells them apart).
 
-Two probes of why relation swaps stay near 65%: `--inverse-negatives P` makes a sample's hard
-negative its own caption with the relation inverted (with probability P), NegCLIP-style;
-`--mirror-negatives P` adds the image flipped along its relation's axis as a hard-negative
-image for the text->image side. Results: bench/RESULTS.md ("Quickstart CLIP recipe, round 3").
+Text-tower options mirror `TextTowerConfig` (`--text-causal`, `--text-pool`, `--text-rel-pos`);
+`--text-mlp swiglu` swaps its MLPs for gated ones; `--text-text W` adds the caption-caption
+InfoNCE of `objective.caption_contrast` at weight W. Probes of why relation swaps stay near
+65%: `--inverse-negatives P` makes a sample's hard negative its own caption with the relation
+inverted (with probability P), NegCLIP-style; `--mirror-negatives P` adds the image flipped
+along its relation's axis as a hard-negative image for the text->image side; `--oracle-text 1`
+replaces the text tower by an embedding of the parsed statement with the roles given
+(first object, relation, second object, "A right of B" read as "B left of A"), which shows
+whether the image tower can learn the relation when the text side binds it. Every evaluation
+also probes the text tower alone (`text_binding`: a first caption closer to its paraphrase in
+the other word order than to itself with the relation inverted), and `--text-only 1` trains
+only the text tower on caption-caption InfoNCE with inverted captions as negatives. Results:
+bench/RESULTS.md ("Quickstart CLIP recipe", rounds 3 and 4).
 """
 
 from __future__ import annotations
@@ -80,6 +91,29 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--chans", default="16,32,64,128", help="stride-2 stem convs, then the last")
     p.add_argument("--text-layers", type=int, default=1)
     p.add_argument("--text-width", type=int, default=128)
+    p.add_argument("--text-causal", type=int, default=1, help="0: bidirectional text encoder")
+    p.add_argument("--text-pool", choices=("last", "mean"), default="last")
+    p.add_argument("--text-mlp", choices=("gelu", "swiglu"), default="gelu")
+    p.add_argument("--text-rel-pos", type=int, default=0, help="TextTowerConfig.rel_pos")
+    p.add_argument(
+        "--text-text",
+        type=float,
+        default=0.0,
+        help="weight of a caption-caption InfoNCE: a second caption of the same image is the "
+        "positive, the other images' captions and the hard negatives the negatives",
+    )
+    p.add_argument(
+        "--text-only",
+        type=int,
+        default=0,
+        help="1: train only the text tower (caption-caption, inverted negatives); binding probe",
+    )
+    p.add_argument(
+        "--oracle-text",
+        type=int,
+        default=0,
+        help="1: replace the text tower by an embedding of the parsed statement (diagnostic)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--threads", type=int, default=2)
@@ -118,6 +152,59 @@ class ConvTower(nn.Module):
         return self.norm(self.head(x.flatten(1)))  # (B, W)
 
 
+class SwiGLU(nn.Module):
+    """Gated feed-forward (Llama's): a product of two projections, hidden 8/3 x width."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        hidden = int(width * 8 / 3)
+        self.gate, self.up = nn.Linear(width, hidden), nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+        self.apply(init_weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+SIZE_OF = {"small": 0, "little": 0, "large": 1, "big": 1}
+COLOR_IDS = {c: i for i, c in enumerate(("red", "green", "blue", "yellow", "purple", "white"))}
+SHAPE_IDS = {s: i for i, s in enumerate(("circle", "square", "triangle", "star", "cross"))}
+REL_OF = {"left": 0, "right": 1, "above": 2, "over": 2, "below": 3, "under": 3, "beneath": 3}
+
+
+def parse_statement(text: str) -> tuple[int, int, int]:
+    """A caption as (first object, relation, second object) ids with the roles canonical:
+    "A right of B" -> (B, left, A), "A below B" -> (B, above, A); a one-shape caption is
+    (A, 2 + 2, none). Objects are size * 30 + colour * 5 + shape; 60 = none."""
+    words = text.replace(",", "").split()
+    objs = [
+        SIZE_OF[words[i - 1]] * 30 + COLOR_IDS[w] * 5 + SHAPE_IDS[words[i + 1]]
+        for i, w in enumerate(words)
+        if w in COLOR_IDS
+    ]
+    rels = [REL_OF[w] for w in words if w in REL_OF]
+    if not rels:
+        return objs[0], 4, 60
+    a, b = (objs[1], objs[0]) if "with" in words else (objs[0], objs[1])
+    rel = rels[0]
+    return (a, rel, b) if rel in (0, 2) else (b, rel - 1, a)
+
+
+class OracleText(nn.Module):
+    """Text with the binding given: role-specific object embeddings + relation, then an MLP."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.first, self.second = nn.Embedding(61, width), nn.Embedding(61, width)
+        self.rel = nn.Embedding(5, width)
+        self.mlp = nn.Sequential(nn.GELU(), nn.Linear(width, width))
+        self.apply(init_weights)
+
+    def forward(self, texts: list[str]) -> torch.Tensor:
+        st = torch.tensor([parse_statement(t) for t in texts])
+        return self.mlp(self.first(st[:, 0]) + self.rel(st[:, 1]) + self.second(st[:, 2]))
+
+
 class DualEncoder(nn.Module):
     def __init__(self, args: argparse.Namespace, vocab_size: int) -> None:
         super().__init__()
@@ -128,9 +215,15 @@ class DualEncoder(nn.Module):
             width=args.text_width,
             layers=args.text_layers,
             heads=4,
-            causal=True,
+            causal=bool(args.text_causal),
+            pool=args.text_pool,
+            rel_pos=args.text_rel_pos,
         )
         self.text = TextTower(cfg)
+        self.oracle = OracleText(args.text_width) if args.oracle_text else None
+        if args.text_mlp == "swiglu":
+            for block in self.text.blocks:
+                block.mlp = SwiGLU(args.text_width)
         self.vision_proj = nn.Linear(128, 128, bias=False)
         self.text_proj = nn.Linear(args.text_width, 128, bias=False)
         init_weights(self.vision_proj)
@@ -174,6 +267,8 @@ class Reference:
         self.rng = random.Random(args.seed)
 
     def encode(self, texts: list[str]) -> torch.Tensor:
+        if self.model.oracle is not None:
+            return F.normalize(self.model.text_proj(self.model.oracle(texts)), dim=-1)
         return self.model.texts(*self.tok.encode_batch(texts, 32))
 
     def lr_at(self, step: int) -> float:
@@ -186,10 +281,14 @@ class Reference:
     def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, list[str], list[str], list]:
         a, rng = self.args, self.rng
         imgs = self.train_imgs[idx].float() / 255.0  # (B, 3, S, S)
-        caps, negs, flipped = [], [], []
+        caps, caps2, negs, flipped = [], [], [], []
         for j, i in enumerate(idx.tolist()):
             r = self.train_recs[i]
-            caps.append(r["text"][rng.randrange(len(r["text"]))])
+            k = rng.randrange(len(r["text"]))
+            caps.append(r["text"][k])
+            if a.text_text > 0:  # another caption of the image (the same if it has one)
+                k2 = rng.randrange(len(r["text"]) - 1) if len(r["text"]) > 1 else -1
+                caps2.append(r["text"][k2 + (k2 >= k)] if k2 >= 0 else r["text"][k])
             chosen = rng.sample(r["negatives"], min(a.hard_negatives, len(r["negatives"])))
             if chosen and rng.random() < a.inverse_negatives:
                 chosen[0] = inverse_caption(caps[-1]) or chosen[0]
@@ -197,7 +296,7 @@ class Reference:
             if r.get("relation") and rng.random() < a.mirror_negatives:
                 axis = 2 if r["relation"] in ("left of", "right of") else 1  # (3, H, W)
                 flipped.append(torch.flip(imgs[j], dims=[axis]))
-        return imgs, caps, negs, flipped
+        return imgs, caps + caps2, negs, flipped
 
     def step(self, step: int, idx: torch.Tensor) -> float:
         imgs, caps, negs, flipped = self.batch(idx)
@@ -205,7 +304,9 @@ class Reference:
             g["lr"] = self.lr_at(step)
         img = self.model.image(imgs)
         txt_all = self.encode(caps + negs)
-        txt, neg = txt_all[: len(caps)], (txt_all[len(caps) :] if negs else None)
+        b = len(imgs)
+        txt, neg = txt_all[:b], (txt_all[len(caps) :] if negs else None)
+        txt2 = txt_all[b : len(caps)]
         if not flipped:
             loss, _ = self.loss(img, txt, neg)
         else:  # text->image also against the mirrored images
@@ -215,11 +316,17 @@ class Reference:
             i2t = F.cross_entropy(scale * img @ cols.T, labels)
             t2i = F.cross_entropy(scale * txt @ torch.cat([img, mirrored]).T, labels)
             loss = 0.5 * (i2t + t2i)
+        if len(txt2):  # caption-caption: each caption against the image's other caption
+            scale, labels = self.loss.scale(), torch.arange(b)
+            cols = txt2 if neg is None else torch.cat([txt2, neg])
+            tt = F.cross_entropy(scale * txt @ cols.T, labels)
+            tt = 0.5 * (tt + F.cross_entropy(scale * txt2 @ torch.cat([txt, cols[b:]]).T, labels))
+            loss = loss + self.args.text_text * tt
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
-        return float(loss)
+        return float(loss.detach())
 
     @torch.no_grad()
     def evaluate(self, split: str, chunk: int = 300) -> dict[str, float]:
@@ -255,8 +362,58 @@ class Reference:
         )
         out["relation_inverse"] = hit[rel & inv].float().mean().item()
         out["relation_orthogonal"] = hit[rel & ~inv].float().mean().item()
+        out.update(self.text_binding(recs))
         self.model.train()
         return out
+
+    @torch.no_grad()
+    def text_binding(self, recs: list[dict]) -> dict[str, float]:
+        """The text tower alone: how often a record's first caption is closer to a paraphrase in
+        the other word order ("B right of A" for "A left of B") than to its own caption with
+        the relation inverted ("A right of B"), and the two mean cosines."""
+        a, p, n = [], [], []
+        for r in recs:
+            first = r["text"][0]
+            other = [c for c in r["text"][1:] if c.split()[1:3] != first.split()[1:3]]
+            inv = inverse_caption(first)
+            if r.get("relation") and inv and other:
+                a.append(first)
+                p.append(other[0])
+                n.append(inv)
+        ea, ep, en = self.encode(a), self.encode(p), self.encode(n)
+        pos, neg = (ea * ep).sum(-1), (ea * en).sum(-1)
+        return {
+            "text_binding": (pos > neg).float().mean().item(),
+            "text_cos_paraphrase": pos.mean().item(),
+            "text_cos_inverse": neg.mean().item(),
+        }
+
+    def run_text_only(self) -> dict:
+        """`--text-only`: train the text tower alone on caption-caption InfoNCE, every negative
+        the caption with its relation inverted; can one block learn the binding at all?"""
+        a, rng = self.args, self.rng
+        recs = [r for r in self.train_recs if r.get("relation") and len(r["text"]) > 1]
+        curve = []
+        for step in range(a.steps):
+            c1, c2, neg = [], [], []
+            for r in rng.sample(recs, a.batch_size):
+                i, j = rng.sample(range(len(r["text"])), 2)
+                c1.append(r["text"][i])
+                c2.append(r["text"][j])
+                neg.append(inverse_caption(r["text"][i]) or r["text"][i])
+            e = self.encode(c1 + c2 + neg)
+            b = a.batch_size
+            logits = self.loss.scale() * e[:b] @ torch.cat([e[b : 2 * b], e[2 * b :]]).T
+            loss = F.cross_entropy(logits, torch.arange(b))
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            self.opt.step()
+            if (step + 1) % a.eval_every == 0:
+                self.model.eval()
+                curve.append([step + 1, self.text_binding(self.splits["val"][0])])
+                self.model.train()
+                print(f"step {step + 1} loss {loss.item():.3f} text {curve[-1][1]}")
+        return {"args": {k: str(v) for k, v in vars(a).items()}, "text_only": curve}
 
     def run(self) -> dict:
         a = self.args
@@ -272,8 +429,11 @@ class Reference:
             compute += time.time() - tc
             if (step + 1) % a.eval_every == 0 and step + 1 < a.steps:
                 v = self.evaluate("val")
-                curve.append([step + 1, round(v["i2t"], 3), round(v["t2i"], 3)])
-                print(f"step {step + 1} loss {loss:.3f} val i2t {v['i2t']:.3f} t2i {v['t2i']:.3f}")
+                curve.append(
+                    [step + 1, round(v["i2t"], 3), round(v["t2i"], 3)]
+                    + [round(v[k], 3) for k in ("relation_inverse", "text_binding")]
+                )
+                print(f"step {step + 1} loss {loss:.3f} val {curve[-1][1:]}")
         return {
             "args": {k: str(v) for k, v in vars(a).items()},
             "seconds": time.time() - t0,
@@ -288,7 +448,8 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    result = Reference(args).run()
+    ref = Reference(args)
+    result = ref.run_text_only() if args.text_only else ref.run()
     print(json.dumps(result))
     with open(args.out, "a") as f:
         f.write(json.dumps(result) + "\n")

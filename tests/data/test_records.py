@@ -17,6 +17,7 @@ from vltrain.data.records import (
     DataError,
     DataQualityError,
     ImageTextDataset,
+    pick_caption_pair,
     read_jsonl,
     read_records,
     resolve_image_path,
@@ -187,6 +188,26 @@ def test_caption_and_negative_sampling_deterministic(caps_file: Path) -> None:
     other = ImageTextDataset(caps_file, 8, seed=4, hard_negatives=3)
     picks = [(a[(e, 0, 0)]["text"], other[(e, 0, 0)]["text"]) for e in range(12)]
     assert any(x != y for x, y in picks)  # and with the seed
+
+
+def test_second_caption_is_another_caption_of_the_same_image(caps_file: Path) -> None:
+    """objective.caption_contrast's `text2`: another caption of the record, deterministic, and
+    the first caption is the one a run without it draws (length buckets predict that one)."""
+    plain = ImageTextDataset(caps_file, 8, seed=3, hard_negatives=2)
+    paired = ImageTextDataset(caps_file, 8, seed=3, hard_negatives=2, second_caption=True)
+    caps = plain.records[1]["text"]
+    seconds = set()
+    for epoch in range(20):
+        a, b = plain[(epoch, 0, 1)], paired[(epoch, 0, 1)]
+        assert "text2" not in a
+        assert (b["text"], b["negatives"]) == (a["text"], a["negatives"])
+        assert b["text2"] in caps and b["text2"] != b["text"]
+        assert paired[(epoch, 3, 1)]["text2"] == b["text2"]  # same key, same pick
+        seconds.add(b["text2"])
+    assert len(seconds) >= 4  # uniform over the others, varies with the epoch
+    assert pick_caption_pair(["only"], 0, 0, 0) == ("only", "only")
+    # eval samples never carry one
+    assert "text2" not in ImageTextDataset(caps_file, 8, 0, train=False, second_caption=True)[0]
 
 
 def test_fewer_negatives_than_requested(caps_file: Path) -> None:

@@ -1,7 +1,8 @@
 """GradCache + hard negatives under DDP equal one process holding the global batch.
 
 - two gloo ranks (spawned) running `dual_encoder_grad_cache` with accumulation and no_sync,
-  one rank without hard negatives, give the single-process gradients of the global batch;
+  one rank without hard negatives, second captions on both (objective.caption_contrast), give
+  the single-process gradients of the global batch;
 - end to end: a GradCache run equals the uncached run (1 process, varying negative counts);
 - `torchrun --nproc_per_node=2` with GradCache + hard negatives equals the 1-process uncached
   run with the same global batch; negative control: without gathering it does not.
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -43,7 +45,7 @@ def _model() -> ContrastiveModel:
         text_config("tiny", vocab_size=VOCAB, context_length=T, layers=1),
         32,
     )
-    return ContrastiveModel(enc, build_loss("infonce", temperature=0.1))
+    return ContrastiveModel(enc, build_loss("infonce", temperature=0.1, caption_contrast=0.5))
 
 
 def _micro_batches() -> list[dict[str, torch.Tensor]]:
@@ -51,17 +53,20 @@ def _micro_batches() -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(2):
-        ids = torch.randint(3, VOCAB, (2 * B + NEG, T), generator=g)
+        ids = torch.randint(3, VOCAB, (4 * B + NEG, T), generator=g)
         mask = (
-            torch.arange(T)[None] < torch.randint(3, T + 1, (2 * B + NEG, 1), generator=g)
+            torch.arange(T)[None] < torch.randint(3, T + 1, (4 * B + NEG, 1), generator=g)
         ).long()
+        ids = ids * mask
         out.append(
             {
                 "images": torch.rand(2 * B, 3, 32, 32, generator=g),
-                "input_ids": ids[: 2 * B] * mask[: 2 * B],
+                "input_ids": ids[: 2 * B],
                 "attention_mask": mask[: 2 * B],
-                "neg_ids": ids[2 * B :] * mask[2 * B :],
-                "neg_mask": mask[2 * B :],
+                "neg_ids": ids[4 * B :],
+                "neg_mask": mask[4 * B :],
+                "pair_ids": ids[2 * B : 4 * B],  # second captions
+                "pair_mask": mask[2 * B : 4 * B],
             }
         )
     return out
@@ -69,7 +74,8 @@ def _micro_batches() -> list[dict[str, torch.Tensor]]:
 
 def _rank_slice(batch: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
     rows = slice(rank * B, (rank + 1) * B)
-    out = {k: batch[k][rows] for k in ("images", "input_ids", "attention_mask")}
+    keys = ("images", "input_ids", "attention_mask", "pair_ids", "pair_mask")
+    out = {k: batch[k][rows] for k in keys}
     if rank == 1:
         out["neg_ids"], out["neg_mask"] = batch["neg_ids"], batch["neg_mask"]
     return out
@@ -129,9 +135,11 @@ def test_spawned_ranks_grad_cache_equals_global_batch(tmp_path: Path) -> None:
     for r in ranks:
         for i, g in r["synced"].items():
             assert torch.equal(g, torch.full_like(g, 5.0 + int(i)))  # mean of i and 10 + i
-    # chance counts the gathered batch (2B) and rank 1's hard negatives, on both ranks
+    # chance counts the gathered batch (2B) and rank 1's hard negatives, on both ranks, and
+    # the caption-caption term's ln(2B + NEG) at its weight
+    want = infonce_chance(2 * B, NEG) + 0.5 * math.log(2 * B + NEG)
     for r in ranks:
-        assert float(r["chance"]) == pytest.approx(infonce_chance(2 * B, NEG), rel=1e-6)
+        assert float(r["chance"]) == pytest.approx(want, rel=1e-6)
     assert infonce_chance(2 * B, NEG) != pytest.approx(infonce_chance(B, 0))
     # control: before the synchronising micro-step the ranks' gradients differ
     gap = max((ranks[0]["local"][k] - ranks[1]["local"][k]).abs().max().item() for k in ref)

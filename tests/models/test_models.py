@@ -167,6 +167,57 @@ def test_text_tower_padding_left_right_and_pooling() -> None:
     assert not torch.allclose(txt(right)[:, :6], txt(seq), atol=1e-3)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_text_tower_mean_pooling(causal: bool) -> None:
+    """pool=mean: the mean over the real tokens, the same with left or right padding; with
+    causal=True a token's state depends only on the words before it."""
+    torch.manual_seed(0)
+    txt = TextTower(text_config("tiny", VOCAB, causal=causal, pool="mean")).eval()
+    seq = torch.randint(4, VOCAB, (1, 6), generator=_gen(2))
+    right = torch.cat([seq, torch.full((1, 3), 7)], 1)
+    left = torch.cat([torch.full((1, 3), 9), seq], 1)
+    mask_r = torch.tensor([[1] * 6 + [0] * 3])
+    mask_l = torch.tensor([[0] * 3 + [1] * 6])
+    ref = txt(seq).mean(dim=1)
+    assert torch.allclose(txt.pooled(seq), ref, atol=1e-6)
+    assert torch.allclose(txt.pooled(right, mask_r), ref, atol=1e-5)
+    assert torch.allclose(txt.pooled(left, mask_l), ref, atol=1e-5)
+    assert not torch.allclose(ref, txt(seq)[:, -1], atol=1e-3)  # not the last token
+    changed = seq.clone()
+    changed[0, -1] = 4 if seq[0, -1] != 4 else 5
+    first_unchanged = torch.allclose(txt(changed)[:, 0], txt(seq)[:, 0], atol=1e-6)
+    assert first_unchanged == causal  # the first token sees the last word only if bidirectional
+    with pytest.raises(ValueError, match="pool"):
+        text_config("tiny", VOCAB, pool="max")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_text_tower_relative_position_bias(causal: bool) -> None:
+    """rel_pos: zero at init (the plain tower's outputs), padding-invariant once learned, causal
+    masking kept, and a bias that favours keys after the query changes the states."""
+    torch.manual_seed(0)
+    plain = TextTower(text_config("tiny", VOCAB, causal=causal)).eval()
+    torch.manual_seed(0)
+    rel = TextTower(text_config("tiny", VOCAB, causal=causal, rel_pos=3)).eval()
+    assert rel.rel_bias is not None and rel.rel_bias.shape == (7, 4)
+    assert "rel_bias" in rel.no_weight_decay()
+    seq = torch.randint(4, VOCAB, (1, 6), generator=_gen(3))
+    assert torch.allclose(rel(seq), plain(seq), atol=1e-6)  # zero bias = no change
+    with torch.no_grad():
+        rel.rel_bias.copy_(torch.randn(7, 4, generator=_gen(4)))
+    right = torch.cat([seq, torch.full((1, 3), 7)], 1)
+    left = torch.cat([torch.full((1, 3), 9), seq], 1)
+    ref = rel(seq)
+    assert not torch.allclose(ref, plain(seq), atol=1e-3)
+    assert torch.allclose(rel(right, torch.tensor([[1] * 6 + [0] * 3]))[:, :6], ref, atol=1e-5)
+    assert torch.allclose(rel(left, torch.tensor([[0] * 3 + [1] * 6]))[:, 3:], ref, atol=1e-5)
+    changed = seq.clone()
+    changed[0, -1] = 4 if seq[0, -1] != 4 else 5
+    assert torch.allclose(rel(changed)[:, :5], ref[:, :5], atol=1e-6) == causal
+    with pytest.raises(ValueError, match="rel_pos"):
+        text_config("tiny", VOCAB, rel_pos=-1)
+
+
 def test_all_padding_row_is_finite() -> None:
     txt = TextTower(text_config("tiny", VOCAB)).eval()
     ids = torch.randint(4, VOCAB, (2, 5))

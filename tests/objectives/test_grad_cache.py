@@ -129,6 +129,35 @@ def test_one_chunk_equals_the_plain_stage_step_exactly() -> None:
     _assert_same(_grads(model), ref, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("n_neg", [M, 0])
+def test_second_captions_ride_along_in_chunks(n_neg: int) -> None:
+    """objective.caption_contrast: `pair_ids` are a fourth chunked side; without dropout the
+    cached gradients equal the plain forward's, and the caption term really contributes."""
+    torch.manual_seed(0)
+    enc = DualEncoder(
+        vision_config("tiny", image_size=32, layers=1),
+        text_config("tiny", vocab_size=VOCAB, context_length=T, layers=1),
+        embed_dim=32,
+    )
+    loss = build_loss("infonce", gather=False, temperature=0.1, caption_contrast=0.7)
+    model = ContrastiveModel(enc, loss).train()
+    batch = _batch(4, n_neg)
+    other = _batch(5, 0)
+    batch["pair_ids"], batch["pair_mask"] = other["input_ids"], other["attention_mask"]
+    plain_loss, metrics = model(batch)
+    plain_loss.backward()
+    ref = _grads(model)
+    assert metrics["caption_loss"].item() > 0
+    cached_loss, cached_metrics = dual_encoder_grad_cache(model, batch, 3, 1.0)
+    assert cached_loss.item() == pytest.approx(plain_loss.item(), rel=1e-5)
+    assert cached_metrics["caption_loss"].item() == pytest.approx(metrics["caption_loss"].item())
+    _assert_same(_grads(model), ref)
+    # control: the same batch without second captions gives other gradients
+    del batch["pair_ids"], batch["pair_mask"]
+    dual_encoder_grad_cache(model, batch, 3, 1.0)
+    assert _max_diff(_grads(model), ref) > 1e-4
+
+
 def test_accumulation_and_no_negatives() -> None:
     """Two micro-batches (scale 1/2), one without hard negatives, accumulate like backward."""
     model, b1, b2 = _model(), _batch(2), _batch(3, n_neg=0)

@@ -17,6 +17,7 @@ from vltrain.objectives.contrastive import (
     SigLIPLoss,
     build_loss,
     build_loss_from_config,
+    caption_contrast_loss,
     gather_features,
 )
 from vltrain.stages import load_run_config
@@ -107,6 +108,53 @@ def test_infonce_negatives_and_options_change_the_loss() -> None:
     assert abs(one_dir.item() - with_neg) > 1e-3
     ref_wrong_scale = brute_infonce(img, txt, neg, torch.tensor(5.0), True, 0.0)
     assert abs(ref_wrong_scale.item() - with_neg) > 1e-3
+
+
+def brute_caption(txt, pairs, neg, scale) -> torch.Tensor:
+    """Caption-caption InfoNCE written out: caption i picks pair i among pairs + negatives, pair
+    i picks caption i among captions + negatives; float64."""
+    t, p = txt.double(), pairs.double()
+    ng = [] if neg is None else list(neg.double())
+    s = float(scale)
+    fwd = [_neg_log_softmax([s * (t[i] @ c) for c in list(p) + ng], i) for i in range(len(t))]
+    bwd = [_neg_log_softmax([s * (p[i] @ c) for c in list(t) + ng], i) for i in range(len(t))]
+    return 0.5 * (sum(fwd) / len(t) + sum(bwd) / len(t))
+
+
+@pytest.mark.parametrize("with_neg", [True, False])
+def test_caption_contrast_matches_brute_force_and_adds_to_the_loss(with_neg: bool) -> None:
+    img, txt, neg = _feats()
+    pairs = _feats(seed=1)[1]
+    neg = neg if with_neg else None
+    plain = InfoNCELoss(temperature=0.1, gather=False)
+    weighted = InfoNCELoss(temperature=0.1, gather=False, caption_contrast=0.5)
+    base, base_m = plain(img, txt, neg)
+    # off: second captions are ignored, the loss and its chance are the plain ones
+    off, off_m = plain(img, txt, neg, pairs=pairs)
+    assert off.item() == base.item() and "caption_loss" not in off_m
+    assert off_m["chance_loss"] == base_m["chance_loss"]
+    loss, m = weighted(img, txt, neg, pairs=pairs)
+    ref = brute_caption(txt, pairs, neg, 10.0)
+    assert m["caption_loss"].item() == pytest.approx(ref.item(), rel=1e-5)
+    assert loss.item() == pytest.approx(base.item() + 0.5 * ref.item(), rel=1e-5)
+    k = N + (M if with_neg else 0)
+    assert m["chance_loss"] == pytest.approx(base_m["chance_loss"] + 0.5 * math.log(k))
+    inputs = [txt, pairs] + ([neg] if with_neg else [])
+    want_loss = brute_infonce(img, txt, neg, torch.tensor(10.0), True, 0.0) + 0.5 * ref
+    for got, want in zip(_grads(loss, inputs), _grads(want_loss, inputs), strict=True):
+        torch.testing.assert_close(got.double(), want.double(), rtol=1e-4, atol=1e-6)
+    # chance is what uninformative embeddings cost: all captions alike -> ln(N + M)
+    same = F.normalize(torch.ones(N, E), dim=-1)
+    negs = None if neg is None else F.normalize(torch.ones(M, E), dim=-1)
+    f = Features(img.detach(), same, negs, same.clone())
+    assert caption_contrast_loss(f, torch.tensor(10.0)).item() == pytest.approx(math.log(k))
+    # negative control: a hard negative equal to the pair costs more than an unrelated one
+    if with_neg:
+        close = torch.cat([pairs[:1].detach(), neg[1:].detach()])
+        worse = caption_contrast_loss(Features(img, txt, close, pairs), torch.tensor(10.0))
+        assert worse.item() > ref.item() + 1e-3
+    with pytest.raises(ValueError, match="caption_contrast"):
+        InfoNCELoss(caption_contrast=-1.0)
 
 
 def test_infonce_scale_is_clamped() -> None:

@@ -82,6 +82,15 @@ def test_dual_encoder_matches_flop_counter(vision):
     both = flops.measure_flops(step)["total"] / B
     assert acct.forward == pytest.approx(fwd, rel=0.05)
     assert acct.per_sample == pytest.approx(both, rel=0.05)
+    # three texts per image (caption, a hard negative, a second caption): the text tower thrice
+    three = flops.dual_encoder_flops(model, T, texts_per_sample=3)
+    texts3 = torch.randint(4, 300, (3 * B, T))
+    fwd3 = (
+        flops.measure_flops(lambda: model.encode_image(img))["total"]
+        + flops.measure_flops(lambda: model.encode_text(texts3))["total"]
+    ) / B
+    assert three.forward == pytest.approx(fwd3, rel=0.05)
+    assert three.forward > acct.forward
     n_embed = model.text.token_embed.weight.numel() + model.text.pos_embed.numel()
     cls = model.vision.class_token.numel() if vision == "tiny" else 0  # tiny_cnn: flatten head
     assert acct.nonembed_params == sum(p.numel() for p in model.parameters()) - n_embed - (

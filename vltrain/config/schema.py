@@ -169,8 +169,10 @@ class ModelConfig:
     )
     text_options: dict[str, Any] = option(
         {},
-        "Built-in dual encoder: TextTowerConfig fields over the text preset, e.g. {causal: true} "
-        "(vltrain/models/text.py).",
+        "Built-in dual encoder: TextTowerConfig fields over the text preset (vltrain/models/"
+        "text.py), e.g. {causal: true, pool: mean}: causal attention (CLIP's), the embedding as "
+        "the mean over the tokens instead of the last token's state, rel_pos: N for a learned "
+        "relative-position attention bias.",
     )
     text_layers: int = option(0, "Override the text preset's depth (0: preset).", ge=0)
     text_width: int = option(0, "Override the text preset's width (0: preset).", ge=0)
@@ -229,6 +231,18 @@ class ObjectiveConfig:
         "from its 'negatives' (fewer if it has fewer); they join the "
         "text side of the logits.",
         ge=0,
+    )
+    caption_contrast: float = option(
+        0.0,
+        "Weight of a caption-caption InfoNCE added to the image-text loss (infonce, image-caption "
+        "records): each training sample also draws a second caption of its image (another one "
+        "when the record has several), and each caption must pick its image's other caption "
+        "among the batch's second captions and the hard negatives (both ways, the loss's "
+        "temperature, gathered across ranks, GradCache-chunked). Two wordings of one scene meet "
+        "and a hard negative stays apart without waiting for the image tower; on the quickstart "
+        "data 1.0 lifts val R@1 from 0.45 to 0.55 (bench/RESULTS.md, 'Quickstart CLIP recipe, "
+        "round 4'). Costs one more text forward per sample. 0: off.",
+        ge=0.0,
     )
     grad_cache_chunk: int = option(
         0,

@@ -13,7 +13,8 @@ Batch keys (same names the contrastive stage's `ContrastiveModel.embed` reads):
   (``input_ids``, ``attention_mask``, ``pixel_values``, and for Qwen-VL ``image_grid_thw`` and
   ``mm_token_type_ids``) for `VLMEmbedder.encode_image`.
 - ``input_ids`` / ``attention_mask``: (B, T) text side; ``neg_ids`` / ``neg_mask``: (M, T) hard
-  negatives when any sample has them.
+  negatives when any sample has them; ``pair_ids`` / ``pair_mask``: (B, T) every sample's second
+  caption (``text2``) when all have one (``objective.caption_contrast``).
 - ``visual_tokens``: (B,) LongTensor, language-model tokens (VLM) or patches (CLIP/SigLIP) each
   image costs, for logging. With ``max_visual_tokens`` set (patch-grid VLMs only) every entry is
   ``<= max_visual_tokens`` by construction (see `vltrain.data.visual_tokens`).
@@ -158,6 +159,8 @@ class HFCollate:
         negs = [n for s in samples for n in s.get("negatives", [])]
         if negs:
             batch["neg_ids"], batch["neg_mask"] = self.text_batch(negs)
+        if samples and all("text2" in s for s in samples):  # objective.caption_contrast
+            batch["pair_ids"], batch["pair_mask"] = self.text_batch([s["text2"] for s in samples])
         return batch
 
     def _instructions(self, n: int, instructions: list[str] | None, role: str) -> list[str]:

@@ -213,10 +213,12 @@ class ImageTextDataset(Dataset):
     """Image-text pairs; `__getitem__` never raises for bad data, it returns a marker dict.
 
     Caption choice (train) and hard-negative choice come from
-    ``sample_generator(seed, epoch, index)`` only. In eval mode (``train=False``) the sample has
-    the first caption as ``text``, all captions as ``texts``, and the first ``hard_negatives``
-    negatives in file order, with their ``negative_kinds`` labels when the record has one per
-    negative (e.g. the synthetic data's colour/shape/size/relation).
+    ``sample_generator(seed, epoch, index)`` only; with ``second_caption`` a training sample
+    also carries ``text2``, another caption of the same image (`pick_caption_pair`), for the
+    caption-caption loss (``objective.caption_contrast``). In eval mode (``train=False``) the
+    sample has the first caption as ``text``, all captions as ``texts``, and the first
+    ``hard_negatives`` negatives in file order, with their ``negative_kinds`` labels when the
+    record has one per negative (e.g. the synthetic data's colour/shape/size/relation).
     """
 
     def __init__(
@@ -230,6 +232,7 @@ class ImageTextDataset(Dataset):
         native: bool = False,
         image_column: str = "image",
         text_column: str = "text",
+        second_caption: bool = False,
     ) -> None:
         from vltrain.data.sources import read_source  # sources builds on this module's readers
 
@@ -243,6 +246,7 @@ class ImageTextDataset(Dataset):
         self.train = train
         self.max_pixels = max_pixels
         self.native = native  # PIL images at native size, for models with their own processor
+        self.second_caption = second_caption
 
     @property
     def records(self) -> list[dict[str, Any]]:
@@ -283,7 +287,10 @@ class ImageTextDataset(Dataset):
         )
         out: dict[str, Any] = {"image": image, "index": index, "key": key}
         if self.train:
-            out["text"] = pick_caption(texts, self.seed, epoch, index)
+            if self.second_caption:
+                out["text"], out["text2"] = pick_caption_pair(texts, self.seed, epoch, index)
+            else:
+                out["text"] = pick_caption(texts, self.seed, epoch, index)
             out["negatives"] = pick_negatives(negs, self.hard_negatives, self.seed, epoch, index)
         else:
             out["text"] = texts[0]
@@ -305,6 +312,18 @@ def caption_index(n: int, seed: int, epoch: int, index: int) -> int:
 def pick_caption(texts: list[str], seed: int, epoch: int, index: int) -> str:
     """One training caption, deterministic in (seed, epoch, index)."""
     return texts[caption_index(len(texts), seed, epoch, index)]
+
+
+def pick_caption_pair(texts: list[str], seed: int, epoch: int, index: int) -> tuple[str, str]:
+    """The training caption (`pick_caption`'s, so length buckets still predict it) and a second,
+    different one of the same record, uniform over the others; a one-caption record pairs its
+    caption with itself. Deterministic in (seed, epoch, index)."""
+    first = caption_index(len(texts), seed, epoch, index)
+    if len(texts) == 1:
+        return texts[0], texts[0]
+    g = sample_generator(seed, epoch, index, salt="caption2")
+    other = int(torch.randint(len(texts) - 1, (1,), generator=g))
+    return texts[first], texts[other + (other >= first)]
 
 
 def pick_negatives(negs: list[str], k: int, seed: int, epoch: int, index: int) -> list[str]:

@@ -16,7 +16,7 @@ from vltrain.data.images import (
     load_image,
     load_image_native,
 )
-from vltrain.data.records import pick_caption, pick_negatives
+from vltrain.data.records import pick_caption, pick_caption_pair, pick_negatives
 from vltrain.data.rng import sample_seed
 from vltrain.data.shards import IMAGE_EXTS, RawSample, parse_meta
 from vltrain.data.streaming import Entry
@@ -43,9 +43,11 @@ class SampleDecoder:
         hard_negatives: int = 0,
         native: bool = False,
         max_pixels: int = DEFAULT_MAX_PIXELS,
+        second_caption: bool = False,
     ) -> None:
         self.image_size, self.seed, self.hard_negatives = image_size, seed, hard_negatives
         self.native, self.max_pixels = native, max_pixels
+        self.second_caption = second_caption  # also `text2` (objective.caption_contrast)
 
     def __call__(self, entry: Entry, shard: str) -> dict[str, Any]:
         key = (entry.epoch, entry.key)
@@ -78,7 +80,7 @@ class SampleDecoder:
             image = load_image_native(label, self.max_pixels, data=data)  # PIL RGB
         else:
             image = load_image(label, self.image_size, self.max_pixels, data=data)  # (3, S, S)
-        return {
+        out = {
             "image": image,
             "text": pick_caption(texts, self.seed, epoch, index),
             "negatives": pick_negatives(negs, self.hard_negatives, self.seed, epoch, index),
@@ -86,3 +88,6 @@ class SampleDecoder:
             "key": key,
             "id": str(meta.get("id", raw.key)),
         }
+        if self.second_caption:
+            out["text"], out["text2"] = pick_caption_pair(texts, self.seed, epoch, index)
+        return out

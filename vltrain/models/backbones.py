@@ -68,6 +68,8 @@ class ImageTextCollate:
         negs = [n for s in samples for n in s.get("negatives", [])]
         if negs:
             batch["neg_ids"], batch["neg_mask"] = self.text_batch(negs)
+        if samples and all("text2" in s for s in samples):  # objective.caption_contrast
+            batch["pair_ids"], batch["pair_mask"] = self.text_batch([s["text2"] for s in samples])
         return batch
 
 

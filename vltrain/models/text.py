@@ -44,9 +44,26 @@ class TextTowerConfig:
     """Encoder: each token attends only to itself and earlier tokens (CLIP's text transformer),
     so the pooled last token depends on word order by construction; the decoder is always
     causal."""
+    pool: str = "last"
+    """Encoder: what ``pooled`` returns. ``last``: the hidden state at the last real token
+    (CLIP's end-of-text token). ``mean``: the mean over the real tokens, so every token's own
+    state reaches the embedding; with ``causal`` each token has seen only the words before it,
+    which is what lets a one-block encoder bind "A left of B" to its objects (a token of B has
+    seen the relation word, A's have not; bench/RESULTS.md, "Quickstart CLIP recipe, round
+    4")."""
+    rel_pos: int = 0
+    """Encoder: a learned attention bias per head for each signed token distance, clipped to
+    +-rel_pos (T5's relative positions, without its log buckets), on top of the absolute
+    position embeddings. A head can then attend to "the relation word after me" and "the one
+    before me" differently, so both objects of "A left of B" can learn their role in one
+    block. 0: off."""
 
     def __post_init__(self) -> None:
         check_dims("TextTowerConfig", self.width, self.heads, self.layers, self.mlp_ratio)
+        if self.pool not in ("last", "mean"):
+            raise ValueError(f"TextTowerConfig: pool must be 'last' or 'mean', got {self.pool!r}")
+        if self.rel_pos < 0:
+            raise ValueError(f"TextTowerConfig: rel_pos must be >= 0, got {self.rel_pos}")
         if self.vocab_size <= 0 or self.context_length <= 0:
             raise ValueError(
                 f"TextTowerConfig: vocab_size ({self.vocab_size}) and context_length "
@@ -114,6 +131,10 @@ class TextTower(_TextBase):
 
     def __init__(self, cfg: TextTowerConfig) -> None:
         super().__init__(cfg)
+        # (2 * rel_pos + 1, heads): bias of distance j - i, clipped; zero at init
+        self.rel_bias = (
+            nn.Parameter(torch.zeros(2 * cfg.rel_pos + 1, cfg.heads)) if cfg.rel_pos else None
+        )
         self.reset_parameters()
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
@@ -125,14 +146,39 @@ class TextTower(_TextBase):
         else:
             pos = mask_positions(attention_mask)  # (B, T)
         x = self.token_embed(input_ids) + F.embedding(pos, self.pos_embed)  # (B, T, W)
-        attn_mask, _ = build_attention_mask(attention_mask, t, causal=self.cfg.causal)
+        attn_mask, is_causal = build_attention_mask(attention_mask, t, causal=self.cfg.causal)
+        if self.rel_bias is not None:
+            attn_mask, is_causal = self._with_rel_bias(pos, attn_mask, is_causal), False
         for block in self.blocks:
-            x, _ = block(x, attn_mask)
+            x, _ = block(x, attn_mask, is_causal)
         return self.norm(x)
 
+    def no_weight_decay(self) -> list[str]:
+        """The relative-position bias is a table of logit offsets, like a bias: no decay."""
+        return ["rel_bias"] if self.rel_bias is not None else []
+
+    def _with_rel_bias(self, pos: Tensor, allowed: Tensor | None, is_causal: bool) -> Tensor:
+        """Additive mask (B, H, T, T): the relative-position bias where attending is allowed,
+        -inf elsewhere. Distances come from the mask positions, so padding does not shift them."""
+        assert self.rel_bias is not None
+        n = self.cfg.rel_pos
+        dist = (pos[:, None, :] - pos[:, :, None]).clamp(-n, n) + n  # (B, T, S): key - query
+        bias = self.rel_bias[dist].permute(0, 3, 1, 2)  # (B, H, T, S)
+        if allowed is None:
+            t = pos.shape[1]
+            allowed = torch.ones(t, t, dtype=torch.bool, device=pos.device)
+            allowed = allowed.tril() if is_causal else allowed
+        return bias.masked_fill(~allowed, float("-inf"))
+
     def pooled(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """Hidden state at the last real token of each row (B, W); left or right padding."""
+        """One vector per row (B, W): the last real token's hidden state (``pool: last``) or
+        the mean over the real tokens (``pool: mean``); left or right padding."""
         h = self.forward(input_ids, attention_mask)  # (B, T, W)
+        if self.cfg.pool == "mean":
+            if attention_mask is None:
+                return h.mean(dim=1)
+            m = attention_mask.to(h.dtype)[..., None]  # (B, T, 1)
+            return (h * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)
         if attention_mask is None:
             return h[:, -1]
         t = input_ids.shape[1]

@@ -29,24 +29,48 @@ class Features:
     image: Tensor  # (N, E)
     text: Tensor  # (N, E) positive text of each image
     negatives: Tensor | None  # (M, E) hard-negative texts, any owner
+    pairs: Tensor | None = None  # (N, E) a second caption of each image (caption_contrast)
 
 
 def gather_features(
-    image: Tensor, text: Tensor, negatives: Tensor | None, gather: bool
+    image: Tensor,
+    text: Tensor,
+    negatives: Tensor | None,
+    gather: bool,
+    pairs: Tensor | None = None,
 ) -> Features:
     """The one place losses get features from other ranks (with gradient).
 
     Every rank takes part in every gather, also a rank without hard negatives this step (it
     contributes zero rows, taken from `image` so the gather's backward all-reduce runs on every
-    rank alike); `negatives` comes back None only when no rank has any.
+    rank alike); `negatives` comes back None only when no rank has any. `pairs` (second
+    captions) is gathered when given; every rank gives it or none does (a config option).
     """
     if not gather or not D.is_distributed():
-        return Features(image, text, negatives)
+        return Features(image, text, negatives, pairs)
     image_all, _ = D.all_gather_with_grad(image)
     text_all, _ = D.all_gather_with_grad(text)
     local_neg = image[:0] if negatives is None else negatives  # (0, E) keeps the graph
     neg_all, _ = D.all_gather_with_grad(local_neg)
-    return Features(image_all, text_all, neg_all if neg_all.shape[0] else None)
+    pairs_all = None if pairs is None else D.all_gather_with_grad(pairs)[0]
+    return Features(image_all, text_all, neg_all if neg_all.shape[0] else None, pairs_all)
+
+
+def caption_contrast_loss(f: Features, scale: Tensor) -> Tensor:
+    """Caption-caption InfoNCE (``objective.caption_contrast``), symmetric: each image's
+    caption picks the same image's second caption among all N second captions and the M hard
+    negatives, and each second caption picks the caption among the N captions and the same M
+    negatives. Two wordings of one scene must meet and a hard negative (e.g. the relation
+    inverted) must stay apart, a signal the text tower gets without the image tower's help.
+    fp32, at the image-text loss's scale. Chance: ln(N + M)."""
+    assert f.pairs is not None
+    text, pairs = f.text.float(), f.pairs.float()
+    labels = torch.arange(text.shape[0], device=text.device)
+    negs = None if f.negatives is None else f.negatives.float()
+    fwd = pairs if negs is None else torch.cat([pairs, negs])  # (N + M, E)
+    bwd = text if negs is None else torch.cat([text, negs])
+    loss = F.cross_entropy(scale * text @ fwd.t(), labels)
+    return 0.5 * (loss + F.cross_entropy(scale * pairs @ bwd.t(), labels))
 
 
 def _no_autocast(t: Tensor) -> Any:
@@ -74,8 +98,11 @@ class InfoNCELoss(nn.Module):
         symmetric: bool = True,
         label_smoothing: float = 0.0,
         gather: bool = True,
+        caption_contrast: float = 0.0,
     ) -> None:
         super().__init__()
+        if caption_contrast < 0:
+            raise ValueError(f"caption_contrast must be >= 0, got {caption_contrast}")
         init = torch.tensor(math.log(1.0 / temperature))
         if learn_temperature:
             self.logit_scale = nn.Parameter(init)
@@ -85,6 +112,7 @@ class InfoNCELoss(nn.Module):
         self.symmetric = symmetric
         self.label_smoothing = label_smoothing
         self.gather = gather
+        self.caption_contrast = caption_contrast
 
     @classmethod
     def from_config(cls, o: Any) -> InfoNCELoss:
@@ -96,6 +124,7 @@ class InfoNCELoss(nn.Module):
             symmetric=o.symmetric,
             label_smoothing=o.label_smoothing,
             gather=o.gather,
+            caption_contrast=o.caption_contrast,
         )
 
     def no_weight_decay(self) -> list[str]:
@@ -105,10 +134,17 @@ class InfoNCELoss(nn.Module):
         return self.logit_scale.clamp(max=self.max_log_scale).exp()
 
     def forward(
-        self, image: Tensor, text: Tensor, negatives: Tensor | None = None
+        self,
+        image: Tensor,
+        text: Tensor,
+        negatives: Tensor | None = None,
+        pairs: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Unit-norm embeddings (B, E) per rank -> (loss, metrics) of the global batch."""
-        f = gather_features(image, text, negatives, self.gather)
+        """Unit-norm embeddings (B, E) per rank -> (loss, metrics) of the global batch;
+        `pairs` (B, E): second captions, for the caption-caption term (training batches)."""
+        if not self.caption_contrast:
+            pairs = None
+        f = gather_features(image, text, negatives, self.gather, pairs)
         return self.loss_from_features(f)
 
     def loss_from_features(self, f: Features) -> tuple[Tensor, dict[str, Tensor]]:
@@ -125,9 +161,15 @@ class InfoNCELoss(nn.Module):
                 loss_t2i = F.cross_entropy(logits_t2i, labels, label_smoothing=self.label_smoothing)
                 metrics["acc_t2i"] = (logits_t2i.argmax(1) == labels).float().mean().detach()
                 loss = 0.5 * (loss + loss_t2i)
+            chance = infonce_chance(n, logits_i2t.shape[1] - n, self.symmetric)
+            if f.pairs is not None and self.caption_contrast:
+                caption = caption_contrast_loss(f, scale)
+                loss = loss + self.caption_contrast * caption
+                metrics["caption_loss"] = caption.detach()
+                chance += self.caption_contrast * math.log(logits_i2t.shape[1])
         metrics["logit_scale"] = scale.detach()
         # the doctor's `contrastive_chance` check compares the loss with this (global batch)
-        metrics["chance_loss"] = infonce_chance(n, logits_i2t.shape[1] - n, self.symmetric)
+        metrics["chance_loss"] = chance
         return loss, metrics
 
 

@@ -243,7 +243,8 @@ def dual_encoder_grad_cache(
 ) -> tuple[Tensor, dict[str, Any]]:
     """GradCache step of a contrastive model (``.encoder`` dual encoder + ``.loss``).
 
-    Sides: images, texts, and (when the batch has them) hard-negative texts, each chunked by
+    Sides: images, texts, and (when the batch has them) hard-negative texts and second captions
+    (``pair_ids``, for ``objective.caption_contrast``), each chunked by
     `chunk` rows; text chunks are length-sorted (`length_sorted_chunks`) for encoders that
     declare ``ignores_trailing_padding``. `model` is the plain module (never a DDP wrapper):
     the caller reduces gradients across ranks afterwards.
@@ -254,9 +255,15 @@ def dual_encoder_grad_cache(
     encoders: list[Callable[..., Tensor]] = [enc.encode_image]
     chunks: list[list[Any]] = [split_rows(batch["images"], chunk)]
     orders: list[Tensor | None] = [None]
-    for ids, mask in (("input_ids", "attention_mask"), ("neg_ids", "neg_mask")):
+    sides = ["images"]
+    for ids, mask in (
+        ("input_ids", "attention_mask"),
+        ("neg_ids", "neg_mask"),
+        ("pair_ids", "pair_mask"),  # second captions (objective.caption_contrast)
+    ):
         if batch.get(ids) is None:
             continue
+        sides.append(ids)
         encoders.append(enc.encode_text)
         if by_length:
             side, order = length_sorted_chunks((batch[ids], batch[mask]), chunk)
@@ -266,6 +273,9 @@ def dual_encoder_grad_cache(
         orders.append(order)
 
     def loss_fn(e: list[Tensor]) -> tuple[Tensor, dict[str, Any]]:
-        return loss(e[0], e[1], e[2] if len(e) > 2 else None)
+        got = dict(zip(sides, e, strict=True))
+        if "pair_ids" in got:
+            return loss(got["images"], got["input_ids"], got.get("neg_ids"), pairs=got["pair_ids"])
+        return loss(got["images"], got["input_ids"], got.get("neg_ids"))
 
     return grad_cache(encoders, chunks, loss_fn, scale, orders=orders)

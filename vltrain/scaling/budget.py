@@ -116,7 +116,10 @@ def config_flops(cfg: Config, tokenizer: TextTokenizer | None = None) -> ModelFl
             model.freeze(cfg.model.freeze)
             return captioner_flops(model, tokens)
         model = build_encoder(cfg, tokenizer)
-    return dual_encoder_flops(model, tokens, cfg.data.batch_size)
+    # every text a sample brings: its caption, up to `hard_negatives` negatives (the configured
+    # count: records with fewer make this an upper bound) and the caption-caption term's second
+    texts = 1 + cfg.objective.hard_negatives + (cfg.objective.caption_contrast > 0)
+    return dual_encoder_flops(model, tokens, cfg.data.batch_size, texts)
 
 
 def samples_per_step(cfg: Config, world_size: int = 1) -> int:

@@ -269,8 +269,12 @@ def captioner_flops(model: nn.Module, text_tokens: int) -> ModelFlops:
     return ModelFlops(assign_backward(parts), memory, text_tokens, notes)
 
 
-def dual_encoder_flops(model: nn.Module, text_tokens: int, batch_size: int = 0) -> ModelFlops:
-    """`dual_encoder.DualEncoder`: both towers and projections for one image-text pair.
+def dual_encoder_flops(
+    model: nn.Module, text_tokens: int, batch_size: int = 0, texts_per_sample: int = 1
+) -> ModelFlops:
+    """`dual_encoder.DualEncoder`: both towers and projections for one image and
+    `texts_per_sample` texts (its caption, plus its hard negatives and second caption when the
+    run trains with them), each of `text_tokens` tokens.
 
     The contrastive logits (B x B x E per batch) are added per sample when `batch_size` is
     given (they grow with the batch: 2 * B * E FLOPs per sample).
@@ -279,6 +283,7 @@ def dual_encoder_flops(model: nn.Module, text_tokens: int, batch_size: int = 0) 
     vision_fwd += linear(1, model.vision_proj.in_features, model.embed_dim)
     text = model.text.cfg
     text_fwd = text_blocks_flops(text, text_tokens) + linear(1, text.width, model.embed_dim)
+    text_fwd *= texts_per_sample
     vision = _component("vision", model.vision, vision_fwd, vision_tokens)
     vision.params += model.vision_proj.weight.numel()
     vision.nonembed_params += model.vision_proj.weight.numel()

@@ -65,6 +65,9 @@ class ContrastiveModel(nn.Module):
     def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         if pairs.is_pair_batch(batch):  # query / positive / negatives sides of any modality
             return self.loss(*pairs.embed_pairs(self.encoder, batch))
+        if batch.get("pair_ids") is not None:  # second captions: objective.caption_contrast
+            second = self.encoder.encode_text(batch["pair_ids"], batch["pair_mask"])
+            return self.loss(*self.embed(batch), pairs=second)
         return self.loss(*self.embed(batch))
 
 
@@ -127,7 +130,7 @@ def used_keys(cfg: Config) -> tuple[str, ...]:
     used.append("objective.grad_cache_chunk")
     pretrained_scale = m.kind in ("hf_clip", "hf_siglip")
     if o.loss == "infonce":
-        used += ["objective.symmetric", "objective.label_smoothing"]
+        used += ["objective.symmetric", "objective.label_smoothing", "objective.caption_contrast"]
         used += [] if pretrained_scale else ["objective.temperature", "objective.max_logit_scale"]
     elif not pretrained_scale:
         used += ["objective.siglip_init_*", "objective.max_logit_scale"]
@@ -270,6 +273,7 @@ class ContrastiveStage:
                 native=self.cfg.model.kind in HF_KINDS,
                 image_column=self.cfg.data.image_column,
                 text_column=self.cfg.data.text_column,
+                second_caption=self.cfg.objective.caption_contrast > 0,
             )
             if self.cfg.data.image_cache_mb:
                 ds.source.decoded = DecodedImages.shared(
@@ -307,6 +311,7 @@ class ContrastiveStage:
             self.cfg.run.seed,
             self.cfg.objective.hard_negatives,
             native=self.cfg.model.kind in HF_KINDS,
+            second_caption=self.cfg.objective.caption_contrast > 0,
         )
         return StreamLoader(
             resolve_shards(d.train),

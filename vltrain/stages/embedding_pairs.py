@@ -64,6 +64,11 @@ def uses_pairs(cfg: Config) -> bool:
 
 def check_config(cfg: Config) -> None:
     """Load-time rules for pair data and corpus evaluation."""
+    if uses_pairs(cfg) and cfg.objective.caption_contrast:
+        raise ConfigError(
+            "objective.caption_contrast pairs two captions of one image (image-caption records); "
+            f"data.train={cfg.data.train} holds query/positive records: set it to 0"
+        )
     if uses_pairs(cfg) and cfg.data.image_cache_mb:
         raise ConfigError(
             "data.image_cache_mb keeps decoded images of image-caption records; "
