@@ -210,6 +210,34 @@ def test_second_caption_is_another_caption_of_the_same_image(caps_file: Path) ->
     assert "text2" not in ImageTextDataset(caps_file, 8, 0, train=False, second_caption=True)[0]
 
 
+def test_caption_negatives_are_drawn_first_for_the_drawn_caption(tmp_path: Path) -> None:
+    """A record's caption_negatives[i] belong to caption i: training draws the drawn caption's
+    own negatives first, then the shared ones; malformed lists are a DataError."""
+    _img(tmp_path / "images" / "0.png")
+    rec = {
+        "image": "images/0.png",
+        "text": [f"caption {j}" for j in range(4)],
+        "caption_negatives": [[f"own {j}"] for j in range(4)],
+        "negatives": [f"shared {j}" for j in range(5)],
+    }
+    path = _jsonl(tmp_path / "d.jsonl", [rec])
+    one = ImageTextDataset(path, 8, seed=1, hard_negatives=1)
+    three = ImageTextDataset(path, 8, seed=1, hard_negatives=3, second_caption=True)
+    for epoch in range(12):
+        s1, s3 = one[(epoch, 0, 0)], three[(epoch, 0, 0)]
+        j = s1["text"].split()[-1]
+        assert s1["negatives"] == [f"own {j}"]
+        assert s3["text"] == s1["text"] and s3["negatives"][0] == f"own {j}"
+        assert len(s3["negatives"]) == 3
+        assert all(n.startswith("shared") for n in s3["negatives"][1:])
+    assert ImageTextDataset(path, 8, seed=1)[0]["negatives"] == []  # hard_negatives=0
+    evals = ImageTextDataset(path, 8, seed=1, hard_negatives=2, train=False)[0]
+    assert evals["negatives"] == ["shared 0", "shared 1"]  # evaluation: the shared list only
+    bad = _jsonl(tmp_path / "bad.jsonl", [{**rec, "caption_negatives": [["x"]]}])
+    with pytest.raises(DataError, match="caption_negatives"):
+        ImageTextDataset(bad, 8, seed=1)
+
+
 def test_fewer_negatives_than_requested(caps_file: Path) -> None:
     ds = ImageTextDataset(caps_file, 8, seed=0, hard_negatives=20)
     assert sorted(ds[0]["negatives"]) == sorted(ds.records[0]["negatives"])

@@ -175,6 +175,28 @@ def test_captions_true_negatives_false(shapes: tuple[Path, dict]) -> None:
     assert n_pairs > 50 and n_with_rel_neg >= 0.9 * n_pairs
 
 
+def test_caption_negatives_invert_each_captions_relation(shapes: tuple[Path, dict]) -> None:
+    """caption_negatives: per caption its own wording with the relation inverted, false for the
+    scene, the same objects in the same places of the sentence; none for one-shape scenes."""
+    folder, _ = shapes
+    inverse = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
+    seen = 0
+    for split in ("train", "val", "test"):
+        for rec in read_jsonl(folder / f"{split}.jsonl"):
+            if rec["relation"] is None:
+                assert "caption_negatives" not in rec
+                continue
+            assert len(rec["caption_negatives"]) == len(rec["text"])
+            for caption, own in zip(rec["text"], rec["caption_negatives"], strict=True):
+                for neg in own:
+                    a, rel, b = _parse(caption)
+                    assert _parse(neg) == (a, inverse[rel], b), (caption, neg)
+                    assert not _true(rec, neg, strict=False), (caption, neg)
+                    assert len(neg.split()) >= len(caption.split()) - 1  # a minimal pair
+                    seen += 1
+    assert seen > 100
+
+
 def test_negatives_swap_exactly_one_attribute(shapes: tuple[Path, dict]) -> None:
     out, _ = shapes
     for rec in _records(out, "train"):

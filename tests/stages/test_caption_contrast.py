@@ -79,12 +79,22 @@ def test_caption_contrast_is_refused_where_it_cannot_apply(
 
 
 def test_streamed_samples_draw_the_same_second_caption() -> None:
-    """Tar shards: the decoder picks (text, text2) as the map-style dataset does."""
+    """Tar shards: the decoder picks (text, text2) and the drawn caption's own negative as the
+    map-style dataset does."""
     texts = ["one", "two", "three"]
-    meta = json.dumps({"text": texts}).encode()
-    raw = RawSample("17", 0, 0, {"json": meta, "png": png_bytes(3)})
-    dec = SampleDecoder(8, seed=5, second_caption=True)
+    own = [["not one"], ["not two"], ["not three"]]
+    meta = {"text": texts, "caption_negatives": own, "negatives": ["shared"]}
+    raw = RawSample("17", 0, 0, {"json": json.dumps(meta).encode(), "png": png_bytes(3)})
+    dec = SampleDecoder(8, seed=5, hard_negatives=2, second_caption=True)
     for epoch in range(4):
         sample = dec(Entry(epoch, 0, 0, "17", raw), "shard-0.tar")
         assert (sample["text"], sample["text2"]) == pick_caption_pair(texts, 5, epoch, 17)
         assert sample["text2"] != sample["text"]
+        assert sample["negatives"] == [f"not {sample['text']}", "shared"]
+    bad = RawSample(
+        "18",
+        0,
+        0,
+        {"json": json.dumps({**meta, "caption_negatives": [[]]}).encode(), "png": png_bytes(3)},
+    )
+    assert dec(Entry(0, 0, 0, "18", bad), "shard-0.tar")["bad"] == "bad_text"

@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "stages on a 2-core CPU), tiny_vit (the 2-layer patch-8 ViT instead), small (4-layer "
         "ViT and text tower; slower)",
     )
-    q.add_argument("--steps", type=positive_int, default=600, help="training steps")
+    q.add_argument("--steps", type=positive_int, default=700, help="CLIP training steps")
     q.add_argument("--n-train", type=positive_int, default=12000, help="synthetic training images")
     q.add_argument(
         "--caption-steps",

@@ -64,6 +64,16 @@ def normalise_record(obj: object, where: str, default_id: str) -> dict[str, Any]
     negatives = obj.get("negatives", [])
     if not isinstance(negatives, list):
         raise DataError(f"{where}: 'negatives' must be a list of strings, got {negatives!r}.")
+    per_caption = obj.get("caption_negatives")
+    if per_caption is not None and (
+        not isinstance(per_caption, list)
+        or len(per_caption) != len(texts)
+        or not all(isinstance(x, list) for x in per_caption)
+    ):
+        raise DataError(
+            f"{where}: 'caption_negatives' must be a list with one list of negative captions per "
+            f"caption ({len(texts)} here), got {per_caption!r:.120}."
+        )
     rec = dict(obj)
     rec["text"] = texts
     rec["negatives"] = list(negatives)
@@ -291,7 +301,10 @@ class ImageTextDataset(Dataset):
                 out["text"], out["text2"] = pick_caption_pair(texts, self.seed, epoch, index)
             else:
                 out["text"] = pick_caption(texts, self.seed, epoch, index)
-            out["negatives"] = pick_negatives(negs, self.hard_negatives, self.seed, epoch, index)
+            own = own_negatives(rec, texts, self.hard_negatives, self.seed, epoch, index, label)
+            out["negatives"] = own + pick_negatives(
+                negs, self.hard_negatives - len(own), self.seed, epoch, index
+            )
         else:
             out["text"] = texts[0]
             out["texts"] = texts
@@ -324,6 +337,20 @@ def pick_caption_pair(texts: list[str], seed: int, epoch: int, index: int) -> tu
     g = sample_generator(seed, epoch, index, salt="caption2")
     other = int(torch.randint(len(texts) - 1, (1,), generator=g))
     return texts[first], texts[other + (other >= first)]
+
+
+def own_negatives(
+    rec: dict[str, Any], texts: list[str], k: int, seed: int, epoch: int, index: int, label: str
+) -> list[str]:
+    """Up to `k` of the drawn caption's own negatives (``caption_negatives[i]`` for caption i:
+    minimal pairs of that very wording, e.g. its relation inverted), drawn before the record's
+    shared ``negatives`` fill the rest. Empty for records without the field."""
+    per_caption = rec.get("caption_negatives")
+    if not k or not per_caption:
+        return []
+    own = [check_text(t, label) for t in per_caption[caption_index(len(texts), seed, epoch, index)]]
+    g = sample_generator(seed, epoch, index, salt="caption_negatives")
+    return [own[int(i)] for i in torch.randperm(len(own), generator=g)[:k]]
 
 
 def pick_negatives(negs: list[str], k: int, seed: int, epoch: int, index: int) -> list[str]:

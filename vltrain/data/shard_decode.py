@@ -16,7 +16,12 @@ from vltrain.data.images import (
     load_image,
     load_image_native,
 )
-from vltrain.data.records import pick_caption, pick_caption_pair, pick_negatives
+from vltrain.data.records import (
+    own_negatives,
+    pick_caption,
+    pick_caption_pair,
+    pick_negatives,
+)
 from vltrain.data.rng import sample_seed
 from vltrain.data.shards import IMAGE_EXTS, RawSample, parse_meta
 from vltrain.data.streaming import Entry
@@ -80,10 +85,18 @@ class SampleDecoder:
             image = load_image_native(label, self.max_pixels, data=data)  # PIL RGB
         else:
             image = load_image(label, self.image_size, self.max_pixels, data=data)  # (3, S, S)
+        rec = {"caption_negatives": meta.get("caption_negatives")}
+        if rec["caption_negatives"] is not None and (
+            not isinstance(rec["caption_negatives"], list)
+            or len(rec["caption_negatives"]) != len(texts)
+        ):
+            raise BadSample("bad_text", label, "caption_negatives must hold one list per caption")
+        own = own_negatives(rec, texts, self.hard_negatives, self.seed, epoch, index, label)
         out = {
             "image": image,
             "text": pick_caption(texts, self.seed, epoch, index),
-            "negatives": pick_negatives(negs, self.hard_negatives, self.seed, epoch, index),
+            "negatives": own
+            + pick_negatives(negs, self.hard_negatives - len(own), self.seed, epoch, index),
             "index": index,
             "key": key,
             "id": str(meta.get("id", raw.key)),

@@ -17,7 +17,10 @@ Hard negatives (``negatives``) re-render the first caption with exactly one attr
 (colour, shape, size or relation): one of each kind first, then extras, and the kinds are in
 ``negative_kinds``. Every negative is checked to be false for the whole scene, under a lenient
 reading of the relation (any offset in that direction counts), so a swap that happens to
-describe another shape in the picture is dropped.
+describe another shape in the picture is dropped. Scenes with a relation also carry
+``caption_negatives``: for each caption, the same wording with the relation inverted (its
+minimal pair: the same words up to "left" / "right", NegCLIP's kind of negative), which training
+draws before the shared ``negatives`` (`vltrain.data.records.own_negatives`).
 
 Compositional split: about 20% of the (colour, shape) combinations (one per colour, chosen
 from the seed) never occur in train/val images, captions or negatives, and every test image
@@ -337,7 +340,7 @@ def _negatives(
     return texts, kinds
 
 
-def _captions(rng: random.Random, st: _Statement) -> tuple[list[str], _Style]:
+def _captions(rng: random.Random, st: _Statement) -> tuple[list[str], list[_Style]]:
     templates = _PAIR_TEMPLATES if st.rel is not None else _SINGLE_TEMPLATES
     n = rng.randrange(3, 6)
     caps: list[str] = []
@@ -348,7 +351,26 @@ def _captions(rng: random.Random, st: _Statement) -> tuple[list[str], _Style]:
         if text not in caps:
             caps.append(text)
             styles.append(style)
-    return caps, styles[0]
+    return caps, styles
+
+
+def _inverted(
+    objs: Sequence[_Obj], st: _Statement, styles: Sequence[_Style], captions: Sequence[str], s: int
+) -> list[list[str]] | None:
+    """Per caption, the same wording with the relation inverted ("A left of B" -> "A right of
+    B"; in "B right of A" wording "B left of A"): each caption's minimal pair, the same words up
+    to the relation, NegCLIP's kind of negative. None for one-shape scenes; a caption whose
+    inversion is true of the scene (another pair of shapes fits it) gets none."""
+    if st.rel is None:
+        return None
+    inv = _Statement(st.a, _INVERSE[st.rel], st.b)
+    if _is_true(objs, inv, True, s):
+        return [[] for _ in captions]
+    out = []
+    for style in styles:
+        text = _render(inv, style)
+        out.append([text] if text not in captions else [])
+    return out
 
 
 def _make_record(
@@ -363,8 +385,9 @@ def _make_record(
     objs, rel = _make_scene(rng, s, combos, held if split == "test" else [])
     st = _Statement(objs[0].desc, rel, objs[1].desc if rel is not None else None)
     assert _is_true(objs, st, False, s), "caption must describe the scene"
-    captions, style = _captions(rng, st)
-    negatives, kinds = _negatives(rng, objs, st, style, banned, captions, s)
+    captions, styles = _captions(rng, st)
+    negatives, kinds = _negatives(rng, objs, st, styles[0], banned, captions, s)
+    inverted = _inverted(objs, st, styles, captions, s)
     name = f"{split}_{i:05d}"
     _draw(objs, rng, s).save(out_dir / "images" / f"{name}.png", format="PNG", compress_level=6)
     return {
@@ -372,6 +395,7 @@ def _make_record(
         "text": captions,
         "negatives": negatives,
         "negative_kinds": kinds,
+        **({"caption_negatives": inverted} if inverted is not None else {}),
         "id": name,
         "relation": rel,
         "objects": [o.to_json() for o in objs],

@@ -138,7 +138,7 @@ def stage_overrides(
 def run_quickstart(
     out: str = "runs/quickstart",
     size: str = "tiny",
-    steps: int = 600,
+    steps: int = 700,
     n_train: int = 12000,
     n_eval: int = 300,
     batch_size: int = 128,
