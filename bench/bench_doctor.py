@@ -268,6 +268,8 @@ def one_caption_data(data: Path) -> Path:
     rows = [json.loads(x) for x in (data / "train.jsonl").read_text().splitlines()]
     for r in rows:
         r["text"] = [r["text"][0]] if isinstance(r["text"], list) else [r["text"]]
+        if r.get("caption_negatives"):  # one list per caption: keep the first caption's
+            r["caption_negatives"] = r["caption_negatives"][:1]
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return out
 

@@ -78,6 +78,7 @@ def _multi_caption_data(shapes_dir: Path, tmp_path: Path) -> Path:
         caps = [base, f"{base} , {base}", f"{base} , {base} , {base}"]
         rng.shuffle(caps)
         r["text"] = caps
+        r.pop("caption_negatives", None)  # one list per caption: no longer aligned
     hardlink_tree(shapes_dir / "images", tmp_path / "images")
     (tmp_path / "multi.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return tmp_path / "multi.jsonl"

@@ -105,6 +105,7 @@ def small_eval(
     for line in (shapes_dir / "val.jsonl").read_text().splitlines():
         r = json.loads(line)
         r["text"] = [t for t in r["text"] if fresh(t)]
+        r.pop("caption_negatives", None)  # one list per caption: no longer aligned
         r["negatives"] = [t for t in r["negatives"] if fresh(t)]
         if r["text"] and len(records) < 8:
             records.append(r)

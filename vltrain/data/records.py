@@ -72,7 +72,8 @@ def normalise_record(obj: object, where: str, default_id: str) -> dict[str, Any]
     ):
         raise DataError(
             f"{where}: 'caption_negatives' must be a list with one list of negative captions per "
-            f"caption ({len(texts)} here), got {per_caption!r:.120}."
+            f"caption ({len(texts)} here), got {per_caption!r:.120}. A script that edits 'text' "
+            "must edit it alike (or drop it)."
         )
     rec = dict(obj)
     rec["text"] = texts
