@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 
+from vltrain.data.synth import COLORS, SHAPES
 from vltrain.data.tokenizer import TextTokenizer
 from vltrain.eval.retrieval import image_text_retrieval
 from vltrain.models.layers import init_weights
@@ -167,8 +168,8 @@ class SwiGLU(nn.Module):
 
 
 SIZE_OF = {"small": 0, "little": 0, "large": 1, "big": 1}
-COLOR_IDS = {c: i for i, c in enumerate(("red", "green", "blue", "yellow", "purple", "white"))}
-SHAPE_IDS = {s: i for i, s in enumerate(("circle", "square", "triangle", "star", "cross"))}
+COLOR_IDS = {c: i for i, c in enumerate(COLORS)}
+SHAPE_IDS = {s: i for i, s in enumerate(SHAPES)}
 REL_OF = {"left": 0, "right": 1, "above": 2, "over": 2, "below": 3, "under": 3, "beneath": 3}
 
 

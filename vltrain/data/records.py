@@ -65,11 +65,7 @@ def normalise_record(obj: object, where: str, default_id: str) -> dict[str, Any]
     if not isinstance(negatives, list):
         raise DataError(f"{where}: 'negatives' must be a list of strings, got {negatives!r}.")
     per_caption = obj.get("caption_negatives")
-    if per_caption is not None and (
-        not isinstance(per_caption, list)
-        or len(per_caption) != len(texts)
-        or not all(isinstance(x, list) for x in per_caption)
-    ):
+    if not caption_negatives_fit(per_caption, len(texts)):
         raise DataError(
             f"{where}: 'caption_negatives' must be a list with one list of negative captions per "
             f"caption ({len(texts)} here), got {per_caption!r:.120}. A script that edits 'text' "
@@ -80,6 +76,15 @@ def normalise_record(obj: object, where: str, default_id: str) -> dict[str, Any]
     rec["negatives"] = list(negatives)
     rec["id"] = str(obj["id"]) if obj.get("id") is not None else default_id
     return rec
+
+
+def caption_negatives_fit(per_caption: object, n_captions: int) -> bool:
+    """Whether a record's ``caption_negatives`` is absent or one list per caption."""
+    return per_caption is None or (
+        isinstance(per_caption, list)
+        and len(per_caption) == n_captions
+        and all(isinstance(x, list) for x in per_caption)
+    )
 
 
 def read_jsonl(
@@ -298,13 +303,16 @@ class ImageTextDataset(Dataset):
         )
         out: dict[str, Any] = {"image": image, "index": index, "key": key}
         if self.train:
-            if self.second_caption:
-                out["text"], out["text2"] = pick_caption_pair(texts, self.seed, epoch, index)
-            else:
-                out["text"] = pick_caption(texts, self.seed, epoch, index)
-            own = own_negatives(rec, texts, self.hard_negatives, self.seed, epoch, index, label)
-            out["negatives"] = own + pick_negatives(
-                negs, self.hard_negatives - len(own), self.seed, epoch, index
+            out.update(
+                training_texts(
+                    texts,
+                    negs,
+                    rec.get("caption_negatives"),
+                    self.hard_negatives,
+                    self.second_caption,
+                    (self.seed, epoch, index),
+                    label,
+                )
             )
         else:
             out["text"] = texts[0]
@@ -323,35 +331,49 @@ def caption_index(n: int, seed: int, epoch: int, index: int) -> int:
     return int(torch.randint(n, (1,), generator=g))
 
 
-def pick_caption(texts: list[str], seed: int, epoch: int, index: int) -> str:
-    """One training caption, deterministic in (seed, epoch, index)."""
-    return texts[caption_index(len(texts), seed, epoch, index)]
+def _second_index(n: int, first: int, seed: int, epoch: int, index: int) -> int:
+    """A caption other than `first`, uniform over the other n - 1 (`first` itself when n = 1)."""
+    if n == 1:
+        return first
+    g = sample_generator(seed, epoch, index, salt="caption2")
+    other = int(torch.randint(n - 1, (1,), generator=g))
+    return other + (other >= first)
 
 
 def pick_caption_pair(texts: list[str], seed: int, epoch: int, index: int) -> tuple[str, str]:
-    """The training caption (`pick_caption`'s, so length buckets still predict it) and a second,
+    """The training caption (`caption_index`'s, so length buckets still predict it) and a second,
     different one of the same record, uniform over the others; a one-caption record pairs its
     caption with itself. Deterministic in (seed, epoch, index)."""
     first = caption_index(len(texts), seed, epoch, index)
-    if len(texts) == 1:
-        return texts[0], texts[0]
-    g = sample_generator(seed, epoch, index, salt="caption2")
-    other = int(torch.randint(len(texts) - 1, (1,), generator=g))
-    return texts[first], texts[other + (other >= first)]
+    return texts[first], texts[_second_index(len(texts), first, seed, epoch, index)]
 
 
-def own_negatives(
-    rec: dict[str, Any], texts: list[str], k: int, seed: int, epoch: int, index: int, label: str
-) -> list[str]:
-    """Up to `k` of the drawn caption's own negatives (``caption_negatives[i]`` for caption i:
-    minimal pairs of that very wording, e.g. its relation inverted), drawn before the record's
-    shared ``negatives`` fill the rest. Empty for records without the field."""
-    per_caption = rec.get("caption_negatives")
-    if not k or not per_caption:
-        return []
-    own = [check_text(t, label) for t in per_caption[caption_index(len(texts), seed, epoch, index)]]
-    g = sample_generator(seed, epoch, index, salt="caption_negatives")
-    return [own[int(i)] for i in torch.randperm(len(own), generator=g)[:k]]
+def training_texts(
+    texts: list[str],
+    negs: list[str],
+    per_caption: list[list[Any]] | None,
+    k: int,
+    second_caption: bool,
+    key: tuple[int, int, int],
+    label: str,
+) -> dict[str, Any]:
+    """A training sample's texts, deterministic in ``key = (seed, epoch, index)``: ``text``
+    (`caption_index`'s draw), with `second_caption` also ``text2`` (`pick_caption_pair`'s), and
+    up to `k` ``negatives``: the drawn caption's own ``caption_negatives`` first (minimal pairs
+    of that very wording, e.g. its relation inverted), then the record's shared ``negatives``
+    (`pick_negatives`). The map-style and the streamed datasets both draw here."""
+    seed, epoch, index = key
+    first = caption_index(len(texts), seed, epoch, index)
+    out: dict[str, Any] = {"text": texts[first]}
+    if second_caption:
+        out["text2"] = texts[_second_index(len(texts), first, seed, epoch, index)]
+    own: list[str] = []
+    if k and per_caption:
+        mine = [check_text(t, label) for t in per_caption[first]]
+        g = sample_generator(seed, epoch, index, salt="caption_negatives")
+        own = [mine[int(i)] for i in torch.randperm(len(mine), generator=g)[:k]]
+    out["negatives"] = own + pick_negatives(negs, k - len(own), seed, epoch, index)
+    return out
 
 
 def pick_negatives(negs: list[str], k: int, seed: int, epoch: int, index: int) -> list[str]:

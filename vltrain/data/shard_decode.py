@@ -16,12 +16,7 @@ from vltrain.data.images import (
     load_image,
     load_image_native,
 )
-from vltrain.data.records import (
-    own_negatives,
-    pick_caption,
-    pick_caption_pair,
-    pick_negatives,
-)
+from vltrain.data.records import caption_negatives_fit, training_texts
 from vltrain.data.rng import sample_seed
 from vltrain.data.shards import IMAGE_EXTS, RawSample, parse_meta
 from vltrain.data.streaming import Entry
@@ -85,22 +80,21 @@ class SampleDecoder:
             image = load_image_native(label, self.max_pixels, data=data)  # PIL RGB
         else:
             image = load_image(label, self.image_size, self.max_pixels, data=data)  # (3, S, S)
-        rec = {"caption_negatives": meta.get("caption_negatives")}
-        if rec["caption_negatives"] is not None and (
-            not isinstance(rec["caption_negatives"], list)
-            or len(rec["caption_negatives"]) != len(texts)
-        ):
+        per_caption = meta.get("caption_negatives")
+        if not caption_negatives_fit(per_caption, len(texts)):
             raise BadSample("bad_text", label, "caption_negatives must hold one list per caption")
-        own = own_negatives(rec, texts, self.hard_negatives, self.seed, epoch, index, label)
-        out = {
+        return {
             "image": image,
-            "text": pick_caption(texts, self.seed, epoch, index),
-            "negatives": own
-            + pick_negatives(negs, self.hard_negatives - len(own), self.seed, epoch, index),
+            **training_texts(
+                texts,
+                negs,
+                per_caption,
+                self.hard_negatives,
+                self.second_caption,
+                (self.seed, epoch, index),
+                label,
+            ),
             "index": index,
             "key": key,
             "id": str(meta.get("id", raw.key)),
         }
-        if self.second_caption:
-            out["text"], out["text2"] = pick_caption_pair(texts, self.seed, epoch, index)
-        return out

@@ -20,7 +20,7 @@ reading of the relation (any offset in that direction counts), so a swap that ha
 describe another shape in the picture is dropped. Scenes with a relation also carry
 ``caption_negatives``: for each caption, the same wording with the relation inverted (its
 minimal pair: the same words up to "left" / "right", NegCLIP's kind of negative), which training
-draws before the shared ``negatives`` (`vltrain.data.records.own_negatives`).
+draws before the shared ``negatives`` (`vltrain.data.records.training_texts`).
 
 Compositional split: about 20% of the (colour, shape) combinations (one per colour, chosen
 from the seed) never occur in train/val images, captions or negatives, and every test image
