@@ -78,3 +78,21 @@ def test_micro_sweep_resumes_a_killed_run(shapes_dir, tmp_path):
         table = list(csv.DictReader(f))
     assert [r["size"] for r in table] == ["1x32", "1x64"] * 2
     assert {"params", "tokens", "flops", "loss"} <= set(table[0])
+
+
+def test_jobs_train_in_processes_with_the_same_rows(shapes_dir, tmp_path, monkeypatch):
+    sizes = parse_sizes(["1x32,1x48"])
+    budgets = [1.2e9]
+    one = sweep(str(CONFIG), _overrides(shapes_dir), budgets, sizes, tmp_path / "one")
+    two = sweep(str(CONFIG), _overrides(shapes_dir), budgets, sizes, tmp_path / "two", jobs=2)
+    assert [r["size"] for r in two] == ["1x32", "1x48"]
+    for a, b in zip(one, two, strict=True):
+        # each run is the same deterministic run in its own process: same steps, same loss
+        assert (a["steps"], a["params"], a["flops"]) == (b["steps"], b["params"], b["flops"])
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+        assert (Path(b["run"]) / "sweep_process.log").is_file()
+    # a process that fails stops the sweep with its folder named; nothing is half-recorded
+    monkeypatch.setattr("sys.executable", "/bin/false")
+    with pytest.raises(ConfigError, match="runs failed: .*C1.2e09_1x3"):
+        sweep(str(CONFIG), _overrides(shapes_dir), budgets, sizes, tmp_path / "bad", jobs=2)
+    assert not (tmp_path / "bad" / "runs.csv").exists()

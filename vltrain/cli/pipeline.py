@@ -28,6 +28,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         run_pipeline(args.pipeline, args.overrides)
-    finally:
+    except BaseException:
         D.shutdown()
+        raise
+    D.shutdown(finished=True)
     return 0

@@ -24,6 +24,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--sizes", required=True, help="sizes: LAYERSxWIDTH or parameter counts (50k,200k,1M)"
     )
     w.add_argument("--out", required=True, help="sweep folder")
+    w.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="train this many runs at once, each its own process (2 cores: --jobs 2 with "
+        "run.threads=1); same results as one at a time",
+    )
     w.set_defaults(fn=run_sweep)
     f = ssub.add_parser(
         "fit",
@@ -90,6 +97,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         _floats(args.budgets),
         parse_sizes([args.sizes]),
         Path(args.out),
+        jobs=args.jobs,
     )
     print(f"scaling sweep: {len(rows)} runs in {Path(args.out) / 'runs.csv'}")
     return 0

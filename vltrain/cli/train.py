@@ -28,6 +28,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_run_config(args.config, args.overrides)
     try:
         train(cfg)
-    finally:
+    except BaseException:
         D.shutdown()
+        raise
+    D.shutdown(finished=True)
     return 0

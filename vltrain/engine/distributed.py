@@ -42,6 +42,7 @@ tensor straight to `dist.*` (vltrain before issue 11) fails on gloo exactly wher
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import pickle
 import sys
@@ -54,6 +55,7 @@ import torch.distributed as dist
 
 STRICT_ENV = "VLTRAIN_STRICT_COLLECTIVES"
 _MARK = "_vltrain_placed_on"  # attribute placement sets: the declared device, as a string
+FINISH_TIMEOUT_S = 300  # shutdown(finished=True): how long a rank waits for the others
 _GROUP = "group"  # set_strict's "declare the group's own comm_device()"
 _UNSET = object()
 _strict_override: Any = _UNSET  # set_strict's choice; _UNSET defers to the environment
@@ -110,11 +112,27 @@ def init_from_env(device_type: str) -> None:
     dist.init_process_group(backend=backend, timeout=timedelta(minutes=30))
 
 
-def shutdown() -> None:
-    """Leave the process group (no collective here: a rank that already left must not leave
-    another waiting)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown(finished: bool = False) -> None:
+    """Leave the process group.
+
+    `finished=True` (every rank returned from its work): first wait, at most
+    `FINISH_TIMEOUT_S`, until every rank got here, so no rank closes its connections while a
+    peer still talks on them (a rank that tore down gloo under a peer's last messages was seen
+    to abort, SIGABRT, after a successful run), and drop unreachable objects (a DDP reducer)
+    that still hold the group. After an error, no collective: a rank that already left must
+    not leave another waiting."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if finished and is_distributed():
+        try:
+            if "gloo" in str(dist.get_backend()):
+                dist.monitored_barrier(timeout=timedelta(seconds=FINISH_TIMEOUT_S))
+            else:
+                barrier()
+        except RuntimeError as e:  # a peer failed or left: leave anyway, say so
+            print(f"[rank {rank()}] leaving without the final barrier: {e}", file=sys.stderr)
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def comm_device() -> torch.device:

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,8 +103,11 @@ def sweep(
     out: Path,
     train_fn: Callable[[Any], dict[str, Any]] | None = None,
     log: Callable[[str], None] = print,
+    jobs: int = 1,
 ) -> list[dict[str, Any]]:
-    """Train (or pick up) every budget x size run; write OUT/runs.csv; return its rows."""
+    """Train (or pick up) every budget x size run; write OUT/runs.csv; return its rows.
+    `jobs` > 1 trains the runs as that many concurrent processes (set `run.threads` so
+    jobs x threads fits the cores); the rows are the same as one at a time."""
     from vltrain.runs import train
 
     train_fn = train_fn or train
@@ -124,13 +130,13 @@ def sweep(
     for run in runs:  # every config checked (and its step count resolved) before any compute
         cfg = load_run_config(config, run_overrides(overrides, stage, run))
         checked.append(resolve_budget(cfg))
+    if jobs > 1:
+        _train_in_processes(config, overrides, stage, runs, checked, jobs, log)
     rows = []
     for run, cfg in zip(runs, checked, strict=True):
         state = folder_state(run.folder)
-        extra = {"resume": ["train.resume=true"], "restart": ["train.overwrite=true"]}
-        flags = extra.get(state, [])
         log(f"scaling sweep: {run.folder.name}: {state} ({cfg.train.max_steps} steps)")
-        run_cfg = load_run_config(config, run_overrides(overrides, stage, run) + flags)
+        run_cfg = load_run_config(config, run_overrides(overrides, stage, run) + _flags(state))
         if state == "finished":
             summary = json.loads((run.folder / "summary.json").read_text())
         else:
@@ -138,6 +144,56 @@ def sweep(
         rows.append(result_row(cfg, run, summary))
         write_csv(out / "runs.csv", rows)
     return rows
+
+
+def _flags(state: str) -> list[str]:
+    return {"resume": ["train.resume=true"], "restart": ["train.overwrite=true"]}.get(state, [])
+
+
+def _train_in_processes(
+    config: str,
+    overrides: list[str],
+    stage: str,
+    runs: list[SweepRun],
+    checked: list[Any],
+    jobs: int,
+    log: Callable[[str], None],
+) -> None:
+    """Train the unfinished runs as `vltrain train` processes, `jobs` at a time, largest
+    budget first (the longest runs start first, so the last ones to finish are short). Each
+    run is the same deterministic run as in-process (its own process, its own seed and
+    `run.threads`); a failed run stops the sweep after the running ones finish."""
+    pending = [
+        (run, cfg)
+        for run, cfg in zip(runs, checked, strict=True)
+        if folder_state(run.folder) != "finished"
+    ]
+    pending.sort(key=lambda rc: -rc[0].budget)  # stable: sizes keep their order
+    running: list[tuple[SweepRun, subprocess.Popen]] = []
+    failed: list[str] = []
+    while pending or running:
+        while pending and len(running) < jobs and not failed:
+            run, cfg = pending.pop(0)
+            state = folder_state(run.folder)
+            log(f"scaling sweep: {run.folder.name}: {state} ({cfg.train.max_steps} steps), "
+                f"in a process")  # fmt: skip
+            run.folder.mkdir(parents=True, exist_ok=True)
+            args = [sys.executable, "-m", "vltrain", "train", config,
+                    *run_overrides(overrides, stage, run), *_flags(state)]  # fmt: skip
+            with open(run.folder / "sweep_process.log", "ab") as logf:
+                running.append((run, subprocess.Popen(args, stdout=logf, stderr=logf)))
+        if not pending or failed or len(running) >= jobs:
+            time.sleep(0.2)
+        for run, proc in list(running):
+            if proc.poll() is not None:
+                running.remove((run, proc))
+                if proc.returncode != 0:
+                    failed.append(f"{run.folder} (exit {proc.returncode}; see its "
+                                  "sweep_process.log)")  # fmt: skip
+        if failed and not running:
+            pending.clear()
+    if failed:
+        raise ConfigError("scaling sweep: runs failed: " + "; ".join(failed))
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:

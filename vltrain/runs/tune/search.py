@@ -401,9 +401,12 @@ def run_search(
 ) -> dict[str, Any]:
     """Run `vltrain tune`; returns the results summary on rank 0 ({} on other ranks)."""
     try:
-        return Search(config_path, overrides, trials, storage, study).run()
-    finally:
+        result = Search(config_path, overrides, trials, storage, study).run()
+    except BaseException:
         D.shutdown()
+        raise
+    D.shutdown(finished=True)
+    return result
 
 
 def load_summary(study_dir: str | Path) -> dict[str, Any]:
