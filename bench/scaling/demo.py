@@ -1,20 +1,22 @@
 """The scaling demo (docs/scaling.md): an isoFLOP sweep of the captioner decoder on the
-synthetic shapes data, its fit, plots and prediction, the seed-to-seed noise of one point,
-and the check that the predicted size at a new budget beats the sizes on either side of it.
+synthetic shapes data with facts in its captions, its fit, plots and prediction, and the check
+that the predicted size at a new budget beats the sizes on either side of it, on 3 seeds.
 
-    vltrain data synth --out DATA --n-train 40000 --n-val 512 --n-test 16 --seed 1
+    vltrain data synth --out SHAPES --n-train 40000 --n-val 512 --n-test 16 --seed 1
+    PYTHONPATH=. python bench/scaling/facts.py SHAPES DATA
     PYTHONPATH=. python bench/scaling/demo.py --data DATA --out OUT \
-        [--budgets 1e11,3e11,9e11] [--sizes 1x48,1x64,2x64,2x96,3x112] [--predict 1.8e12]
+        [--budgets 1e11,3e11,9e11] [--sizes 1x32,1x48,1x64,1x96,1x128] [--predict 1.8e12] \
+        [--spread 2.5] [--check-seeds 0,1,2] [--jobs 2] [dotted.overrides ...]
 
 Everything is resumable (rerun to continue; a rerun of a finished demo only refits and
-replots). Design (docs/scaling.md "Demo" says why each choice): budgets spanning 9x, all past
-the steep first ~50 steps of training (the 2e10 budget of the second design was not); sizes
-in ~2x steps with depth never decreasing; 40,000 training records so no run sees an image
-more than ~3 times; 512 validation records; the prediction from the approach with the
-narrower bootstrap interval (`--predict-with narrower`); neighbours one sweep step
-(`--spread`) either side; the seed-to-seed spread of one point measured, so a check decided
-by less than that is reported as within noise. `OUT/check.png`: the sweep's isoFLOP curves
-with the three check runs at the new budget.
+replots). Design (docs/scaling.md "Demo" says why each choice): captions with two Zipf-drawn
+facts each (bench/scaling/facts.py), so a larger decoder has something to gain; one family,
+depth 1, widths 32..128 (~2x steps in N); budgets spanning 9x, every run past its first ~50
+steps; 40,000 training records; 512 validation records; two runs at a time (`--jobs 2`, one
+thread each); the prediction from the approach with the narrower bootstrap interval; the
+check trains the predicted size and its neighbours at N_opt / 2.5 and N_opt x 2.5 on 3 seeds
+each and reports the margins against their standard errors (and paired by seed).
+`OUT/check.png`: the sweep's isoFLOP curves with the check runs at the new budget.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -37,15 +40,20 @@ def vltrain(*args: str) -> None:
     subprocess.run(cmd, check=True)
 
 
-def sweep(config: str, data: list[str], budgets: str, sizes: str, out: Path, *extra: str) -> dict:
-    vltrain("scaling", "sweep", config, *data, *extra, "--budgets", budgets, "--sizes", sizes,
-            "--out", str(out))  # fmt: skip
+def sweep(
+    config: str, data: list[str], budgets: str, sizes: str, out: Path, jobs: int,
+    seeds: str | None = None,
+) -> list[dict]:  # fmt: skip
+    extra = ["--jobs", str(jobs)] + (["--seeds", seeds] if seeds else [])
+    vltrain("scaling", "sweep", config, *data, "--budgets", budgets, "--sizes", sizes,
+            "--out", str(out), *extra)  # fmt: skip
     with open(out / "runs.csv", newline="") as f:
-        return {(float(r["budget"]), r["size"]): r for r in csv.DictReader(f)}
+        return list(csv.DictReader(f))
 
 
 def plot_check(sweep_csv: Path, check: dict, budget: float, path: Path) -> None:
-    """The sweep's losses per budget against N, and the check's three runs at `budget`."""
+    """The sweep's losses per budget against N, and the check's runs at `budget` (the mean
+    over seeds of each size, and each seed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -53,7 +61,7 @@ def plot_check(sweep_csv: Path, check: dict, budget: float, path: Path) -> None:
 
     with open(sweep_csv, newline="") as f:
         rows = list(csv.DictReader(f))
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(8, 4))
     for c in sorted({float(r["budget"]) for r in rows}):
         pts = sorted(
             (float(r["params"]), float(r["loss"])) for r in rows if float(r["budget"]) == c
@@ -71,10 +79,13 @@ def plot_check(sweep_csv: Path, check: dict, budget: float, path: Path) -> None:
             color="k",
             ms=11 if name == "predicted" else 6,
         )
-    ax.plot([], [], "k*", label=f"check C={budget:.2g} (star: predicted)")
+    for k in ("smaller", "predicted", "larger"):  # every seed's loss, the mean marked above
+        seeds = check[k].get("losses", [])
+        ax.plot([check[k]["params"]] * len(seeds), seeds, ".", color="grey", ms=4)
+    ax.plot([], [], "k*", label=f"check C={budget:.2g}: seed mean (star: predicted), seeds")
     ax.set(xscale="log", xlabel="non-embedding parameters N", ylabel="eval loss",
            title="isoFLOP sweep and the prediction check")  # fmt: skip
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -85,36 +96,26 @@ def main() -> None:
     p.add_argument("--data", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--budgets", default="1e11,3e11,9e11")
-    p.add_argument("--sizes", default="1x48,1x64,2x64,2x96,3x112")
+    p.add_argument("--sizes", default="1x32,1x48,1x64,1x96,1x128")
     p.add_argument("--predict", type=float, default=1.8e12)
     p.add_argument("--bootstrap", type=int, default=100)
-    p.add_argument("--spread", type=float, default=2.0, help="neighbours at N_opt / x, N_opt * x")
-    p.add_argument("--noise-seeds", type=int, default=2, help="extra seeds of one sweep point")
+    p.add_argument("--spread", type=float, default=2.5, help="neighbours at N_opt / x, N_opt * x")
+    p.add_argument("--check-seeds", default="0,1,2", help="seeds of every check run")
+    p.add_argument("--jobs", type=int, default=2, help="runs at a time (vltrain scaling sweep)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides for every run")
     a = p.parse_args()
     out = Path(a.out)
-    data = [f"data.train={a.data}/train.jsonl", f"data.eval={a.data}/val.jsonl"]
+    data = [f"data.train={a.data}/train.jsonl", f"data.eval={a.data}/val.jsonl", *a.overrides]
     config = str(HERE / "caption_sweep.yaml")
     t0 = time.time()
-    sweep(config, data, a.budgets, a.sizes, out / "sweep")
+    sweep(config, data, a.budgets, a.sizes, out / "sweep", a.jobs)
     t_sweep = time.time() - t0
     vltrain("scaling", "fit", str(out / "sweep"), "--bootstrap", str(a.bootstrap),
             "--predict", str(a.predict), "--json", str(out / "fit.json"),
             "--plots", str(out / "plots"))  # fmt: skip
     fit = json.loads((out / "fit.json").read_text())
     n_opt = fit["N_opt_predicted"]
-    # seed-to-seed spread of the middle point (same data order rule, other init and order)
-    budgets = [float(x) for x in a.budgets.split(",")]
-    mid_budget = budgets[len(budgets) // 2]
-    with open(out / "sweep" / "runs.csv", newline="") as f:
-        rows = [r for r in csv.DictReader(f) if float(r["budget"]) == mid_budget]
-    mid = rows[len(rows) // 2]
-    losses = [float(mid["loss"])]
-    for s in range(1, a.noise_seeds + 1):
-        got = sweep(config, data, str(mid_budget), mid["size"], out / f"seed{s}", f"run.seed={s}")
-        losses.append(float(got[(mid_budget, mid["size"])]["loss"]))
-    noise = {"budget": mid_budget, "size": mid["size"], "losses": losses,
-             "std": statistics.stdev(losses) if len(losses) > 1 else None}  # fmt: skip
-    # the check: the predicted size and its neighbours, each trained at the new budget
+    # the check: the predicted size and its neighbours at the new budget, each on every seed
     from vltrain.runs.sweep import predicted_config
 
     checks = {}
@@ -123,27 +124,40 @@ def main() -> None:
         checks[name] = predicted_config(
             out / "sweep", n, a.predict, out / f"check_{name}.yaml"
         ).label
-    got = sweep(
-        config, data, str(a.predict), ",".join(dict.fromkeys(checks.values())), out / "check"
-    )
-    result = {
-        name: {
-            "size": s,
-            "params": float(got[(a.predict, s)]["params"]),
-            "loss": float(got[(a.predict, s)]["loss"]),
-        }  # fmt: skip
-        for name, s in checks.items()
-    }
-    pred = result["predicted"]["loss"]
-    margins = [result[k]["loss"] - pred for k in ("smaller", "larger")]
+    rows = sweep(config, data, str(a.predict), ",".join(dict.fromkeys(checks.values())),
+                 out / "check", a.jobs, a.check_seeds)  # fmt: skip
+    result: dict = {}
+    for name, size in checks.items():
+        got = [r for r in rows if r["size"] == size]
+        losses = [float(r["loss"]) for r in got]
+        result[name] = {
+            "size": size,
+            "params": float(got[0]["params"]),
+            "losses": losses,
+            "seeds": [int(r["seed"]) for r in got],
+            "loss": statistics.mean(losses),
+            "std": statistics.stdev(losses) if len(losses) > 1 else None,
+        }
+    pred = result["predicted"]
+    margins = [result[k]["loss"] - pred["loss"] for k in ("smaller", "larger")]
     result["predicted_by"] = fit["predicted_by"]
     result["N_opt_predicted"] = n_opt
     result["N_opt_predicted_ci"] = fit.get("N_opt_predicted_ci")
-    result["predicted_beats_neighbours"] = all(m >= 0 for m in margins)
+    result["predicted_beats_neighbours"] = all(m > 0 for m in margins)
     result["margins"] = margins
-    result["seed_noise"] = noise
-    if noise["std"] is not None:
-        result["margins_over_seed_std"] = [m / noise["std"] for m in margins]
+    # the margin between two means of k seeds each, in units of its standard error
+    k = len(pred["losses"])
+    if k > 1:
+        ses = [
+            math.sqrt((pred["std"] ** 2 + result[n]["std"] ** 2) / k) for n in ("smaller", "larger")
+        ]
+        result["margins_over_standard_error"] = [m / se for m, se in zip(margins, ses, strict=True)]
+        # paired by seed (same data order and init seed on both sides)
+        paired = []
+        for n in ("smaller", "larger"):
+            d = [x - y for x, y in zip(result[n]["losses"], pred["losses"], strict=True)]
+            paired.append(statistics.mean(d) / (statistics.stdev(d) / math.sqrt(k)))
+        result["paired_t"] = paired
     result["sweep_seconds"] = round(t_sweep, 1)
     result["total_seconds"] = round(time.time() - t0, 1)
     (out / "check.json").write_text(json.dumps(result, indent=2))

@@ -11,7 +11,8 @@ scaling"; Allen-Zhu & Li 2024, "Physics of language models 3.3: knowledge capaci
 Validation records draw their facts from the same distribution, so the eval loss weights each
 fact by how often it occurs. The images and every other field stay as they were.
 
-    PYTHONPATH=. python bench/scaling/facts.py SRC DST [--keys 20000] [--zipf 1.1]
+    PYTHONPATH=. python bench/scaling/facts.py SRC DST [--keys 4000] [--zipf 1.2] [--per-record 2] \
+        [--key-words 2] [--value-words 4]
 """
 
 from __future__ import annotations
@@ -111,12 +112,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--keys", type=int, default=20000)
-    p.add_argument("--zipf", type=float, default=1.1)
+    p.add_argument("--keys", type=int, default=4000)
+    p.add_argument("--zipf", type=float, default=1.2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--per-record", type=int, default=1, help="facts appended to each caption")
-    p.add_argument("--key-words", type=int, default=3)
-    p.add_argument("--value-words", type=int, default=2)
+    p.add_argument("--per-record", type=int, default=2, help="facts appended to each caption")
+    p.add_argument("--key-words", type=int, default=2)
+    p.add_argument("--value-words", type=int, default=4)
     a = p.parse_args()
     counts = add_facts(Path(a.src), Path(a.dst), a.keys, a.zipf, a.seed, a.per_record,
                        a.key_words, a.value_words)  # fmt: skip

@@ -128,3 +128,24 @@ def test_training_is_deterministic(tok: TextTokenizer, tmp_path: Path) -> None:
     # Negative control: a different corpus gives a different tokenizer.
     other = train_bpe_tokenizer(_corpus(300), vocab_size=400, min_frequency=2)
     assert other.save(tmp_path / "d").read_text() != a
+
+
+def test_a_tokenizer_is_trained_once_per_process_for_the_same_texts(tmp_path: Path) -> None:
+    """A budgeted run trains its tokenizer to count FLOPs, then for its folder: the second
+    time is the first one's result, identical to a fresh training; other texts or another
+    vocabulary size train anew."""
+    from vltrain.data.tokenizer import prepare_tokenizer, trained_once
+
+    texts = _corpus()
+    first = trained_once(texts, 400)
+    assert trained_once(list(texts), 400) is first
+    fresh = train_bpe_tokenizer(texts, vocab_size=400)
+    for t in texts[:50]:
+        assert first.encode(t) == fresh.encode(t)
+    assert trained_once(texts[:-1], 400) is not first
+    assert trained_once(texts, 300) is not first
+    for name in ("a", "b"):  # the run folder gets the same files either way
+        prepare_tokenizer(tmp_path / name, None, lambda: texts, 400, is_main=True)
+    fresh.save(tmp_path / "c")
+    same = [(tmp_path / d / "tokenizer.json").read_bytes() for d in "abc"]
+    assert same[0] == same[1] == same[2]

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from vltrain.cli import main
+from vltrain.config.core import ConfigError
 from vltrain.scaling import fit
 from vltrain.scaling.simulate import EPOCH_AI, isoflop_grid
-from vltrain.scaling.sizes import Size, parse_size, size_for_params
+from vltrain.scaling.sizes import Size, parse_size, size_for_params, width_for_params
 
 BUDGETS = np.logspace(18, 22, 5)
 TRUE_A = EPOCH_AI["beta"] / (EPOCH_AI["alpha"] + EPOCH_AI["beta"])
@@ -110,6 +112,11 @@ def test_size_rule():
         assert abs(np.log(s.block_params / target)) < 0.35
         assert 32 <= s.width / s.layers <= 128
     assert parse_size("100k") == size_for_params(1e5)
+    # inside a fixed-depth family: the nearest width, a multiple of 16
+    assert width_for_params(88e3 - 4000, 1) == Size(1, 80)
+    assert width_for_params(Size(3, 96).block_params, 3) == Size(3, 96)
+    with pytest.raises(ConfigError, match="positive"):
+        width_for_params(0, 1)
 
 
 def test_prediction_uses_the_approach_with_the_narrower_interval():
@@ -174,3 +181,19 @@ def test_huber_delta_flag_rejects_a_typo_before_fitting(tmp_path, capsys):
     csv.write_text("params,tokens,loss\n" + "".join(f"{n},1e6,2.0\n" for n in range(1, 7)))
     assert main(["scaling", "fit", str(csv), "--huber-delta", "atuo"]) == 2
     assert "--huber-delta 'atuo': expected a number like 1e-3, or auto" in capsys.readouterr().err
+
+
+def test_a_fit_whose_floor_underflows_still_bootstraps():
+    """A measured sweep (tests/scaling/data/facts_width_sweep.csv: the scaling demo's captioner
+    on fact captions, 3 budgets x 5 widths) has no visible loss floor: approach 3's log E
+    runs off below -745 and E underflows to 0. Its bootstrap and refits start from that fit,
+    which once crashed on log(0)."""
+    runs = fit.read_runs_csv(Path(__file__).parent / "data" / "facts_width_sweep.csv")
+    p3 = fit.fit_parametric(runs)
+    assert p3["E"] == 0.0  # the degenerate floor this guards
+    res = fit.fit_all(runs, bootstrap=4, target=1.8e12, seed=0)
+    assert any("no loss floor is visible" in w for w in res.warnings)  # said, not hidden
+    assert np.isfinite(res.ci["N_opt"]).all()
+    assert all(np.isfinite(v).all() for v in res.ci.values())
+    again = fit.fit_all(runs, huber_delta="auto", target=1.8e12)  # refits start from it too
+    assert again.approach3["alpha"] > 0

@@ -80,7 +80,7 @@ def test_micro_sweep_resumes_a_killed_run(shapes_dir, tmp_path):
     assert {"params", "tokens", "flops", "loss"} <= set(table[0])
 
 
-def test_jobs_train_in_processes_with_the_same_rows(shapes_dir, tmp_path, monkeypatch):
+def test_jobs_and_seeds_train_in_processes(shapes_dir, tmp_path, monkeypatch):
     sizes = parse_sizes(["1x32,1x48"])
     budgets = [1.2e9]
     one = sweep(str(CONFIG), _overrides(shapes_dir), budgets, sizes, tmp_path / "one")
@@ -91,8 +91,49 @@ def test_jobs_train_in_processes_with_the_same_rows(shapes_dir, tmp_path, monkey
         assert (a["steps"], a["params"], a["flops"]) == (b["steps"], b["params"], b["flops"])
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
         assert (Path(b["run"]) / "sweep_process.log").is_file()
+    # seeds: every point once per seed, in its own folder; seed 0 is the config's own run
+    seeded = sweep(str(CONFIG), _overrides(shapes_dir), budgets, sizes[:1], tmp_path / "seeds",
+                   jobs=2, seeds=[0, 1])  # fmt: skip
+    assert [(r["size"], r["seed"]) for r in seeded] == [("1x32", 0), ("1x32", 1)]
+    assert [Path(r["run"]).name for r in seeded] == ["C1.2e09_1x32_s0", "C1.2e09_1x32_s1"]
+    assert seeded[0]["loss"] == pytest.approx(one[0]["loss"], abs=1e-6)
+    assert seeded[1]["loss"] != pytest.approx(seeded[0]["loss"], abs=1e-4)
+    with open(tmp_path / "seeds" / "runs.csv") as f:
+        assert [r["seed"] for r in csv.DictReader(f)] == ["0", "1"]
     # a process that fails stops the sweep with its folder named; nothing is half-recorded
     monkeypatch.setattr("sys.executable", "/bin/false")
     with pytest.raises(ConfigError, match="runs failed: .*C1.2e09_1x3"):
         sweep(str(CONFIG), _overrides(shapes_dir), budgets, sizes, tmp_path / "bad", jobs=2)
     assert not (tmp_path / "bad" / "runs.csv").exists()
+
+
+def _fake_sweep(folder: Path, data: Path, sizes: list[str]) -> Path:
+    """A sweep folder's sweep.json and runs.csv (N = the blocks + a fixed 4,000)."""
+    folder.mkdir(parents=True)
+    meta = {"config": str(CONFIG), "overrides": _overrides(data), "stage": "caption"}
+    (folder / "sweep.json").write_text(json.dumps(meta))
+    rows = ["budget,size,params,tokens,flops,loss,steps,seed,run"]
+    for s in sizes:
+        n = parse_sizes([s])[0].block_params + 4000
+        rows.append(f"1e11,{s},{n},1e6,1e11,1.0,10,0,x")
+    (folder / "runs.csv").write_text("\n".join(rows) + "\n")
+    return folder
+
+
+def test_prediction_stays_in_the_swept_family(shapes_dir, tmp_path):
+    """A depth-1 sweep's prediction and its check neighbours are depth-1 widths (the general
+    rule would pick 2x96 for ~220k: another family than the one measured); a sweep over
+    several depths keeps the general rule."""
+    from vltrain.runs.sweep import predicted_config
+
+    fixed_depth = _fake_sweep(tmp_path / "d1", shapes_dir, ["1x32", "1x64", "1x128"])
+    got = [
+        predicted_config(fixed_depth, n, 1e12, tmp_path / f"p{i}.yaml").label
+        for i, n in enumerate((35e3, 88e3, 221e3))
+    ]
+    assert got == ["1x48", "1x80", "1x128"]
+    cfg = load_run_config(tmp_path / "p2.yaml", [])
+    assert (cfg.model.text_layers, cfg.model.text_width) == (1, 128)
+    assert cfg.train.max_flops == 1e12
+    mixed = _fake_sweep(tmp_path / "mixed", shapes_dir, ["1x48", "2x64", "2x96"])
+    assert predicted_config(mixed, 221e3, 1e12, tmp_path / "m.yaml").label == "2x96"

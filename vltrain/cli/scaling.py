@@ -31,6 +31,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="train this many runs at once, each its own process (2 cores: --jobs 2 with "
         "run.threads=1); same results as one at a time",
     )
+    w.add_argument(
+        "--seeds",
+        help="train every point once per seed, e.g. 0,1,2 (run.seed; folders ..._s<seed>): "
+        "the seed-to-seed noise a fit and a check are judged against",
+    )
     w.set_defaults(fn=run_sweep)
     f = ssub.add_parser(
         "fit",
@@ -98,6 +103,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         parse_sizes([args.sizes]),
         Path(args.out),
         jobs=args.jobs,
+        seeds=None if args.seeds is None else [int(x) for x in args.seeds.split(",")],
     )
     print(f"scaling sweep: {len(rows)} runs in {Path(args.out) / 'runs.csv'}")
     return 0

@@ -7,6 +7,7 @@ encodes (no unknown bytes) and decoding returns the normalised text.
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -71,6 +72,10 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         """Number of ids (including special tokens)."""
         return self._tok.get_vocab_size()
+
+    def digest(self) -> str:
+        """sha256 of the serialised tokenizer: equal for equal tokenizers, across objects."""
+        return hashlib.sha256(self._tok.to_str().encode("utf-8")).hexdigest()
 
     def save(self, directory: str | Path) -> Path:
         """Write ``directory/tokenizer.json`` (creating the directory); returns the file path."""
@@ -168,7 +173,26 @@ def prepare_tokenizer(
             shutil.copytree(src, tok_dir)
         return
     if is_main and not have:
-        train_bpe_tokenizer(texts(), vocab_size=vocab_size).save(tok_dir)
+        trained_once(texts(), vocab_size).save(tok_dir)
+
+
+#: per process: (digest of the training texts, vocab size) -> the BPE tokenizer trained on
+#: them. A budgeted run trains its tokenizer to count FLOPs (vltrain.scaling.budget) and then
+#: again for its folder; training is deterministic, so the second is the first.
+_TRAINED: dict[tuple[str, int], TextTokenizer] = {}
+
+
+def trained_once(texts: Sequence[str], vocab_size: int) -> TextTokenizer:
+    """`train_bpe_tokenizer(texts, vocab_size)`, trained at most once per process for the
+    same texts (keyed by a digest of them, in order) and vocabulary size."""
+    h = hashlib.sha256()
+    for t in texts:
+        h.update(t.encode("utf-8", "surrogatepass"))
+        h.update(b"\0")
+    key = (h.hexdigest(), vocab_size)
+    if key not in _TRAINED:
+        _TRAINED[key] = train_bpe_tokenizer(texts, vocab_size=vocab_size)
+    return _TRAINED[key]
 
 
 def require_tokenizer(tok_dir: Path) -> None:

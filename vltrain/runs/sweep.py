@@ -16,7 +16,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ SIZE_KEYS: dict[str, tuple[tuple[str, str], ...]] = {
         ("model.text_width", "width"),
     ),
 }
-COLUMNS = ("budget", "size", "params", "tokens", "flops", "loss", "steps", "run")
+COLUMNS = ("budget", "size", "params", "tokens", "flops", "loss", "steps", "seed", "run")
 
 
 @dataclass
@@ -45,10 +45,12 @@ class SweepRun:
     budget: float
     size: Size
     folder: Path
+    seed: int | None = None  # None: the config's run.seed
 
 
-def run_folder(out: Path, budget: float, size: Size) -> Path:
-    return out / f"C{budget:.3g}_{size.label}".replace("+", "")
+def run_folder(out: Path, budget: float, size: Size, seed: int | None = None) -> Path:
+    tail = "" if seed is None else f"_s{seed}"
+    return out / f"C{budget:.3g}_{size.label}{tail}".replace("+", "")
 
 
 def size_overrides(stage: str, size: Size) -> list[str]:
@@ -58,11 +60,13 @@ def size_overrides(stage: str, size: Size) -> list[str]:
 
 
 def run_overrides(base: list[str], stage: str, run: SweepRun) -> list[str]:
+    seed = [] if run.seed is None else [f"run.seed={run.seed}"]
     return [
         *base,
         *size_overrides(stage, run.size),
         f"train.max_flops={run.budget!r}",
         f"run.out_dir={run.folder}",
+        *seed,
     ]
 
 
@@ -91,6 +95,7 @@ def result_row(cfg: Any, run: SweepRun, summary: dict[str, Any]) -> dict[str, An
         "flops": samples * acct.per_sample,
         "loss": val["eval_loss"],
         "steps": summary["steps"],
+        "seed": cfg.run.seed,
         "run": str(run.folder),
     }
 
@@ -104,10 +109,12 @@ def sweep(
     train_fn: Callable[[Any], dict[str, Any]] | None = None,
     log: Callable[[str], None] = print,
     jobs: int = 1,
+    seeds: Sequence[int] | None = None,
 ) -> list[dict[str, Any]]:
     """Train (or pick up) every budget x size run; write OUT/runs.csv; return its rows.
     `jobs` > 1 trains the runs as that many concurrent processes (set `run.threads` so
-    jobs x threads fits the cores); the rows are the same as one at a time."""
+    jobs x threads fits the cores); the rows are the same as one at a time. `seeds`: every
+    point once per seed (`run.seed`, folders `..._s<seed>`), to measure seed-to-seed noise."""
     from vltrain.runs import train
 
     train_fn = train_fn or train
@@ -121,11 +128,17 @@ def sweep(
                 "stage": stage,
                 "budgets": budgets,
                 "sizes": [s.label for s in sizes],
+                "seeds": None if seeds is None else list(seeds),
             },
             indent=2,
         )
     )
-    runs = [SweepRun(c, s, run_folder(out, c, s)) for c in budgets for s in sizes]
+    runs = [
+        SweepRun(c, s, run_folder(out, c, s, seed), seed)
+        for c in budgets
+        for s in sizes
+        for seed in (seeds if seeds is not None else [None])
+    ]
     checked = []
     for run in runs:  # every config checked (and its step count resolved) before any compute
         cfg = load_run_config(config, run_overrides(overrides, stage, run))
@@ -210,18 +223,23 @@ def predicted_config(sweep_dir: Path, n_opt: float, budget: float, target: Path)
 
     N counts what the sweep varies plus what it holds fixed (the connector): that fixed part
     is the median of (N - the blocks' params) over the sweep's runs and is subtracted before
-    the size rule (vltrain.scaling.sizes) picks depth and width.
+    a size is picked. The size stays in the family the sweep measured: when every swept size
+    has the same depth, the width (a multiple of 16) nearest in log N at that depth; else the
+    size rule (vltrain.scaling.sizes) picks depth and width.
     """
     from statistics import median
 
     from vltrain.config.schema import dump_config
-    from vltrain.scaling.sizes import parse_size, size_for_params
+    from vltrain.scaling.sizes import parse_size, size_for_params, width_for_params
 
     meta = json.loads((sweep_dir / "sweep.json").read_text())
     with open(sweep_dir / "runs.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    fixed = median(float(r["params"]) - parse_size(r["size"]).block_params for r in rows)
-    size = size_for_params(max(n_opt - fixed, 1.0))
+    swept = [parse_size(r["size"]) for r in rows]
+    fixed = median(float(r["params"]) - s.block_params for r, s in zip(rows, swept, strict=True))
+    want = max(n_opt - fixed, 1.0)
+    depths = {s.layers for s in swept}
+    size = width_for_params(want, depths.pop()) if len(depths) == 1 else size_for_params(want)
     run = SweepRun(budget, size, run_folder(sweep_dir, budget, size))
     cfg = load_run_config(meta["config"], run_overrides(meta["overrides"], meta["stage"], run))
     target.parent.mkdir(parents=True, exist_ok=True)

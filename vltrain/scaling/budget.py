@@ -81,15 +81,16 @@ def run_tokenizer(cfg: Config) -> TextTokenizer:
 
 def mean_text_tokens(cfg: Config, tokenizer: TextTokenizer) -> int:
     """Mean real tokens per training text (bos + text + eos, cut at data.max_text_len)."""
-    # the memo holds the tokenizer itself, so its id cannot be reused by another one
-    key = ("length", _text_key(cfg), cfg.data.max_text_len, id(tokenizer))
+    # keyed by the tokenizer's content: a sweep's finished runs each load their own copy of
+    # the same tokenizer from their folders, and count once
+    key = ("length", _text_key(cfg), cfg.data.max_text_len, tokenizer.digest())
     if key not in _MEMO:
         texts = _texts(cfg)[:20000]
         if not texts:
             raise ConfigError(f"data.train={cfg.data.train} holds no texts to count tokens of")
         lengths = [min(len(tokenizer.encode(t)) + 2, cfg.data.max_text_len) for t in texts]
-        _MEMO[key] = (tokenizer, max(2, round(sum(lengths) / len(lengths))))
-    return _MEMO[key][1]
+        _MEMO[key] = max(2, round(sum(lengths) / len(lengths)))
+    return _MEMO[key]
 
 
 def config_flops(cfg: Config, tokenizer: TextTokenizer | None = None) -> ModelFlops:

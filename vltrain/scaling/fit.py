@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import itertools
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,8 +174,12 @@ def fit_parametric(
 
 
 def _theta(p: dict[str, float]) -> np.ndarray:
-    """(log E, log A, log B, alpha, beta): the parameterisation the optimiser works in."""
-    return np.array([math.log(p["E"]), math.log(p["A"]), math.log(p["B"]), p["alpha"], p["beta"]])
+    """(log E, log A, log B, alpha, beta): the parameterisation the optimiser works in. The
+    optimiser is unbounded in log space, so a fit with no visible floor can return an E that
+    underflowed to 0 (log E below -745); its log is taken at the smallest positive float,
+    where E is as negligible as it was."""
+    logs = [math.log(max(p[k], sys.float_info.min)) for k in ("E", "A", "B")]
+    return np.array([*logs, p["alpha"], p["beta"]])
 
 
 def residual_scale(runs: Runs, p: dict[str, float]) -> float:
@@ -371,10 +376,11 @@ def fit_all(
     elif huber_delta != HUBER_DELTA:
         delta = float(huber_delta)
         p3 = fit_parametric(runs, delta=delta, starts=[_theta(p3)])
-    p2, groups, warnings = None, [], []
+    p2, groups, warnings = None, [], degenerate_warnings(p3, runs)
     if runs.budget is not None and len(set(runs.budget.tolist())) >= 2:
         try:
-            groups, p2, warnings = fit_isoflop(runs)
+            groups, p2, isoflop_warnings = fit_isoflop(runs)
+            warnings += isoflop_warnings
         except ConfigError as e:
             warnings.append(f"approach 2 not fitted: {e}")
     result = FitResult(
@@ -391,6 +397,26 @@ def fit_all(
     if target:
         result.target.update(choose_prediction(result, predict_with))
     return result
+
+
+def degenerate_warnings(p3: dict[str, float], runs: Runs) -> list[str]:
+    """What makes approach 3's extrapolation suspect: a floor E that vanished (no floor is
+    visible in the runs, so the fit is a pure power law), or an exponent at the edge of
+    plausibility (<= 0.02: that term is flat; >= 2: past the initialisation grid)."""
+    out = []
+    if p3["E"] < 1e-3 * float(np.min(runs.loss)):
+        out.append(
+            f"approach 3: E = {p3['E']:.3g}, no loss floor is visible in these runs: the fit "
+            "is a pure power law and its extrapolation assumes the loss keeps falling; "
+            "widen the budgets, or compare approach 2"
+        )
+    for k in ("alpha", "beta"):
+        if not 0.02 < p3[k] < 2.0:
+            out.append(
+                f"approach 3: {k} = {p3[k]:.3g} is at the edge of plausibility: that term is "
+                "poorly determined by these runs"
+            )
+    return out
 
 
 # ------------------------------------------------------------------------------ prediction

@@ -52,6 +52,15 @@ def size_for_params(target: float, aspect: float = 64.0) -> Size:
     return best[2]
 
 
+def width_for_params(target: float, layers: int) -> Size:
+    """The width (a multiple of 16, at least 16) whose `layers`-deep blocks come nearest
+    `target` parameters in log space: a prediction inside a fixed-depth sweep's family."""
+    if target <= 0:
+        raise ConfigError(f"a model size must be positive, got {target}")
+    sizes = [Size(layers, w) for w in range(16, 8193, 16)]
+    return min(sizes, key=lambda s: abs(math.log(s.block_params / target)))
+
+
 _SPEC = re.compile(r"^(\d+)x(\d+)$")
 _COUNT = re.compile(r"^(\d+(?:\.\d+)?)([kKmM]?)$")
 
