@@ -149,11 +149,11 @@ def sweep(
     for run, cfg in zip(runs, checked, strict=True):
         state = folder_state(run.folder)
         log(f"scaling sweep: {run.folder.name}: {state} ({cfg.train.max_steps} steps)")
-        run_cfg = load_run_config(config, run_overrides(overrides, stage, run) + _flags(state))
         if state == "finished":
             summary = json.loads((run.folder / "summary.json").read_text())
         else:
-            summary = train_fn(run_cfg)
+            args = run_overrides(overrides, stage, run) + _flags(state)
+            summary = train_fn(load_run_config(config, args))
         rows.append(result_row(cfg, run, summary))
         write_csv(out / "runs.csv", rows)
     return rows
