@@ -149,3 +149,35 @@ def test_a_tokenizer_is_trained_once_per_process_for_the_same_texts(tmp_path: Pa
     fresh.save(tmp_path / "c")
     same = [(tmp_path / d / "tokenizer.json").read_bytes() for d in "abc"]
     assert same[0] == same[1] == same[2]
+
+
+def test_encode_batch_memo_gives_the_tokenizers_own_ids(monkeypatch) -> None:
+    """The memo answers exactly what the Rust tokenizer does (repeats, a full memo cleared,
+    duplicates within a call), and a pickled tokenizer (a DataLoader worker's) starts empty."""
+    import pickle
+
+    import vltrain.data.tokenizer as T
+
+    tok = train_bpe_tokenizer(_corpus(), vocab_size=400, min_frequency=2)
+    fresh = TextTokenizer(Tokenizer.from_str(tok._tok.to_str()))  # no memo use below
+    texts = _corpus(60)[::-1] + ["", "a dog", "a dog", "zebra quartz"]
+
+    def plain(batch: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        encodings = fresh._tok.encode_batch(batch, add_special_tokens=False)
+        rows = [[1, *e.ids[: max_len - 2], 2] for e in encodings]
+        t = max(map(len, rows))
+        ids = torch.tensor([r + [0] * (t - len(r)) for r in rows])
+        return ids, (ids != 0).long()
+
+    monkeypatch.setattr(T, "MEMO_TEXTS", 50)
+    for start in (0, 20, 0, 40, 0):  # misses, hits, a memo over its size cleared
+        batch = texts[start : start + 25]
+        got = tok.encode_batch(batch, max_len=8)
+        want = plain(batch, 8)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert len(tok._memo) <= 50
+    assert tok._memo  # it was used
+    assert pickle.loads(pickle.dumps(tok))._memo == {}
+    tok._memo.clear()
+    big = tok.encode_batch(texts, max_len=12)  # one call of more texts than the memo holds
+    assert torch.equal(big[0], plain(texts, 12)[0]) and tok._memo == {}

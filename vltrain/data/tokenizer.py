@@ -19,6 +19,11 @@ from torch import Tensor
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 TOKENIZER_FILE = "tokenizer.json"
 
+#: texts whose ids `TextTokenizer.encode_batch` keeps per tokenizer object (the quickstart's
+#: 12,000 records hold ~130,000 distinct captions and negatives; a cleared memo costs nothing
+#: but the re-encoding)
+MEMO_TEXTS = 500_000
+
 
 def _new_tokenizer() -> Tokenizer:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -67,6 +72,13 @@ class TextTokenizer:
             )
         self._tok = tokenizer
         self.pad_id, self.bos_id, self.eos_id, self.unk_id = ids
+        # text -> its ids without specials: training draws the same captions every epoch, and
+        # a lookup is ~30x cheaper than the Rust call (bench: 17 -> 3 ms per batch of 384)
+        self._memo: dict[str, list[int]] = {}
+
+    def __getstate__(self) -> dict:
+        """Pickled for DataLoader workers without the memo (each process fills its own)."""
+        return {**self.__dict__, "_memo": {}}
 
     @property
     def vocab_size(self) -> int:
@@ -122,14 +134,29 @@ class TextTokenizer:
         bos = [self.bos_id] if add_bos else []
         eos = [self.eos_id] if add_eos else []
         keep = max_len - n_special
-        encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
-        rows = [bos + e.ids[:keep] + eos for e in encodings]
+        rows = [bos + ids[:keep] + eos for ids in self._memo_ids(texts)]
         t = max((len(r) for r in rows), default=0)
         pad = [self.pad_id] * t
         input_ids = torch.tensor([r + pad[len(r) :] for r in rows], dtype=torch.long)  # (B, T)
         lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)  # (B,)
         attention_mask = (torch.arange(t)[None, :] < lengths[:, None]).long()  # (B, T)
         return input_ids.view(len(rows), t), attention_mask
+
+    def _memo_ids(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of each text through the memo (callers copy, never edit, the lists); the
+        misses go to the Rust tokenizer in one batch call."""
+        memo = self._memo
+        missing = list(dict.fromkeys(t for t in texts if t not in memo))
+        found: dict[str, list[int]] = {}
+        if missing:
+            encodings = self._tok.encode_batch(missing, add_special_tokens=False)
+            found = {t: e.ids for t, e in zip(missing, encodings, strict=True)}
+        out = [memo[t] if t in memo else found[t] for t in texts]
+        if len(memo) + len(found) > MEMO_TEXTS:
+            memo.clear()
+        if len(found) <= MEMO_TEXTS:
+            memo.update(found)
+        return out
 
     def decode(self, ids: Sequence[int] | Tensor) -> str:
         """Text of ``ids`` with special tokens (and padding) removed and spaces cleaned."""

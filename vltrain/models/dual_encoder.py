@@ -36,6 +36,13 @@ class DualEncoder(nn.Module):
         init_weights(self.vision_proj)
         init_weights(self.text_proj)
 
+    @property
+    def text_dropout_active(self) -> bool:
+        """True while text dropout draws masks (training with p > 0); texts are then encoded
+        one set at a time (`encode_text_sets`), in the order GradCache's chunks draw them, so
+        one GradCache chunk stays exactly the plain step."""
+        return self.training and self.text.cfg.dropout > 0
+
     @classmethod
     def from_preset(
         cls,

