@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -107,6 +108,9 @@ def test_quickstart_end_to_end_at_a_tiny_size(tmp_path: Path, capsys) -> None:
         assert float(cells[stage][col["CIDEr-D beam"]]) >= 0.0
     assert cells["caption RL"][1] == "2" and report.splitlines()[-1].startswith("Total time")
     assert "All stages, held-out test split" in printed
+    # the machine the times came from: CPU, threads, a GEMM rate measured then (hosts differ)
+    gemm = re.search(r"fp32 GEMM (\d+) GFLOP/s measured now", printed)
+    assert gemm and int(gemm.group(1)) > 0 and gemm.group(0) in report
     rl = json.loads((out / "caption_rl" / "summary.json").read_text())
     assert rl["test"]["n_images"] == 24 and "beam_CIDEr-D" in rl["test"]
     run = out / "clip"

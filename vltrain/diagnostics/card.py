@@ -33,6 +33,21 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_gemm_gflops(seconds: float = 0.3, n: int = 1024) -> float:
+    """fp32 GFLOP/s of (n x n) @ (n x n) on the CPU with torch's current threads, timed for about
+    `seconds` after one warm-up: hosts labelled with the same CPU model run the same code up
+    to ~1.6x apart (bench/RESULTS.md "Quickstart, round 5"), so a time means little without it."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up: thread pool and packing buffers
+    reps, t0 = 0, time.perf_counter()
+    while reps < 2 or time.perf_counter() - t0 < seconds:
+        a @ b
+        reps += 1
+    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
+
+
 def run_card(world_size: int, device: str) -> dict[str, Any]:
     """Commit and dirty state of the vltrain source, machine, versions, start time."""
     import torch

@@ -219,15 +219,16 @@ def run_quickstart(
     report = stages_table(rows)
     print("\nAll stages, held-out test split:\n\n" + report)
     elapsed = time.time() - t0
+    note = machine_note()
     (root / "report.md").write_text(
         "# vltrain quickstart report\n\nHeld-out test split (attribute combinations never seen "
-        f"in training).\n\n{report}\n\n{machine_note()}\n\nTotal time: {elapsed:.0f} s.\n"
+        f"in training).\n\n{report}\n\n{note}\n\nTotal time: {elapsed:.0f} s.\n"
     )
     runs = ", ".join(str(root / r["run"]) for r in rows)
     html = write_report([str(root / r["run"]) for r in rows], root / "report.html", "quickstart")
     print(
         f"\nrun folders: {runs}  (config.yaml, metrics.jsonl, checkpoints/, summary.json)\n"
-        f"report: {root / 'report.md'}, {html}\ntotal time: {elapsed:.0f} s\n{machine_note()}"
+        f"report: {root / 'report.md'}, {html}\ntotal time: {elapsed:.0f} s\n{note}"
     )
     return result
 
@@ -236,11 +237,13 @@ def machine_note() -> str:
     """Where these numbers came from, and how far they reproduce."""
     import torch
 
-    from vltrain.diagnostics.card import cpu_model
+    from vltrain.diagnostics.card import cpu_gemm_gflops, cpu_model
 
     return (
         f"machine: {cpu_model() or 'unknown CPU'}, {torch.get_num_threads()} torch threads, "
-        f"torch {torch.__version__}. The numbers are bitwise reproducible on this machine type "
+        f"torch {torch.__version__}, fp32 GEMM {cpu_gemm_gflops():.0f} GFLOP/s measured now "
+        "(hosts of one CPU model differ in speed: compare times at this figure). "
+        "The numbers are bitwise reproducible on this machine type "
         "with the same library builds and thread count (fp32 on CPU); another CPU type (e.g. "
         "AVX-512 vs not) or BLAS build rounds differently and prints other numbers."
     )
