@@ -28,10 +28,8 @@ from vltrain.data.records import ImageTextDataset
 from vltrain.data.tokenizer import TextTokenizer
 from vltrain.models.backbones import ImageTextCollate, build_encoder
 from vltrain.objectives.contrastive import build_loss_from_config
-from vltrain.objectives.grad_cache import encode_text_sets
+from vltrain.objectives.grad_cache import TEXT_SIDES, encode_text_sets
 from vltrain.stages.contrastive import ContrastiveModel
-
-TEXT_SETS = (("input_ids", "attention_mask"), ("pair_ids", "pair_mask"), ("neg_ids", "neg_mask"))
 
 
 class NoMemo(TextTokenizer):
@@ -84,11 +82,12 @@ def main() -> None:
 
     def texts_per_set(b):
         model.zero_grad(set_to_none=True)
-        sum(enc.encode_text(b[i], b[m]).sum() for i, m in TEXT_SETS).backward()
+        sum(enc.encode_text(b[i], b[m]).sum() for i, m in TEXT_SIDES).backward()
 
     def texts_grouped(b):
         model.zero_grad(set_to_none=True)
-        sum(e.sum() for e in encode_text_sets(enc, [(b[i], b[m]) for i, m in TEXT_SETS])).backward()
+        sets = [(b[i], b[m]) for i, m in TEXT_SIDES]
+        sum(e.sum() for e in encode_text_sets(enc, sets)).backward()
 
     variants = {
         "step (forward + backward)": step,
@@ -105,8 +104,8 @@ def main() -> None:
                 times[name].append(t)
         for name, coll in (("loader, token memo", memo), ("loader, no memo", plain)):
             times[name].append(timed(lambda c=coll, ks=keys[n]: c([ds[k] for k in ks])))
-    tokens = [int(b[m].sum()) for b in batches for _, m in TEXT_SETS]
-    padded = [b[m].numel() for b in batches for _, m in TEXT_SETS]
+    tokens = [int(b[m].sum()) for b in batches for _, m in TEXT_SIDES]
+    padded = [b[m].numel() for b in batches for _, m in TEXT_SIDES]
     print(
         f"threads {args.threads}, batch {bs}; real text tokens {sum(tokens) / sum(padded):.2f} "
         "of the per-set padded positions"

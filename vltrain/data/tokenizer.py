@@ -144,13 +144,10 @@ class TextTokenizer:
 
     def _memo_ids(self, texts: Sequence[str]) -> list[list[int]]:
         """`encode` of each text through the memo (callers copy, never edit, the lists); the
-        misses go to the Rust tokenizer in one batch call."""
+        misses go to `encode_many` in one call."""
         memo = self._memo
         missing = list(dict.fromkeys(t for t in texts if t not in memo))
-        found: dict[str, list[int]] = {}
-        if missing:
-            encodings = self._tok.encode_batch(missing, add_special_tokens=False)
-            found = {t: e.ids for t, e in zip(missing, encodings, strict=True)}
+        found = dict(zip(missing, self.encode_many(missing), strict=True)) if missing else {}
         out = [memo[t] if t in memo else found[t] for t in texts]
         if len(memo) + len(found) > MEMO_TEXTS:
             memo.clear()

@@ -157,6 +157,15 @@ def length_sorted_chunks(
     return out, order
 
 
+#: a contrastive batch's text sides, (ids key, mask key): captions, hard negatives, and second
+#: captions (objective.caption_contrast)
+TEXT_SIDES = (
+    ("input_ids", "attention_mask"),
+    ("neg_ids", "neg_mask"),
+    ("pair_ids", "pair_mask"),
+)
+
+
 def encode_text_sets(encoder: nn.Module, sets: Sequence[tuple[Tensor, Tensor]]) -> list[Tensor]:
     """``encoder.encode_text(ids, mask)`` of each right-padded (ids, mask) set, e.g. a batch's
     captions, second captions and hard negatives, in that order.
@@ -284,11 +293,7 @@ def dual_encoder_grad_cache(
     chunks: list[list[Any]] = [split_rows(batch["images"], chunk)]
     orders: list[Tensor | None] = [None]
     sides = ["images"]
-    for ids, mask in (
-        ("input_ids", "attention_mask"),
-        ("neg_ids", "neg_mask"),
-        ("pair_ids", "pair_mask"),  # second captions (objective.caption_contrast)
-    ):
+    for ids, mask in TEXT_SIDES:
         if batch.get(ids) is None:
             continue
         sides.append(ids)

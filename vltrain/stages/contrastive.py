@@ -39,7 +39,11 @@ from vltrain.models.backbones import (
 )
 from vltrain.models.presets import VISION_PRESETS
 from vltrain.objectives.contrastive import LOSSES, Features, build_loss_from_config
-from vltrain.objectives.grad_cache import dual_encoder_grad_cache, encode_text_sets
+from vltrain.objectives.grad_cache import (
+    TEXT_SIDES,
+    dual_encoder_grad_cache,
+    encode_text_sets,
+)
 from vltrain.stages import embedding_pairs as pairs
 
 __all__ = ["ContrastiveModel", "ContrastiveStage", "ImageTextCollate"]
@@ -63,12 +67,11 @@ class ContrastiveModel(nn.Module):
         """`embed`'s three and, with `second`, the second captions' (B, E) of
         `objective.caption_contrast`; the texts in one grouped pass (`encode_text_sets`)."""
         img = self.encoder.encode_image(batch["images"])
-        keys = [("input_ids", "attention_mask"), ("neg_ids", "neg_mask")]
-        keys += [("pair_ids", "pair_mask")] if second else []
-        present = [k for k in keys if batch.get(k[0]) is not None]
+        sides = TEXT_SIDES if second else TEXT_SIDES[:2]
+        present = [(i, m) for i, m in sides if batch.get(i) is not None]
         sets = encode_text_sets(self.encoder, [(batch[i], batch[m]) for i, m in present])
-        out = dict(zip(present, sets, strict=True))
-        return img, out[keys[0]], out.get(keys[1]), out.get(("pair_ids", "pair_mask"))
+        emb = {i: e for (i, _), e in zip(present, sets, strict=True)}
+        return img, emb["input_ids"], emb.get("neg_ids"), emb.get("pair_ids")
 
     def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         if pairs.is_pair_batch(batch):  # query / positive / negatives sides of any modality
