@@ -60,9 +60,11 @@ class PageTower(nn.Module):
         self.convs, self.pool, self.channels = nn.Sequential(*layers), pool, c
         self.head = nn.Linear(c * side * side if pool == "flatten" else c, dim)
         self.presence_features = torch.empty(0)
+        self.feature_map = torch.empty(0)
 
     def forward(self, pages: torch.Tensor) -> torch.Tensor:
         h = self.convs((pages.float() / 255.0 - 0.5)[:, None])
+        self.feature_map = h
         self.presence_features = h.amax((2, 3))
         h = h.flatten(1) if self.pool == "flatten" else self.presence_features
         return F.normalize(self.head(h), dim=-1)
@@ -90,7 +92,8 @@ class FreshPages:
     def batch(
         self, n: int, index: dict[str, int], hard_negatives: bool
     ) -> tuple[torch.Tensor, torch.Tensor, list]:
-        """n pages (then, with `hard_negatives`, each page's hard negative), queries, words."""
+        """n pages (then, with `hard_negatives`, each page's hard negative), queries, and each
+        page's drawn words as (word id, x0, y0, x1, y1) boxes."""
         pages, negatives, queries, words = [], [], [], []
         for i in range(n):
             page = sp.make_page(self.rng, self.vocab, self.size, held_out=False)
@@ -103,9 +106,10 @@ class FreshPages:
             query, span = (
                 (" ".join(page.title), (-1, 0)) if title_only else sp.make_query(self.rng, page)
             )
-            pages.append(grey(sp.render(page, self.size)))
+            boxes: list = []
+            pages.append(grey(sp.render(page, self.size, boxes)))
             queries.append([index[w] for w in query.split()])
-            words.append([index[w] for w in page.words()])
+            words.append([(index[w], *box) for w, *box in boxes])
             if hard_negatives:
                 if title_only:  # swap one title word (there is no body word to swap)
                     title = list(page.title)
@@ -177,6 +181,13 @@ def main() -> None:
         "--font-scale-end", type=float, default=0.0, help="anneal linearly to this scale"
     )
     p.add_argument("--presence", type=float, default=0.0)
+    p.add_argument(
+        "--spot",
+        type=float,
+        default=0.0,
+        help="weight of a dense reading loss: each word's centre cell of the last feature map "
+        "classifies the word (401-way with background), from the renderer's word boxes",
+    )
     p.add_argument("--hard-negatives", action="store_true", help="one image hard negative each")
     p.add_argument("--eval-every", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
@@ -193,8 +204,9 @@ def main() -> None:
 
     pages, queries = PageTower(a.arch, a.size, a.pool), QueryTower(len(vocab))
     presence = nn.Linear(pages.channels, len(vocab))
+    spotter = nn.Conv2d(pages.channels, len(vocab) + 1, 1)
     log_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
-    params = [*pages.parameters(), *queries.parameters(), *presence.parameters(), log_scale]
+    params = [*pages.parameters(), *queries.parameters(), *presence.parameters(), *spotter.parameters(), log_scale]
     opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.05)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,
@@ -236,10 +248,27 @@ def main() -> None:
         if a.presence and words:
             target = torch.zeros(a.batch_size, len(vocab))
             for i, ws in enumerate(words):
-                target[i, ws] = 1.0
+                target[i, [w[0] for w in ws]] = 1.0
             loss = loss + a.presence * F.binary_cross_entropy_with_logits(
                 presence(pages.presence_features), target
             ) * (len(vocab) / 12)
+        spot_acc = float("nan")
+        if a.spot and words:
+            fmap = pages.feature_map[: a.batch_size]
+            side = fmap.shape[-1]
+            cell = a.size / side
+            target = torch.full((a.batch_size, side, side), len(vocab), dtype=torch.long)
+            for i, ws in enumerate(words):
+                for w, x0, y0, x1, y1 in ws:
+                    cx = min(side - 1, max(0, int((x0 + x1) / 2 / cell)))
+                    cy = min(side - 1, max(0, int((y0 + y1) / 2 / cell)))
+                    target[i, cy, cx] = w
+            spot_logits = spotter(fmap)
+            weight = torch.ones(len(vocab) + 1)
+            weight[-1] = 0.1
+            loss = loss + a.spot * F.cross_entropy(spot_logits, target, weight=weight)
+            is_word = target < len(vocab)
+            spot_acc = (spot_logits.argmax(1)[is_word] == target[is_word]).float().mean().item()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -247,7 +276,7 @@ def main() -> None:
         if step % 50 == 0 or step == a.steps - 1:
             acc = (logits.argmax(1) == labels).float().mean().item()
             print(
-                f"step {step} loss {loss.item():.3f} acc {acc:.2f} "
+                f"step {step} loss {loss.item():.3f} acc {acc:.2f} spot acc {spot_acc:.2f} "
                 f"t {time.perf_counter() - t0:.0f}",
                 flush=True,
             )

@@ -197,3 +197,32 @@ def test_image_cache_is_refused_where_it_would_do_nothing(pages: Path, tmp_path:
     with pytest.raises(ConfigError, match="image_cache_mb.*query/positive"):
         check_config(load_config(PRESET, over))
     check_config(load_config(PRESET, _overrides(pages, tmp_path / "r")))  # control: 0 is fine
+
+
+def test_render_word_boxes_cover_the_drawn_words() -> None:
+    """`render(..., boxes)` reports every word of the page once, in drawing order, and each box
+    holds ink while the page outside all boxes is background: the supervision a reading
+    objective takes from the renderer is where the words really are."""
+    import random
+
+    import numpy as np
+
+    from vltrain.data.synth_pages import make_page, render, vocabulary
+
+    rng = random.Random(3)
+    vocab = vocabulary()
+    for _ in range(20):
+        page = make_page(rng, vocab, 96, held_out=False)
+        page.style["rule"] = False  # the rule is ink outside any word box
+        boxes: list = []
+        img = np.asarray(render(page, 96, boxes).convert("L")).astype(int)
+        assert [b[0] for b in boxes] == page.words()
+        bg = page.style["bg"]
+        inked = np.zeros_like(img, dtype=bool)
+        for _, x0, y0, x1, y1 in boxes:
+            assert x1 > x0 and y1 > y0
+            crop = img[max(0, y0) : y1 + 2, max(0, x0) : x1 + 1]
+            if x0 < 96 and y0 < 96:  # a word drawn inside the canvas leaves ink in its box
+                assert (crop < bg - 40).any()
+            inked[max(0, y0) : y1 + 3, max(0, x0 - 1) : x1 + 2] = True
+        assert not (img[~inked] < bg - 40).any()  # no ink outside the boxes

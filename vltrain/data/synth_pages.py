@@ -96,26 +96,38 @@ def _font(px: int) -> Any:
     return ImageFont.load_default(size=px)
 
 
-def render(page: Page, size: int) -> Image.Image:
-    """Draw the page (title, optional rule, body lines) on a size x size canvas."""
+def render(
+    page: Page, size: int, boxes: list[tuple[str, int, int, int, int]] | None = None
+) -> Image.Image:
+    """Draw the page (title, optional rule, body lines) on a size x size canvas.
+
+    With `boxes`, appends each drawn word's `(word, x0, y0, x1, y1)` in pixels (the line of its
+    font box; words may run past the canvas edge, boxes are not clipped): the supervision a
+    reading objective needs, from the same layout that draws the page."""
     st = page.style
     img = Image.new("L", (size, size), st["bg"])
     draw = ImageDraw.Draw(img)
     title_font = _font(st["title_px"])
     body_font = _font(st["body_px"])
 
-    def put(text: str, y: int, font: Any) -> int:
+    def put(words: list[str], y: int, font: Any) -> int:
+        text = " ".join(words)
         w = draw.textlength(text, font=font)
         x = st["x"] if st["align"] == "left" else max(0, int((size - w) / 2))
         draw.text((x, y), text, fill=st["fg"], font=font)
+        if boxes is not None:
+            for k, word in enumerate(words):
+                x0 = x + (draw.textlength(" ".join(words[:k]) + " ", font=font) if k else 0)
+                x1 = x0 + draw.textlength(word, font=font)
+                boxes.append((word, int(x0), y, int(round(x1)), y + int(font.size)))
         return y + int(font.size * 1.15)
 
-    y = put(" ".join(page.title), st["y"], title_font)
+    y = put(page.title, st["y"], title_font)
     if st["rule"]:
         draw.line([(st["x"], y + 1), (size - st["x"], y + 1)], fill=st["fg"], width=1)
         y += 3
     for line in page.lines:
-        y = put(" ".join(line), y, body_font)
+        y = put(line, y, body_font)
     return img.convert("RGB")
 
 
