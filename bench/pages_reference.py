@@ -5,6 +5,8 @@
     python bench/pages_reference.py --data D --steps 600 --fresh --title-only
     python bench/pages_reference.py --data D --steps 600 --fresh --pool max \
         --arch 32s2,64s2,128s2,128s1,256s2,256s1 --presence 1.0
+    python bench/pages_reference.py --data D --steps 1000 --fresh --pool max \
+        --arch 32s2,64s2,128s2,128s1,256s1 --spot 1.0
 
 The model is the issue's quick check: a BatchNorm CNN on the grey page (``--arch`` lists
 ``<channels>s<stride>`` per 3x3 conv), a flatten or global-max head, and a bag-of-words query
@@ -18,10 +20,13 @@ title; ``--font-scale S`` scales the fonts (of the title-only pages when 0 < F <
 page); ``--font-scale-end E`` moves S linearly to E over the first 80% of the steps.
 ``--hard-negatives`` adds each page's hard negative (one queried word swapped) to the batch's
 pages. ``--presence W`` adds a per-word presence loss (400-way sigmoid on the max-pooled
-features). Every ``--eval-every`` steps: held-out R@1 on ``D/val`` (the queries, corpus and
-qrels of `vltrain data synth --kind pages`) and hard-negative accuracy (the page scores above
-every page qrels judge 0 for its query). Prints one line per 50 steps (loss, in-batch
-accuracy, seconds) and the eval lines.
+features). ``--spot W`` adds a dense reading loss: on the last feature map, the cell under each
+drawn word's centre (boxes from `synth_pages.render`) classifies the word, 401-way with a
+background class weighted 0.1 for the other cells. Every ``--eval-every`` steps: held-out
+R@1 on ``D/val`` (the queries, corpus and qrels of `vltrain data synth --kind pages`) and
+hard-negative accuracy (the page scores above every page qrels judge 0 for its query).
+Prints one line per 50 steps (loss, in-batch accuracy, spotted-word accuracy, seconds) and the
+eval lines.
 """
 
 from __future__ import annotations
@@ -206,7 +211,13 @@ def main() -> None:
     presence = nn.Linear(pages.channels, len(vocab))
     spotter = nn.Conv2d(pages.channels, len(vocab) + 1, 1)
     log_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
-    params = [*pages.parameters(), *queries.parameters(), *presence.parameters(), *spotter.parameters(), log_scale]
+    params = [
+        *pages.parameters(),
+        *queries.parameters(),
+        *presence.parameters(),
+        *spotter.parameters(),
+        log_scale,
+    ]
     opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.05)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,
