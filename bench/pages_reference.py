@@ -64,14 +64,12 @@ class PageTower(nn.Module):
             c, side = out, side // stride
         self.convs, self.pool, self.channels = nn.Sequential(*layers), pool, c
         self.head = nn.Linear(c * side * side if pool == "flatten" else c, dim)
-        self.presence_features = torch.empty(0)
         self.feature_map = torch.empty(0)
 
     def forward(self, pages: torch.Tensor) -> torch.Tensor:
         h = self.convs((pages.float() / 255.0 - 0.5)[:, None])
         self.feature_map = h
-        self.presence_features = h.amax((2, 3))
-        h = h.flatten(1) if self.pool == "flatten" else self.presence_features
+        h = h.flatten(1) if self.pool == "flatten" else h.amax((2, 3))
         return F.normalize(self.head(h), dim=-1)
 
 
@@ -210,6 +208,8 @@ def main() -> None:
     pages, queries = PageTower(a.arch, a.size, a.pool), QueryTower(len(vocab))
     presence = nn.Linear(pages.channels, len(vocab))
     spotter = nn.Conv2d(pages.channels, len(vocab) + 1, 1)
+    spot_weight = torch.ones(len(vocab) + 1)
+    spot_weight[-1] = 0.1  # the background class (cells under no word's centre)
     log_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
     params = [
         *pages.parameters(),
@@ -261,7 +261,7 @@ def main() -> None:
             for i, ws in enumerate(words):
                 target[i, [w[0] for w in ws]] = 1.0
             loss = loss + a.presence * F.binary_cross_entropy_with_logits(
-                presence(pages.presence_features), target
+                presence(pages.feature_map[: a.batch_size].amax((2, 3))), target
             ) * (len(vocab) / 12)
         spot_acc = float("nan")
         if a.spot and words:
@@ -275,9 +275,7 @@ def main() -> None:
                     cy = min(side - 1, max(0, int((y0 + y1) / 2 / cell)))
                     target[i, cy, cx] = w
             spot_logits = spotter(fmap)
-            weight = torch.ones(len(vocab) + 1)
-            weight[-1] = 0.1
-            loss = loss + a.spot * F.cross_entropy(spot_logits, target, weight=weight)
+            loss = loss + a.spot * F.cross_entropy(spot_logits, target, weight=spot_weight)
             is_word = target < len(vocab)
             spot_acc = (spot_logits.argmax(1)[is_word] == target[is_word]).float().mean().item()
         opt.zero_grad()
