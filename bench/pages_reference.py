@@ -7,6 +7,8 @@
         --arch 32s2,64s2,128s2,128s1,256s2,256s1 --presence 1.0
     python bench/pages_reference.py --data D --steps 1000 --fresh --pool max \
         --arch 32s2,64s2,128s2,128s1,256s1 --spot 1.0
+    python bench/pages_reference.py --data D --steps 800 --fresh --pool bigram \
+        --arch 32s2,64s2,128s2,128s1,256s1 --spot 1.0 --spot-cells box
 
 The model is the issue's quick check: a BatchNorm CNN on the grey page (``--arch`` lists
 ``<channels>s<stride>`` per 3x3 conv), a flatten or global-max head, and a bag-of-words query
@@ -19,14 +21,17 @@ fresh pages: ``--title-only F`` draws that fraction of each batch without body l
 title; ``--font-scale S`` scales the fonts (of the title-only pages when 0 < F < 1, else of every
 page); ``--font-scale-end E`` moves S linearly to E over the first 80% of the steps.
 ``--hard-negatives`` adds each page's hard negative (one queried word swapped) to the batch's
-pages. ``--presence W`` adds a per-word presence loss (400-way sigmoid on the max-pooled
-features). ``--spot W`` adds a dense reading loss: on the last feature map, the cell under each
-drawn word's centre (boxes from `synth_pages.render`) classifies the word, 401-way with a
-background class weighted 0.1 for the other cells. Every ``--eval-every`` steps: held-out
-R@1 on ``D/val`` (the queries, corpus and qrels of `vltrain data synth --kind pages`) and
-hard-negative accuracy (the page scores above every page qrels judge 0 for its query).
-Prints one line per 50 steps (loss, in-batch accuracy, spotted-word accuracy, seconds) and the
-eval lines.
+pages. ``--presence W`` adds a per-word presence loss (400-way sigmoid on the max-pooled features).
+``--spot W`` adds a dense reading loss: on the last feature map, the cell under each drawn word's
+centre (boxes from `synth_pages.render`) classifies the word, 401-way with a background class
+weighted 0.1 for the other cells. ``--spot-cells box`` labels every cell whose centre lies in the
+word's box. ``--pool bigram`` (needs ``--spot``): the labelled cells also classify the next word on
+their line (through a 1x5 row convolution; a last class for the end of a line), and both towers
+emit a shared ``--dim``-wide bigram code (`BigramCode`): a query is its two words' code, a page the
+max over its most word-like cells of their soft codes. Every ``--eval-every`` steps: held-out R@1
+on ``D/val`` (the queries, corpus and qrels of `vltrain data synth --kind pages`) and hard-negative
+accuracy (the page scores above every page qrels judge 0 for its query). Prints one line per 50
+steps (loss, in-batch accuracy, spotted-word accuracy, seconds) and the eval lines.
 """
 
 from __future__ import annotations
@@ -53,8 +58,43 @@ def grey(img: Image.Image) -> np.ndarray:
     return np.asarray(img.convert("L"))
 
 
+class BigramCode(nn.Module):
+    """The bigram code both towers share: a (word, next word) pair -> relu(P[w] + Q[next] + c),
+    D wide. A query is its two words' code; a page cell is the code of its spotted word and
+    spotted next word (soft, through the spotters' softmax), and the page is the max over cells,
+    so a page keeps which words sit together rather than a bag of words."""
+
+    def __init__(self, vocab: int, dim: int, keep: int = 24) -> None:
+        super().__init__()
+        self.keep = keep
+        self.first = nn.Parameter(torch.randn(vocab + 1, dim) / math.sqrt(dim))
+        self.second = nn.Parameter(torch.randn(vocab + 1, dim) / math.sqrt(dim))
+        self.bias = nn.Parameter(torch.full((dim,), -0.5 / math.sqrt(dim)))
+
+    def words(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.first[ids[:, 0]] + self.second[ids[:, 1]] + self.bias)
+
+    def cells(self, cur: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
+        """cur, nxt: [B, V+1, H, W] logits -> [B, D], the max over the `keep` cells most likely
+        to hold a word (a page has ~11 words; coding every cell costs 3x the CNN's step)."""
+        a = cur.softmax(1).flatten(2).transpose(1, 2)  # [B, cells, V+1]
+        b = nxt.softmax(1).flatten(2).transpose(1, 2)
+        keep = a[..., -1].topk(min(self.keep, a.shape[1]), dim=1, largest=False).indices
+        a = a.gather(1, keep[..., None].expand(-1, -1, a.shape[-1]))
+        b = b.gather(1, keep[..., None].expand(-1, -1, b.shape[-1]))
+        return F.relu(a @ self.first + b @ self.second + self.bias).amax(1)
+
+
 class PageTower(nn.Module):
-    def __init__(self, arch: str, size: int, pool: str, dim: int = 128) -> None:
+    def __init__(
+        self,
+        arch: str,
+        size: int,
+        pool: str,
+        dim: int = 128,
+        vocab: int = 0,
+        code: BigramCode | None = None,
+    ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         c, side = 1, size
@@ -64,23 +104,42 @@ class PageTower(nn.Module):
             c, side = out, side // stride
         self.convs, self.pool, self.channels = nn.Sequential(*layers), pool, c
         self.head = nn.Linear(c * side * side if pool == "flatten" else c, dim)
-        self.feature_map = torch.empty(0)
+        self.spotter = nn.Conv2d(c, vocab + 1, 1)  # each cell's word (vocab = background)
+        if pool == "bigram":  # the next word on the line needs context along the row
+            self.line = nn.Sequential(
+                nn.Conv2d(c, 128, (1, 5), padding=(0, 2), bias=False),
+                nn.BatchNorm2d(128),
+                nn.GELU(),
+            )
+            self.next_spotter = nn.Conv2d(c + 128, vocab + 1, 1)  # vocab = end of line
+        self.code = code
+        self.feature_map = self.spots = self.next_spots = torch.empty(0)
 
     def forward(self, pages: torch.Tensor) -> torch.Tensor:
         h = self.convs((pages.float() / 255.0 - 0.5)[:, None])
         self.feature_map = h
+        self.spots = self.spotter(h)
+        if self.pool == "bigram":
+            assert self.code is not None
+            self.next_spots = self.next_spotter(torch.cat([h, self.line(h)], 1))
+            return F.normalize(self.code.cells(self.spots, self.next_spots), dim=-1)
         h = h.flatten(1) if self.pool == "flatten" else h.amax((2, 3))
         return F.normalize(self.head(h), dim=-1)
 
 
 class QueryTower(nn.Module):
-    def __init__(self, vocab: int, words: int = 2, dim: int = 128) -> None:
+    def __init__(
+        self, vocab: int, words: int = 2, dim: int = 128, code: BigramCode | None = None
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.position = nn.Parameter(torch.zeros(words, dim))
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.code = code
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.code is not None:
+            return F.normalize(self.code.words(ids), dim=-1)
         return F.normalize(self.mlp((self.embed(ids) + self.position).sum(1)), dim=-1)
 
 
@@ -170,7 +229,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--arch", default="32s2,64s2,128s2,256s2")
-    p.add_argument("--pool", choices=("flatten", "max"), default="flatten")
+    p.add_argument("--pool", choices=("flatten", "max", "bigram"), default="flatten")
+    p.add_argument("--dim", type=int, default=1024, help="width of the bigram code")
     p.add_argument("--size", type=int, default=96, help="page side (fresh pages)")
     p.add_argument("--fresh", action="store_true")
     p.add_argument(
@@ -191,11 +251,19 @@ def main() -> None:
         help="weight of a dense reading loss: each word's centre cell of the last feature map "
         "classifies the word (401-way with background), from the renderer's word boxes",
     )
+    p.add_argument(
+        "--spot-cells",
+        choices=("centre", "box"),
+        default="centre",
+        help="which cells a word labels: the one under its centre, or every cell in its box",
+    )
     p.add_argument("--hard-negatives", action="store_true", help="one image hard negative each")
     p.add_argument("--eval-every", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
+    if a.pool == "bigram" and not (a.spot and a.fresh):
+        p.error("--pool bigram reads the spotted words: it needs --fresh and --spot")
     torch.manual_seed(a.seed)
     torch.set_num_threads(a.threads)
     root = Path(a.data)
@@ -205,9 +273,10 @@ def main() -> None:
         f"# {cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads; {vars(a)}"
     )
 
-    pages, queries = PageTower(a.arch, a.size, a.pool), QueryTower(len(vocab))
+    code = BigramCode(len(vocab), a.dim) if a.pool == "bigram" else None
+    pages = PageTower(a.arch, a.size, a.pool, vocab=len(vocab), code=code)
+    queries = QueryTower(len(vocab), code=code)
     presence = nn.Linear(pages.channels, len(vocab))
-    spotter = nn.Conv2d(pages.channels, len(vocab) + 1, 1)
     spot_weight = torch.ones(len(vocab) + 1)
     spot_weight[-1] = 0.1  # the background class (cells under no word's centre)
     log_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
@@ -215,9 +284,9 @@ def main() -> None:
         *pages.parameters(),
         *queries.parameters(),
         *presence.parameters(),
-        *spotter.parameters(),
         log_scale,
     ]
+    params = list({id(x): x for x in params}.values())  # the bigram code sits in both towers
     opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.05)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,
@@ -265,17 +334,30 @@ def main() -> None:
             ) * (len(vocab) / 12)
         spot_acc = float("nan")
         if a.spot and words:
-            fmap = pages.feature_map[: a.batch_size]
-            side = fmap.shape[-1]
+            spot_logits = pages.spots[: a.batch_size]
+            side = spot_logits.shape[-1]
             cell = a.size / side
             target = torch.full((a.batch_size, side, side), len(vocab), dtype=torch.long)
+            following = torch.full_like(target, -100)  # the next word on the line (bigram head)
             for i, ws in enumerate(words):
-                for w, x0, y0, x1, y1 in ws:
+                for k, (w, x0, y0, x1, y1) in enumerate(ws):
                     cx = min(side - 1, max(0, int((x0 + x1) / 2 / cell)))
                     cy = min(side - 1, max(0, int((y0 + y1) / 2 / cell)))
-                    target[i, cy, cx] = w
-            spot_logits = spotter(fmap)
+                    xs, ys = slice(cx, cx + 1), slice(cy, cy + 1)
+                    if a.spot_cells == "box":  # every cell whose centre lies in the word's box
+                        lo_x, hi_x = math.ceil(x0 / cell - 0.5), math.floor(x1 / cell - 0.5)
+                        lo_y, hi_y = math.ceil(y0 / cell - 0.5), math.floor(y1 / cell - 0.5)
+                        lo_x, lo_y = max(0, min(lo_x, cx)), max(0, min(lo_y, cy))
+                        xs = slice(lo_x, min(side, max(hi_x, cx) + 1))
+                        ys = slice(lo_y, min(side, max(hi_y, cy) + 1))
+                    target[i, ys, xs] = w
+                    same_line = k + 1 < len(ws) and ws[k + 1][2] == y0
+                    following[i, ys, xs] = ws[k + 1][0] if same_line else len(vocab)
             loss = loss + a.spot * F.cross_entropy(spot_logits, target, weight=spot_weight)
+            if a.pool == "bigram":
+                loss = loss + a.spot * F.cross_entropy(
+                    pages.next_spots[: a.batch_size], following, ignore_index=-100
+                )
             is_word = target < len(vocab)
             spot_acc = (spot_logits.argmax(1)[is_word] == target[is_word]).float().mean().item()
         opt.zero_grad()
