@@ -19,7 +19,8 @@ Training pages: fixed (``D/train.jsonl``), or with ``--fresh`` a new batch rende
 `vltrain.data.synth_pages` (training-side titles only), so no page is seen twice. Knobs of the
 fresh pages: ``--title-only F`` draws that fraction of each batch without body lines, queried by
 title; ``--font-scale S`` scales the fonts (of the title-only pages when 0 < F < 1, else of every
-page); ``--font-scale-end E`` moves S linearly to E over the first 80% of the steps.
+page); ``--font-scale-end E`` moves S linearly to E over the first 80% of the steps. ``--workers
+N``: N processes render the batches ahead of the step (each step's batch from its own seed).
 ``--hard-negatives`` adds each page's hard negative (one queried word swapped) to the batch's
 pages. ``--presence W`` adds a per-word presence loss (400-way sigmoid on the max-pooled features).
 ``--spot W`` adds a dense reading loss: on the last feature map, the cell under each drawn word's
@@ -146,7 +147,7 @@ class QueryTower(nn.Module):
 class FreshPages:
     """Training-side pages drawn and rendered on demand (no page is ever repeated)."""
 
-    def __init__(self, seed: int, size: int, title_only: float, font_scale: float) -> None:
+    def __init__(self, seed: int | str, size: int, title_only: float, font_scale: float) -> None:
         self.rng, self.size = random.Random(f"reference-{seed}"), size
         self.title_only, self.font_scale = title_only, font_scale
         self.vocab = sp.vocabulary()
@@ -183,6 +184,27 @@ class FreshPages:
                     neg = sp.hard_negative(self.rng, page, span, self.vocab)
                 negatives.append(grey(sp.render(neg, self.size)))
         return torch.from_numpy(np.stack(pages + negatives)), torch.tensor(queries), words
+
+
+class FreshBatches(torch.utils.data.Dataset):
+    """Step i's fresh batch from its own seed, so DataLoader workers can render the next
+    batches while the main process trains (``--workers``); a different page stream from the
+    sequential one, equally deterministic."""
+
+    def __init__(self, a: argparse.Namespace, index: dict[str, int]) -> None:
+        self.a, self.index = a, index
+
+    def __len__(self) -> int:
+        return self.a.steps
+
+    def __getitem__(self, step: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+        a = self.a
+        scale = a.font_scale
+        if a.font_scale_end:
+            frac = min(1.0, step / max(1, int(0.8 * a.steps)))
+            scale = a.font_scale + frac * (a.font_scale_end - a.font_scale)
+        source = FreshPages(f"{a.seed}-{step}", a.size, a.title_only, scale)
+        return source.batch(a.batch_size, self.index, a.hard_negatives)
 
 
 def held_out(
@@ -259,6 +281,7 @@ def main() -> None:
     )
     p.add_argument("--hard-negatives", action="store_true", help="one image hard negative each")
     p.add_argument("--eval-every", type=int, default=400)
+    p.add_argument("--workers", type=int, default=0, help="processes rendering fresh batches ahead")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
@@ -296,6 +319,13 @@ def main() -> None:
     )
     if a.fresh:
         source = FreshPages(a.seed, a.size, a.title_only, a.font_scale)
+        ahead = iter(
+            torch.utils.data.DataLoader(
+                FreshBatches(a, index), batch_size=None, num_workers=a.workers, prefetch_factor=2
+            )
+            if a.workers
+            else ()
+        )
     else:
         recs = [json.loads(line) for line in open(root / "train.jsonl")]
         fixed = torch.from_numpy(
@@ -313,7 +343,9 @@ def main() -> None:
     t0 = time.perf_counter()
     for step in range(a.steps):
         words: list = []
-        if a.fresh:
+        if a.fresh and a.workers:
+            x, q, words = next(ahead)
+        elif a.fresh:
             if a.font_scale_end:
                 frac = min(1.0, step / max(1, int(0.8 * a.steps)))
                 source.font_scale = a.font_scale + frac * (a.font_scale_end - a.font_scale)
