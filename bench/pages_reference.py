@@ -105,7 +105,7 @@ class PageTower(nn.Module):
             c, side = out, side // stride
         self.convs, self.pool, self.channels = nn.Sequential(*layers), pool, c
         self.head = nn.Linear(c * side * side if pool == "flatten" else c, dim)
-        self.spotter = nn.Conv2d(c, vocab + 1, 1)  # each cell's word (vocab = background)
+        self.spotter = nn.Conv2d(c, vocab + 1, 1) if vocab else None  # vocab = background
         if pool == "bigram":  # the next word on the line needs context along the row
             self.line = nn.Sequential(
                 nn.Conv2d(c, 128, (1, 5), padding=(0, 2), bias=False),
@@ -119,7 +119,8 @@ class PageTower(nn.Module):
     def forward(self, pages: torch.Tensor) -> torch.Tensor:
         h = self.convs((pages.float() / 255.0 - 0.5)[:, None])
         self.feature_map = h
-        self.spots = self.spotter(h)
+        if self.spotter is not None:
+            self.spots = self.spotter(h)
         if self.pool == "bigram":
             assert self.code is not None
             self.next_spots = self.next_spotter(torch.cat([h, self.line(h)], 1))
@@ -133,10 +134,11 @@ class QueryTower(nn.Module):
         self, vocab: int, words: int = 2, dim: int = 128, code: BigramCode | None = None
     ) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.position = nn.Parameter(torch.zeros(words, dim))
-        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
         self.code = code
+        if code is None:
+            self.embed = nn.Embedding(vocab, dim)
+            self.position = nn.Parameter(torch.zeros(words, dim))
+            self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.code is not None:
@@ -186,6 +188,14 @@ class FreshPages:
         return torch.from_numpy(np.stack(pages + negatives)), torch.tensor(queries), words
 
 
+def font_scale_at(a: argparse.Namespace, step: int) -> float:
+    """``--font-scale`` moved linearly to ``--font-scale-end`` over the first 80% of the steps."""
+    if not a.font_scale_end:
+        return a.font_scale
+    frac = min(1.0, step / max(1, int(0.8 * a.steps)))
+    return a.font_scale + frac * (a.font_scale_end - a.font_scale)
+
+
 class FreshBatches(torch.utils.data.Dataset):
     """Step i's fresh batch from its own seed, so DataLoader workers can render the next
     batches while the main process trains (``--workers``); a different page stream from the
@@ -199,11 +209,7 @@ class FreshBatches(torch.utils.data.Dataset):
 
     def __getitem__(self, step: int) -> tuple[torch.Tensor, torch.Tensor, list]:
         a = self.a
-        scale = a.font_scale
-        if a.font_scale_end:
-            frac = min(1.0, step / max(1, int(0.8 * a.steps)))
-            scale = a.font_scale + frac * (a.font_scale_end - a.font_scale)
-        source = FreshPages(f"{a.seed}-{step}", a.size, a.title_only, scale)
+        source = FreshPages(f"{a.seed}-{step}", a.size, a.title_only, font_scale_at(a, step))
         return source.batch(a.batch_size, self.index, a.hard_negatives)
 
 
@@ -297,19 +303,14 @@ def main() -> None:
     )
 
     code = BigramCode(len(vocab), a.dim) if a.pool == "bigram" else None
-    pages = PageTower(a.arch, a.size, a.pool, vocab=len(vocab), code=code)
+    pages = PageTower(a.arch, a.size, a.pool, vocab=len(vocab) if a.spot else 0, code=code)
     queries = QueryTower(len(vocab), code=code)
     presence = nn.Linear(pages.channels, len(vocab))
     spot_weight = torch.ones(len(vocab) + 1)
     spot_weight[-1] = 0.1  # the background class (cells under no word's centre)
     log_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
-    params = [
-        *pages.parameters(),
-        *queries.parameters(),
-        *presence.parameters(),
-        log_scale,
-    ]
-    params = list({id(x): x for x in params}.values())  # the bigram code sits in both towers
+    # one ModuleList so the bigram code, which sits in both towers, is listed once
+    params = [*nn.ModuleList([pages, queries, presence]).parameters(), log_scale]
     opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.05)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,
@@ -346,9 +347,7 @@ def main() -> None:
         if a.fresh and a.workers:
             x, q, words = next(ahead)
         elif a.fresh:
-            if a.font_scale_end:
-                frac = min(1.0, step / max(1, int(0.8 * a.steps)))
-                source.font_scale = a.font_scale + frac * (a.font_scale_end - a.font_scale)
+            source.font_scale = font_scale_at(a, step)
             x, q, words = source.batch(a.batch_size, index, a.hard_negatives)
         else:
             idx = torch.randint(0, len(recs), (a.batch_size,), generator=g)
