@@ -5,7 +5,7 @@ import torch
 
 from vltrain.models.captioner import Captioner
 from vltrain.models.presets import vision_config
-from vltrain.models.vit import VisionTower, VisionTowerConfig
+from vltrain.models.vit import CLIP_MEAN, VisionTower, VisionTowerConfig
 
 
 def test_conv_stem_keeps_the_token_interface():
@@ -24,12 +24,43 @@ def test_conv_stem_keeps_the_token_interface():
     assert hybrid.cfg.stem_channels == (32, 64, 128) and hybrid(x).shape == (3, 65, 128)
 
 
+def test_max_pool_finds_the_same_thing_anywhere():
+    """pool=max: token 0 is the grid's channel-wise max (before the norms), so a pattern moved
+    to another place gives the same pooled feature where flatten would not; the grid comes back
+    beside it for a dense loss; stride-1 grid convs add layers at the grid's resolution."""
+    torch.manual_seed(0)
+    cfg = vision_config("tiny_cnn", pool="max", stem_grid_channels=(48,), image_size=128)
+    tower = VisionTower(cfg).eval()
+    convs = [m for m in tower.patch_embed if isinstance(m, torch.nn.Conv2d)]
+    assert [c.out_channels for c in convs] == [16, 32, 64, 48, 128]
+    assert [c.stride[0] for c in convs] == [2, 2, 2, 1, 1]
+    # a page at the pixel mean is 0 after normalisation, like the convolutions' zero padding,
+    # so only the square decides the features: a square, and the same square moved (by a
+    # multiple of the stem's stride 8; both further than the receptive field from the edges)
+    x = torch.tensor(CLIP_MEAN).view(1, 3, 1, 1).repeat(2, 1, 128, 128)
+    x[0, :, 40:56, 40:56] = 1.0
+    x[1, :, 64:80, 72:88] = 1.0
+    pooled, grid = tower.pooled_and_grid(x)
+    assert grid.shape == (2, 256, 128)
+    torch.testing.assert_close(pooled, tower(x)[:, 0])
+    torch.testing.assert_close(pooled, tower.pooled(x))
+    torch.testing.assert_close(pooled[0], pooled[1], atol=1e-5, rtol=1e-5)
+    # control: the flatten head sees where
+    flat = VisionTower(vision_config("tiny_cnn", image_size=128)).eval()
+    assert not torch.allclose(flat.pooled(x)[0], flat.pooled(x)[1], atol=1e-3)
+    empty = x[:1].clone()
+    empty[..., 40:56, 40:56] = torch.tensor(CLIP_MEAN).view(3, 1, 1)
+    assert not torch.allclose(tower.pooled(empty)[0], pooled[0], atol=1e-3)
+
+
 @pytest.mark.parametrize(
     "over,message",
     [
         ({"stem": "conv", "patch_size": 12, "image_size": 48}, "power of two"),
         ({"stem": "conv", "stem_channels": (32, 64)}, "3 positive channel counts"),
-        ({"stem_channels": (32, 64, 128)}, "needs stem='conv'"),
+        ({"stem_channels": (32, 64, 128)}, "need stem='conv'"),
+        ({"stem_grid_channels": (32,)}, "need stem='conv'"),
+        ({"stem": "conv", "stem_grid_channels": (0,)}, "must be positive"),
         ({"stem": "convolution"}, "stem must be one of"),
         ({"pool": "mean"}, "pool one of"),
     ],

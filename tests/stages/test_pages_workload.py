@@ -41,8 +41,10 @@ def _overrides(pages: Path, out: Path, **extra: object) -> list[str]:
         "train.save_every": 3,
         "optim.warmup_steps": 0,
         "objective.hard_negatives": 2,
-        "model.vision": "tiny",
-        "model.vision_layers": 1,
+        "model.vision_width": 64,
+        # GroupNorm: no batch statistics, so GradCache's chunks equal the plain step
+        "model.vision_options": "{stem_norm: group}",
+        "objective.reading": 0,
         "run.threads": 1,
     }
     return tiny_overrides(pages, out, **{**base, **extra})
@@ -226,3 +228,90 @@ def test_render_word_boxes_cover_the_drawn_words() -> None:
                 assert (crop < bg - 40).any()
             inked[max(0, y0) : y1 + 3, max(0, x0 - 1) : x1 + 2] = True
         assert not (img[~inked] < bg - 40).any()  # no ink outside the boxes
+
+
+def _reading_overrides(pages: Path, out: Path, **extra: object) -> list[str]:
+    """The preset's own towers (the max-head CNN and the reading loss), small."""
+    return _overrides(
+        pages,
+        out,
+        **{
+            "model.vision_options": "{stem_channels: [16, 32, 32], stem_norm: batch}",
+            "objective.reading": 1.0,
+            **extra,
+        },
+    )
+
+
+def test_reading_loss_trains_the_preset_towers(pages: Path, tmp_path: Path) -> None:
+    """objective.reading: the collate turns the records' word boxes into a token per grid cell,
+    the model adds the reading loss to InfoNCE, and the tower learns to read (its loss falls
+    over a few steps); records without words give no reading targets (control)."""
+    cfg = load_config(PRESET, _reading_overrides(pages, tmp_path / "s"))
+    ctx = RunContext(torch.device("cpu"), rank=0, world_size=1, precision="fp32", seed=0)
+    stage = check_config(cfg)(cfg, tmp_path / "s", ctx)
+    stage.prepare()
+    model = stage.build_model()
+    # the preset's query tower has no blocks (model.text_options: {layers: 0, pool: mean})
+    assert len(model.encoder.text.blocks) == 0 and model.encoder.text.cfg.pool == "mean"
+    batch = next(iter(stage.build_loader())).data
+    targets = batch["reading"]  # (B, 4 * 4): a 32-px page in 8-px cells
+    background = stage.tokenizer.vocab_size
+    assert targets.shape == (8, 16) and ((targets >= 0) & (targets < background)).any()
+    loss, metrics = model(batch)
+    plain, _ = model.loss(*pairs.embed_pairs(model.encoder, batch))
+    want = float((plain + metrics["reading_loss"]).detach())
+    assert float(loss.detach()) == pytest.approx(want, rel=1e-5)
+    # the cell under the centre of the page's last word (drawn last: nothing covers it) holds
+    # one of that word's tokens
+    rec = json.loads((pages / "train.jsonl").read_text().splitlines()[int(batch["index"][0])])
+    word, x0, y0, x1, y1 = rec["positive"]["words"][-1]
+    cell = min(3, int((y0 + y1) / 2 * 4)) * 4 + min(3, int((x0 + x1) / 2 * 4))
+    assert int(targets[0, cell]) in {i for i, _, _ in stage.tokenizer.pieces(word)}
+    # control: the same records without their words give no reading targets
+    bare = pages / "bare.jsonl"
+    rows = [json.loads(x) for x in (pages / "train.jsonl").read_text().splitlines()]
+    for r in rows:
+        del r["positive"]["words"]
+    bare.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(PRESET, _reading_overrides(pages, tmp_path / "b", **{"data.train": bare}))
+    other = check_config(cfg)(cfg, tmp_path / "b", ctx)
+    other.prepare()
+    assert (next(iter(other.build_loader())).data["reading"] == -100).all()
+    # a short run logs the reading metrics, and the reading loss falls
+    run = tmp_path / "run"
+    over = _reading_overrides(pages, run, **{"train.max_steps": 40, "train.save_every": 0})
+    assert main(["train", str(PRESET), *over]) == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    read = [r["train_reading_loss"] for r in rows if "train_reading_loss" in r]
+    assert len(read) == 40 and "train_reading_acc" in rows[0]
+    assert sum(read[-5:]) < 0.85 * sum(read[:5]), read  # 5.7 -> 4.3 here
+    acc = [r["train_reading_acc"] for r in rows if "train_reading_acc" in r]
+    assert sum(acc[-10:]) / 10 > 10 * sum(acc[:3]) / 3 + 0.02, acc  # chance: ~1 / 400
+
+
+def test_reading_loss_is_refused_where_it_cannot_read(pages: Path, tmp_path: Path) -> None:
+    over = _reading_overrides(pages, tmp_path / "r", **{"objective.grad_cache_chunk": 4})
+    with pytest.raises(ConfigError, match="grad_cache_chunk=0"):
+        check_config(load_config(PRESET, over))
+    caption_records = tmp_path / "captions.jsonl"
+    caption_records.write_text(json.dumps({"image": "a.png", "text": "a page"}) + "\n")
+    over = _reading_overrides(pages, tmp_path / "r", **{"data.train": caption_records})
+    with pytest.raises(ConfigError, match="objective.reading=0"):
+        check_config(load_config(PRESET, over))
+    texts = pages / "text_positives.jsonl"
+    texts.write_text(json.dumps({"query": "q", "positive": "a text", "id": "1"}) + "\n")
+    cfg = load_config(PRESET, _reading_overrides(pages, tmp_path / "r", **{"data.train": texts}))
+    with pytest.raises(ConfigError, match="positives of .* are text sides"):
+        pairs.pair_dataset(cfg, texts, True, 0)
+    with pytest.raises(ConfigError, match="objective.reading"):  # not an HF backbone's key
+        check_config(
+            load_config(
+                PRESET,
+                [
+                    *_reading_overrides(pages, tmp_path / "r"),
+                    "model.kind=hf_clip",
+                    "model.path=/nowhere",
+                ],
+            )
+        )

@@ -252,6 +252,17 @@ class ObjectiveConfig:
         "(activation memory of one chunk; one extra forward). 0: off.",
         ge=0,
     )
+    reading: float = option(
+        0.0,
+        "Weight of a dense reading loss on the positive images (vltrain.objectives.reading): "
+        "each cell of the built-in vision tower's grid classifies the token drawn there, from "
+        "the 'words' boxes the records list on their image sides (`vltrain data synth --kind "
+        "pages` writes them). Contrastive training alone does not make a small tower read a "
+        "page's words; with this loss it does (bench/RESULTS.md, 'Page retrieval'). Needs "
+        "model.kind=dual_encoder, query/positive records with image positives and no "
+        "GradCache. 0: off.",
+        ge=0.0,
+    )
     siglip_init_scale: float = option(
         10.0, "SigLIP: initial logit scale t (learned as log t when learn_temperature).", gt=0.0
     )

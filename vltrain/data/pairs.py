@@ -7,8 +7,10 @@ Record (one JSON object per JSONL line)::
      "negatives": [{"image": "pages/7.png"}, {"doc": "d42"}, "a text negative"],
      "instruction": "Find the page that ...", "id": "q1"}
 
-A side is a string (a text), ``{"text"?, "image"?}`` (at least one), or ``{"doc": ID}`` naming a
-row of the corpus file (BEIR ``corpus.jsonl``: ``{"_id", "text"?, "image"?}``). ``positives``
+A side is a string (a text), ``{"text"?, "image"?}`` (at least one; an image side may list the
+words drawn on it, ``"words": [[text, x0, y0, x1, y1], ...]`` in fractions of the image, for
+`objective.reading`, see `vltrain.data.reading`), or ``{"doc": ID}`` naming a row of the corpus
+file (BEIR ``corpus.jsonl``: ``{"_id", "text"?, "image"?}``). ``positives``
 may replace ``positive``. The image-caption format ``{"image", "text", "negatives"}`` is read
 as the special case query = image, positives = the captions, negatives = texts.
 
@@ -35,13 +37,14 @@ from vltrain.data.images import (
     load_image,
     load_image_native,
 )
+from vltrain.data.reading import ReadingTargets, parse_words
 from vltrain.data.records import DataError, as_key, normalise_record, read_jsonl, resolve_image_path
 from vltrain.data.rng import sample_generator
 
 ROLES = ("query", "positive", "negatives")
 #: what one side holds; `image_text` is one interleaved input (VLM embedders only)
 MODALITIES = ("text", "image", "image_text")
-Side = dict[str, Any]  # {"text": str | None, "image": str | None, "base": data file path}
+Side = dict[str, Any]  # {"text": str | None, "image": str | None, "base": data file path, "words"?}
 
 
 def modality(side: Side) -> str:
@@ -57,16 +60,23 @@ def parse_side(obj: object, where: str, base: str) -> Side:
         return {"text": obj, "image": None, "doc": None, "base": base}
     if not isinstance(obj, dict):
         raise DataError(f"{where}: a side must be a string or an object, got {obj!r}")
-    unknown = set(obj) - {"text", "image", "doc", "_id", "id"}
+    unknown = set(obj) - {"text", "image", "doc", "words", "_id", "id"}
     if unknown:
-        raise DataError(f"{where}: unknown side key(s) {sorted(unknown)}; use text, image, doc")
+        raise DataError(
+            f"{where}: unknown side key(s) {sorted(unknown)}; use text, image, words, doc"
+        )
     if "doc" in obj:
         return {"text": None, "image": None, "doc": str(obj["doc"]), "base": base}
     if "image" in obj and not isinstance(obj["image"], str):
         raise DataError(f"{where}: 'image' must be a path string, got {obj['image']!r}")
     if obj.get("text") is None and obj.get("image") is None:
         raise DataError(f"{where}: a side needs 'text', 'image' (or both) or 'doc', got {obj!r}")
-    return {"text": obj.get("text"), "image": obj.get("image"), "doc": None, "base": base}
+    side = {"text": obj.get("text"), "image": obj.get("image"), "doc": None, "base": base}
+    if "words" in obj:
+        if obj.get("image") is None:
+            raise DataError(f"{where}: 'words' lists the words drawn on an image; add 'image'")
+        side["words"] = parse_words(obj["words"], where)
+    return side
 
 
 def _side_list(obj: object, where: str, base: str) -> list[Side]:
@@ -131,7 +141,7 @@ def read_corpus(path: str | os.PathLike[str]) -> dict[str, Side]:
         text = obj.get("text")
         if obj.get("title") and text is not None:
             text = f"{obj['title']} {text}"
-        fields = {"text": text, "image": obj.get("image")}
+        fields = {"text": text, "image": obj.get("image"), "words": obj.get("words")}
         side = parse_side({k: v for k, v in fields.items() if v is not None}, where, base)
         side["instruction"] = str(obj.get("instruction") or "")  # queries may carry one
         return {"_id": str(obj["_id"]), "side": side}
@@ -197,7 +207,7 @@ def load_side(side: Side, image_size: int, native: bool, max_pixels: int, label:
             if native
             else load_image(path, image_size, max_pixels)
         )
-    return {"text": text, "image": image}
+    return {"text": text, "image": image, "words": side.get("words")}
 
 
 class PairDataset(Dataset):
@@ -275,10 +285,16 @@ def side_texts(records: list[dict[str, Any]]) -> list[str]:
 
 class PairCollate:
     """Samples of `PairDataset` -> ``{"query", "positive", "negatives"?: {"modality",
-    "inputs"}, "index", "visual_tokens"?}`` through a backbone batcher (see `side_inputs`)."""
+    "inputs"}, "index", "visual_tokens"?, "reading"?}`` through a backbone batcher (see
+    `side_inputs`); with `reading`, the positive images' reading targets (B, P)."""
 
-    def __init__(self, batcher: Any, modalities: dict[str, str | None]) -> None:
-        self.batcher, self.modalities = batcher, modalities
+    def __init__(
+        self,
+        batcher: Any,
+        modalities: dict[str, str | None],
+        reading: ReadingTargets | None = None,
+    ) -> None:
+        self.batcher, self.modalities, self.reading = batcher, modalities, reading
 
     def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
         instr = [s["instruction"] for s in samples]
@@ -301,6 +317,8 @@ class PairCollate:
             tokens += [n_tok] if n_tok is not None else []
         if tokens:
             batch["visual_tokens"] = torch.cat(tokens)
+        if self.reading is not None:
+            batch["reading"] = self.reading([s["positives"][0].get("words") for s in samples])
         return batch
 
 

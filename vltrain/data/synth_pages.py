@@ -8,7 +8,8 @@ the queried words (one of them is swapped), so only reading the queried words te
 
 Layout written under OUT::
 
-    train.jsonl                     {"query": {"text"}, "positive": {"image"}, "negatives": [...]}
+    train.jsonl                     {"query": {"text"}, "positive": {"image", "words"},
+                                    "negatives": [...]}; words: [[word, x0, y0, x1, y1], ...]
     train_corpus.jsonl              every training page as a document (for `vltrain mine`)
     {val,test}/queries.jsonl        {"_id", "text"}
     {val,test}/corpus.jsonl         {"_id", "image"}: positives, their hard negatives, distractors
@@ -167,30 +168,45 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def page_side(page: Page, size: int, out: Path, rel: str) -> dict[str, Any]:
+    """An image side for `page`, saved at `rel`, with its drawn words' boxes (`words`: the
+    reading supervision of `objective.reading`, in fractions of the image, clipped to it)."""
+    boxes: list[tuple[str, int, int, int, int]] = []
+    image = _save(render(page, size, boxes), out, rel)
+    words = [
+        [w, *(round(min(1.0, max(0.0, v / size)), 4) for v in box)]
+        for w, *box in boxes
+        if box[0] < size and box[1] < size
+    ]
+    return {"image": image, "words": words}
+
+
 def write_train(
     out: Path, n: int, negatives: int, size: int, rng: random.Random, vocab: list[str]
 ) -> None:
-    """train.jsonl (text query -> page image, image hard negatives) and train_corpus.jsonl."""
+    """train.jsonl (text query -> page image with its words' boxes, image hard negatives) and
+    train_corpus.jsonl."""
     (out / "pages" / "train").mkdir(parents=True, exist_ok=True)
     records, docs = [], []
     for i in range(n):
         page = make_page(rng, vocab, size, held_out=False)
         query, span = make_query(rng, page)
-        pos = _save(render(page, size), out, f"pages/train/{i:06d}.png")
+        positive = page_side(page, size, out, f"pages/train/{i:06d}.png")
+        pos = positive["image"]
         negs = []
         for k in range(negatives):
             neg = hard_negative(rng, page, span, vocab)
-            negs.append(_save(render(neg, size), out, f"pages/train/{i:06d}_n{k}.png"))
+            negs.append(page_side(neg, size, out, f"pages/train/{i:06d}_n{k}.png"))
         records.append(
             {
                 "query": {"text": query},
-                "positive": {"image": pos},
-                "negatives": [{"image": p} for p in negs],
+                "positive": positive,
+                "negatives": negs,
                 "id": f"train-{i}",
             }
         )
         docs.append({"_id": f"t{i:06d}", "image": pos})
-        docs += [{"_id": f"t{i:06d}_n{k}", "image": p} for k, p in enumerate(negs)]
+        docs += [{"_id": f"t{i:06d}_n{k}", "image": p["image"]} for k, p in enumerate(negs)]
     _write_jsonl(out / "train.jsonl", records)
     _write_jsonl(out / "train_corpus.jsonl", docs)
 

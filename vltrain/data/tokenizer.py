@@ -112,6 +112,12 @@ class TextTokenizer:
         """Token ids of ``text`` without special tokens."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def pieces(self, text: str) -> list[tuple[int, int, int]]:
+        """``(id, start, end)`` of each token of ``text`` (no specials): the character span it
+        covers, e.g. to place a word's tokens along the word's box on an image."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return [(i, a, b) for i, (a, b) in zip(enc.ids, enc.offsets, strict=True)]
+
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
         """`encode` of each text, in one call into the Rust tokenizer (threads of its own)."""
         if self._tok.padding is not None or self._tok.truncation is not None:

@@ -168,15 +168,16 @@ def vision_options(options: dict[str, Any]) -> dict[str, Any]:
     return tower_options(options, VisionTowerConfig, "model.vision_options")
 
 
-def _sized(make: Any, preset: str, layers: int, width: int, **dims: Any) -> Any:
-    """A tower config from its preset, with explicit depth/width overrides (0 keeps the preset).
+def _sized(make: Any, preset: str, n_layers: int, n_width: int, /, **dims: Any) -> Any:
+    """A tower config from its preset, with explicit depth/width overrides (0 keeps the preset;
+    a tower without blocks: ``layers: 0`` in its ``*_options``).
 
     The image size always comes from `data.image_size`, so any preset trains on any data.
     """
-    if layers:
-        dims["layers"] = layers
-    if width:
-        dims["width"] = width
+    if n_layers:
+        dims["layers"] = n_layers
+    if n_width:
+        dims["width"] = n_width
     return make(preset, **dims)
 
 

@@ -65,6 +65,12 @@ class DualEncoder(nn.Module):
         x = self.vision_proj(self.vision.pooled(images))  # (B, E)
         return F.normalize(x.float(), dim=-1) if normalize else x
 
+    def encode_image_grid(self, images: Tensor) -> tuple[Tensor, Tensor]:
+        """`encode_image` (B, E) and the vision tower's grid tokens (B, P, W) it pooled, for a
+        dense loss on the image (`vltrain.objectives.reading`)."""
+        pooled, grid = self.vision.pooled_and_grid(images)
+        return F.normalize(self.vision_proj(pooled).float(), dim=-1), grid
+
     def encode_text(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, normalize: bool = True
     ) -> Tensor:

@@ -14,6 +14,7 @@ from vltrain.config.core import ConfigError, check_choice, reject_unused
 from vltrain.config.schema import Config
 from vltrain.data.images import BadSample, DecodedImages, check_text
 from vltrain.data.loaders import MapLoader
+from vltrain.data.reading import ReadingTargets
 from vltrain.data.records import DataError, ImageTextDataset, read_records, split_bad
 from vltrain.data.samplers import EvalShardSampler, ShardedBatchSampler
 from vltrain.data.shard_decode import SampleDecoder
@@ -36,6 +37,7 @@ from vltrain.models.backbones import (
     build_encoder,
     objective_for,
     uses_tokenizer,
+    vision_options,
 )
 from vltrain.models.presets import VISION_PRESETS
 from vltrain.objectives.contrastive import LOSSES, Features, build_loss_from_config
@@ -44,18 +46,23 @@ from vltrain.objectives.grad_cache import (
     dual_encoder_grad_cache,
     encode_text_sets,
 )
+from vltrain.objectives.reading import ReadingLoss
 from vltrain.stages import embedding_pairs as pairs
 
 __all__ = ["ContrastiveModel", "ContrastiveStage", "ImageTextCollate"]
 
 
 class ContrastiveModel(nn.Module):
-    """Encoder + loss in one module, so DDP sees one forward and the loss's temperature trains."""
+    """Encoder + loss in one module, so DDP sees one forward and the loss's temperature trains;
+    with `reading`, the positive images' grid also learns to read (`objective.reading`)."""
 
-    def __init__(self, encoder: nn.Module, loss: nn.Module) -> None:
+    def __init__(
+        self, encoder: nn.Module, loss: nn.Module, reading: ReadingLoss | None = None
+    ) -> None:
         super().__init__()
         self.encoder = encoder
         self.loss = loss
+        self.reading = reading
 
     def embed(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor | None]:
         """Unit-norm image (B, E), text (B, E) and hard-negative (M, E) embeddings."""
@@ -74,6 +81,11 @@ class ContrastiveModel(nn.Module):
         return img, emb["input_ids"], emb.get("neg_ids"), emb.get("pair_ids")
 
     def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        if pairs.is_pair_batch(batch) and self.reading is not None and "reading" in batch:
+            q, p, n, grid = pairs.embed_pairs_reading(self.encoder, batch)
+            loss, metrics = self.loss(q, p, n)
+            read_loss, read_metrics = self.reading(grid, batch["reading"])
+            return loss + read_loss, {**metrics, **read_metrics}
         if pairs.is_pair_batch(batch):  # query / positive / negatives sides of any modality
             return self.loss(*pairs.embed_pairs(self.encoder, batch))
         img, txt, neg, second = self._embed(batch, second=True)
@@ -124,6 +136,7 @@ WHY = {
     "objective.siglip_init_*": "objective.loss=siglip's start; hf_clip/hf_siglip start from the "
     "pretrained model's own scale",
     "model.lora_*": "LoRA applies to HF backbones",
+    "objective.reading": "the built-in dual encoder's (it reads the tower's grid of cells)",
 }
 
 
@@ -149,7 +162,7 @@ def used_keys(cfg: Config) -> tuple[str, ...]:
         used += ["data.tokenizer_vocab", "model.vision", "model.text", "model.embed_dim"]
         used += ["model.vision_layers", "model.vision_width", "model.vision_options"]
         used += ["model.text_layers", "model.text_options"]
-        used += ["model.text_width", "model.dropout"]
+        used += ["model.text_width", "model.dropout", "objective.reading"]
     else:
         # LoRA options stay accepted with model.lora_r=0: that is how a LoRA preset is turned off
         used += ["model.path", "model.local_files_only", "model.lora_*"]
@@ -256,7 +269,12 @@ class ContrastiveStage:
             print(f"vltrain: {encoder.describe()}")
         # registry: objective.loss (infonce, siglip); HF CLIP/SigLIP start at their own scale
         loss = build_loss_from_config(objective_for(encoder, self.cfg.objective))
-        model = ContrastiveModel(encoder, loss)
+        reading = None
+        if self.cfg.objective.reading:
+            assert self.tokenizer is not None  # the built-in towers (check_config)
+            width, vocab = encoder.vision.width, self.tokenizer.vocab_size
+            reading = ReadingLoss(width, vocab, self.cfg.objective.reading)
+        model = ContrastiveModel(encoder, loss, reading)
         if self.init_ckpt is not None:  # e.g. a hard-negative round after `vltrain mine`
             try:
                 load_weights(model, self.init_ckpt)
@@ -264,8 +282,9 @@ class ContrastiveStage:
                 raise ConfigError(
                     f"model.init_from={self.init_ckpt} does not fit this model "
                     f"({str(e)[:300]}...); model.kind, model.vision, model.text, "
-                    "model.embed_dim, objective.loss and the LoRA options must match the source "
-                    "run's config.yaml"
+                    "model.embed_dim, objective.loss, objective.reading (on or off: its head is "
+                    "part of the weights) and the LoRA options must match the source run's "
+                    "config.yaml"
                 ) from None
         return model
 
@@ -342,8 +361,17 @@ class ContrastiveStage:
     def train_collate(self, dataset: Any) -> Any:
         """The batcher, or its pair collate for query/positive records."""
         if isinstance(dataset, pairs.PairDataset):
-            return pairs.collate(self.batcher, dataset)
+            return pairs.collate(self.batcher, dataset, self.reading_targets())
         return self.batcher
+
+    def reading_targets(self) -> ReadingTargets | None:
+        """What `objective.reading` trains on: a target per cell of the vision tower's grid."""
+        if not self.cfg.objective.reading:
+            return None
+        m = self.cfg.model
+        patch = vision_options(m.vision_options).get("patch_size")
+        patch = patch or VISION_PRESETS[m.vision]["patch_size"]
+        return ReadingTargets(self.tokenizer, self.cfg.data.image_size // patch)
 
     def forward_backward(
         self, model: ParallelModel, batch: dict[str, Any], scale: float

@@ -36,6 +36,7 @@ from vltrain.data.pairs import (
     side_inputs,
     side_texts,
 )
+from vltrain.data.reading import ReadingTargets
 from vltrain.data.samplers import EvalShardSampler
 from vltrain.engine import distributed as D
 from vltrain.engine.runtime import RunContext, to_device
@@ -91,6 +92,17 @@ def check_config(cfg: Config) -> None:
             "data.eval is a corpus folder: its metrics are eval_R@1, eval_R@5, eval_nDCG@10, ... "
             "(not eval_R@1_mean); set train.best_metric=eval_R@1 (or another of them)"
         )
+    if cfg.objective.reading and not uses_pairs(cfg):
+        raise ConfigError(
+            f"objective.reading reads the 'words' boxes of query/positive records' image "
+            f"sides; data.train={cfg.data.train} holds none (`vltrain data synth --kind pages` "
+            "writes such records): set objective.reading=0"
+        )
+    if cfg.objective.reading and cfg.objective.grad_cache_chunk:
+        raise ConfigError(
+            "objective.reading > 0 with objective.grad_cache_chunk > 0: the reading loss reads "
+            "the positive images' grid in the plain step; set objective.grad_cache_chunk=0"
+        )
     if cfg.data.train_corpus and not Path(cfg.data.train_corpus).is_file():
         raise ConfigError(f"data.train_corpus={cfg.data.train_corpus} does not exist")
 
@@ -108,6 +120,11 @@ def pair_dataset(cfg: Config, path: str | Path, train: bool, hard_negatives: int
     )
     for role, kind in ds.modalities.items():
         check_side_modality(cfg.model.kind, role, kind, str(path))
+    if train and cfg.objective.reading and ds.modalities["positive"] != "image":
+        raise ConfigError(
+            f"objective.reading trains the image tower to read the positive images, but the "
+            f"positives of {path} are {ds.modalities['positive']} sides: set objective.reading=0"
+        )
     return ds
 
 
@@ -120,8 +137,8 @@ def training_texts(cfg: Config) -> list[str]:
     return texts
 
 
-def collate(batcher: Any, ds: PairDataset) -> PairCollate:
-    return PairCollate(batcher, ds.modalities)
+def collate(batcher: Any, ds: PairDataset, reading: ReadingTargets | None = None) -> PairCollate:
+    return PairCollate(batcher, ds.modalities, reading)
 
 
 def is_pair_batch(batch: dict[str, Any]) -> bool:
@@ -136,6 +153,18 @@ def embed_pairs(encoder: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, Tens
     if batch.get("negatives") is not None:
         n = encode_side(encoder, batch["negatives"]["modality"], batch["negatives"]["inputs"])
     return q, p, n
+
+
+def embed_pairs_reading(
+    encoder: nn.Module, batch: dict[str, Any]
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """`embed_pairs` with the positive images' grid tokens (B, P, W) for `objective.reading`."""
+    q = encode_side(encoder, batch["query"]["modality"], batch["query"]["inputs"])
+    p, grid = encoder.encode_image_grid(batch["positive"]["inputs"])
+    n = None
+    if batch.get("negatives") is not None:
+        n = encode_side(encoder, batch["negatives"]["modality"], batch["negatives"]["inputs"])
+    return q, p, n, grid
 
 
 def pair_grad_cache(
