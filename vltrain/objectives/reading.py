@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vltrain.data.reading import IGNORE
 from vltrain.models.layers import init_weights
 
 #: weight of the background class: ~90% of a page's cells hold no word, and at weight 1 the
@@ -45,11 +46,10 @@ class ReadingLoss(nn.Module):
         logits = self.head(grid.float())  # (B, P, V + 1)
         flat, target = logits.flatten(0, 1), targets.flatten()
         if bool((target >= 0).any()):
-            loss = F.cross_entropy(flat, target, weight=self.class_weight, ignore_index=-100)
+            loss = F.cross_entropy(flat, target, weight=self.class_weight, ignore_index=IGNORE)
         else:  # no image of this batch lists its words: zero, but the head stays in the graph
             loss = flat.sum() * 0.0
-        words = target.clamp(min=0) < self.head.out_features - 1
-        words &= target >= 0
+        words = (target >= 0) & (target < self.head.out_features - 1)  # not ignored, not background
         hit = (flat.argmax(-1) == target) & words
         acc = hit.sum() / words.sum().clamp(min=1)
         return self.weight * loss, {"reading_loss": loss.detach(), "reading_acc": acc.detach()}

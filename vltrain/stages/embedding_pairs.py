@@ -147,24 +147,23 @@ def is_pair_batch(batch: dict[str, Any]) -> bool:
 
 def embed_pairs(encoder: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor | None]:
     """Query (B, E), positive (B, E) and hard-negative (M, E) embeddings of a pair batch."""
-    q = encode_side(encoder, batch["query"]["modality"], batch["query"]["inputs"])
-    p = encode_side(encoder, batch["positive"]["modality"], batch["positive"]["inputs"])
-    n = None
-    if batch.get("negatives") is not None:
-        n = encode_side(encoder, batch["negatives"]["modality"], batch["negatives"]["inputs"])
-    return q, p, n
+    q, p = _embed_side(encoder, batch, "query"), _embed_side(encoder, batch, "positive")
+    return q, p, _embed_side(encoder, batch, "negatives")
 
 
 def embed_pairs_reading(
     encoder: nn.Module, batch: dict[str, Any]
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
     """`embed_pairs` with the positive images' grid tokens (B, P, W) for `objective.reading`."""
-    q = encode_side(encoder, batch["query"]["modality"], batch["query"]["inputs"])
+    q = _embed_side(encoder, batch, "query")
     p, grid = encoder.encode_image_grid(batch["positive"]["inputs"])
-    n = None
-    if batch.get("negatives") is not None:
-        n = encode_side(encoder, batch["negatives"]["modality"], batch["negatives"]["inputs"])
-    return q, p, n, grid
+    return q, p, _embed_side(encoder, batch, "negatives"), grid
+
+
+def _embed_side(encoder: nn.Module, batch: dict[str, Any], name: str) -> Tensor | None:
+    """One side of a pair batch through `encode_side` (None: the batch has no such side)."""
+    side = batch.get(name)
+    return None if side is None else encode_side(encoder, side["modality"], side["inputs"])
 
 
 def pair_grad_cache(
