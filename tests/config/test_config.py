@@ -23,6 +23,16 @@ def test_defaults_yaml_and_overrides_merge_in_order(tmp_path: Path) -> None:
     assert cfg.optim.weight_decay == Config().optim.weight_decay  # default kept
 
 
+def test_an_empty_mapping_override_clears_a_presets_options(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("model:\n  text_options: {layers: 0, pool: mean}\n")
+    assert load_config(f, ["model.text_options={pool: last}"]).model.text_options == {
+        "layers": 0,
+        "pool": "last",
+    }  # a mapping merges into the preset's
+    assert load_config(f, ["model.text_options={}"]).model.text_options == {}  # {} clears
+
+
 @pytest.mark.parametrize(
     "override, expected",
     [

@@ -52,6 +52,27 @@ def test_targets_place_each_token_over_its_share_of_the_word() -> None:
     assert moved[2].tolist() == [5, bg, bg, bg]
 
 
+def test_following_targets_name_the_next_token_on_the_line() -> None:
+    """Each word cell's next token: the word's own next piece, else the next word's first
+    piece when it continues the line, else the end of the line; other cells are ignored."""
+    tok = Pieces({"abcd": [(7, 0, 2), (9, 2, 4)], "xy": [(5, 0, 2)], "pq": [(6, 0, 2)]})
+    targets = ReadingTargets(tok, 4, following=True)
+    words = [
+        ("abcd", 0.0, 0.0, 0.5, 0.25),  # line 1: abcd xy
+        ("xy", 0.5, 0.0, 1.0, 0.25),
+        ("pq", 0.0, 0.5, 0.5, 0.75),  # line 2 (below): pq ends its line
+    ]
+    t = targets([words, None]).view(2, 2, 4, 4)
+    end, bg = tok.vocab_size, tok.vocab_size
+    assert t[0, 0, 0].tolist() == [7, 9, 5, 5]  # the tokens, as without `following`
+    assert t[0, 1, 0].tolist() == [9, 5, end, end]  # 7 -> 9 -> xy's 5 -> end of line
+    assert t[0, 1, 2].tolist() == [end, end, IGNORE, IGNORE]  # pq does not follow xy
+    assert (t[0, 0, 1] == bg).all() and (t[0, 1, 1] == IGNORE).all()  # no word: ignored
+    assert (t[1] == IGNORE).all()
+    plain = ReadingTargets(tok, 4)([words, None])
+    assert torch.equal(plain, t[:, 0].reshape(2, 16))
+
+
 def test_targets_use_the_run_tokenizer_pieces() -> None:
     tok = train_bpe_tokenizer(["kalo mira", "kalo tesa"] * 50, vocab_size=300)
     pieces = tok.pieces("kalo")

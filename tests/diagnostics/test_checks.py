@@ -347,3 +347,21 @@ def test_a_climb_out_of_a_collapse_is_not_a_grad_spike():
     assert len(warned(old, recs)) >= 5  # the rule as it was: the climb read as spikes
     recs[25].grad_norm *= 50
     assert warned(cfg, recs) == [25]
+
+
+def test_a_lasting_level_change_moves_the_spike_median():
+    """A grad norm that rises 30x and stays (a reading loss starting to learn) is flagged while
+    it is new, then becomes the median: later steps are judged against it, and a real spike
+    over the new level is still caught and reported against the new median."""
+    from vltrain.diagnostics.checks import SpikeDetector
+
+    rng = random.Random(0)
+    det = SpikeDetector(100, 6.0, 0.5, 10)
+    level = [0.5] * 100 + [15.0] * 300
+    flagged = [
+        i for i, g in enumerate(level) if det.update(g * (1 + rng.gauss(0, 0.05))) is not None
+    ]
+    assert flagged and flagged[0] == 100 and len(flagged) < 80, len(flagged)  # not 300
+    assert max(flagged) < 200
+    spike = det.update(45.0)
+    assert spike is not None and 13.0 < spike["median"] < 17.0

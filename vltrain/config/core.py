@@ -106,10 +106,11 @@ def parse_overrides(items: list[str]) -> dict:
 
 
 def deep_merge(base: dict, update: dict) -> dict:
-    """Recursively merge `update` into a copy of `base`."""
+    """Recursively merge `update` into a copy of `base`; an empty mapping in `update` clears
+    the section (``model.text_options={}`` drops a preset's options)."""
     out = dict(base)
     for k, v in update.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
+        if isinstance(v, dict) and v and isinstance(out.get(k), dict):
             out[k] = deep_merge(out[k], v)
         else:
             out[k] = v

@@ -160,6 +160,14 @@ class ModelConfig:
         "tiny", "Text tower size preset (tiny, small, base).", choices=("tiny", "small", "base")
     )
     embed_dim: int = option(128, "Shared embedding dimension of the dual encoder.", ge=8)
+    head: str = option(
+        "pooled",
+        "Built-in dual encoder: pooled (each tower pools, a linear map projects to embed_dim) "
+        "or word_pairs (both sides a shared code of adjacent token pairs, embed_dim wide: a "
+        "text is its pairs, a page the pairs its tower reads at each cell; needs "
+        "objective.reading and model.vision_options.pool: none; vltrain/models/word_pairs.py).",
+        choices=("pooled", "word_pairs"),
+    )
     vision_layers: int = option(0, "Override the vision preset's depth (0: preset).", ge=0)
     vision_width: int = option(0, "Override the vision preset's width (0: preset).", ge=0)
     vision_options: dict[str, Any] = option(
@@ -254,7 +262,8 @@ class ObjectiveConfig:
     )
     reading: float = option(
         0.0,
-        "Weight of a dense reading loss on the positive images (vltrain.objectives.reading): "
+        "Weight of a dense reading loss on the positive and image-negative pages "
+        "(vltrain.objectives.reading): "
         "each cell of the built-in vision tower's grid classifies the token drawn there, from "
         "the 'words' boxes the records list on their image sides (`vltrain data synth --kind "
         "pages` writes them). Contrastive training alone does not make a small tower read a "

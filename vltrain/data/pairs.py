@@ -286,7 +286,8 @@ def side_texts(records: list[dict[str, Any]]) -> list[str]:
 class PairCollate:
     """Samples of `PairDataset` -> ``{"query", "positive", "negatives"?: {"modality",
     "inputs"}, "index", "visual_tokens"?, "reading"?}`` through a backbone batcher (see
-    `side_inputs`); with `reading`, the positive images' reading targets (B, P)."""
+    `side_inputs`); with `reading`, the reading targets of the positive images and then of the
+    image negatives, (B + M, P) (or (B + M, 2, P) with next tokens)."""
 
     def __init__(
         self,
@@ -317,8 +318,11 @@ class PairCollate:
             tokens += [n_tok] if n_tok is not None else []
         if tokens:
             batch["visual_tokens"] = torch.cat(tokens)
-        if self.reading is not None:
-            batch["reading"] = self.reading([s["positives"][0].get("words") for s in samples])
+        if self.reading is not None:  # positives first, then image negatives (B + M, ...)
+            words = [s["positives"][0].get("words") for s in samples]
+            if negs and self.modalities["negatives"] == "image":
+                words += [n.get("words") for n in negs]
+            batch["reading"] = self.reading(words)
         return batch
 
 

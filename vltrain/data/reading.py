@@ -6,14 +6,21 @@ a real screenshot's come from its PDF text layer or an OCR pass). `ReadingTarget
 batch's word lists into one class per grid cell for `vltrain.objectives.reading`: every cell
 whose centre lies in a word's box (at least the cell under the box's centre) gets the token of
 the word it covers at that height (a word's tokens split its box left to right by their
-characters), the other cells the background class (the tokenizer's vocabulary size), and the
-cells of an image without words are ignored (-100).
+characters), the other cells the background class, and the cells of an image without words
+are ignored (-100). A token's class is its index in the run's reading vocabulary (the token ids
+the training pages show, `reading_tokens`, saved beside the tokenizer); the background is the
+class after them. With ``following``, each word cell also gets the token that follows on its
+line (the word's next token, else the first token of the next word when it starts on the same
+line to the right, else the end-of-line class, numbered as the background), which the word-pair
+head (`vltrain.models.word_pairs`) reads; other cells are ignored there.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,36 +65,94 @@ def box_cells(box: Sequence[float], grid: int) -> tuple[range, range]:
     return range(max(0, lo_y), min(grid, hi_y + 1)), range(max(0, lo_x), min(grid, hi_x + 1))
 
 
+def next_on_line(words: Sequence[Word], k: int) -> Word | None:
+    """The word after ``words[k]`` when it continues its line: its vertical centre lies within
+    word k's box and it starts right of word k's start (reading order, as drawn or OCR'd)."""
+    if k + 1 >= len(words):
+        return None
+    _, x0, y0, _, y1 = words[k]
+    nxt = words[k + 1]
+    return nxt if y0 <= (nxt[2] + nxt[4]) / 2 <= y1 and nxt[1] > x0 else None
+
+
+#: the run's reading vocabulary, beside its tokenizer (`<run>/tokenizer/reading_tokens.json`)
+READING_TOKENS = "reading_tokens.json"
+
+
+def reading_tokens(tokenizer: Any, words: Iterable[str]) -> list[int]:
+    """The token ids the training pages show (every piece of every listed word), sorted: the
+    classes a reader tells apart. A BPE vocabulary holds bytes, merges and specials no page
+    shows; on the synthetic pages 400 of 1,081 ids are read, and the readers' and the word-pair
+    code's cost scales with the classes."""
+    return sorted({i for w in set(words) for i, _, _ in tokenizer.pieces(w)})
+
+
+def save_reading_tokens(directory: Path, tokens: Sequence[int]) -> None:
+    (directory / READING_TOKENS).write_text(json.dumps(list(tokens)) + "\n")
+
+
+def load_reading_tokens(directory: Path) -> list[int] | None:
+    """The saved reading vocabulary, or None when `directory` holds none."""
+    path = directory / READING_TOKENS
+    return [int(i) for i in json.loads(path.read_text())] if path.is_file() else None
+
+
 class ReadingTargets:
     """Word lists of a batch's images -> targets (B, grid * grid), row-major like the tower's
-    grid tokens. Picklable (DataLoader workers build the targets beside the images)."""
+    grid tokens; with `following`, (B, 2, grid * grid): the tokens and the next tokens on
+    their lines. Picklable (DataLoader workers build the targets beside the images)."""
 
-    def __init__(self, tokenizer: Any, grid: int) -> None:
-        self.tokenizer, self.grid = tokenizer, grid
-        self.background = tokenizer.vocab_size
+    def __init__(
+        self,
+        tokenizer: Any,
+        grid: int,
+        following: bool = False,
+        tokens: Sequence[int] | None = None,
+    ) -> None:
+        """`tokens`: the reading vocabulary (`reading_tokens`); the class of a token is its
+        index there (a token outside it is ignored) and the background the next class. None:
+        every id of the tokenizer is its own class."""
+        self.tokenizer, self.grid, self.following = tokenizer, grid, following
+        self.classes = None if tokens is None else {t: i for i, t in enumerate(tokens)}
+        # the background, and the end of a line for the next tokens
+        self.background = tokenizer.vocab_size if tokens is None else len(tokens)
         self._pieces: dict[str, list[tuple[int, int, int]]] = {}
 
     def __call__(self, words: Sequence[Sequence[Word] | None]) -> torch.Tensor:
         g = self.grid
-        out = torch.full((len(words), g, g), IGNORE, dtype=torch.long)
+        out = torch.full((len(words), 2, g, g), IGNORE, dtype=torch.long)
         for i, ws in enumerate(words):
             if not ws:
                 continue
-            out[i] = self.background
-            for text, *box in ws:
-                self._place(out[i], text, box)
-        return out.view(len(words), g * g)
+            out[i, 0] = self.background
+            for k, (text, *box) in enumerate(ws):
+                after = next_on_line(ws, k)
+                first = self._tokens(after[0])[0][0] if after is not None else self.background
+                self._place(out[i], text, box, first)
+        out = out.view(len(words), 2, g * g)
+        return out if self.following else out[:, 0].contiguous()
 
-    def _place(self, target: torch.Tensor, text: str, box: list[float]) -> None:
-        """Write `text`'s tokens into the cells of `box`, each over its share of the width."""
+    def _tokens(self, text: str) -> list[tuple[int, int, int]]:
+        """`text`'s pieces with each id replaced by its class (IGNORE: not in the vocabulary)."""
         pieces = self._pieces.get(text)
         if pieces is None:
-            pieces = self._pieces[text] = self.tokenizer.pieces(text) or [(0, 0, 1)]
+            pieces = self.tokenizer.pieces(text) or [(0, 0, 1)]
+            if self.classes is not None:
+                pieces = [(self.classes.get(i, IGNORE), a, b) for i, a, b in pieces]
+            self._pieces[text] = pieces
+        return pieces
+
+    def _place(self, target: torch.Tensor, text: str, box: list[float], after: int) -> None:
+        """Write `text`'s tokens into the cells of `box`, each over its share of the width, and
+        into ``target[1]`` the token after each (`after` after the last)."""
+        pieces = self._tokens(text)
         n_chars = max(pieces[-1][2], 1)
         rows, cols = box_cells(box, self.grid)
         x0, x1 = box[0] * self.grid, box[2] * self.grid
         for c in cols:
             frac = min(max((c + 0.5 - x0) / max(x1 - x0, 1e-6), 0.0), 1.0 - 1e-6)
             char = frac * n_chars
-            token = next((t for t, _, end in pieces if char < end), pieces[-1][0])
-            target[rows.start : rows.stop, c] = token
+            j = next((j for j, (_, _, end) in enumerate(pieces) if char < end), len(pieces) - 1)
+            nxt = pieces[j + 1][0] if j + 1 < len(pieces) else after
+            target[0, rows.start : rows.stop, c] = pieces[j][0]
+            target[1, rows.start : rows.stop, c] = nxt

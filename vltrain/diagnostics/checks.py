@@ -20,12 +20,16 @@ from vltrain.diagnostics.record import Finding, StepRecord
 
 class SpikeDetector:
     """Robust spike rule: `x` more than `sigma` MADs and `rise` x above the median of the last
-    `window` non-spike values (spikes do not enter the window, so a plateau of spikes stays
-    visible)."""
+    `window` non-spike values. Spikes do not enter the window, so a short plateau of spikes
+    stays visible; once `min_history` steps in a row are spikes the level has changed (a
+    reading loss that starts to learn raises the grad norm 30x over hundreds of steps), and
+    they enter it, so the median follows the new level instead of freezing at the old one (a
+    run of page retrieval reported 676 of 800 steps as spikes over a median of step 120)."""
 
     def __init__(self, window: int, sigma: float, rise: float, min_history: int) -> None:
         self.values: deque[float] = deque(maxlen=window)
         self.sigma, self.rise, self.min_history = sigma, rise, min_history
+        self.in_a_row = 0  # spikes since the last value that was not one
 
     def update(self, x: float, judge: bool = True) -> dict[str, float] | None:
         if not math.isfinite(x):
@@ -36,7 +40,11 @@ class SpikeDetector:
             scale = max(mad, 1e-3 * abs(med), 1e-12)
             z = (x - med) / scale
             if z > self.sigma and x > med * (1.0 + self.rise):
+                self.in_a_row += 1
+                if self.in_a_row >= self.min_history:  # a new level, not a spike: admit it
+                    self.values.append(x)
                 return {"value": x, "median": med, "z": round(z, 1)}
+        self.in_a_row = 0
         self.values.append(x)
         return None
 

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from vltrain.config.core import ConfigError
 from vltrain.config.schema import Config, ObjectiveConfig
-from vltrain.data.tokenizer import TextTokenizer
+from vltrain.data.tokenizer import SPECIAL_TOKENS, TextTokenizer
 from vltrain.engine.checkpoint import load_weights, resolve_checkpoint
 from vltrain.models.captioner import Captioner
 from vltrain.models.dual_encoder import DualEncoder
@@ -99,11 +99,22 @@ def uses_tokenizer(cfg: Config) -> bool:
     return cfg.model.kind == "dual_encoder"
 
 
-def build_encoder(cfg: Config, tokenizer: TextTokenizer | None, weights: bool = True) -> nn.Module:
+def build_encoder(
+    cfg: Config,
+    tokenizer: TextTokenizer | None,
+    weights: bool = True,
+    reading_tokens: list[int] | None = None,
+) -> nn.Module:
     """The encoder `model.kind` names, with `encode_image` / `encode_text`; an HF backbone
-    with `weights=False` is its architecture on the meta device (for FLOP accounting)."""
+    with `weights=False` is its architecture on the meta device (for FLOP accounting). With
+    `objective.reading`, the built-in tower reads `reading_tokens` (the run's reading
+    vocabulary; None: every id of the tokenizer)."""
     m = cfg.model
     if m.kind == "dual_encoder":
+        assert tokenizer is not None
+        reads = None
+        if cfg.objective.reading:  # the run's reading vocabulary, else every id its own class
+            reads = list(range(tokenizer.vocab_size)) if reading_tokens is None else reading_tokens
         return DualEncoder(
             _sized(
                 vision_config,
@@ -125,6 +136,9 @@ def build_encoder(cfg: Config, tokenizer: TextTokenizer | None, weights: bool = 
                 **tower_options(m.text_options, TextTowerConfig, "model.text_options"),
             ),
             m.embed_dim,
+            head=m.head,
+            reading_tokens=reads,
+            specials=len(SPECIAL_TOKENS),
         )
     from vltrain.models.hf_embedders import build_embedder
 

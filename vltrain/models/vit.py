@@ -10,6 +10,8 @@ map of the whole grid instead of a learned class token, so the pooled feature ke
 are (a CNN head); with ``layers=0`` the tower is then a plain CNN. ``pool="max"`` makes token 0
 the channel-wise max over the grid: one detector shared by every place, so what is found does
 not depend on where (a page's words; `vltrain.objectives.reading` trains the grid to read them).
+``pool="none"`` (no blocks) makes the tower its stem: it pools nothing, and a dense head reads its
+grid (`grid`; the word-pair head of `vltrain.models.word_pairs`).
 On the synthetic shapes data the conv stem with the flatten head learns several times faster
 per step than the patch-8 ViT (bench/quickstart_recipe.py).
 """
@@ -62,7 +64,8 @@ class VisionTowerConfig:
     pool: str = "cls"
     """Token 0: "cls" (a learned class token, attended through the blocks), "flatten" (a
     linear map of the whole token grid: keeps positions; the usual head of a small CNN) or
-    "max" (the channel-wise max over the grid tokens: position-invariant)."""
+    "max" (the channel-wise max over the grid tokens: position-invariant) or "none" (no token
+    0, no blocks: the tower is its stem and only `grid` is defined)."""
 
     def __post_init__(self) -> None:
         check_dims("VisionTowerConfig", self.width, self.heads, self.layers, self.mlp_ratio)
@@ -100,6 +103,11 @@ class VisionTowerConfig:
             raise ValueError(
                 "VisionTowerConfig: stem_channels and stem_grid_channels need stem='conv'"
             )
+        if self.pool == "none" and self.layers:
+            raise ValueError(
+                f"VisionTowerConfig: pool='none' is a tower without blocks (its grid is read "
+                f"directly), got layers={self.layers}"
+            )
         self.stem_grid_channels = tuple(int(c) for c in self.stem_grid_channels)
         if self.stem_grid_channels and min(self.stem_grid_channels) <= 0:
             raise ValueError(
@@ -118,11 +126,12 @@ class VisionTowerConfig:
 
 
 STEMS = ("patch", "conv")
-POOLS = ("cls", "flatten", "max")
+POOLS = ("cls", "flatten", "max", "none")
 NORMS = ("batch", "group")
 
 
-def _norm(kind: str, channels: int) -> nn.Module:
+def norm_layer(kind: str, channels: int) -> nn.Module:
+    """A conv stem's norm: "batch" (BatchNorm2d) or "group" (GroupNorm, up to 8 groups)."""
     if kind == "batch":
         return nn.BatchNorm2d(channels)
     groups = next(g for g in (8, 4, 2, 1) if channels % g == 0)
@@ -140,7 +149,7 @@ def conv_stem(cfg: VisionTowerConfig) -> nn.Sequential:
     strides += [1] * (len(cfg.stem_grid_channels) + 1)
     channels = (*cfg.stem_channels, *cfg.stem_grid_channels, cfg.width)
     for out, stride in zip(channels, strides, strict=True):
-        layers += [nn.Conv2d(c, out, 3, stride, 1, bias=False), _norm(cfg.stem_norm, out)]
+        layers += [nn.Conv2d(c, out, 3, stride, 1, bias=False), norm_layer(cfg.stem_norm, out)]
         layers.append(nn.GELU())
         c = out
     return nn.Sequential(*layers)
@@ -163,10 +172,11 @@ class VisionTower(nn.Module):
             self.grid_pool = nn.Linear(cfg.num_patches * cfg.width, cfg.width)
         elif cfg.pool == "cls":
             self.class_token = nn.Parameter(torch.zeros(cfg.width))
-        self.pos_embed = nn.Parameter(torch.zeros(1 + cfg.num_patches, cfg.width))
-        self.norm_pre = nn.LayerNorm(cfg.width)
         self.blocks = make_blocks(cfg.width, cfg.layers, cfg.heads, cfg.mlp_ratio, cfg.dropout)
-        self.norm = nn.LayerNorm(cfg.width)
+        if cfg.pool != "none":  # (a stem-only tower has no parameter it would not train)
+            self.pos_embed = nn.Parameter(torch.zeros(1 + cfg.num_patches, cfg.width))
+            self.norm_pre = nn.LayerNorm(cfg.width)
+            self.norm = nn.LayerNorm(cfg.width)
         self.register_buffer("pixel_mean", torch.tensor(CLIP_MEAN).view(1, 3, 1, 1), False)
         self.register_buffer("pixel_std", torch.tensor(CLIP_STD).view(1, 3, 1, 1), False)
         self.reset_parameters()
@@ -176,10 +186,12 @@ class VisionTower(nn.Module):
         self.apply(init_weights)
         if self.cfg.pool == "cls":
             nn.init.normal_(self.class_token, std=0.02)
-        nn.init.normal_(self.pos_embed, std=0.02)
+        if self.cfg.pool != "none":
+            nn.init.normal_(self.pos_embed, std=0.02)
 
     def forward(self, images: Tensor) -> Tensor:
         """Encode images (B, 3, H, W) float in [0, 1] to tokens (B, 1 + P, W); token 0 = class."""
+        self._pools("forward")
         x = self._grid(images)  # (B, P, W)
         if self.cfg.pool == "flatten":
             cls = self.grid_pool(x.flatten(1))[:, None]  # (B, 1, W)
@@ -192,6 +204,16 @@ class VisionTower(nn.Module):
         for block in self.blocks:
             x, _ = block(x)
         return self.norm(x)
+
+    def _pools(self, what: str) -> None:
+        if self.cfg.pool == "none":
+            raise ValueError(f"VisionTower.{what}: a pool='none' tower has only its grid")
+
+    def grid(self, images: Tensor) -> Tensor:
+        """Grid tokens (B, P, W) of a tower without blocks: its stem's output."""
+        if len(self.blocks):
+            raise ValueError("VisionTower.grid: the tower has blocks (use pooled_and_grid)")
+        return self._grid(images)
 
     def _grid(self, images: Tensor) -> Tensor:
         """Normalised images (B, 3, H, W) through the stem -> grid tokens (B, P, W)."""
@@ -207,7 +229,7 @@ class VisionTower(nn.Module):
             # 0.13 s instead of 0.16 s per batch of 128 (AMD EPYC, 2 cores); weights stay as
             # they are, only the activations change layout
             x = x.contiguous(memory_format=torch.channels_last)
-        x = self.patch_embed(x.to(self.pos_embed.dtype))  # (B, W, h, w)
+        x = self.patch_embed(x.to(next(self.patch_embed.parameters()).dtype))  # (B, W, h, w)
         return x.flatten(2).transpose(1, 2)  # (B, P, W)
 
     def pooled(self, images: Tensor) -> Tensor:
@@ -219,6 +241,7 @@ class VisionTower(nn.Module):
     def pooled_and_grid(self, images: Tensor) -> tuple[Tensor, Tensor]:
         """Class-token features (B, W) and the grid tokens they were pooled from (B, P, W):
         the stem's output without blocks, else the last block's (what a dense loss reads)."""
+        self._pools("pooled_and_grid")
         if self.cfg.pool != "cls" and not len(self.blocks):
             x = self._grid(images)  # (B, P, W)
             cls = self.grid_pool(x.flatten(1)) if self.cfg.pool == "flatten" else x.amax(1)

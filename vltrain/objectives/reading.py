@@ -5,8 +5,9 @@ synthetic pages every full-page run sat at ln(batch) for hundreds of steps (benc
 "Page retrieval", rounds 2-3), while the same tower with this loss reads 8-13 px words within a
 few hundred steps and retrieval follows (round 4). The targets come from the words' boxes on the
 image (`vltrain.data.reading.ReadingTargets`): a token per word cell, a background class for the
-rest, cells of images without words ignored. The head is one linear map of the grid tokens
-(a 1x1 convolution), trained with the encoder and used by nothing else.
+rest, cells of images without words ignored. The classifier is the encoder's (its `Reading`: a
+1x1 map of the grid tokens, or the word-pair head's readers, which also name the next token on
+each word cell's line; that term is added with the same weight).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vltrain.data.reading import IGNORE
-from vltrain.models.layers import init_weights
+from vltrain.models.word_pairs import Reading
 
 #: weight of the background class: ~90% of a page's cells hold no word, and at weight 1 the
 #: head first learns to say "background" everywhere (the reference's setting, round 4)
@@ -24,32 +25,43 @@ BACKGROUND_WEIGHT = 0.1
 
 
 class ReadingLoss(nn.Module):
-    """``forward(grid (B, P, W), targets (B, P)) -> (weight * cross-entropy, metrics)``."""
+    """``forward(Reading, targets (B, P) or (B, 2, P)) -> (weight * cross-entropy, metrics)``;
+    with next-token targets (B, 2, P) the reading must name them too."""
 
-    def __init__(self, width: int, vocab_size: int, weight: float) -> None:
+    def __init__(self, vocab_size: int, weight: float) -> None:
         super().__init__()
         if weight <= 0:
             raise ValueError(f"ReadingLoss: weight must be positive, got {weight}")
-        self.weight = weight
-        self.head = nn.Linear(width, vocab_size + 1)  # the last class: background
-        init_weights(self.head)
+        self.weight, self.classes = weight, vocab_size + 1  # the last class: background
         class_weight = torch.ones(vocab_size + 1)
         class_weight[-1] = BACKGROUND_WEIGHT
         self.register_buffer("class_weight", class_weight, persistent=False)
 
-    def forward(self, grid: Tensor, targets: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        if grid.shape[:2] != targets.shape:
+    def forward(self, read: Reading, targets: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        tokens, following = (targets[:, 0], targets[:, 1]) if targets.ndim == 3 else (targets, None)
+        logits = read.tokens
+        if logits.shape[:2] != tokens.shape or logits.shape[-1] != self.classes:
             raise ValueError(
-                f"ReadingLoss: the tower's grid {tuple(grid.shape[:2])} does not match the "
-                f"reading targets {tuple(targets.shape)} (a grid cell per target)"
+                f"ReadingLoss: the tower reads {tuple(logits.shape)} (images, cells, classes) "
+                f"but the targets are {tuple(tokens.shape)} over {self.classes} classes"
             )
-        logits = self.head(grid.float())  # (B, P, V + 1)
-        flat, target = logits.flatten(0, 1), targets.flatten()
+        flat, target = logits.flatten(0, 1).float(), tokens.flatten()
         if bool((target >= 0).any()):
             loss = F.cross_entropy(flat, target, weight=self.class_weight, ignore_index=IGNORE)
         else:  # no image of this batch lists its words: zero, but the head stays in the graph
             loss = flat.sum() * 0.0
-        words = (target >= 0) & (target < self.head.out_features - 1)  # not ignored, not background
+        words = (target >= 0) & (target < self.classes - 1)  # not ignored, not background
         hit = (flat.argmax(-1) == target) & words
-        acc = hit.sum() / words.sum().clamp(min=1)
-        return self.weight * loss, {"reading_loss": loss.detach(), "reading_acc": acc.detach()}
+        metrics = {"reading_acc": hit.sum() / words.sum().clamp(min=1)}
+        if following is not None:
+            cells = following >= 0
+            nxt = read.following(cells).float()  # (N, V + 1): only the word cells
+            want = following[cells]
+            if want.numel():
+                loss = loss + F.cross_entropy(nxt, want)
+                metrics["reading_next_acc"] = (nxt.argmax(-1) == want).float().mean()
+            else:
+                loss = loss + nxt.sum() * 0.0
+                metrics["reading_next_acc"] = nxt.new_zeros(())
+        metrics = {k: v.detach() for k, v in metrics.items()}
+        return self.weight * loss, {"reading_loss": loss.detach(), **metrics}

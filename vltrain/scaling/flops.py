@@ -280,6 +280,9 @@ def dual_encoder_flops(
     given (they grow with the batch: 2 * B * E FLOPs per sample).
     """
     vision_fwd, vision_tokens = vision_tower_flops(model.vision)
+    if getattr(model, "pairs", None) is not None:
+        pair = (vision_fwd, vision_tokens, text_tokens, texts_per_sample, batch_size)
+        return _word_pairs_flops(model, *pair)
     vision_fwd += linear(1, model.vision_proj.in_features, model.embed_dim)
     text = model.text.cfg
     text_fwd = text_blocks_flops(text, text_tokens) + linear(1, text.width, model.embed_dim)
@@ -306,6 +309,39 @@ def hf_tower_flops(cfg: Any, tokens: int) -> float:
     """A HF CLIP/SigLIP encoder stack (separate q, k, v, out projections; fc1/fc2 MLP)."""
     w, hidden = cfg.hidden_size, cfg.intermediate_size
     return cfg.num_hidden_layers * block_forward(w, hidden, tokens)
+
+
+def _word_pairs_flops(
+    model: nn.Module,
+    vision_fwd: float,
+    vision_tokens: int,
+    text_tokens: int,
+    texts_per_sample: int,
+    batch_size: int,
+) -> ModelFlops:
+    """`DualEncoder` with the word-pair head: the stem, the readers (the token reader at every
+    cell, the row convolution, the next-token reader and the codes at the kept cells); a text
+    is a table lookup per token pair (adds only)."""
+    head = model.pairs
+    cells, width = model.vision.cfg.num_patches, head.read.in_features
+    line = head.line[0]
+    classes, keep, dim = head.read.out_features, min(head.keep, cells), model.embed_dim
+    vision_fwd += linear(cells, width, classes)
+    vision_fwd += linear(cells, line.in_channels * line.kernel_size[1], line.out_channels)
+    vision_fwd += linear(keep, head.read_next.in_features, classes)
+    vision_fwd += 2 * linear(keep, classes, dim)
+    vision = _component("vision", model.vision, vision_fwd, vision_tokens)
+    total, nonembed = count_params(head)
+    vision.params += total
+    vision.nonembed_params += nonembed
+    text_fwd = 3.0 * dim * max(text_tokens - 1, 1) * texts_per_sample
+    text = Component("text", 0, 0, text_fwd, True, tokens=text_tokens)
+    parts = [vision, text]
+    if batch_size:
+        parts.append(Component("logits", 0, 0, linear(1, dim, batch_size), True))
+    for c in parts:
+        c.backward = 2.0 * c.forward if c.trainable else 0.0
+    return ModelFlops(parts, vision_tokens, text_tokens)
 
 
 def hf_dual_encoder_flops(model: nn.Module, text_tokens: int) -> ModelFlops:

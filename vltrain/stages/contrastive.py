@@ -14,7 +14,12 @@ from vltrain.config.core import ConfigError, check_choice, reject_unused
 from vltrain.config.schema import Config
 from vltrain.data.images import BadSample, DecodedImages, check_text
 from vltrain.data.loaders import MapLoader
-from vltrain.data.reading import ReadingTargets
+from vltrain.data.reading import (
+    ReadingTargets,
+    load_reading_tokens,
+    reading_tokens,
+    save_reading_tokens,
+)
 from vltrain.data.records import DataError, ImageTextDataset, read_records, split_bad
 from vltrain.data.samplers import EvalShardSampler, ShardedBatchSampler
 from vltrain.data.shard_decode import SampleDecoder
@@ -54,7 +59,8 @@ __all__ = ["ContrastiveModel", "ContrastiveStage", "ImageTextCollate"]
 
 class ContrastiveModel(nn.Module):
     """Encoder + loss in one module, so DDP sees one forward and the loss's temperature trains;
-    with `reading`, the positive images' grid also learns to read (`objective.reading`)."""
+    with `reading`, the grid of the positive and image-negative pages also learns to read
+    (`objective.reading`)."""
 
     def __init__(
         self, encoder: nn.Module, loss: nn.Module, reading: ReadingLoss | None = None
@@ -82,9 +88,9 @@ class ContrastiveModel(nn.Module):
 
     def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         if pairs.is_pair_batch(batch) and self.reading is not None and "reading" in batch:
-            q, p, n, grid = pairs.embed_pairs_reading(self.encoder, batch)
+            q, p, n, read = pairs.embed_pairs_reading(self.encoder, batch)
             loss, metrics = self.loss(q, p, n)
-            read_loss, read_metrics = self.reading(grid, batch["reading"])
+            read_loss, read_metrics = self.reading(read, batch["reading"])
             return loss + read_loss, {**metrics, **read_metrics}
         if pairs.is_pair_batch(batch):  # query / positive / negatives sides of any modality
             return self.loss(*pairs.embed_pairs(self.encoder, batch))
@@ -159,16 +165,25 @@ def used_keys(cfg: Config) -> tuple[str, ...]:
     elif not pretrained_scale:
         used += ["objective.siglip_init_*", "objective.max_logit_scale"]
     if m.kind == "dual_encoder":
-        used += ["data.tokenizer_vocab", "model.vision", "model.text", "model.embed_dim"]
+        used += ["data.tokenizer_vocab", "model.vision", "model.embed_dim", "model.head"]
         used += ["model.vision_layers", "model.vision_width", "model.vision_options"]
-        used += ["model.text_layers", "model.text_options"]
-        used += ["model.text_width", "model.dropout", "objective.reading"]
+        used += ["model.dropout", "objective.reading"]
+        if m.head != "word_pairs":  # the word-pair code needs no text tower
+            used += ["model.text", "model.text_layers", "model.text_width", "model.text_options"]
     else:
         # LoRA options stay accepted with model.lora_r=0: that is how a LoRA preset is turned off
         used += ["model.path", "model.local_files_only", "model.lora_*"]
     if m.kind == "vlm":
         used += ["model.pooling", "model.instruction_*", "model.matryoshka_dims"]
     return tuple(used)
+
+
+def tower_patch(cfg: Config) -> int:
+    """The built-in vision tower's patch size: model.vision_options' or the preset's."""
+    m = cfg.model
+    return (
+        vision_options(m.vision_options).get("patch_size") or VISION_PRESETS[m.vision]["patch_size"]
+    )
 
 
 class ContrastiveStage:
@@ -193,7 +208,9 @@ class ContrastiveStage:
                 f"data.image_cache_mb keeps images decoded at data.image_size for the built-in "
                 f"towers; model.kind={m.kind} reads images at their own size: set it to 0"
             )
-        reject_unused(cfg, used_keys(cfg), f"stage contrastive with model.kind={m.kind}", WHY)
+        why = {**WHY, "model.text*": "model.head=word_pairs has no text tower"}
+        why = why if m.head == "word_pairs" else WHY
+        reject_unused(cfg, used_keys(cfg), f"stage contrastive with model.kind={m.kind}", why)
         if cfg.train.parallel == "fsdp" and cfg.objective.grad_cache_chunk:
             raise ConfigError(
                 "objective.grad_cache_chunk > 0 with train.parallel=fsdp: GradCache runs its "
@@ -202,11 +219,24 @@ class ContrastiveStage:
                 "data.batch_size (activation checkpointing: train.activation_checkpointing=true)"
             )
         if m.kind == "dual_encoder":  # the tower's patch grid must tile the image
-            patch = VISION_PRESETS[m.vision]["patch_size"]
+            patch = tower_patch(cfg)
             if cfg.data.image_size % patch:
                 raise ConfigError(
                     f"'data.image_size' {cfg.data.image_size} is not a multiple of the "
                     f"'{m.vision}' vision tower's patch size {patch}"
+                )
+            pool = vision_options(m.vision_options).get("pool")
+            if m.head == "word_pairs" and (not cfg.objective.reading or pool != "none"):
+                raise ConfigError(
+                    "model.head=word_pairs codes the tokens the image tower reads at each cell "
+                    "of its grid: it needs objective.reading > 0 (the readers learn from the "
+                    "records' word boxes) and model.vision_options.pool: none (the tower pools "
+                    f"nothing); got objective.reading={cfg.objective.reading}, pool={pool!r}"
+                )
+            if pool == "none" and m.head != "word_pairs":
+                raise ConfigError(
+                    "model.vision_options.pool: none leaves the image tower without a pooled "
+                    "feature; only model.head=word_pairs reads such a tower"
                 )
         if is_shard_source(cfg.data.train):  # before any compute; torchrun sets WORLD_SIZE
             try:
@@ -239,8 +269,10 @@ class ContrastiveStage:
         self.tokenizer: TextTokenizer | None = None
         self._eval_sets: dict[str, ImageTextDataset] = {}
         self.init_ckpt = resolve_init(self.cfg.model.init_from)
+        self.reading_tokens: list[int] | None = None
         if uses_tokenizer(self.cfg):
             tok_dir = self.out_dir / "tokenizer"
+            fresh = not (tok_dir / "tokenizer.json").is_file()
             prepare_tokenizer(
                 tok_dir,
                 self.init_ckpt,
@@ -250,8 +282,22 @@ class ContrastiveStage:
             )
             D.barrier()
             self.tokenizer = TextTokenizer.load(tok_dir)
+            if self.cfg.objective.reading:
+                self.reading_tokens = self._prepare_reading_tokens(tok_dir, fresh)
         self.batcher = build_batcher(self.cfg, self.tokenizer)
         self.corpus = pairs.CorpusEvaluator(self.cfg, self.ctx, self.batcher)
+
+    def _prepare_reading_tokens(self, tok_dir: Path, fresh: bool) -> list[int] | None:
+        """The run's reading vocabulary, saved beside its tokenizer (so checkpoints carry it):
+        the one there, else (a tokenizer this run just made or copied) the token ids of the
+        training records' words; None (every id its own class) for a tokenizer saved before
+        reading vocabularies existed, whose weights read every id."""
+        if self.ctx.is_main and fresh and load_reading_tokens(tok_dir) is None:
+            assert self.tokenizer is not None
+            words = pairs.training_words(self.cfg)
+            save_reading_tokens(tok_dir, reading_tokens(self.tokenizer, words))
+        D.barrier()
+        return load_reading_tokens(tok_dir)
 
     def _training_texts(self) -> list[str]:
         """Every valid training caption (bad records are skipped and counted later)."""
@@ -264,7 +310,7 @@ class ContrastiveStage:
         return [t for t in texts if is_valid_text(t)]
 
     def build_model(self) -> nn.Module:
-        encoder = build_encoder(self.cfg, self.tokenizer)
+        encoder = build_encoder(self.cfg, self.tokenizer, reading_tokens=self.reading_tokens)
         if self.ctx.is_main and hasattr(encoder, "describe"):
             print(f"vltrain: {encoder.describe()}")
         # registry: objective.loss (infonce, siglip); HF CLIP/SigLIP start at their own scale
@@ -272,8 +318,8 @@ class ContrastiveStage:
         reading = None
         if self.cfg.objective.reading:
             assert self.tokenizer is not None  # the built-in towers (check_config)
-            width, vocab = encoder.vision.width, self.tokenizer.vocab_size
-            reading = ReadingLoss(width, vocab, self.cfg.objective.reading)
+            classes = len(self.reading_tokens or range(self.tokenizer.vocab_size))
+            reading = ReadingLoss(classes, self.cfg.objective.reading)
         model = ContrastiveModel(encoder, loss, reading)
         if self.init_ckpt is not None:  # e.g. a hard-negative round after `vltrain mine`
             try:
@@ -368,10 +414,9 @@ class ContrastiveStage:
         """What `objective.reading` trains on: a target per cell of the vision tower's grid."""
         if not self.cfg.objective.reading:
             return None
-        m = self.cfg.model
-        patch = vision_options(m.vision_options).get("patch_size")
-        patch = patch or VISION_PRESETS[m.vision]["patch_size"]
-        return ReadingTargets(self.tokenizer, self.cfg.data.image_size // patch)
+        grid = self.cfg.data.image_size // tower_patch(self.cfg)
+        following = self.cfg.model.head == "word_pairs"
+        return ReadingTargets(self.tokenizer, grid, following, self.reading_tokens)
 
     def forward_backward(
         self, model: ParallelModel, batch: dict[str, Any], scale: float

@@ -42,6 +42,7 @@ from vltrain.engine import distributed as D
 from vltrain.engine.runtime import RunContext, to_device
 from vltrain.eval import corpus as C
 from vltrain.models.backbones import HF_KINDS, check_side_modality, encode_side
+from vltrain.models.word_pairs import Reading
 from vltrain.objectives.grad_cache import grad_cache, length_sorted_chunks, split_rows
 
 SIDES = ("query", "positive", "negatives")
@@ -137,6 +138,16 @@ def training_texts(cfg: Config) -> list[str]:
     return texts
 
 
+def training_words(cfg: Config) -> list[str]:
+    """The words listed on the training records' image sides (what the reading loss reads)."""
+    corpus = read_corpus(cfg.data.train_corpus) if cfg.data.train_corpus else None
+    out: list[str] = []
+    for rec in read_pair_records(cfg.data.train, corpus):
+        for side in (rec["query"], *rec["positives"], *rec["negatives"]):
+            out += [w[0] for w in side.get("words") or ()]
+    return out
+
+
 def collate(batcher: Any, ds: PairDataset, reading: ReadingTargets | None = None) -> PairCollate:
     return PairCollate(batcher, ds.modalities, reading)
 
@@ -153,11 +164,16 @@ def embed_pairs(encoder: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, Tens
 
 def embed_pairs_reading(
     encoder: nn.Module, batch: dict[str, Any]
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
-    """`embed_pairs` with the positive images' grid tokens (B, P, W) for `objective.reading`."""
+) -> tuple[Tensor, Tensor, Tensor | None, Reading]:
+    """`embed_pairs` with what the tower reads on the positive images and then on the image
+    negatives (each side its own pass, as `embed_pairs` encodes them), for `objective.reading`."""
     q = _embed_side(encoder, batch, "query")
-    p, grid = encoder.encode_image_grid(batch["positive"]["inputs"])
-    return q, p, _embed_side(encoder, batch, "negatives"), grid
+    p, read = encoder.encode_image_read(batch["positive"]["inputs"])
+    side = batch.get("negatives")
+    if side is None or side["modality"] != "image":
+        return q, p, _embed_side(encoder, batch, "negatives"), read
+    n, read_n = encoder.encode_image_read(side["inputs"])
+    return q, p, n, read.cat(read_n)
 
 
 def _embed_side(encoder: nn.Module, batch: dict[str, Any], name: str) -> Tensor | None:

@@ -1,0 +1,164 @@
+"""What a page tower reads, and a word-pair code both towers share (`model.head: word_pairs`).
+
+`Reading` is the image tower's reading of its grid: a token per cell (`objective.reading` trains
+it from the records' word boxes) and, with the word-pair head, the token that follows on the
+cell's line. The page embedding of a max head is a bag of words: it keeps which words a page
+has, not which sit together, and a two-word query's words both occur on ~7 of 10,000 synthetic
+pages, so even a perfect reader places about 1 query in 7 first (bench/RESULTS.md, "Page
+retrieval", rounds 4-7). `WordPairHead` keeps the pairs instead: a (token, next token) pair has
+the code relu(F[token] + S[next] + c), D wide, with F, S and c shared by both towers. A query is
+the max over the codes of its adjacent tokens; a page is the max, over its `keep` most
+word-like cells, of the code of each cell's read token and read next token (soft: the readers'
+probabilities through F and S). One vector per side, so retrieval stays the exact top-k kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from vltrain.models.layers import init_weights
+
+#: cells of a page coded: the most word-like (a synthetic 96-px page holds ~12 words of 2-5
+#: cells; coding every cell of the 12x12 grid costs ~3x the CNN's step)
+KEEP_CELLS = 24
+#: channels of the row convolution that lets a cell see the next word on its line
+LINE_CHANNELS = 128
+#: the row convolution's width in cells: +-2 cells (+-16 px on a 96-px page in 8-px cells)
+LINE_SPAN = 5
+
+
+@dataclass
+class Reading:
+    """The image tower's reading of its grid, for `vltrain.objectives.reading`."""
+
+    tokens: Tensor
+    """(B, P, V + 1) logits: the token drawn at each cell; the last class is background."""
+    context: Tensor | None = None
+    """(B, P, C): what the next-token reader reads (the word-pair head only)."""
+    read_next: nn.Module | None = None
+    """context rows (N, C) -> logits (N, V + 1) of the next token on the line; the last class
+    is the end of the line (the word-pair head only)."""
+
+    def cat(self, other: Reading) -> Reading:
+        """This reading's images, then `other`'s (the same tower's)."""
+        if (self.context is None) != (other.context is None):
+            raise ValueError("Reading.cat: one reading has next-token context, the other not")
+        context = None if self.context is None else torch.cat([self.context, other.context])
+        return Reading(torch.cat([self.tokens, other.tokens]), context, self.read_next)
+
+    def following(self, cells: Tensor) -> Tensor:
+        """Next-token logits (N, V + 1) of the cells where `cells` (B, P) is true."""
+        if self.context is None or self.read_next is None:
+            raise ValueError("Reading.following: this tower reads no next tokens")
+        return self.read_next(self.context.flatten(0, 1)[cells.flatten()])
+
+
+class WordPairHead(nn.Module):
+    """``page(grid (B, P, W)) -> (code (B, D), Reading)`` and ``text(ids, mask) -> (B, D)``.
+
+    The readers tell `classes` tokens apart (the run's reading vocabulary) plus one: background
+    for the token reader, the end of a line for the next-token reader. `token_class` maps each
+    tokenizer id to its class, or to ``classes + 1`` for a token no page shows (a text can hold
+    it; it has its own code rows, which only texts train). Ids below `specials` are not tokens
+    of a text. The grid is `side` x `side` cells, row-major."""
+
+    def __init__(
+        self,
+        width: int,
+        classes: int,
+        dim: int,
+        side: int,
+        *,
+        token_class: Tensor,
+        specials: int,
+        norm: nn.Module,
+        keep: int = KEEP_CELLS,
+    ) -> None:
+        super().__init__()
+        if min(width, classes, dim, side, keep) <= 0:
+            raise ValueError(
+                f"WordPairHead: width, classes, dim, side and keep must be positive, got "
+                f"{(width, classes, dim, side, keep)}"
+            )
+        if (
+            token_class.ndim != 1
+            or int(token_class.min()) < 0
+            or int(token_class.max()) > classes + 1
+        ):
+            raise ValueError(
+                f"WordPairHead: token_class must map every tokenizer id to 0..{classes + 1}"
+            )
+        self.side, self.keep, self.specials, self.end = side, keep, specials, classes
+        self.register_buffer("token_class", token_class.long(), persistent=False)
+        self.read = nn.Linear(width, classes + 1)  # the last class: background
+        self.line = nn.Sequential(
+            nn.Conv2d(
+                width, LINE_CHANNELS, (1, LINE_SPAN), padding=(0, LINE_SPAN // 2), bias=False
+            ),
+            norm,
+            nn.GELU(),
+        )
+        self.read_next = nn.Linear(width + LINE_CHANNELS, classes + 1)  # last: end of line
+        init_weights(self.read)
+        init_weights(self.read_next)
+        # unit-scale rows: a pair's code starts as a random projection of the two tokens, a
+        # little below zero on average so relu keeps about a third of it; the last row: a
+        # token no page shows
+        self.first = nn.Parameter(torch.randn(classes + 2, dim) / math.sqrt(dim))
+        self.second = nn.Parameter(torch.randn(classes + 2, dim) / math.sqrt(dim))
+        self.bias = nn.Parameter(torch.full((dim,), -0.5 / math.sqrt(dim)))
+
+    def reading(self, grid: Tensor) -> Reading:
+        """The cells' token logits and the context the next-token reader reads."""
+        b, p, w = grid.shape
+        if p != self.side * self.side:
+            raise ValueError(
+                f"WordPairHead: a grid of {p} cells is not the {self.side}x{self.side} it was "
+                "built for"
+            )
+        tokens = self.read(grid)  # (B, P, C + 1)
+        rows = grid.transpose(1, 2).reshape(b, w, self.side, self.side)
+        line = self.line(rows).flatten(2).transpose(1, 2)  # (B, P, LINE_CHANNELS)
+        return Reading(tokens, torch.cat([grid, line.to(grid.dtype)], -1), self.read_next)
+
+    def page(self, grid: Tensor) -> tuple[Tensor, Reading]:
+        """The page's code (B, D) and its `Reading`."""
+        read = self.reading(grid)
+        return self.code(read), read
+
+    def code(self, read: Reading) -> Tensor:
+        """The max, over the `keep` cells least likely background, of the code of each cell's
+        read token and read next token (both soft: the readers' probabilities)."""
+        logits = read.tokens.float()
+        with torch.no_grad():  # which cells: least likely background
+            background = logits[..., -1] - logits.logsumexp(-1)  # (B, P)
+            keep = background.topk(min(self.keep, logits.shape[1]), dim=1, largest=False).indices
+        if read.context is None:
+            raise ValueError("WordPairHead.code: the reading has no next-token context")
+        cur = logits.gather(1, keep[..., None].expand(-1, -1, logits.shape[-1])).softmax(-1)
+        ctx = read.context.gather(1, keep[..., None].expand(-1, -1, read.context.shape[-1]))
+        nxt = self.read_next(ctx).float().softmax(-1)  # (B, K, C + 1)
+        first, second = self.first[:-1], self.second[:-1]  # a page shows no unread token
+        code = F.relu(cur @ first + nxt @ second + self.bias)  # (B, K, D)
+        return code.amax(1)
+
+    def text(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """The max over the codes of adjacent token pairs (B, D); a text of one token pairs
+        it with the end of a line; specials and padding take no part."""
+        real = input_ids >= self.specials
+        if attention_mask is not None:
+            real &= attention_mask.bool()
+        if input_ids.shape[1] < 2:  # room for no pair: the lone token and the end of a line
+            input_ids = F.pad(input_ids, (0, 1), value=0)
+            real = F.pad(real, (0, 1), value=False)
+        alone = real.sum(1, keepdim=True) == 1  # (B, 1)
+        cls = self.token_class[input_ids]  # (B, T)
+        nxt = torch.where(real[:, 1:], cls[:, 1:], self.end)
+        valid = real[:, :-1] & (real[:, 1:] | alone)  # (B, T - 1)
+        code = F.relu(self.first[cls[:, :-1]] + self.second[nxt] + self.bias)
+        return (code * valid[..., None]).amax(1)  # codes are >= 0: a zero row changes no max
