@@ -73,6 +73,29 @@ def test_following_targets_name_the_next_token_on_the_line() -> None:
     assert torch.equal(plain, t[:, 0].reshape(2, 16))
 
 
+def test_next_on_line_needs_the_next_word_right_after_on_the_same_row() -> None:
+    from vltrain.data.reading import next_on_line
+
+    a = ("a", 0.1, 0.1, 0.3, 0.2)
+    assert next_on_line([a, ("b", 0.33, 0.1, 0.5, 0.2)], 0) is not None  # a space apart
+    assert next_on_line([a, ("b", 0.8, 0.1, 0.9, 0.2)], 0) is None  # across a column gap
+    assert next_on_line([a, ("b", 0.1, 0.25, 0.3, 0.35)], 0) is None  # the next line
+    assert next_on_line([a, ("b", 0.05, 0.1, 0.2, 0.2)], 0) is None  # starts before a ends
+    assert next_on_line([a], 0) is None
+
+
+def test_targets_number_tokens_by_the_reading_vocabulary() -> None:
+    """With a reading vocabulary a token's class is its index there, the background the class
+    after them, and a token outside it is ignored (not background)."""
+    tok = Pieces({"abcd": [(7, 0, 2), (9, 2, 4)], "xy": [(5, 0, 2)], "zz": [(40, 0, 2)]})
+    targets = ReadingTargets(tok, 4, following=True, tokens=[5, 7, 9])
+    words = [("abcd", 0.0, 0.0, 0.5, 0.25), ("xy", 0.5, 0.0, 1.0, 0.25), ("zz", 0, 0.5, 1, 0.75)]
+    t = targets([words]).view(2, 4, 4)
+    assert t[0, 0].tolist() == [1, 2, 0, 0]  # 7 -> 1, 9 -> 2, 5 -> 0
+    assert t[1, 0].tolist() == [2, 0, 3, 3]  # next: 9, then xy's 5, then the end of line (3)
+    assert (t[0, 1] == 3).all() and (t[0, 2] == IGNORE).all()  # background; zz is not read
+
+
 def test_targets_use_the_run_tokenizer_pieces() -> None:
     tok = train_bpe_tokenizer(["kalo mira", "kalo tesa"] * 50, vocab_size=300)
     pieces = tok.pieces("kalo")

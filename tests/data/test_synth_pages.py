@@ -54,3 +54,14 @@ def test_each_query_phrase_is_on_exactly_one_corpus_page(
     free = Counter(p for _ in range(3000) for p in set(phrases(make_page(rng, vocab, 96, True))))
     repeated = sum(free[tuple(q["text"].split())] > 0 for q in queries)
     assert repeated > len(queries) // 2, repeated
+
+
+def test_a_split_too_crowded_for_unique_phrases_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(synth_pages, "render", lambda page, size, boxes=None: page)
+    monkeypatch.setattr(synth_pages, "_save", lambda img, out, rel: rel)
+    monkeypatch.setattr(synth_pages, "MAX_DRAWS", 50)
+    rng = random.Random(0)
+    with pytest.raises(ValueError, match="too many queries for the vocabulary"):
+        synth_pages.write_split(tmp_path, "val", 200, 0, 1, 96, rng, vocabulary()[:8])

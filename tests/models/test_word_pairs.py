@@ -127,3 +127,18 @@ def test_dual_encoder_word_pairs_trains_every_parameter() -> None:
         )
     with pytest.raises(ValueError, match="pool 'none'"):
         DualEncoder(v_cfg, text_config("tiny", vocab_size=V), D)  # nothing would read it
+
+
+def test_a_last_token_without_eos_still_pairs() -> None:
+    head = _head()
+    torch.testing.assert_close(head.text(torch.tensor([[1, 6]]))[0], _pair(head, 6, V))
+    torch.testing.assert_close(head.text(torch.tensor([[5, 9]]))[0], _pair(head, 5, 9))
+
+
+def test_the_head_builds_on_the_meta_device() -> None:
+    """FLOP budgets build the model on the meta device (`vltrain.scaling.budget`)."""
+    with torch.device("meta"):
+        head = WordPairHead(
+            8, V, D, SIDE, token_class=torch.arange(V), specials=S, norm=nn.Identity()
+        )
+    assert head.first.is_meta

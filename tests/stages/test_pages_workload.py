@@ -276,17 +276,27 @@ def test_reading_loss_trains_the_preset_towers(pages: Path, tmp_path: Path) -> N
     word, x0, y0, x1, y1 = rec["positive"]["words"][-1]
     cell = min(3, int((y0 + y1) / 2 * 4)) * 4 + min(3, int((x0 + x1) / 2 * 4))
     assert int(targets[0, cell]) in {classes.index(i) for i, _, _ in stage.tokenizer.pieces(word)}
-    # control: the same records without their words give no reading targets
-    bare = pages / "bare.jsonl"
+    # control: records without their words give no reading targets; when no record lists
+    # any, the run is refused (nothing to read), and a record without them reads nothing
     rows = [json.loads(x) for x in (pages / "train.jsonl").read_text().splitlines()]
-    for r in rows:
+    for r in rows[1:]:
         for side in (r["positive"], *r["negatives"]):
             del side["words"]
-    bare.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = load_config(PRESET, _reading_overrides(pages, tmp_path / "b", **{"data.train": bare}))
-    other = check_config(cfg)(cfg, tmp_path / "b", ctx)
+    for name, recs in (("bare.jsonl", rows[1:]), ("one.jsonl", rows)):
+        (pages / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
+    over = _reading_overrides(pages, tmp_path / "b", **{"data.train": pages / "bare.jsonl"})
+    cfg = load_config(PRESET, over)
+    with pytest.raises(ConfigError, match="lists the 'words'"):
+        check_config(cfg)(cfg, tmp_path / "b", ctx).prepare()
+    over = _reading_overrides(pages, tmp_path / "o", **{"data.train": pages / "one.jsonl"})
+    cfg = load_config(PRESET, [*over, "data.batch_size=23"])
+    other = check_config(cfg)(cfg, tmp_path / "o", ctx)
     other.prepare()
-    assert (next(iter(other.build_loader())).data["reading"] == -100).all()
+    got = next(iter(other.build_loader())).data
+    index = got["index"].tolist()
+    assert len(index) == 23
+    for i, k in enumerate(index):  # the positive pages' rows come first
+        assert bool((got["reading"][i] >= 0).any()) == (k == 0), (i, k)
     # a short run logs the reading metrics, and the reading loss falls
     run = tmp_path / "run"
     over = _reading_overrides(pages, run, **{"train.max_steps": 40, "train.save_every": 0})
@@ -364,7 +374,7 @@ def test_word_pair_head_trains_evaluates_and_mines(pages: Path, tmp_path: Path) 
     want = sorted({i for w in words for i, _, _ in stage.tokenizer.pieces(w)})
     assert saved == want == stage.reading_tokens and len(want) < stage.tokenizer.vocab_size
     assert model.encoder.pairs.read.out_features == len(want) + 1
-    assert stage._prepare_reading_tokens(tmp_path, fresh=False) is None  # an older tokenizer
+
     batch = next(iter(stage.build_loader())).data
     assert batch["reading"].shape == (8 + 16, 2, 16)  # tokens and next tokens of 4x4 cells
     following = batch["reading"][:, 1]
@@ -403,3 +413,46 @@ def test_word_pair_head_is_refused_where_it_cannot_read(pages: Path, tmp_path: P
     with pytest.raises(ConfigError, match="word_pairs has no text tower"):
         check_config(load_config(PRESET, [*_pair_overrides(pages, out), "model.text_layers=2"]))
     check_config(load_config(PRESET, _pair_overrides(pages, out)))  # control
+    # a FLOP budget does not count pair records yet (it would miscount the page sides)
+    from vltrain.scaling.budget import config_flops
+
+    with pytest.raises(ConfigError, match="query/positive records"):
+        config_flops(load_config(PRESET, [*_pair_overrides(pages, out), "train.max_flops=1e12"]))
+    # a captioner has no use for a tower that pools nothing
+    caption = Path(PRESET).parent / "caption_pretrain.yaml"
+    with pytest.raises(ConfigError, match="pool: none"):
+        check_config(load_config(caption, ["model.vision_options={pool: none}"]))
+
+
+def test_reading_vocabulary_is_kept_for_trained_runs_and_old_readers_load(
+    pages: Path, tmp_path: Path
+) -> None:
+    """A run folder that already holds weights but no reading vocabulary (saved before reading
+    vocabularies existed) reads every id as its own class, and its reader, saved inside the
+    loss as ``reading.head.*``, loads into the encoder's ``encoder.reader.*``."""
+    from safetensors.torch import save_file
+
+    out = tmp_path / "old"
+    cfg = load_config(PRESET, _reading_overrides(pages, out))
+    ctx = RunContext(torch.device("cpu"), rank=0, world_size=1, precision="fp32", seed=0)
+    new = check_config(cfg)(cfg, out, ctx)
+    new.prepare()
+    assert new.reading_tokens is not None and len(new.reading_tokens) < new.tokenizer.vocab_size
+    # the older layout: no reading_tokens.json, a complete checkpoint, the reader in the loss
+    (out / "tokenizer" / "reading_tokens.json").unlink()
+    ckpt = out / "checkpoints" / "step_3"
+    ckpt.mkdir(parents=True)
+    old = check_config(cfg)(cfg, out, ctx)
+    (ckpt / "COMPLETE").write_text("")
+    save_file({"x": torch.zeros(1)}, str(ckpt / "model.safetensors"))
+    old.prepare()
+    vocab = old.tokenizer.vocab_size
+    assert old.reading_tokens is None  # every id its own class, as the old weights read
+    model = old.build_model()
+    assert model.encoder.reader.out_features == vocab + 1
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    weight = state.pop("encoder.reader.weight") + 1.0
+    state["reading.head.weight"] = weight
+    state["reading.head.bias"] = state.pop("encoder.reader.bias")
+    model.load_state_dict(state)
+    assert torch.equal(model.encoder.reader.weight, weight)

@@ -66,13 +66,17 @@ def box_cells(box: Sequence[float], grid: int) -> tuple[range, range]:
 
 
 def next_on_line(words: Sequence[Word], k: int) -> Word | None:
-    """The word after ``words[k]`` when it continues its line: its vertical centre lies within
-    word k's box and it starts right of word k's start (reading order, as drawn or OCR'd)."""
+    """The word after ``words[k]`` (reading order, as drawn or OCR'd) when it continues its
+    line: its vertical centre lies within word k's box, and it starts after word k ends (a
+    quarter of word k's width of overlap allowed) by at most two line heights (a word across
+    a column gap does not continue the line)."""
     if k + 1 >= len(words):
         return None
-    _, x0, y0, _, y1 = words[k]
+    _, x0, y0, x1, y1 = words[k]
     nxt = words[k + 1]
-    return nxt if y0 <= (nxt[2] + nxt[4]) / 2 <= y1 and nxt[1] > x0 else None
+    same_row = y0 <= (nxt[2] + nxt[4]) / 2 <= y1
+    gap = nxt[1] - x1
+    return nxt if same_row and -0.25 * (x1 - x0) <= gap <= 2 * (y1 - y0) else None
 
 
 #: the run's reading vocabulary, beside its tokenizer (`<run>/tokenizer/reading_tokens.json`)

@@ -36,6 +36,8 @@ _ONSETS = "b c d f g h k l m n p r s t v z".split()
 _VOWELS = "a e i o u".split()
 _CODAS = ["", "n", "r", "s", "l"]
 VOCAB_SIZE = 400
+#: draws before a held-out split gives up keeping each query's phrase on one page
+MAX_DRAWS = 1000
 
 
 def vocabulary(n: int = VOCAB_SIZE) -> list[str]:
@@ -241,18 +243,28 @@ def write_split(
 
     def fresh(draw: Any) -> Page:
         """`draw()` again until the page repeats no query's phrase."""
-        while True:
+        for _ in range(MAX_DRAWS):
             page = draw()
             if taken.isdisjoint(phrases(page)):
                 return page
+        raise too_crowded()
+
+    def too_crowded() -> ValueError:
+        return ValueError(
+            f"synth pages: {MAX_DRAWS} pages in a row repeated a query's phrase ({len(taken)} "
+            f"queries, {len(seen)} phrases drawn, {len(vocab)} words): too many queries for "
+            "the vocabulary to keep each query's phrase on one page; ask for fewer"
+        )
 
     for i in range(n_queries):
-        while True:
+        for _ in range(MAX_DRAWS):
             page = fresh(lambda: make_page(rng, vocab, size, held_out=True))
             query, span = make_query(rng, page)
             phrase = tuple(query.split())
             if phrase not in seen and phrases(page).count(phrase) == 1:  # type: ignore[arg-type]
                 break
+        else:
+            raise too_crowded()
         taken.add(phrase)  # type: ignore[arg-type]
         seen.update(phrases(page))
         doc = f"{split}-{i:06d}"

@@ -85,11 +85,9 @@ class WordPairHead(nn.Module):
                 f"WordPairHead: width, classes, dim, side and keep must be positive, got "
                 f"{(width, classes, dim, side, keep)}"
             )
-        if (
-            token_class.ndim != 1
-            or int(token_class.min()) < 0
-            or int(token_class.max()) > classes + 1
-        ):
+        checkable = token_class.numel() and not token_class.is_meta  # (FLOP counts: meta)
+        lo, hi = (int(token_class.min()), int(token_class.max())) if checkable else (0, 0)
+        if token_class.ndim != 1 or lo < 0 or hi > classes + 1:
             raise ValueError(
                 f"WordPairHead: token_class must map every tokenizer id to 0..{classes + 1}"
             )
@@ -153,9 +151,9 @@ class WordPairHead(nn.Module):
         real = input_ids >= self.specials
         if attention_mask is not None:
             real &= attention_mask.bool()
-        if input_ids.shape[1] < 2:  # room for no pair: the lone token and the end of a line
-            input_ids = F.pad(input_ids, (0, 1), value=0)
-            real = F.pad(real, (0, 1), value=False)
+        # one column more: a last real token (no eos after it) still has a right neighbour
+        input_ids = F.pad(input_ids, (0, 1), value=0)
+        real = F.pad(real, (0, 1), value=False)
         alone = real.sum(1, keepdim=True) == 1  # (B, 1)
         cls = self.token_class[input_ids]  # (B, T)
         nxt = torch.where(real[:, 1:], cls[:, 1:], self.end)

@@ -105,6 +105,14 @@ def config_flops(cfg: Config, tokenizer: TextTokenizer | None = None) -> ModelFl
             f"{list(FLOP_KINDS)}); use train.max_samples, or count an HF model with "
             "vltrain.scaling.flops.measure_flops / hf_dual_encoder_flops"
         )
+    from vltrain.data.pairs import is_pair_file
+
+    if cfg.model.kind != "captioner" and cfg.data.train and is_pair_file(cfg.data.train):
+        raise ConfigError(
+            f"train.max_flops counts the FLOPs of image-caption records; {cfg.data.train} holds "
+            "query/positive records (each side its own modality and count), which it does not "
+            "count yet: set train.max_steps or train.max_samples"
+        )
     if cfg.model.kind == "vlm":  # the HF model's own tokenizer and image processor
         from vltrain.scaling.vlm_flops import vlm_config_flops
 

@@ -131,6 +131,12 @@ def check_captioner_config(cfg: Config, stage: str, used: tuple[str, ...] = CAPT
             raise ConfigError(f"'model.freeze' entry {part!r} is not one of {list(PARTS)}")
     if set(PARTS) <= set(m.freeze):
         raise ConfigError("'model.freeze' freezes every part of the model: nothing would train")
+    if m.vision_options.get("pool") == "none":
+        raise ConfigError(
+            "model.vision_options.pool: none leaves the vision tower without features to "
+            "caption from (it is the word-pair head's tower, stage contrastive); use cls, "
+            "flatten or max"
+        )
 
 
 def caption_eval_metrics(prefixes: tuple[str, ...]) -> tuple[str, ...]:

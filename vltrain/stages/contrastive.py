@@ -28,7 +28,12 @@ from vltrain.data.streaming import StreamLoader, check_stream_layout
 from vltrain.data.synth import scene_key
 from vltrain.data.tokenizer import TextTokenizer, prepare_tokenizer
 from vltrain.engine import distributed as D
-from vltrain.engine.checkpoint import load_weights, resolve_init
+from vltrain.engine.checkpoint import (
+    complete_checkpoints,
+    has_weights,
+    load_weights,
+    resolve_init,
+)
 from vltrain.engine.parallel import ParallelModel
 from vltrain.engine.runtime import RunContext, to_device
 from vltrain.engine.task import StepOutput
@@ -60,7 +65,8 @@ __all__ = ["ContrastiveModel", "ContrastiveStage", "ImageTextCollate"]
 class ContrastiveModel(nn.Module):
     """Encoder + loss in one module, so DDP sees one forward and the loss's temperature trains;
     with `reading`, the grid of the positive and image-negative pages also learns to read
-    (`objective.reading`)."""
+    (`objective.reading`). Weights saved when the reader lived in the loss
+    (``reading.head.*``) load into the encoder's (``encoder.reader.*``)."""
 
     def __init__(
         self, encoder: nn.Module, loss: nn.Module, reading: ReadingLoss | None = None
@@ -69,6 +75,7 @@ class ContrastiveModel(nn.Module):
         self.encoder = encoder
         self.loss = loss
         self.reading = reading
+        self._register_load_state_dict_pre_hook(_reader_moved)
 
     def embed(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor | None]:
         """Unit-norm image (B, E), text (B, E) and hard-negative (M, E) embeddings."""
@@ -98,6 +105,13 @@ class ContrastiveModel(nn.Module):
         if second is not None:
             return self.loss(img, txt, neg, pairs=second)
         return self.loss(img, txt, neg)
+
+
+def _reader_moved(state: dict[str, Any], prefix: str, *_: Any) -> None:
+    """``reading.head.*`` (the reader's name before it moved into the encoder) ->
+    ``encoder.reader.*``."""
+    for name in [k for k in state if k.startswith(prefix + "reading.head.")]:
+        state[prefix + "encoder.reader." + name[len(prefix + "reading.head.") :]] = state.pop(name)
 
 
 def is_valid_text(text: object) -> bool:
@@ -272,7 +286,6 @@ class ContrastiveStage:
         self.reading_tokens: list[int] | None = None
         if uses_tokenizer(self.cfg):
             tok_dir = self.out_dir / "tokenizer"
-            fresh = not (tok_dir / "tokenizer.json").is_file()
             prepare_tokenizer(
                 tok_dir,
                 self.init_ckpt,
@@ -283,21 +296,33 @@ class ContrastiveStage:
             D.barrier()
             self.tokenizer = TextTokenizer.load(tok_dir)
             if self.cfg.objective.reading:
-                self.reading_tokens = self._prepare_reading_tokens(tok_dir, fresh)
+                self.reading_tokens = self._prepare_reading_tokens(tok_dir)
         self.batcher = build_batcher(self.cfg, self.tokenizer)
         self.corpus = pairs.CorpusEvaluator(self.cfg, self.ctx, self.batcher)
 
-    def _prepare_reading_tokens(self, tok_dir: Path, fresh: bool) -> list[int] | None:
+    def _prepare_reading_tokens(self, tok_dir: Path) -> list[int] | None:
         """The run's reading vocabulary, saved beside its tokenizer (so checkpoints carry it):
-        the one there, else (a tokenizer this run just made or copied) the token ids of the
-        training records' words; None (every id its own class) for a tokenizer saved before
-        reading vocabularies existed, whose weights read every id."""
-        if self.ctx.is_main and fresh and load_reading_tokens(tok_dir) is None:
+        the one there; else, while no weights exist (a new run, or one stopped before its
+        first checkpoint), the token ids of the training records' words; else None: weights
+        saved before reading vocabularies existed read every id as its own class (their reader
+        loads under its old name, `ContrastiveModel`)."""
+        folder = self.out_dir  # a run dir, or a checkpoint folder (vltrain eval / mine)
+        trained = has_weights(folder) or bool(complete_checkpoints(folder / "checkpoints"))
+        if self.ctx.is_main and not trained and load_reading_tokens(tok_dir) is None:
             assert self.tokenizer is not None
-            words = pairs.training_words(self.cfg)
-            save_reading_tokens(tok_dir, reading_tokens(self.tokenizer, words))
+            tokens = reading_tokens(self.tokenizer, pairs.training_words(self.cfg))
+            if tokens:  # none: every rank refuses below
+                save_reading_tokens(tok_dir, tokens)
         D.barrier()
-        return load_reading_tokens(tok_dir)
+        tokens = load_reading_tokens(tok_dir)
+        if tokens is None and not trained:
+            raise ConfigError(
+                f"objective.reading={self.cfg.objective.reading} but no training record of "
+                f"{self.cfg.data.train} lists the 'words' drawn on its image sides: there is "
+                "nothing to read; set objective.reading=0 (or add word boxes, see "
+                "docs/retrieval.md)"
+            )
+        return tokens
 
     def _training_texts(self) -> list[str]:
         """Every valid training caption (bad records are skipped and counted later)."""
@@ -328,8 +353,9 @@ class ContrastiveStage:
                 raise ConfigError(
                     f"model.init_from={self.init_ckpt} does not fit this model "
                     f"({str(e)[:300]}...); model.kind, model.vision, model.text, "
-                    "model.embed_dim, objective.loss, objective.reading (on or off: its head is "
-                    "part of the weights) and the LoRA options must match the source run's "
+                    "model.embed_dim, model.head, objective.loss, objective.reading (on or "
+                    "off: its head is part of the weights) and the LoRA options must match the "
+                    "source run's "
                     "config.yaml"
                 ) from None
         return model
