@@ -1,9 +1,9 @@
 """Synthetic page-screenshot retrieval: text query -> page image, image hard negatives vs none.
 
     python bench/pages_retrieval.py --out bench/out/pages --seeds 0 1 2
-        # the preset as shipped (batch 128, lr 2e-3, 800 steps) on 50,000 training records
-        # (one hard-negative page each) and 10,600-page held-out corpora: ~17 min per run
-        # without hard negatives, ~35 min with (Intel Xeon, 2 cores)
+        # the preset as shipped (the word-pair head, batch 128, lr 2e-3, 800 steps) on 50,000
+        # training records (one hard-negative page each) and 10,600-page held-out corpora:
+        # ~22 min per run without hard negatives, ~1.6x that with (Intel Xeon, 2 cores)
     python bench/pages_retrieval.py --out bench/out/pages_small --n-train 3000 --distractors 1000 \
         --steps 300 --batch-size 32 --seeds 0   # a quick look
 
