@@ -281,18 +281,19 @@ def dual_encoder_flops(
     """
     vision_fwd, vision_tokens = vision_tower_flops(model.vision)
     if getattr(model, "pairs", None) is not None:
-        pair = (vision_fwd, vision_tokens, text_tokens, texts_per_sample, batch_size)
-        return _word_pairs_flops(model, *pair)
-    vision_fwd += linear(1, model.vision_proj.in_features, model.embed_dim)
-    text = model.text.cfg
-    text_fwd = text_blocks_flops(text, text_tokens) + linear(1, text.width, model.embed_dim)
-    text_fwd *= texts_per_sample
-    vision = _component("vision", model.vision, vision_fwd, vision_tokens)
-    vision.params += model.vision_proj.weight.numel()
-    vision.nonembed_params += model.vision_proj.weight.numel()
-    tower = _component("text", model.text, text_fwd, text_tokens)
-    tower.params += model.text_proj.weight.numel()
-    tower.nonembed_params += model.text_proj.weight.numel()
+        vision, tower = _word_pairs_flops(model, vision_fwd, vision_tokens, text_tokens)
+        tower.forward *= texts_per_sample
+    else:
+        vision_fwd += linear(1, model.vision_proj.in_features, model.embed_dim)
+        text = model.text.cfg
+        text_fwd = text_blocks_flops(text, text_tokens) + linear(1, text.width, model.embed_dim)
+        text_fwd *= texts_per_sample
+        vision = _component("vision", model.vision, vision_fwd, vision_tokens)
+        vision.params += model.vision_proj.weight.numel()
+        vision.nonembed_params += model.vision_proj.weight.numel()
+        tower = _component("text", model.text, text_fwd, text_tokens)
+        tower.params += model.text_proj.weight.numel()
+        tower.nonembed_params += model.text_proj.weight.numel()
     parts = [vision, tower]
     if batch_size:
         parts.append(Component("logits", 0, 0, linear(1, model.embed_dim, batch_size), True))
@@ -312,16 +313,11 @@ def hf_tower_flops(cfg: Any, tokens: int) -> float:
 
 
 def _word_pairs_flops(
-    model: nn.Module,
-    vision_fwd: float,
-    vision_tokens: int,
-    text_tokens: int,
-    texts_per_sample: int,
-    batch_size: int,
-) -> ModelFlops:
-    """`DualEncoder` with the word-pair head: the stem, the readers (the token reader at every
-    cell, the row convolution, the next-token reader and the codes at the kept cells); a text
-    is a table lookup per token pair (adds only)."""
+    model: nn.Module, vision_fwd: float, vision_tokens: int, text_tokens: int
+) -> tuple[Component, Component]:
+    """`DualEncoder` with the word-pair head, one text: the stem, the readers (the token reader
+    at every cell, the row convolution, the next-token reader and the codes at the kept
+    cells); a text is a table lookup per token pair (adds only)."""
     head = model.pairs
     cells, width = model.vision.cfg.num_patches, head.read.in_features
     line = head.line[0]
@@ -334,14 +330,8 @@ def _word_pairs_flops(
     total, nonembed = count_params(head)
     vision.params += total
     vision.nonembed_params += nonembed
-    text_fwd = 3.0 * dim * max(text_tokens - 1, 1) * texts_per_sample
-    text = Component("text", 0, 0, text_fwd, True, tokens=text_tokens)
-    parts = [vision, text]
-    if batch_size:
-        parts.append(Component("logits", 0, 0, linear(1, dim, batch_size), True))
-    for c in parts:
-        c.backward = 2.0 * c.forward if c.trainable else 0.0
-    return ModelFlops(parts, vision_tokens, text_tokens)
+    text_fwd = 3.0 * dim * max(text_tokens - 1, 1)
+    return vision, Component("text", 0, 0, text_fwd, True, tokens=text_tokens)
 
 
 def hf_dual_encoder_flops(model: nn.Module, text_tokens: int) -> ModelFlops:

@@ -129,10 +129,16 @@ def pair_dataset(cfg: Config, path: str | Path, train: bool, hard_negatives: int
     return ds
 
 
+def _training_records(cfg: Config) -> tuple[list[dict[str, Any]], dict[str, Side] | None]:
+    """The training records (document ids resolved) and data.train_corpus's documents."""
+    corpus = read_corpus(cfg.data.train_corpus) if cfg.data.train_corpus else None
+    return read_pair_records(cfg.data.train, corpus), corpus
+
+
 def training_texts(cfg: Config) -> list[str]:
     """Every text of the training records (and of data.train_corpus), for the BPE tokenizer."""
-    corpus = read_corpus(cfg.data.train_corpus) if cfg.data.train_corpus else None
-    texts = side_texts(read_pair_records(cfg.data.train, corpus))
+    records, corpus = _training_records(cfg)
+    texts = side_texts(records)
     if corpus:
         texts += [s["text"] for s in corpus.values() if isinstance(s["text"], str)]
     return texts
@@ -140,9 +146,8 @@ def training_texts(cfg: Config) -> list[str]:
 
 def training_words(cfg: Config) -> list[str]:
     """The words listed on the training records' image sides (what the reading loss reads)."""
-    corpus = read_corpus(cfg.data.train_corpus) if cfg.data.train_corpus else None
     out: list[str] = []
-    for rec in read_pair_records(cfg.data.train, corpus):
+    for rec in _training_records(cfg)[0]:
         for side in (rec["query"], *rec["positives"], *rec["negatives"]):
             out += [w[0] for w in side.get("words") or ()]
     return out
