@@ -9,8 +9,9 @@
 
 Writes the data once (`vltrain data synth --kind pages`), then per seed trains configs/pages.yaml
 with objective.hard_negatives=0 and =1 and prints the test metrics as a markdown table (R@1, R@5,
-chance R@1, held-out hard-negative accuracy), with the validation learning curve. Options left
-unset keep the preset's values.
+R@1 of title and of body-phrase queries, chance R@1, held-out hard-negative accuracy), with the
+validation learning curve, then R@1 by query group and font size (what limits the reader).
+Options left unset keep the preset's values.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -31,6 +33,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def vltrain(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "vltrain", *args], check=True, cwd=ROOT)
+
+
+def by_font(ranks: Path, queries: Path) -> dict[tuple[str, int], list[int]]:
+    """Per-query ranks (`eval_ranks_*.jsonl`) grouped by the query's group and font size."""
+    meta = {q["_id"]: q for q in map(json.loads, queries.read_text().splitlines())}
+    out: dict[tuple[str, int], list[int]] = defaultdict(list)
+    for row in map(json.loads, ranks.read_text().splitlines()):
+        q = meta[row["query"]]
+        out[(q.get("group", "-"), int(q.get("font_px", 0)))].append(row["rank"])
+    return out
 
 
 def main() -> None:
@@ -100,22 +112,33 @@ def main() -> None:
             test = [r for r in hist if "test_R@1" in r]
             final = {k[5:]: v for k, v in (test[-1] if test else evals[-1]).items() if "_" in k}
             curve = " ".join(f"{r['step']}:{r['eval_R@1']:.3f}" for r in evals)
-            rows.append((seed, hn, final, curve, wall))
+            split = "test" if test else "val"
+            fonts = by_font(run / f"eval_ranks_{split}.jsonl", data / split / "queries.jsonl")
+            rows.append((seed, hn, final, curve, wall, fonts))
     cpu = cpu_model()
     print(
         f"\nCPU: {cpu}; torch {torch.__version__}; synth {synth_s:.0f} s; "
         f"{a.n_train} train pages, corpus {int(rows[0][2].get('n_docs', 0))} docs"
     )
     print(
-        "| seed | hard negatives | R@1 | R@5 | chance R@1 | hard-neg acc | train s "
-        "| val R@1 curve |"
+        "| seed | hard negatives | R@1 | R@5 | R@1 title | R@1 body | chance R@1 | hard-neg acc "
+        "| train s | val R@1 curve |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for seed, hn, m, curve, wall in rows:
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for seed, hn, m, curve, wall, _ in rows:
         print(
             f"| {seed} | {hn} | {m.get('R@1', 0):.3f} | {m.get('R@5', 0):.3f} | "
+            f"{m.get('R@1_title', 0):.3f} | {m.get('R@1_body', 0):.3f} | "
             f"{m.get('chance_R@1', 0):.4f} | {m.get('hardneg_acc', 0):.3f} | {wall:.0f} | {curve} |"
         )
+    keys = sorted({k for *_, fonts in rows for k in fonts})
+    print("\nR@1 by query group and font size (px), pooled over the runs above:")
+    print("| group | font px | queries per run | R@1 |")
+    print("|---|---|---|---|")
+    for key in keys:
+        ranks = [r for *_, fonts in rows for r in fonts.get(key, [])]
+        r1 = sum(r == 1 for r in ranks) / len(ranks)
+        print(f"| {key[0]} | {key[1]} | {len(ranks) // len(rows)} | {r1:.3f} |")
 
 
 if __name__ == "__main__":

@@ -65,3 +65,22 @@ def test_a_split_too_crowded_for_unique_phrases_is_refused(
     rng = random.Random(0)
     with pytest.raises(ValueError, match="too many queries for the vocabulary"):
         synth_pages.write_split(tmp_path, "val", 200, 0, 1, 96, rng, vocabulary()[:8])
+
+
+def test_queries_name_their_group_and_font_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    drawn, queries = _split(tmp_path, monkeypatch, vocabulary())
+    corpus = (tmp_path / "val" / "corpus.jsonl").read_text().splitlines()
+    by_id = dict(zip((json.loads(x)["_id"] for x in corpus), drawn, strict=True))
+    qrels = (tmp_path / "val" / "qrels.tsv").read_text().splitlines()[1:]
+    positive = {q: d for q, d, s in (x.split("\t") for x in qrels) if s == "1"}
+    assert {q["group"] for q in queries} == {"title", "body"}
+    for q in queries:
+        page = by_id[positive[q["_id"]]]
+        words = q["text"].split()
+        if q["group"] == "title":
+            assert words == page.title and q["font_px"] == page.style["title_px"]
+        else:
+            assert any(line[k : k + 2] == words for line in page.lines for k in range(len(line)))
+            assert q["font_px"] == page.style["body_px"]

@@ -60,3 +60,38 @@ def test_read_split_and_judged_negatives(tmp_path: Path) -> None:
     (tmp_path / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\na\tzz\t1\n")
     with pytest.raises(DataError, match="zz"):
         C.read_split_dir(tmp_path)
+
+
+def test_metrics_per_query_group(tmp_path: Path) -> None:
+    (tmp_path / "queries.jsonl").write_text(
+        '{"_id": "a", "text": "x", "group": "title"}\n'
+        '{"_id": "b", "text": "y", "group": "body phrase"}\n'
+        '{"_id": "c", "text": "z", "group": "title"}\n'
+        '{"_id": "d", "text": "w"}\n'
+    )
+    (tmp_path / "corpus.jsonl").write_text(
+        "".join(f'{{"_id": "d{i}", "text": "t{i}"}}\n' for i in range(4))
+    )
+    rows = "".join(f"{q}\td{i}\t1\n" for i, q in enumerate("abcd"))
+    (tmp_path / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\n" + rows)
+    split = C.read_split_dir(tmp_path)
+    assert split.groups == ["title", "body phrase", "title", None]
+    m = C.group_metrics(torch.tensor([1, 3, 12, 1]), split.groups)
+    assert m == {
+        "R@1_title": 0.5,
+        "R@5_title": 0.5,
+        "MRR@10_title": 0.5,  # ranks 1 and 12 (beyond 10 counts 0)
+        "n_queries_title": 2.0,
+        "R@1_body_phrase": 0.0,
+        "R@5_body_phrase": 1.0,
+        "MRR@10_body_phrase": pytest.approx(1 / 3),
+        "n_queries_body_phrase": 1.0,
+    }
+    assert C.group_metrics(torch.tensor([1, 2]), [None, None]) == {}
+    with pytest.raises(ValueError, match="both become metric suffix 'a_b'"):
+        C.group_metrics(torch.tensor([1, 2]), ["a b", "a-b"])
+    with pytest.raises(ValueError, match="2 groups for 3 ranks"):
+        C.group_metrics(torch.tensor([1, 2, 3]), ["a", "b"])
+    (tmp_path / "queries.jsonl").write_text('{"_id": "a", "text": "x", "group": 3}\n')
+    with pytest.raises(DataError, match="'group' must be a non-empty string"):
+        C.read_split_dir(tmp_path)

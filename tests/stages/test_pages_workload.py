@@ -114,6 +114,11 @@ def test_pages_train_eval_mine_second_round(pages: Path, tmp_path: Path) -> None
     ev = [r for r in rows if "eval_R@1" in r][-1]
     assert {"eval_R@5", "eval_MRR@10", "eval_nDCG@10", "eval_hardneg_acc"} <= set(ev)
     assert ev["eval_n_docs"] == 6 * 3 + 6 and ev["eval_n_queries"] == 6
+    # the synthetic queries name their group (title or body phrase): metrics per group
+    groups = [k for k in ev if k.startswith("eval_n_queries_")]
+    assert groups and sum(ev[k] for k in groups) == 6
+    for k in groups:
+        assert f"eval_R@1_{k.removeprefix('eval_n_queries_')}" in ev
     assert len((run / "eval_ranks_val.jsonl").read_text().splitlines()) == 6
     # `vltrain eval` gives the in-training numbers for the same checkpoint
     v = pages / "val"
@@ -136,7 +141,7 @@ def test_pages_train_eval_mine_second_round(pages: Path, tmp_path: Path) -> None
         == 0
     )
     got = json.loads(res.read_text())
-    for k in ("R@1", "R@5", "R@10", "MRR@10", "nDCG@10"):
+    for k in ("R@1", "R@5", "R@10", "MRR@10", "nDCG@10", *(g[5:] for g in groups)):
         assert got[k] == pytest.approx(ev[f"eval_{k}"], abs=1e-9), k
     # mining: document ids, never the record's own page
     mined = pages / "mined.jsonl"

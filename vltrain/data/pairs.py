@@ -132,7 +132,8 @@ def is_pair_file(path: str | os.PathLike[str]) -> bool:
 
 def read_corpus(path: str | os.PathLike[str]) -> dict[str, Side]:
     """BEIR corpus.jsonl / queries.jsonl (``{"_id", "text"?, "title"?, "image"?,
-    "instruction"?}``) -> id -> side, in file order; image paths are relative to the file."""
+    "instruction"?, "group"?}``) -> id -> side, in file order; image paths are relative to the
+    file. Other keys are ignored."""
     base = str(path)
 
     def parse(obj: object, where: str, _default: str) -> dict[str, Any]:
@@ -144,6 +145,12 @@ def read_corpus(path: str | os.PathLike[str]) -> dict[str, Side]:
         fields = {"text": text, "image": obj.get("image"), "words": obj.get("words")}
         side = parse_side({k: v for k, v in fields.items() if v is not None}, where, base)
         side["instruction"] = str(obj.get("instruction") or "")  # queries may carry one
+        if "group" in obj:  # a query's kind, for metrics per group (`vltrain.eval.corpus`)
+            if not isinstance(obj["group"], str) or not obj["group"]:
+                raise DataError(
+                    f"{where}: 'group' must be a non-empty string, got {obj['group']!r}"
+                )
+            side["group"] = obj["group"]
         return {"_id": str(obj["_id"]), "side": side}
 
     out: dict[str, Side] = {}

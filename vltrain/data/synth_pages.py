@@ -11,7 +11,9 @@ Layout written under OUT::
     train.jsonl                     {"query": {"text"}, "positive": {"image", "words"},
                                     "negatives": [...]}; words: [[word, x0, y0, x1, y1], ...]
     train_corpus.jsonl              every training page as a document (for `vltrain mine`)
-    {val,test}/queries.jsonl        {"_id", "text"}
+    {val,test}/queries.jsonl        {"_id", "text", "group", "font_px"}: group "title" or
+                                    "body" (the phrase's place: metrics per group), font_px
+                                    its font size (for analysis; evaluation ignores it)
     {val,test}/corpus.jsonl         {"_id", "image"}: positives, their hard negatives, distractors
     {val,test}/qrels.tsv            query-id corpus-id score (1: the page; 0: its hard negatives)
     pages/<split>/*.png
@@ -269,7 +271,9 @@ def write_split(
         seen.update(phrases(page))
         doc = f"{split}-{i:06d}"
         docs.append({"_id": doc, "image": _save(render(page, size), folder, f"pages/{doc}.png")})
-        queries.append({"_id": f"q{i:06d}", "text": query})
+        group = "title" if span[0] < 0 else "body"
+        px = page.style[f"{group}_px"]
+        queries.append({"_id": f"q{i:06d}", "text": query, "group": group, "font_px": px})
         qrels.append((f"q{i:06d}", doc, 1))
         for k in range(negatives):
             nid = f"{doc}_n{k}"

@@ -2,7 +2,8 @@
 
 Files (one folder per split, or three paths)::
 
-    queries.jsonl   {"_id": "q1", "text"?: "...", "image"?: "rel.png", "instruction"?: "..."}
+    queries.jsonl   {"_id": "q1", "text"?: "...", "image"?: "rel.png", "instruction"?: "...",
+                     "group"?: "..."}
     corpus.jsonl    {"_id": "d1", "text"?: "...", "title"?: "...", "image"?: "rel.png"}
     qrels.tsv       query-id <TAB> corpus-id <TAB> score   (a header line; score >= 0 ints)
 
@@ -16,7 +17,10 @@ doc index first; `vltrain.eval.topk`):
 
 Queries without any relevant doc are left out (BEIR does the same) and counted. Docs judged
 non-relevant (score 0, e.g. a query's hard negatives) give `hardneg_acc`: how often the
-query's best relevant doc outscores each of them.
+query's best relevant doc outscores each of them. Queries that name a ``group`` (a kind of
+query: the synthetic pages' title vs body-phrase queries, a task of a multi-task set) also get
+R@1, R@5 and MRR@10 over each group alone (`group_metrics`), so one number does not hide which
+kind of query a model fails.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +61,7 @@ class CorpusSplit:
     qrels: list[dict[int, int]]  # per query: doc row -> grade (> 0 only)
     judged_negatives: list[list[int]]  # per query: doc rows judged non-relevant (grade 0)
     n_no_relevant: int  # queries in queries.jsonl without a relevant doc (left out)
+    groups: list[str | None]  # per query: its "group" in queries.jsonl, None without one
 
 
 def is_corpus_dir(path: str | os.PathLike[str]) -> bool:
@@ -113,6 +119,7 @@ def read_split(
         qrels=[grades[qid] for qid in kept],
         judged_negatives=[zeros.get(qid, []) for qid in kept],
         n_no_relevant=len(q) - len(kept),
+        groups=[q[qid].get("group") for qid in kept],
     )
 
 
@@ -158,6 +165,37 @@ def corpus_metrics(
     m["mean_rank"], m["median_rank"] = float(r.mean()), float(r.median())
     m["n_queries"], m["n_docs"] = float(queries.shape[0]), float(docs.shape[0])
     return m, ranks.cpu(), top_ids.cpu()
+
+
+def metric_suffix(name: str) -> str:
+    """`name` as a metric-key suffix: every run of characters other than letters and digits
+    becomes one underscore (``"body phrase"`` -> ``body_phrase``)."""
+    return re.sub(r"[^0-9A-Za-z]+", "_", name)
+
+
+def group_metrics(ranks: Tensor, groups: list[str | None]) -> dict[str, float]:
+    """R@1, R@5, MRR@10 and the query count of each group alone, keyed ``R@1_<group>`` etc.,
+    from the per-query ranks (Q,) of `corpus_metrics`; queries without a group are only in the
+    overall numbers. Empty when no query names a group."""
+    if len(groups) != ranks.shape[0]:
+        raise ValueError(f"group_metrics: {len(groups)} groups for {ranks.shape[0]} ranks")
+    out: dict[str, float] = {}
+    r = ranks.double().cpu()
+    keys: dict[str, str] = {}
+    for name in sorted({g for g in groups if g is not None}):
+        key = metric_suffix(name)
+        if key in keys:
+            raise ValueError(
+                f"query groups {keys[key]!r} and {name!r} both become metric suffix {key!r}; "
+                "rename one"
+            )
+        keys[key] = name
+        rg = r[torch.tensor([g == name for g in groups])]
+        out[f"R@1_{key}"] = float((rg <= 1).double().mean())
+        out[f"R@5_{key}"] = float((rg <= 5).double().mean())
+        out[f"MRR@10_{key}"] = float(torch.where(rg <= 10, 1.0 / rg, torch.zeros_like(rg)).mean())
+        out[f"n_queries_{key}"] = float(rg.numel())
+    return out
 
 
 def judged_negative_accuracy(

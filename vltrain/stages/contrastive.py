@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -605,7 +604,7 @@ class ContrastiveStage:
                 acc[0], acc[1] = acc[0] + c, acc[1] + t
         for kind in sorted(kind_hits):  # accuracy per kind of negative (`negative_kinds`)
             c, t = kind_hits[kind]
-            metrics[f"hardneg_acc_{re.sub(r'[^0-9A-Za-z]+', '_', kind)}"] = c / t
+            metrics[f"hardneg_acc_{pairs.C.metric_suffix(kind)}"] = c / t
         for dim in self.cfg.model.matryoshka_dims:  # truncated embeddings, evaluated separately
             small = image_text_retrieval(
                 model.encoder.truncate(img, dim), model.encoder.truncate(txt, dim), pos

@@ -313,6 +313,7 @@ class CorpusEvaluator:
         if acc is not None:
             metrics["hardneg_acc"] = acc
         metrics["chance_R@1"] = C.chance_recall(qrels, d_emb.shape[0], 1)
+        metrics.update(C.group_metrics(ranks, [split.groups[int(q_rows[i])] for i in keep]))
         metrics["bad_samples"] = float(q_bad + d_bad)
         metrics["encode_s"] = encode_s
         if ranks_path is not None and self.ctx.is_main:
