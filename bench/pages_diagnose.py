@@ -11,7 +11,8 @@ the replay is checked against DATA/val/queries.jsonl). Prints:
 1. Reading on 512 fresh training-style pages (never seen in training): token and next-token
    accuracy of title and body word cells, and for each adjacent word pair whether one of the
    cells the page code keeps (the least-background ones) reads the pair right (both argmax).
-2. R@1 / R@5 of the run's last validation (RUN/eval_ranks_val.jsonl) by query group and font
+2. How much a pair's code overlaps the codes of pairs that share one of its words; R@1 / R@5
+   of the run's last validation (RUN/eval_ranks_val.jsonl) by query group and font
    size, and for each query not at rank 1 where its words sit on the page that beat it.
 3. With --temperatures: the val corpus encoded once and R@1 of page codes built from readings
    sharpened or softened by each softmax temperature (1 is the trained model; 0: argmax).
@@ -116,6 +117,27 @@ def reading_by_place(stage: object, model: torch.nn.Module, out: Path, size: int
         print(f"| {place} | {n} | {k / n:.3f} | {r / n:.3f} |")
 
 
+def pair_overlap(head: torch.nn.Module, n: int = 5000) -> None:
+    """Cosine of a pair's code (a, b) with the codes of pairs sharing one word or none."""
+    g = torch.Generator().manual_seed(0)
+    classes = head.first.shape[0] - 2
+    a, b, x, y = (torch.randint(0, classes, (n,), generator=g) for _ in range(4))
+
+    def code(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.normalize(F.relu(head.first[u] + head.second[v] + head.bias), dim=-1)
+
+    ab = code(a, b)
+    print("\n| a pair's code (a, b) vs | mean cosine |\n|---|---|")
+    with torch.no_grad():
+        for name, (u, v) in {
+            "(a, x)": (a, x),
+            "(x, b)": (x, b),
+            "(b, a)": (b, a),
+            "(x, y)": (x, y),
+        }.items():
+            print(f"| {name} | {float((ab * code(u, v)).sum(-1).mean()):.3f} |")
+
+
 def ranks_by_group(run: Path, pages: dict[str, sp.Page], queries: dict[str, dict]) -> None:
     """Part 2: the last validation's ranks by group and font size; what beat the misses."""
     by: dict[tuple[str, int], list[int]] = defaultdict(list)
@@ -213,6 +235,7 @@ def main() -> None:
     _, stage, model = load_trained(a.checkpoint or a.run)
     model.eval()
     reading_by_place(stage, model, run / "diagnose", a.image_size)
+    pair_overlap(model.encoder.pairs)
     pages, queries = replay_val(a)
     ranks_by_group(run, pages, queries)
     if a.temperatures:
