@@ -90,8 +90,7 @@ def reading_by_place(stage: object, model: torch.nn.Module, out: Path, size: int
         with torch.no_grad():
             npred[word] = read.following(word).argmax(-1)
         lg = read.tokens.float()
-        least_bg = (lg[..., -1] - lg.logsumexp(-1)).topk(enc.pairs.keep, dim=1, largest=False)
-        kept = torch.zeros_like(word).scatter_(1, least_bg.indices, True)
+        kept = torch.zeros_like(word).scatter_(1, enc.pairs.kept_cells(lg), True)
         right = (pred == tok) & (npred == nxt)
         for i, ws in enumerate(words):
             for k, w in enumerate(ws):
@@ -194,7 +193,7 @@ def temperatures(
             images, _ = side_inputs(stage.batcher, "doc", "image", sides)
             read = head.reading(vision.grid(images))
             lg = read.tokens.float()
-            keep = (lg[..., -1] - lg.logsumexp(-1)).topk(head.keep, dim=1, largest=False).indices
+            keep = head.kept_cells(lg)
             toks.append(lg.gather(1, keep[..., None].expand(-1, -1, lg.shape[-1])))
             ctx = read.context.gather(1, keep[..., None].expand(-1, -1, read.context.shape[-1]))
             nxts.append(head.read_next(ctx).float())

@@ -143,6 +143,13 @@ def graded_ndcg(top_ids: Tensor, qrels: list[dict[int, int]], k: int = TOP_LIST)
     return out
 
 
+def rank_metrics(ranks: Tensor, ks: tuple[int, ...]) -> dict[str, float]:
+    """R@k for each k and MRR@10 from per-query ranks of the best relevant doc (Q,), float64."""
+    m = {f"R@{k}": float((ranks <= k).double().mean()) for k in ks}
+    m["MRR@10"] = float(torch.where(ranks <= 10, 1.0 / ranks, torch.zeros_like(ranks)).mean())
+    return m
+
+
 def corpus_metrics(
     query_emb: Tensor,
     doc_emb: Tensor,
@@ -159,8 +166,7 @@ def corpus_metrics(
     n_top = min(TOP_LIST, docs.shape[0])  # R@k for larger k comes from the exact ranks
     _, top_ids, ranks = scan(queries, docs, n_top, table, qc, dc)
     r = ranks.double().cpu()
-    m = {f"R@{k}": float((r <= k).double().mean()) for k in ks}
-    m["MRR@10"] = float(torch.where(r <= 10, 1.0 / r, torch.zeros_like(r)).mean())
+    m = rank_metrics(r, ks)
     m["nDCG@10"] = float(graded_ndcg(top_ids.cpu(), qrels).mean())
     m["mean_rank"], m["median_rank"] = float(r.mean()), float(r.median())
     m["n_queries"], m["n_docs"] = float(queries.shape[0]), float(docs.shape[0])
@@ -191,9 +197,7 @@ def group_metrics(ranks: Tensor, groups: list[str | None]) -> dict[str, float]:
             )
         keys[key] = name
         rg = r[torch.tensor([g == name for g in groups])]
-        out[f"R@1_{key}"] = float((rg <= 1).double().mean())
-        out[f"R@5_{key}"] = float((rg <= 5).double().mean())
-        out[f"MRR@10_{key}"] = float(torch.where(rg <= 10, 1.0 / rg, torch.zeros_like(rg)).mean())
+        out.update({f"{k}_{key}": v for k, v in rank_metrics(rg, (1, 5)).items()})
         out[f"n_queries_{key}"] = float(rg.numel())
     return out
 

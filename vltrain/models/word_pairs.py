@@ -129,13 +129,18 @@ class WordPairHead(nn.Module):
         read = self.reading(grid)
         return self.code(read), read
 
+    @torch.no_grad()
+    def kept_cells(self, logits: Tensor) -> Tensor:
+        """(B, K) indices of the `keep` cells least likely background, from token logits
+        (B, P, C + 1): the cells a page's code is made of."""
+        background = logits[..., -1] - logits.logsumexp(-1)  # (B, P)
+        return background.topk(min(self.keep, logits.shape[1]), dim=1, largest=False).indices
+
     def code(self, read: Reading) -> Tensor:
         """The max, over the `keep` cells least likely background, of the code of each cell's
         read token and read next token (both soft: the readers' probabilities)."""
         logits = read.tokens.float()
-        with torch.no_grad():  # which cells: least likely background
-            background = logits[..., -1] - logits.logsumexp(-1)  # (B, P)
-            keep = background.topk(min(self.keep, logits.shape[1]), dim=1, largest=False).indices
+        keep = self.kept_cells(logits)
         if read.context is None:
             raise ValueError("WordPairHead.code: the reading has no next-token context")
         cur = logits.gather(1, keep[..., None].expand(-1, -1, logits.shape[-1])).softmax(-1)
