@@ -123,7 +123,8 @@ def pair_overlap(head: torch.nn.Module, n: int = 5000) -> None:
     a, b, x, y = (torch.randint(0, classes, (n,), generator=g) for _ in range(4))
 
     def code(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.normalize(F.relu(head.first[u] + head.second[v] + head.bias), dim=-1)
+        first, second = head.rows()
+        return F.normalize(head.combine(first[u], second[v]), dim=-1)
 
     ab = code(a, b)
     print("\n| a pair's code (a, b) vs | mean cosine |\n|---|---|")
@@ -202,12 +203,12 @@ def temperatures(
         tok, nxt = torch.cat(toks), torch.cat(nxts)
         print("\n| reading temperature | R@1 | R@5 | R@1 title | R@1 body | hard-neg acc |")
         print("|---|---|---|---|---|---|")
+        first, second = (rows[:-1] for rows in head.rows())  # a page shows no unread token
         for t in temps:
             codes = []
             for c in range(0, tok.shape[0], 512):  # (512, K, D) at a time
                 cur, after = (sharpen(x[c : c + 512], t) for x in (tok, nxt))
-                code = cur @ head.first[:-1] + after @ head.second[:-1] + head.bias
-                codes.append(F.relu(code).amax(1))
+                codes.append(head.pool(head.combine(cur @ first, after @ second), 1))
             d = F.normalize(torch.cat(codes), dim=-1)
             m, ranks, _ = C.corpus_metrics(q, d, split.qrels)
             g = C.group_metrics(ranks, split.groups)

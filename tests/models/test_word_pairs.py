@@ -85,7 +85,8 @@ def test_page_code_keeps_the_pairs_its_cells_read() -> None:
         assert float(cos(code, query, dim=0)) > float(cos(code, reverse, dim=0)) + 0.05
 
 
-def test_dual_encoder_word_pairs_trains_every_parameter() -> None:
+@pytest.mark.parametrize("pair_code", ["add", "product"])
+def test_dual_encoder_word_pairs_trains_every_parameter(pair_code: str) -> None:
     torch.manual_seed(0)
     v_cfg = vision_config(
         "tiny_cnn", image_size=32, pool="none", stem_channels=(8, 8, 16), width=24
@@ -98,6 +99,7 @@ def test_dual_encoder_word_pairs_trains_every_parameter() -> None:
         head="word_pairs",
         reading_tokens=reads,
         specials=S,
+        pair_code=pair_code,
     )
     assert not hasattr(enc, "text") and not hasattr(enc, "vision_proj")
     images, ids = torch.rand(3, 3, 32, 32), torch.randint(S, V, (3, 5))
@@ -127,6 +129,57 @@ def test_dual_encoder_word_pairs_trains_every_parameter() -> None:
         )
     with pytest.raises(ValueError, match="pool 'none'"):
         DualEncoder(v_cfg, text_config("tiny", vocab_size=V), D)  # nothing would read it
+
+
+def test_product_code_sums_pair_products_and_separates_pairs_sharing_a_token() -> None:
+    """pair_code="product": a pair's code is F[a] * S[b], a side the sum over its pairs (or
+    kept cells), so a page's score for a query counts its cells that read the query's pair, and
+    a pair that shares only one token with the query scores near zero."""
+    head = _head(pair_code="product")
+    assert head.bias is None
+    # its rows are centred over the classes a page shows (the last row: a token none shows)
+    first, second = (r.detach() for r in head.rows())
+    for rows in (first, second):
+        torch.testing.assert_close(rows[:-1].mean(0), torch.zeros(D), atol=1e-6, rtol=0)
+    code = head.text(torch.tensor([[1, 5, 9, 7, 2, 0]]), torch.tensor([[1, 1, 1, 1, 1, 0]]))
+    torch.testing.assert_close(code[0], first[5] * second[9] + first[9] * second[7])
+    torch.testing.assert_close(head.text(torch.tensor([[1, 6, 2]]))[0], first[6] * second[V])
+    # a page whose cells 0 and 1 read "5 9" and cell 2 reads "3 end"; the rest background
+    head.keep = 3
+    big = 30.0
+    tokens = torch.zeros(1, SIDE * SIDE, V + 1)
+    tokens[..., V] = big
+    tokens[0, 0, 5] = tokens[0, 1, 5] = tokens[0, 2, 3] = 2 * big
+    context = torch.zeros(1, SIDE * SIDE, 8 + 128)
+    context[0, :2, 0] = context[0, 2, 1] = 1.0
+    head.read_next = nn.Linear(8 + 128, V + 1, bias=False)
+    with torch.no_grad():
+        head.read_next.weight.zero_()
+        head.read_next.weight[9, 0] = big
+        head.read_next.weight[V, 1] = big
+        page = head.code(Reading(tokens, context, head.read_next))[0]
+        torch.testing.assert_close(page, 2 * first[5] * second[9] + first[3] * second[V])
+
+    # with wide random rows the product separates what the relu sum only halves
+    def shared_one(pair_code: str) -> float:
+        torch.manual_seed(1)
+        wide = WordPairHead(
+            8,
+            50,
+            4096,
+            SIDE,
+            token_class=torch.arange(50),
+            specials=S,
+            norm=nn.Identity(),
+            pair_code=pair_code,
+        )
+        with torch.no_grad():
+            ab, ac = wide.text(torch.tensor([[1, 10, 11, 2], [1, 10, 12, 2]]))
+        return float(F.cosine_similarity(ab, ac, dim=0))
+
+    assert abs(shared_one("product")) < 0.1 < 0.3 < shared_one("add")
+    with pytest.raises(ValueError, match="pair_code"):
+        _head(pair_code="concat")
 
 
 def test_a_last_token_without_eos_still_pairs() -> None:

@@ -47,6 +47,7 @@ def _overrides(pages: Path, out: Path, **extra: object) -> list[str]:
         # pooled head (the preset's word-pair head needs the reading loss)
         "model.vision_options": "{stem_norm: group, pool: max}",
         "model.head": "pooled",
+        "model.pair_code": "add",  # the default: the preset's product code is the pair head's
         "model.embed_dim": 128,
         "objective.reading": 0,
         "run.threads": 1,
@@ -350,6 +351,7 @@ def _pair_overrides(pages: Path, out: Path, **extra: object) -> list[str]:
         out,
         **{
             "model.head": "word_pairs",
+            "model.pair_code": "product",  # the preset's
             "model.embed_dim": 64,
             "model.vision_options": "{stem_channels: [16, 32, 32], pool: none}",
             "objective.reading": 1.0,
@@ -412,12 +414,16 @@ def test_word_pair_head_is_refused_where_it_cannot_read(pages: Path, tmp_path: P
     pooled = {"model.vision_options": "{pool: max}"}
     with pytest.raises(ConfigError, match="pool: none"):
         check_config(load_config(PRESET, _pair_overrides(pages, out, **pooled)))
-    stem_only = {"model.head": "pooled"}
+    stem_only = {"model.head": "pooled", "model.pair_code": "add"}
     with pytest.raises(ConfigError, match="only model.head=word_pairs"):
         check_config(load_config(PRESET, _pair_overrides(pages, out, **stem_only)))
     with pytest.raises(ConfigError, match="word_pairs has no text tower"):
         check_config(load_config(PRESET, [*_pair_overrides(pages, out), "model.text_layers=2"]))
     check_config(load_config(PRESET, _pair_overrides(pages, out)))  # control
+    # how pairs are coded means nothing to a pooled head
+    pooled_code = {"model.head": "pooled", "model.pair_code": "product"}
+    with pytest.raises(ConfigError, match="model.pair_code"):
+        check_config(load_config(PRESET, _overrides(pages, out, **pooled_code)))
     # a FLOP budget does not count pair records yet (it would miscount the page sides)
     from vltrain.scaling.budget import config_flops
 

@@ -168,6 +168,15 @@ class ModelConfig:
         "objective.reading and model.vision_options.pool: none; vltrain/models/word_pairs.py).",
         choices=("pooled", "word_pairs"),
     )
+    pair_code: str = option(
+        "add",
+        "model.head=word_pairs: how a pair (token a, next token b) is coded. add: relu(F[a] + "
+        "S[b] + c), a side the max over its pairs (a pair overlaps a pair sharing one token, "
+        "cosine ~0.45); product: F[a] * S[b] elementwise (rows centred), a side the sum over its "
+        "pairs (pairs sharing one token are near orthogonal; a page's score counts its cells "
+        "that read the query's pair).",
+        choices=("add", "product"),
+    )
     vision_layers: int = option(0, "Override the vision preset's depth (0: preset).", ge=0)
     vision_width: int = option(0, "Override the vision preset's width (0: preset).", ge=0)
     vision_options: dict[str, Any] = option(

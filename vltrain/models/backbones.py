@@ -137,6 +137,7 @@ def build_encoder(
             ),
             m.embed_dim,
             head=m.head,
+            pair_code=m.pair_code,
             reading_tokens=reads,
             specials=len(SPECIAL_TOKENS),
         )

@@ -40,11 +40,13 @@ class DualEncoder(nn.Module):
         head: str = "pooled",
         reading_tokens: Sequence[int] | None = None,
         specials: int = 0,
+        pair_code: str = "add",
     ) -> None:
         """`head`: "pooled" (each tower pools, a linear map projects) or "word_pairs" (a shared
         word-pair code, `embed_dim` wide; needs `reading_tokens`). `reading_tokens`: the token
         ids the image tower learns to read (`vltrain.data.reading.reading_tokens`; None: it
-        does not read); `specials`: the tokenizer's lowest ids, never tokens of a text."""
+        does not read); `specials`: the tokenizer's lowest ids, never tokens of a text; `pair_code`:
+        how the word-pair head codes a pair (`vltrain.models.word_pairs.PAIR_CODES`)."""
         super().__init__()
         reads = None if reading_tokens is None else len(reading_tokens)
         if embed_dim <= 0 or head not in HEADS or reads == 0:
@@ -79,6 +81,7 @@ class DualEncoder(nn.Module):
                 token_class=token_class,
                 specials=specials,
                 norm=norm_layer(vision_cfg.stem_norm, LINE_CHANNELS),
+                pair_code=pair_code,
             )
             return
         self.text = TextTower(text_cfg)

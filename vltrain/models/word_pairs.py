@@ -10,6 +10,13 @@ the code relu(F[token] + S[next] + c), D wide, with F, S and c shared by both to
 the max over the codes of its adjacent tokens; a page is the max, over its `keep` most
 word-like cells, of the code of each cell's read token and read next token (soft: the readers'
 probabilities through F and S). One vector per side, so retrieval stays the exact top-k kernel.
+
+That code overlaps the code of a pair sharing one token (cosine ~0.45 after training), so a
+page showing one query word in its large title rivals the page holding the query's body
+phrase. `pair_code="product"` binds the two tokens instead: F[token] * S[next] elementwise,
+signed, and a side is the sum of its pairs' (or kept cells') codes. Pairs sharing one token are
+then near orthogonal, and a page's score for a query is about the number of its cells that read
+the query's pair (bench/RESULTS.md, "Page retrieval", round 9).
 """
 
 from __future__ import annotations
@@ -30,6 +37,9 @@ KEEP_CELLS = 24
 LINE_CHANNELS = 128
 #: the row convolution's width in cells: +-2 cells (+-16 px on a 96-px page in 8-px cells)
 LINE_SPAN = 5
+#: how a pair's two tokens make its code (`model.pair_code`): "add", relu(F[a] + S[b] + c) with
+#: a max over pairs and cells; "product", F[a] * S[b] (elementwise) with a sum over them
+PAIR_CODES = ("add", "product")
 
 
 @dataclass
@@ -78,12 +88,14 @@ class WordPairHead(nn.Module):
         specials: int,
         norm: nn.Module,
         keep: int = KEEP_CELLS,
+        pair_code: str = "add",
     ) -> None:
         super().__init__()
-        if min(width, classes, dim, side, keep) <= 0:
+        if min(width, classes, dim, side, keep) <= 0 or pair_code not in PAIR_CODES:
             raise ValueError(
-                f"WordPairHead: width, classes, dim, side and keep must be positive, got "
-                f"{(width, classes, dim, side, keep)}"
+                f"WordPairHead: width, classes, dim, side and keep must be positive and "
+                f"pair_code one of {PAIR_CODES}, got {(width, classes, dim, side, keep)}, "
+                f"{pair_code!r}"
             )
         checkable = token_class.numel() and not token_class.is_meta  # (FLOP counts: meta)
         lo, hi = (int(token_class.min()), int(token_class.max())) if checkable else (0, 0)
@@ -92,6 +104,7 @@ class WordPairHead(nn.Module):
                 f"WordPairHead: token_class must map every tokenizer id to 0..{classes + 1}"
             )
         self.side, self.keep, self.specials, self.end = side, keep, specials, classes
+        self.pair_code = pair_code
         self.register_buffer("token_class", token_class.long(), persistent=False)
         self.read = nn.Linear(width, classes + 1)  # the last class: background
         self.line = nn.Sequential(
@@ -109,7 +122,11 @@ class WordPairHead(nn.Module):
         # token no page shows
         self.first = nn.Parameter(torch.randn(classes + 2, dim) / math.sqrt(dim))
         self.second = nn.Parameter(torch.randn(classes + 2, dim) / math.sqrt(dim))
-        self.bias = nn.Parameter(torch.full((dim,), -0.5 / math.sqrt(dim)))
+        # a product code needs no offset: it is signed, and pairs that share one token are
+        # near orthogonal (E[F[a] * S[b] . F[a] * S[b']] = 0 for independent rows S[b], S[b'])
+        self.bias = (
+            nn.Parameter(torch.full((dim,), -0.5 / math.sqrt(dim))) if pair_code == "add" else None
+        )
 
     def reading(self, grid: Tensor) -> Reading:
         """The cells' token logits and the context the next-token reader reads."""
@@ -137,8 +154,9 @@ class WordPairHead(nn.Module):
         return background.topk(min(self.keep, logits.shape[1]), dim=1, largest=False).indices
 
     def code(self, read: Reading) -> Tensor:
-        """The max, over the `keep` cells least likely background, of the code of each cell's
-        read token and read next token (both soft: the readers' probabilities)."""
+        """The max (a sum for the product code), over the `keep` cells least likely
+        background, of the code of each cell's read token and read next token (both soft: the
+        readers' probabilities)."""
         logits = read.tokens.float()
         keep = self.kept_cells(logits)
         if read.context is None:
@@ -146,13 +164,33 @@ class WordPairHead(nn.Module):
         cur = logits.gather(1, keep[..., None].expand(-1, -1, logits.shape[-1])).softmax(-1)
         ctx = read.context.gather(1, keep[..., None].expand(-1, -1, read.context.shape[-1]))
         nxt = self.read_next(ctx).float().softmax(-1)  # (B, K, C + 1)
-        first, second = self.first[:-1], self.second[:-1]  # a page shows no unread token
-        code = F.relu(cur @ first + nxt @ second + self.bias)  # (B, K, D)
-        return code.amax(1)
+        first, second = (rows[:-1] for rows in self.rows())  # a page shows no unread token
+        return self.pool(self.combine(cur @ first, nxt @ second), 1)
+
+    def rows(self) -> tuple[Tensor, Tensor]:
+        """The code rows F and S of every class. The product code centres each over the classes
+        a page shows: a component every S row shares would make F[a] * S[b] and F[a] * S[x]
+        alike (cosine 0.10 after training; centring the trained rows alone placed 0.05 more
+        queries first, bench/RESULTS.md, "Page retrieval", round 9)."""
+        if self.bias is not None:
+            return self.first, self.second
+        return tuple(r - r[:-1].mean(0, keepdim=True) for r in (self.first, self.second))
+
+    def combine(self, first: Tensor, second: Tensor) -> Tensor:
+        """The code of pairs whose tokens' rows are `first` and `second` (..., D)."""
+        if self.bias is None:
+            return first * second
+        return F.relu(first + second + self.bias)
+
+    def pool(self, codes: Tensor, dim: int) -> Tensor:
+        """Codes of a side's pairs (or cells) -> the side's code: a max of the relu codes
+        (they are >= 0, so a zero row changes nothing), a sum of the product codes."""
+        return codes.sum(dim) if self.bias is None else codes.amax(dim)
 
     def text(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """The max over the codes of adjacent token pairs (B, D); a text of one token pairs
-        it with the end of a line; specials and padding take no part."""
+        """The max (a sum for the product code) over the codes of adjacent token pairs (B, D);
+        a text of one token pairs it with the end of a line; specials and padding take no
+        part."""
         real = input_ids >= self.specials
         if attention_mask is not None:
             real &= attention_mask.bool()
@@ -163,5 +201,6 @@ class WordPairHead(nn.Module):
         cls = self.token_class[input_ids]  # (B, T)
         nxt = torch.where(real[:, 1:], cls[:, 1:], self.end)
         valid = real[:, :-1] & (real[:, 1:] | alone)  # (B, T - 1)
-        code = F.relu(self.first[cls[:, :-1]] + self.second[nxt] + self.bias)
-        return (code * valid[..., None]).amax(1)  # codes are >= 0: a zero row changes no max
+        first, second = self.rows()
+        code = self.combine(first[cls[:, :-1]], second[nxt])
+        return self.pool(code * valid[..., None], 1)  # a zero row changes no max and no sum

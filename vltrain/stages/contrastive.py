@@ -181,7 +181,9 @@ def used_keys(cfg: Config) -> tuple[str, ...]:
         used += ["data.tokenizer_vocab", "model.vision", "model.embed_dim", "model.head"]
         used += ["model.vision_layers", "model.vision_width", "model.vision_options"]
         used += ["model.dropout", "objective.reading"]
-        if m.head != "word_pairs":  # the word-pair code needs no text tower
+        if m.head == "word_pairs":
+            used.append("model.pair_code")
+        else:  # the word-pair code needs no text tower
             used += ["model.text", "model.text_layers", "model.text_width", "model.text_options"]
     else:
         # LoRA options stay accepted with model.lora_r=0: that is how a LoRA preset is turned off
