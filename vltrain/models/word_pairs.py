@@ -172,20 +172,21 @@ class WordPairHead(nn.Module):
         a page shows: a component every S row shares would make F[a] * S[b] and F[a] * S[x]
         alike (cosine 0.10 after training; centring the trained rows alone placed 0.05 more
         queries first, bench/RESULTS.md, "Page retrieval", round 9)."""
-        if self.bias is not None:
+        if self.pair_code == "add":
             return self.first, self.second
-        return tuple(r - r[:-1].mean(0, keepdim=True) for r in (self.first, self.second))
+        first, second = self.first, self.second
+        return first - first[:-1].mean(0, keepdim=True), second - second[:-1].mean(0, keepdim=True)
 
     def combine(self, first: Tensor, second: Tensor) -> Tensor:
         """The code of pairs whose tokens' rows are `first` and `second` (..., D)."""
-        if self.bias is None:
+        if self.bias is None:  # the product code
             return first * second
         return F.relu(first + second + self.bias)
 
     def pool(self, codes: Tensor, dim: int) -> Tensor:
         """Codes of a side's pairs (or cells) -> the side's code: a max of the relu codes
         (they are >= 0, so a zero row changes nothing), a sum of the product codes."""
-        return codes.sum(dim) if self.bias is None else codes.amax(dim)
+        return codes.amax(dim) if self.pair_code == "add" else codes.sum(dim)
 
     def text(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """The max (a sum for the product code) over the codes of adjacent token pairs (B, D);
