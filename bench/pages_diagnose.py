@@ -192,23 +192,18 @@ def temperatures(
                 load_side(s, size, False, DEFAULT_MAX_PIXELS, "d") for s in split.docs[b : b + 256]
             ]
             images, _ = side_inputs(stage.batcher, "doc", "image", sides)
-            read = head.reading(vision.grid(images))
-            lg = read.tokens.float()
-            keep = head.kept_cells(lg)
-            toks.append(lg.gather(1, keep[..., None].expand(-1, -1, lg.shape[-1])))
-            ctx = read.context.gather(1, keep[..., None].expand(-1, -1, read.context.shape[-1]))
-            nxts.append(head.read_next(ctx).float())
+            cur, after = head.kept_logits(head.reading(vision.grid(images)))
+            toks.append(cur)
+            nxts.append(after)
         inputs, _ = side_inputs(stage.batcher, "query", "text", split.queries)
         q = F.normalize(head.text(*inputs).float(), dim=-1)
         tok, nxt = torch.cat(toks), torch.cat(nxts)
         print("\n| reading temperature | R@1 | R@5 | R@1 title | R@1 body | hard-neg acc |")
         print("|---|---|---|---|---|---|")
-        first, second = (rows[:-1] for rows in head.rows())  # a page shows no unread token
         for t in temps:
             codes = []
             for c in range(0, tok.shape[0], 512):  # (512, K, D) at a time
-                cur, after = (sharpen(x[c : c + 512], t) for x in (tok, nxt))
-                codes.append(head.pool(head.combine(cur @ first, after @ second), 1))
+                codes.append(head.code_of(*(sharpen(x[c : c + 512], t) for x in (tok, nxt))))
             d = F.normalize(torch.cat(codes), dim=-1)
             m, ranks, _ = C.corpus_metrics(q, d, split.qrels)
             g = C.group_metrics(ranks, split.groups)

@@ -157,13 +157,21 @@ class WordPairHead(nn.Module):
         """The max (a sum for the product code), over the `keep` cells least likely
         background, of the code of each cell's read token and read next token (both soft: the
         readers' probabilities)."""
+        cur, nxt = self.kept_logits(read)
+        return self.code_of(cur.softmax(-1), nxt.softmax(-1))
+
+    def kept_logits(self, read: Reading) -> tuple[Tensor, Tensor]:
+        """Token and next-token logits (B, K, C + 1), fp32, of the cells `kept_cells` picks."""
         logits = read.tokens.float()
         keep = self.kept_cells(logits)
         if read.context is None:
             raise ValueError("WordPairHead.code: the reading has no next-token context")
-        cur = logits.gather(1, keep[..., None].expand(-1, -1, logits.shape[-1])).softmax(-1)
+        cur = logits.gather(1, keep[..., None].expand(-1, -1, logits.shape[-1]))
         ctx = read.context.gather(1, keep[..., None].expand(-1, -1, read.context.shape[-1]))
-        nxt = self.read_next(ctx).float().softmax(-1)  # (B, K, C + 1)
+        return cur, self.read_next(ctx).float()
+
+    def code_of(self, cur: Tensor, nxt: Tensor) -> Tensor:
+        """A page's code (B, D) from its kept cells' token and next-token probabilities."""
         first, second = (rows[:-1] for rows in self.rows())  # a page shows no unread token
         return self.pool(self.combine(cur @ first, nxt @ second), 1)
 
@@ -179,8 +187,9 @@ class WordPairHead(nn.Module):
 
     def combine(self, first: Tensor, second: Tensor) -> Tensor:
         """The code of pairs whose tokens' rows are `first` and `second` (..., D)."""
-        if self.bias is None:  # the product code
+        if self.pair_code == "product":
             return first * second
+        assert self.bias is not None
         return F.relu(first + second + self.bias)
 
     def pool(self, codes: Tensor, dim: int) -> Tensor:
