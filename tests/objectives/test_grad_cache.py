@@ -309,7 +309,11 @@ def test_encode_text_sets_equals_one_call_per_set() -> None:
     for a, b in zip(grouped, ref, strict=True):
         torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
     for n, p in enc.text.named_parameters():
-        torch.testing.assert_close(got[n], p.grad, atol=1e-4, rtol=1e-3)
+        # rounding is relative to the gradient's scale (1e3-1e4 here: the loss weights rows by
+        # their index), not to each element: a fixed atol of 1e-4 failed one element of 49,152
+        # on an AMD EPYC (difference 1.2e-4 where the largest gradient is ~3e3)
+        scale = float(p.grad.abs().max())
+        torch.testing.assert_close(got[n], p.grad, atol=1e-5 * scale, rtol=1e-3)
 
     calls = []
 
