@@ -82,17 +82,17 @@ def main() -> None:
             "1",
         )
     synth_s = time.perf_counter() - t0
+    optional = [f"optim.lr={a.lr}"] if a.lr else []
+    optional += [f"data.batch_size={a.batch_size}"] if a.batch_size else []
+    if a.steps:  # a shorter schedule warms up for a tenth of it at most
+        optional += [f"train.max_steps={a.steps}"]
+        optional += [f"optim.warmup_steps={min(200, a.steps // 10)}"]
+    steps = a.steps or load_config(ROOT / "configs" / "pages.yaml").train.max_steps
     rows = []
     for seed in a.seeds:
         for hn in (0, 1):
             run = out / f"seed{seed}_hn{hn}"
             t = time.perf_counter()
-            optional = [f"optim.lr={a.lr}"] if a.lr else []
-            optional += [f"data.batch_size={a.batch_size}"] if a.batch_size else []
-            if a.steps:  # a shorter schedule warms up for a tenth of it at most
-                optional += [f"train.max_steps={a.steps}"]
-                optional += [f"optim.warmup_steps={min(200, a.steps // 10)}"]
-            steps = a.steps or load_config(ROOT / "configs" / "pages.yaml").train.max_steps
             vltrain(
                 "train",
                 "configs/pages.yaml",
