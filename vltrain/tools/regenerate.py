@@ -12,6 +12,8 @@ Batched (left-padded prompts), greedy or sampled (``--strategy sample``, seeded 
 resumed or sharded run draws the same answers). Resumable: ids already in the output are
 skipped and new lines are appended (each flushed). Sharded: with ``--world-size W`` (or the
 RANK / WORLD_SIZE of torchrun) rank r answers records r, r + W, ... into ``OUT.rank{r}``.
+``--device auto`` puts the target on ``cuda:LOCAL_RANK`` when CUDA is available (else the CPU);
+sampled answers then draw from a generator on that device (so they differ from a CPU run's).
 """
 
 from __future__ import annotations
@@ -49,10 +51,21 @@ def _shard(out: Path, rank: int, world: int) -> Path:
     return out if world == 1 else out.with_name(f"{out.name}.rank{rank}")
 
 
+def device_of(name: str) -> torch.device:
+    """``auto`` -> ``cuda:LOCAL_RANK`` when CUDA is available, else ``cpu``; else as given."""
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 def _answer_lm(model: Any, tok: Any, recs: list[dict], args: Any) -> list[dict]:
     adapter = HFDecodeAdapter(model, pad_token_id=tok.pad_token_id or tok.eos_token_id)
     ids, mask = left_pad([chat_prompt_ids(tok, r["prompt"]) for r in recs], adapter.pad_token_id)
-    g = torch.Generator().manual_seed(
+    dev = next(model.parameters()).device
+    ids, mask = ids.to(dev), mask.to(dev)
+    g = torch.Generator(device=dev).manual_seed(
         args.seed * 1_000_003 + zlib.crc32(str(recs[0]["id"]).encode())
     )
     out = generate(
@@ -81,11 +94,14 @@ def regenerate(args: Any) -> int:
     done = _done_ids(out)
     if bool(args.model) == bool(args.checkpoint):
         raise ConfigError("vltrain data regenerate needs exactly one of --model or --checkpoint")
+    dev = device_of(getattr(args, "device", "auto"))
     if args.model:
         model, tok = load_hf_causal_lm(args.model)
+        model = model.to(dev)
         recs = read_prompts(args.data)
     else:
         model, tok, cfg = load_captioner(args.checkpoint)
+        model = model.to(dev)
         if Path(args.out).resolve().parent != Path(args.data).resolve().parent:
             raise ConfigError(
                 "captioner regenerate writes next to --data (image paths are relative)"
@@ -114,9 +130,11 @@ def _answer_captions(model: Any, tok: Any, cfg: Any, recs: list[dict], args: Any
     from vltrain.data.images import load_image
 
     folder = Path(args.data).resolve().parent
+    dev = next(model.parameters()).device
     images = torch.stack([load_image(str(folder / r["image"]), cfg.data.image_size) for r in recs])
+    images = images.to(dev)
     prompt = [tok.bos_id] + (tok.encode(cfg.caption.prompt) if cfg.caption.prompt else [])
-    g = torch.Generator().manual_seed(args.seed)
+    g = torch.Generator(device=dev).manual_seed(args.seed)
     caps = decode_captions(
         model,
         tok,
