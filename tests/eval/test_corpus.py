@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -57,6 +58,15 @@ def test_read_split_and_judged_negatives(tmp_path: Path) -> None:
     e = torch.eye(2)
     assert C.judged_negative_accuracy(e[:1], e, split.qrels, split.judged_negatives) == 1.0
     assert C.judged_negative_accuracy(e[1:], e, split.qrels, split.judged_negatives) == 0.0
+    # per query, and into the ranks file: which queries lose to their hard negatives
+    two = [{0: 2}, {1: 1}]  # the second query has no judged negative
+    wins = C.judged_negative_wins(e[[1, 1]], e, two, [[1], []])
+    assert wins == [(0, 1), (0, 0)] and C.wins_fraction(wins) == 0.0
+    assert C.judged_negative_wins(e, e, two, [[1], []])[0] == (1, 1)
+    m, ranks, top = C.corpus_metrics(e[[1, 1]], e, two)
+    C.write_ranks(tmp_path / "ranks.jsonl", ["a", "b"], ["d0", "d1"], ranks, top, wins)
+    rows = [json.loads(x) for x in (tmp_path / "ranks.jsonl").read_text().splitlines()]
+    assert rows[0]["hardneg"] == [0, 1] and rows[0]["rank"] == 2 and "hardneg" not in rows[1]
     (tmp_path / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\na\tzz\t1\n")
     with pytest.raises(DataError, match="zz"):
         C.read_split_dir(tmp_path)

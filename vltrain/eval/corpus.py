@@ -202,19 +202,32 @@ def group_metrics(ranks: Tensor, groups: list[str | None]) -> dict[str, float]:
     return out
 
 
+def judged_negative_wins(
+    query_emb: Tensor, doc_emb: Tensor, qrels: list[dict[int, int]], negatives: list[list[int]]
+) -> list[tuple[int, int]]:
+    """Per query: (judged non-relevant docs its best relevant doc outscores strictly, judged
+    non-relevant docs); (0, 0) for a query without such judgments."""
+    out = []
+    for i, (rel, negs) in enumerate(zip(qrels, negatives, strict=True)):
+        if not negs:
+            out.append((0, 0))
+            continue
+        q = query_emb[i].float()  # (E,)
+        best = (doc_emb[list(rel)].float() @ q).max()
+        out.append((int((doc_emb[negs].float() @ q < best).sum()), len(negs)))
+    return out
+
+
 def judged_negative_accuracy(
     query_emb: Tensor, doc_emb: Tensor, qrels: list[dict[int, int]], negatives: list[list[int]]
 ) -> float | None:
     """Fraction of (query, judged non-relevant doc) pairs where the query's best relevant doc
     scores strictly higher (hard-negative accuracy); None when no query has such judgments."""
-    hits = total = 0
-    for i, (rel, negs) in enumerate(zip(qrels, negatives, strict=True)):
-        if not negs:
-            continue
-        q = query_emb[i].float()  # (E,)
-        best = (doc_emb[list(rel)].float() @ q).max()
-        hits += int((doc_emb[negs].float() @ q < best).sum())
-        total += len(negs)
+    return wins_fraction(judged_negative_wins(query_emb, doc_emb, qrels, negatives))
+
+
+def wins_fraction(wins: list[tuple[int, int]]) -> float | None:
+    hits, total = sum(h for h, _ in wins), sum(t for _, t in wins)
     return hits / total if total else None
 
 
@@ -234,11 +247,18 @@ def write_ranks(
     doc_ids: list[str],
     ranks: Tensor,
     top_ids: Tensor,
+    hardneg: list[tuple[int, int]] | None = None,
 ) -> None:
-    """One JSON line per query: {"query": id, "rank": r, "top": [doc ids, best first]}."""
+    """One JSON line per query: {"query": id, "rank": r, "top": [doc ids, best first]}, plus
+    "hardneg": [wins, judged] (`judged_negative_wins`) for a query with judged non-relevant
+    docs, so the queries that lose to their hard negatives can be found and compared."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
+    hardneg = hardneg or [(0, 0)] * len(query_ids)
     with p.open("w") as f:
-        for qid, r, ids in zip(query_ids, ranks.tolist(), top_ids.tolist(), strict=True):
-            top = [doc_ids[j] for j in ids[:TOP_LIST]]
-            f.write(json.dumps({"query": qid, "rank": r, "top": top}) + "\n")
+        rows = zip(query_ids, ranks.tolist(), top_ids.tolist(), hardneg, strict=True)
+        for qid, r, ids, (won, judged) in rows:
+            row = {"query": qid, "rank": r, "top": [doc_ids[j] for j in ids[:TOP_LIST]]}
+            if judged:
+                row["hardneg"] = [won, judged]
+            f.write(json.dumps(row) + "\n")

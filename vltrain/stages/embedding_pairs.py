@@ -309,7 +309,8 @@ class CorpusEvaluator:
                 judged.append([doc_pos[d] for d in split.judged_negatives[r] if d in doc_pos])
                 keep.append(i)
         metrics, ranks, top = C.corpus_metrics(q_emb[keep], d_emb, qrels)
-        acc = C.judged_negative_accuracy(q_emb[keep], d_emb, qrels, judged)
+        wins = C.judged_negative_wins(q_emb[keep], d_emb, qrels, judged)
+        acc = C.wins_fraction(wins)
         if acc is not None:
             metrics["hardneg_acc"] = acc
         metrics["chance_R@1"] = C.chance_recall(qrels, d_emb.shape[0], 1)
@@ -319,5 +320,5 @@ class CorpusEvaluator:
         if ranks_path is not None and self.ctx.is_main:
             query_ids = [split.query_ids[int(q_rows[i])] for i in keep]
             doc_ids = [split.doc_ids[int(r)] for r in d_rows.tolist()]
-            C.write_ranks(ranks_path, query_ids, doc_ids, ranks, top)
+            C.write_ranks(ranks_path, query_ids, doc_ids, ranks, top, wins)
         return metrics
