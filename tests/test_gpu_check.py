@@ -33,18 +33,40 @@ def test_gpu_check_runs_on_cpu_and_skips_gpu_parts_clearly() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine runs the real checks")
-def test_gpu_check_stage_rows_train_on_the_cpu(tmp_path: Path) -> None:
-    """`--device cpu` runs the stage checks' real commands (fp32): a preset or override that
-    the CLI refuses (a warmup longer than the 3 steps, a batch larger than the data) fails
-    here, not on the rented GPU. The finetune and drafter rows start from the caption run."""
-    only = "stage_caption,stage_caption_finetune,stage_drafter_captioner"
-    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--work", str(tmp_path), "--only", only]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+def test_every_gpu_row_runs_its_code_on_the_cpu(tmp_path: Path) -> None:
+    """`--device cpu` runs each row's real code: the stage presets through the CLI (fp32, the
+    finetune/SFT/RL/drafter rows from the caption runs), FSDP2 and the FSDP CLI on 2 gloo
+    ranks, GradCache through a tiny Qwen3-VL, the CLIP step, and the drafter row on a tiny
+    random Llama (regenerate, train, speculative vs HF greedy decoding: identical). A preset the
+    CLI refuses or an API that moved fails here, not on a rented GPU."""
+    from tests.stages.drafter_fixtures import tiny_lm
+
+    lm = tiny_lm(tmp_path / "lm")
+    names = [n for n in _module().CHECKS if n != "env"]
+    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--work", str(tmp_path / "w")]
+    cmd += ["--only", ",".join(names), "--drafter-target", str(lm), "--drafter-prompts", "16"]
+    cmd += ["--drafter-steps", "4", "--drafter-max-new", "12", "--drafter-repeats", "1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout + res.stderr[-2000:]
-    rows = [line for line in res.stdout.splitlines() if line.startswith("| stage_")]
-    assert len(rows) == 3 and all("| ok | 3 fp32 steps in" in r for r in rows), rows
-    for name in only.split(","):  # each row's run folder is a finished 3-step run
-        assert '"steps": 3' in (tmp_path / name / "summary.json").read_text()
+    rows = {r.split("|")[1].strip(): r for r in res.stdout.splitlines() if r.startswith("| ")}
+    for name in names:
+        assert f"| {name} | ok |" in rows[name], rows[name]
+    stages = [n for n in names if n.startswith("stage_")]
+    assert len(stages) == 7 and all("3 fp32 steps in" in rows[n] for n in stages)
+    for name in stages:  # each row's run folder is a finished 3-step run
+        assert '"steps": 3' in (tmp_path / "w" / name / "summary.json").read_text()
+    assert "gloo over 2 CPU ranks ok" in rows["nccl_fsdp"]
+    assert "sharded checkpoint written: True" in rows["fsdp_cli"]
+    assert "chain tau" in rows["drafter_smollm2"] and "DIFFERS" not in rows["drafter_smollm2"]
+
+
+def _module():  # noqa: ANN202
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    spec = spec_from_file_location("gpu_check", SCRIPT)
+    mod = module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def test_gpu_check_rejects_an_unknown_check() -> None:
