@@ -227,6 +227,7 @@ def judged_negative_accuracy(
 
 
 def wins_fraction(wins: list[tuple[int, int]]) -> float | None:
+    """Pooled (wins, judged) of `judged_negative_wins` as one accuracy; None if none judged."""
     hits, total = sum(h for h, _ in wins), sum(t for _, t in wins)
     return hits / total if total else None
 
