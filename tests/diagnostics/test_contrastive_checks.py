@@ -170,3 +170,33 @@ def test_offline_replay_of_a_run_recorded_without_chance(tmp_path):
     # negative control: one process of batch 16 has chance ln 16, which this run is not at
     (tmp_path / "run_card.json").write_text(json.dumps({"world_size": 1}))
     assert [f for f in analyse_run(tmp_path) if f.check == "contrastive_chance"] == []
+
+
+def test_a_run_collapsed_before_its_resume_is_found_after_it(tmp_path):
+    """The reduced quickstart collapse, resumed from a checkpoint at step 16: the resumed
+    doctor replays the run's doctor_steps.jsonl up to there, so its early grad-norm peak is
+    step 0's (9.51), not the collapsed steps' after the resume, and it finds the collapse
+    where the unbroken run does (onset 14, found at 23). Negative control: a doctor without
+    the history (what a resume used to build) judges steps 16-29 alone and finds nothing."""
+    from vltrain.diagnostics.doctor import read_history
+
+    cfg = _cfg("optim.warmup_steps=12", "train.resume=true")
+    recs = _records(REDUCED_QS_LOSS, REDUCED_QS_GRAD, math.log(32))
+    first = Doctor(cfg, tmp_path, True)  # the run before the crash: steps 0-19 written
+    for r in recs[:20]:
+        first.observe(r)
+    first.close()
+    history = read_history(tmp_path, 16)  # the checkpoint holds 16 finished steps
+    assert [json.loads(x)["step"] for x in history.steps] == list(range(16))
+    resumed = Doctor(cfg, tmp_path, True, history=history)
+    found = [f for r in recs[16:] for f in resumed.observe(r)]
+    resumed.close()
+    chance = [f for f in found if f.check == "contrastive_chance"]
+    assert [(f.step, f.detected_at) for f in chance] == [(14, 23)]
+    assert chance[0].evidence["early_peak_grad_norm"] == 9.51
+    steps = [
+        json.loads(x)["step"] for x in (tmp_path / "doctor_steps.jsonl").read_text().splitlines()
+    ]
+    assert steps == list(range(30))  # steps 16-19 once, not twice
+    blind = Doctor(cfg, None, False)
+    assert not [f for r in recs[16:] for f in blind.observe(r) if f.check == "contrastive_chance"]

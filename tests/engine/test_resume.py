@@ -63,6 +63,23 @@ def test_resume_reproduces_uninterrupted_run_exactly(
     a, b = _losses(full), _losses(part)
     assert sorted(a) == sorted(b) == list(range(1, 13))  # lost steps 6-7 were re-logged once
     assert [a[s] for s in a] == [b[s] for s in a]  # bit-for-bit equal loss sequence
+    # the doctor's files tell the same story: each step's record once (the lost steps' rows
+    # are replaced, not appended again), the same records, the same findings
+    rows = {}
+    for run in (full, part):
+        lines = (run / "doctor_steps.jsonl").read_text().splitlines()
+        rows[run] = [json.loads(x) for x in lines]
+        assert [r["step"] for r in rows[run]] == list(range(12))
+    keys = ("step", "loss", "grad_norm", "lr", "update_ratio", "weight_fp")
+    assert [[r[k] for k in keys] for r in rows[full]] == [[r[k] for k in keys] for r in rows[part]]
+    found = {
+        run: sorted(
+            (f["check"], f["step"], f["detected_at"])
+            for f in map(json.loads, (run / "doctor.jsonl").read_text().splitlines())
+        )
+        for run in (full, part)
+    }
+    assert found[full] == found[part]
     wa = load_file(full / "checkpoints" / "step_12" / "model.safetensors")
     wb = load_file(part / "checkpoints" / "step_12" / "model.safetensors")
     assert wa.keys() == wb.keys()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -53,17 +53,27 @@ class Doctor:
         is_main: bool,
         probe: Probe | None = None,
         gather: Callable[[Any], list[Any]] | None = None,
+        history: History | None = None,
     ) -> None:
         """`gather(obj) -> [obj of every rank]` (the engine's all_gather_object) makes the
-        loss, sample ids and weight fingerprints global before any check reads them."""
+        loss, sample ids and weight fingerprints global before any check reads them.
+        `history` (a resumed run's, `read_history`): its step rows are replayed through the
+        checks, so they judge the resumed steps as they would have judged them unbroken, and
+        rank 0 rewrites both files with only that history before appending."""
         self.cfg, self.probe, self.gather = cfg, probe, gather
         self.checks = [cls(cfg) for cls in ALL_CHECKS.values()]
         self.findings: list[Finding] = []
         self.files: dict[str, Any] = {}
+        for rec in history.records() if history is not None else []:
+            for c in self.checks:
+                c.observe(rec)  # restores the check's state; its findings are already written
         if out_dir is not None and is_main:
-            mode = "a" if cfg.train.resume else "w"
             names = ["doctor.jsonl"] + (["doctor_steps.jsonl"] if cfg.doctor.write_steps else [])
             for name in names:
+                if history is not None:
+                    kept = history.findings if name == "doctor.jsonl" else history.steps
+                    (out_dir / name).write_text("".join(x + "\n" for x in kept))
+                mode = "a" if history is not None else "w"  # a fresh start writes anew
                 self.files[name] = open(out_dir / name, mode, buffering=1)  # noqa: SIM115
 
     @classmethod
@@ -75,12 +85,19 @@ class Doctor:
         module: nn.Module,
         optimizer: Optimizer,
         gather: Callable[[Any], list[Any]] | None = None,
+        start_step: int = 0,
     ) -> Doctor:
         """The online doctor: a probe on `module`/`optimizer`, then the checks known before the
-        first step (parameters outside the optimizer, frozen parts, eval/train overlap)."""
-        probe = Probe(module, optimizer, list(cfg.model.freeze), cfg.model.lora_r == 0)
-        doc = cls(cfg, out_dir, is_main, probe, gather)
+        first step (parameters outside the optimizer, frozen parts, eval/train overlap).
+        `start_step` > 0 (a resume): rank 0 reads the run's doctor history before that step
+        and every rank takes rank 0's copy (one collective), so all ranks' checks agree."""
+        history = None
+        if start_step > 0:
+            mine = read_history(out_dir, start_step) if is_main else None
+            history = gather(mine)[0] if gather is not None else mine
         world = len(gather(0)) if gather is not None else 1  # a collective: every rank calls it
+        probe = Probe(module, optimizer, list(cfg.model.freeze), cfg.model.lora_r == 0)
+        doc = cls(cfg, out_dir, is_main, probe, gather, history)
         if is_main:
             write_run_card(out_dir, world, str(next(module.parameters()).device))
         opt_check = next(c for c in doc.checks if c.name == "optimizer")
@@ -143,6 +160,38 @@ class Doctor:
         for f in self.files.values():
             f.close()
         self.files = {}
+
+
+@dataclass
+class History:
+    """A resumed run's doctor files up to the step it resumes from (raw JSON lines)."""
+
+    steps: list[str]  # doctor_steps.jsonl rows of steps before the resume step
+    findings: list[str]  # doctor.jsonl findings raised by those steps
+
+    def records(self) -> list[StepRecord]:
+        names = {f.name for f in fields(StepRecord)}
+        return [
+            StepRecord(**{k: v for k, v in json.loads(x).items() if k in names}) for x in self.steps
+        ]
+
+
+def read_history(out_dir: Path, start_step: int) -> History:
+    """What the doctor wrote for the steps a checkpoint at `start_step` (finished steps) holds.
+
+    Dropped: rows of later steps (lost work the resumed run does again, which used to appear
+    twice), findings those steps raised, and the before-training and end-of-run findings
+    (detected_at -1), which the resumed run raises again.
+    """
+    steps = [
+        json.dumps(r) for r in _read_jsonl(out_dir / "doctor_steps.jsonl") if r["step"] < start_step
+    ]
+    findings = [
+        json.dumps(r)
+        for r in _read_jsonl(out_dir / "doctor.jsonl")
+        if 0 <= int(r.get("detected_at", -1)) < start_step
+    ]
+    return History(steps, findings)
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:

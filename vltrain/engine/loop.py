@@ -124,7 +124,13 @@ class Trainer:
         self.doctor = None
         if cfg.doctor.enabled:  # its probe watches the plain module and the optimizer
             self.doctor = Doctor.for_training(
-                cfg, self.out_dir, ctx.is_main, module, self.optimizer, D.all_gather_object
+                cfg,
+                self.out_dir,
+                ctx.is_main,
+                module,
+                self.optimizer,
+                D.all_gather_object,
+                start_step=self.state.step if ckpt is not None else 0,
             )
         logger = RunLogger(cfg, self.out_dir, ctx.is_main, self.state.step)
         if ckpt is not None:
