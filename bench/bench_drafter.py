@@ -306,11 +306,20 @@ def curve(run: Path) -> list[dict]:
     ]
 
 
-def regenerate(out: Path, g: str) -> None:
+def write_prompts(out: Path, prompts: list[str]) -> None:
+    """`out`/prompts.jsonl (the training prompts) and `out`/eval.jsonl (HELD_OUT)."""
+    for name, qs in (("prompts", prompts), ("eval", HELD_OUT)):
+        (out / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in qs))
+
+
+def regenerate(
+    out: Path, g: str, max_new: int = 128, batch: int = 16, device: str = "auto"
+) -> None:
+    """The target answers `out`/eval.jsonl and prompts.jsonl (`vltrain data regenerate`)."""
     from vltrain.cli import main as cli
 
-    for src, dst, bs in (("eval", "eval_answers", 8), ("prompts", "answers", 16)):
-        cli(
+    for src, dst, bs in (("eval", "eval_answers", 8), ("prompts", "answers", batch)):
+        rc = cli(
             [
                 "data",
                 "regenerate",
@@ -321,11 +330,15 @@ def regenerate(out: Path, g: str) -> None:
                 "--out",
                 str(out / f"{dst}.jsonl"),
                 "--max-new-tokens",
-                "128",
+                str(max_new),
                 "--batch-size",
                 str(bs),
+                "--device",
+                device,
             ]
         )
+        if rc:
+            raise RuntimeError(f"vltrain data regenerate of {src}.jsonl failed (exit {rc})")
 
 
 def main() -> None:
@@ -363,8 +376,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = PROMPTS[: args.prompts]
-    (out / "prompts.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in prompts))
-    (out / "eval.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in HELD_OUT))
+    write_prompts(out, prompts)
     regenerate(out, g)
     first = [  # the answers to the first --prompts prompts (ids are prompt indices)
         x

@@ -58,9 +58,13 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _cuda(args: argparse.Namespace) -> bool:
+    return args.device.startswith("cuda")
+
+
 def _absent(args: argparse.Namespace) -> bool:
     """True when the checks' device is CUDA and no GPU is visible (the check then skips)."""
-    return args.device.startswith("cuda") and not _gpus()
+    return _cuda(args) and not _gpus()
 
 
 def _no_gpu() -> tuple[str, str]:
@@ -140,15 +144,11 @@ def _stage_check(
         if res.returncode:
             return "FAILED", _tail(res)
         s = json.loads((out / "summary.json").read_text())
-        kind = "bf16" if args.device.startswith("cuda") else "fp32"
+        kind = "bf16" if _cuda(args) else "fp32"
         secs = s["train_seconds"]
         return "ok", f"{s['steps']} {kind} steps in {secs} s (incl. first-step warmup)"
 
     return check
-
-
-def _cuda(args: argparse.Namespace) -> bool:
-    return args.device.startswith("cuda")
 
 
 def _ranks(args: argparse.Namespace) -> int:
@@ -427,17 +427,10 @@ def check_drafter_smollm2(args: argparse.Namespace) -> tuple[str, str]:
     work = args.work / "drafter_smollm2"
     work.mkdir(parents=True, exist_ok=True)
     prompts = bd.PROMPTS[: args.drafter_prompts]
-    (work / "prompts.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in prompts))
-    (work / "eval.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in bd.HELD_OUT))
+    bd.write_prompts(work, prompts)
     dev = args.device
     t = time.perf_counter()
-    for src, dst, bs in (("eval", "eval_answers", 8), ("prompts", "answers", 64)):
-        cmd = [sys.executable, "-m", "vltrain", "data", "regenerate", "--model", str(g)]
-        cmd += ["--data", str(work / f"{src}.jsonl"), "--out", str(work / f"{dst}.jsonl")]
-        cmd += ["--max-new-tokens", str(args.drafter_max_new), "--batch-size", str(bs)]
-        res = _run([*cmd, "--device", dev], 600)
-        if res.returncode:
-            return "FAILED", "regenerate: " + _tail(res)
+    bd.regenerate(work, str(g), args.drafter_max_new, batch=64, device=dev)
     regen_s = time.perf_counter() - t
     steps, run = args.drafter_steps, work / "drafter"
     over = [f"run.out_dir={run}", f"model.target={g}", f"run.device={dev}", "run.precision=fp32"]

@@ -187,7 +187,7 @@ def test_a_run_collapsed_before_its_resume_is_found_after_it(tmp_path):
         first.observe(r)
     first.close()
     history = read_history(tmp_path, 16)  # the checkpoint holds 16 finished steps
-    assert [json.loads(x)["step"] for x in history.steps] == list(range(16))
+    assert [r["step"] for r in history.steps] == list(range(16))
     resumed = Doctor(cfg, tmp_path, True, history=history)
     found = [f for r in recs[16:] for f in resumed.observe(r)]
     resumed.close()

@@ -86,19 +86,19 @@ def trained(lm, answers, tmp_path_factory) -> tuple[Path, dict]:  # noqa: ANN001
 def test_regenerate_device_flag(lm, answers, monkeypatch) -> None:  # noqa: ANN001
     """`--device cpu` answers exactly as `auto` does on a machine without CUDA; `auto` picks
     cuda:LOCAL_RANK only when CUDA is available."""
-    from vltrain.tools.regenerate import device_of
+    from vltrain.engine.runtime import resolve_device
 
     out = answers / "answers_cpu.jsonl"
     args = ["data", "regenerate", "--model", str(lm), "--data", str(answers / "prompts.jsonl")]
     args += ["--out", str(out), "--max-new-tokens", "24", "--batch-size", "4", "--device", "cpu"]
     assert main(args) == 0
     assert out.read_text() == (answers / "answers.jsonl").read_text()
-    assert device_of("cuda:1") == torch.device("cuda", 1)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert device_of("auto") == torch.device("cpu")
+    assert resolve_device("auto") == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
     monkeypatch.setenv("LOCAL_RANK", "3")
-    assert device_of("auto") == torch.device("cuda", 3)
+    assert resolve_device("auto") == torch.device("cuda", 3)
 
 
 def test_train_and_generate_with_the_drafter(lm, answers, trained, tmp_path, capsys) -> None:  # noqa: ANN001

@@ -64,16 +64,17 @@ class Doctor:
         self.checks = [cls(cfg) for cls in ALL_CHECKS.values()]
         self.findings: list[Finding] = []
         self.files: dict[str, Any] = {}
-        for rec in history.records() if history is not None else []:
+        for row in history.steps if history is not None else []:
+            rec = _record(row)
             for c in self.checks:
                 c.observe(rec)  # restores the check's state; its findings are already written
         if out_dir is not None and is_main:
             names = ["doctor.jsonl"] + (["doctor_steps.jsonl"] if cfg.doctor.write_steps else [])
+            mode = "a" if history is not None else "w"  # a fresh start writes anew
             for name in names:
                 if history is not None:
                     kept = history.findings if name == "doctor.jsonl" else history.steps
-                    (out_dir / name).write_text("".join(x + "\n" for x in kept))
-                mode = "a" if history is not None else "w"  # a fresh start writes anew
+                    (out_dir / name).write_text("".join(json.dumps(r) + "\n" for r in kept))
                 self.files[name] = open(out_dir / name, mode, buffering=1)  # noqa: SIM115
 
     @classmethod
@@ -91,11 +92,9 @@ class Doctor:
         first step (parameters outside the optimizer, frozen parts, eval/train overlap).
         `start_step` > 0 (a resume): rank 0 reads the run's doctor history before that step
         and every rank takes rank 0's copy (one collective), so all ranks' checks agree."""
-        history = None
-        if start_step > 0:
-            mine = read_history(out_dir, start_step) if is_main else None
-            history = gather(mine)[0] if gather is not None else mine
-        world = len(gather(0)) if gather is not None else 1  # a collective: every rank calls it
+        mine = read_history(out_dir, start_step) if is_main and start_step > 0 else None
+        got = gather(mine) if gather is not None else [mine]  # a collective: every rank calls it
+        world, history = len(got), got[0]  # rank 0's history on every rank
         probe = Probe(module, optimizer, list(cfg.model.freeze), cfg.model.lora_r == 0)
         doc = cls(cfg, out_dir, is_main, probe, gather, history)
         if is_main:
@@ -164,16 +163,10 @@ class Doctor:
 
 @dataclass
 class History:
-    """A resumed run's doctor files up to the step it resumes from (raw JSON lines)."""
+    """A resumed run's doctor files up to the step it resumes from (their JSON rows)."""
 
-    steps: list[str]  # doctor_steps.jsonl rows of steps before the resume step
-    findings: list[str]  # doctor.jsonl findings raised by those steps
-
-    def records(self) -> list[StepRecord]:
-        names = {f.name for f in fields(StepRecord)}
-        return [
-            StepRecord(**{k: v for k, v in json.loads(x).items() if k in names}) for x in self.steps
-        ]
+    steps: list[dict[str, Any]]  # doctor_steps.jsonl rows of steps before the resume step
+    findings: list[dict[str, Any]]  # doctor.jsonl findings raised by those steps
 
 
 def read_history(out_dir: Path, start_step: int) -> History:
@@ -183,15 +176,21 @@ def read_history(out_dir: Path, start_step: int) -> History:
     twice), findings those steps raised, and the before-training and end-of-run findings
     (detected_at -1), which the resumed run raises again.
     """
-    steps = [
-        json.dumps(r) for r in _read_jsonl(out_dir / "doctor_steps.jsonl") if r["step"] < start_step
-    ]
+    steps = [r for r in _read_jsonl(out_dir / "doctor_steps.jsonl") if r["step"] < start_step]
     findings = [
-        json.dumps(r)
+        r
         for r in _read_jsonl(out_dir / "doctor.jsonl")
         if 0 <= int(r.get("detected_at", -1)) < start_step
     ]
     return History(steps, findings)
+
+
+_RECORD_NAMES = frozenset(_RECORD_FIELDS)
+
+
+def _record(row: dict[str, Any]) -> StepRecord:
+    """A StepRecord from a doctor_steps.jsonl row (its summary-only keys dropped)."""
+    return StepRecord(**{k: v for k, v in row.items() if k in _RECORD_NAMES})
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -208,10 +207,9 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def load_records(run_dir: Path) -> list[StepRecord]:
     """The run's StepRecords: doctor_steps.jsonl, else rebuilt from metrics.jsonl."""
-    names = {f.name for f in fields(StepRecord)}
     rows = _read_jsonl(run_dir / "doctor_steps.jsonl")
     if rows:
-        return [StepRecord(**{k: v for k, v in r.items() if k in names}) for r in rows]
+        return [_record(r) for r in rows]
     out = []
     for r in _read_jsonl(run_dir / "metrics.jsonl"):
         if "loss" in r and "grad_norm" in r:

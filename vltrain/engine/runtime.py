@@ -68,18 +68,24 @@ def set_deterministic(enabled: bool) -> None:
     torch.backends.cudnn.allow_tf32 = False
 
 
-def setup(cfg: Config) -> RunContext:
-    """Pick the device, join the process group, seed and configure this process."""
-    want = cfg.run.device
+def resolve_device(want: str, name: str = "run.device") -> torch.device:
+    """This process's device for `want` (auto | cpu | cuda | cuda:N): auto is cuda when CUDA is
+    visible, else cpu; plain cuda is cuda:LOCAL_RANK (torchrun's local rank). `name` is the
+    setting named in the error when CUDA is asked for and absent."""
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"
-    if want == "cuda" and not torch.cuda.is_available():
+    if want.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(
-            "run.device=cuda but no CUDA device is visible to this process; use "
-            "run.device=cpu (or auto), or check CUDA_VISIBLE_DEVICES and the torch build"
+            f"{name}={want} but no CUDA device is visible to this process; use "
+            f"{name}=cpu (or auto), or check CUDA_VISIBLE_DEVICES and the torch build"
         )
-    D.init_from_env(want)
-    device = torch.device(f"cuda:{D.local_rank()}" if want == "cuda" else "cpu")
+    return torch.device("cuda", D.local_rank()) if want == "cuda" else torch.device(want)
+
+
+def setup(cfg: Config) -> RunContext:
+    """Pick the device, join the process group, seed and configure this process."""
+    device = resolve_device(cfg.run.device)
+    D.init_from_env(device.type)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     seed_everything(cfg.run.seed)

@@ -29,6 +29,7 @@ import torch
 
 from vltrain.config.core import ConfigError
 from vltrain.data.draft_data import chat_prompt_ids, read_prompts
+from vltrain.engine.runtime import resolve_device
 from vltrain.inference.captioning import decode_captions, left_pad
 from vltrain.inference.decoding import generate
 from vltrain.inference.hf_adapter import HFDecodeAdapter
@@ -49,15 +50,6 @@ def _done_ids(out: Path) -> set[str]:
 
 def _shard(out: Path, rank: int, world: int) -> Path:
     return out if world == 1 else out.with_name(f"{out.name}.rank{rank}")
-
-
-def device_of(name: str) -> torch.device:
-    """``auto`` -> ``cuda:LOCAL_RANK`` when CUDA is available, else ``cpu``; else as given."""
-    if name != "auto":
-        return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
 
 
 def _answer_lm(model: Any, tok: Any, recs: list[dict], args: Any) -> list[dict]:
@@ -94,7 +86,7 @@ def regenerate(args: Any) -> int:
     done = _done_ids(out)
     if bool(args.model) == bool(args.checkpoint):
         raise ConfigError("vltrain data regenerate needs exactly one of --model or --checkpoint")
-    dev = device_of(getattr(args, "device", "auto"))
+    dev = resolve_device(getattr(args, "device", "auto"), "--device")
     if args.model:
         model, tok = load_hf_causal_lm(args.model)
         model = model.to(dev)
