@@ -60,9 +60,42 @@ MORE_TEMPLATES = [  # the second prompt set (--prompts beyond 384 reads into it)
     "What should everyone know about {}?",
     "Summarize {} in a few words.",
 ]
-PROMPTS = [t.format(x) for x in TOPICS for t in TEMPLATES] + [
-    t.format(x) for x in TOPICS for t in MORE_TEMPLATES
-]
+MORE_TOPICS = """volcanic islands, pottery, sailing ships, the printing press, skyscrapers,
+tunnels, canals, deserts at night, polar bears, puffins, camels,
+giraffes, zebras, kangaroos, koalas, pandas, tigers, lions, cheetahs, eagles, parrots,
+hummingbirds, crows, pigeons, swans, ducks, turtles, snakes, lizards, crocodiles, jellyfish,
+starfish, crabs, lobsters, seahorses, salmon, tuna, bats, squirrels, rabbits, hedgehogs,
+beavers, otters, moose, deer, bears, foxes, raccoons, goats, sheep, cows, pigs, chickens,
+llamas, donkeys, worms, snails, beetles, dragonflies, grasshoppers, moths, ladybugs,
+sunflowers, roses, tulips, oak trees, pine trees, maple syrup, vanilla, cinnamon, pepper,
+garlic, onions, potatoes, tomatoes, carrots, corn, wheat, beans, peanuts, almonds, coconuts,
+bananas, grapes, lemons, strawberries, blueberries, watermelons, pineapples, mangoes,
+pizza, pasta, soup, sandwiches, pancakes, ice cream, cookies, yogurt, butter, eggs,
+noodles, sushi, tacos, curry, dumplings, bagels, milk, juice, water, steam, ice, fog, hail,
+monsoons, hurricanes, floods, droughts, seasons, the equator, the tropics, the poles,
+the atmosphere, gravity, light, sound, heat, friction, energy, atoms, molecules, cells,
+DNA, the brain, the heart, lungs, bones, muscles, sleep, dreams, memory, laughter,
+friendship, kindness, patience, courage, curiosity, honesty, teamwork, leadership, habits,
+exercise, yoga, dancing, singing, drawing, photography, film, theater, comics, novels,
+fairy tales, myths, museums, zoos, parks, playgrounds, schools, teachers, homework,
+mathematics, algebra, geometry, fractions, prime numbers, history, geography, languages,
+grammar, spelling, handwriting, calendars, birthdays, holidays, festivals, fireworks,
+weddings, markets, money, banks, shops, farms, factories, engines, cars, buses, trucks,
+motorcycles, subways, helicopters, submarines, satellites, astronauts, the space station,
+the solar system, Jupiter, Saturn, Venus, black holes, galaxies, the Milky Way, meteors,
+eclipses, the aurora, compasses, pencils, books, newspapers, radio,
+television, telephones, smartphones, cameras, video games, board games, card games, tennis,
+basketball, baseball, cycling races, skiing, skating, surfing, climbing, hiking, camping,
+fishing, gardening tools, hammers, ladders, umbrellas, shoes, hats, scarves, wool, cotton,
+silk, leather, wood, stone, iron, gold, silver, copper, plastic, recycling, compost""".replace(
+    "\n", " "
+).split(", ")
+PROMPTS = (
+    [t.format(x) for x in TOPICS for t in TEMPLATES]
+    + [t.format(x) for x in TOPICS for t in MORE_TEMPLATES]
+    # the third prompt set (--prompts beyond 1,152): new topics, every template
+    + [t.format(x) for x in MORE_TOPICS for t in TEMPLATES + MORE_TEMPLATES]
+)
 
 
 def gguf_path() -> Path:
@@ -268,7 +301,8 @@ def train_grid(args, out: Path, g: str) -> list[Path]:  # noqa: ANN001
     runs = []
     for block in map(int, args.blocks.split(",")):
         for gamma in map(float, args.gammas.split(",")):
-            run = out / f"b{block}_g{gamma:g}_s{args.steps}_p{args.prompts}"
+            vocab = f"_v{args.draft_vocab}" if args.draft_vocab else ""
+            run = out / f"b{block}_g{gamma:g}_s{args.steps}_p{args.prompts}{vocab}"
             runs.append(run)
             if (run / "summary.json").is_file():
                 continue
@@ -284,6 +318,7 @@ def train_grid(args, out: Path, g: str) -> list[Path]:  # noqa: ANN001
                     f"drafter.block_size={block}",
                     f"drafter.gamma={gamma}",
                     f"drafter.anchors={args.anchors}",
+                    f"drafter.draft_vocab={args.draft_vocab}",
                     "drafter.cache_target=true",
                     f"drafter.eval_prompts={len(HELD_OUT)}",
                     f"drafter.eval_max_new_tokens={args.max_new}",
@@ -346,6 +381,8 @@ def main() -> None:
     p.add_argument("--out", default="bench/out/drafter")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--anchors", type=int, default=16, help="anchors per training sequence")
+    p.add_argument("--draft-vocab", type=int, default=0, help="drafter.draft_vocab (0: all)")
+    p.add_argument("--regen-batch", type=int, default=64, help="prompts per regenerate batch")
     p.add_argument("--curve-points", type=int, default=6, help="evaluations per run")
     p.add_argument("--prompts", type=int, default=len(PROMPTS))
     p.add_argument("--costs-only", action="store_true")
@@ -377,7 +414,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     prompts = PROMPTS[: args.prompts]
     write_prompts(out, prompts)
-    regenerate(out, g)
+    regenerate(out, g, batch=args.regen_batch)
     first = [  # the answers to the first --prompts prompts (ids are prompt indices)
         x
         for x in (out / "answers.jsonl").read_text().splitlines()

@@ -8,7 +8,13 @@ from vltrain.inference.decoding import generate
 from vltrain.models.drafter import Drafter, DrafterConfig, SharedParts
 
 
-def random_drafter(target, block_size: int = 4, seed: int = 0) -> Drafter:  # noqa: ANN001
+def random_drafter(
+    target,  # noqa: ANN001
+    block_size: int = 4,
+    seed: int = 0,
+    vocab: list[int] | None = None,
+) -> Drafter:
+    """A random drafter of ``target``; ``vocab``: a reduced draft vocabulary of these ids."""
     torch.manual_seed(seed)
     cfg = DrafterConfig(
         width=target.width,
@@ -16,8 +22,12 @@ def random_drafter(target, block_size: int = 4, seed: int = 0) -> Drafter:  # no
         target_layer_ids=target.layer_ids,
         heads=2,
         block_size=block_size,
+        draft_vocab=len(vocab or []),
     )
-    return Drafter(cfg).share(SharedParts(target.embed, target.head)).eval()
+    d = Drafter(cfg).share(SharedParts(target.embed, target.head, target.head_params))
+    if vocab:
+        d.set_vocab(torch.tensor(vocab))
+    return d.eval()
 
 
 def greedy_reference(model, inputs: dict, max_new: int) -> list[list[int]]:  # noqa: ANN001

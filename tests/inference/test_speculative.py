@@ -78,6 +78,29 @@ def test_hf_greedy_is_lossless(hf_target, budget, monkeypatch) -> None:  # noqa:
     assert out == ref and stats.tau > 1.5  # long accepted paths exercise the compaction
 
 
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_a_reduced_draft_vocabulary_is_lossless_and_drafts_only_its_tokens(
+    hf_target,  # noqa: ANN001
+    budget,  # noqa: ANN001
+    monkeypatch,  # noqa: ANN001
+) -> None:
+    inputs = prompts()
+    ref = H.greedy_reference(HFDecodeAdapter(hf_target.model), inputs, 24)
+    vocab = list(range(1, V, 3))  # a third of the tokens
+    drafter = H.random_drafter(hf_target, vocab=vocab)
+    fed, verify = [], hf_target.verify
+
+    def spy(tokens, parents, cache):  # noqa: ANN001, ANN202
+        fed.append(tokens[:, 1:].clone())  # the drafted nodes (column 0 is the root)
+        return verify(tokens, parents, cache)
+
+    monkeypatch.setattr(hf_target, "verify", spy)
+    out, _ = S.speculative_generate(hf_target, drafter, inputs, 24, tree_budget=budget)
+    assert out == ref
+    drafted = set(torch.cat([f.flatten() for f in fed]).tolist())
+    assert drafted <= set(vocab) and len(drafted) > 2
+
+
 def _captioner(connector: str) -> Captioner:
     torch.manual_seed(0)
     opts = {"pool": 2} if connector == "projector" else {"n_latents": 4}
@@ -231,7 +254,6 @@ def _spec_sample_counts(target, drafter, n: int, accept_all: bool, monkeypatch) 
 def test_sampling_follows_the_target_distribution(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     model = hf_model("llama", tmp_path, scale=25.0)  # a peaked target, far from the drafter
     target = HFTarget(model, [0, 1])
-    drafter = H.random_drafter(target, block_size=3)
     ids = torch.tensor([[BOS, 5, 9]])
     with torch.no_grad():
         p1 = torch.softmax(model(ids).logits[0, -1].float(), -1)  # (V,)
@@ -239,10 +261,14 @@ def test_sampling_follows_the_target_distribution(tmp_path, monkeypatch) -> None
         p2 = torch.softmax(model(nxt).logits[:, -1].float(), -1)  # (V, V)
     exact = p1 @ p2  # the target's distribution of its second token
     n = 3000
-    tv = {}
-    for bug in (False, True):
-        counts = _spec_sample_counts(target, drafter, n, bug, monkeypatch)
-        tv[bug] = 0.5 * float((counts / n - exact).abs().sum())
-    # 3000 draws over ~a dozen likely tokens: sampling noise in TV is ~0.03
-    assert tv[False] < 0.06, tv
-    assert tv[True] > 3 * tv[False] and tv[True] > 0.1, tv
+    # the full vocabulary, and a reduced draft vocabulary (half the tokens: q = 0 elsewhere)
+    for vocab in (None, list(range(0, V, 2))):
+        drafter = H.random_drafter(target, block_size=3, vocab=vocab)
+        tv = {}
+        for bug in (False, True):
+            counts = _spec_sample_counts(target, drafter, n, bug, monkeypatch)
+            tv[bug] = 0.5 * float((counts / n - exact).abs().sum())
+            monkeypatch.undo()
+        # 3000 draws over ~a dozen likely tokens: sampling noise in TV is ~0.03
+        assert tv[False] < 0.06, (vocab, tv)
+        assert tv[True] > 3 * tv[False] and tv[True] > 0.1, (vocab, tv)

@@ -1,4 +1,5 @@
-"""The drafter objective: weights, D-PACE, chunked loss == unchunked, exact vs marginal tau."""
+"""The drafter objective: weights, D-PACE, chunked loss == unchunked, exact vs marginal tau,
+a reduced draft vocabulary."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import torch
 
 from tests.models.test_drafter_guards import K, V, _drafter, _inputs
+from vltrain.models.drafter import Drafter, DrafterConfig, SharedParts, draft_vocab_ids
 from vltrain.objectives.drafter import (
     BlockDraftLoss,
     block_metrics,
@@ -76,3 +78,64 @@ def test_exact_tau_differs_from_the_marginal_estimate() -> None:
     assert m["tau"] == (4 + 1) / 2  # exact: (1 + 3) and (1 + 0)
     assert abs(m["tau_marginal"] - (1 + 0.5 + 0.25 + 0.125)) < 1e-9  # independence guess
     assert m["top4"] == 1.0 and m["streak4"] == 4.0  # the right token is 2nd: a tree finds it
+
+
+def _vocab_drafter(ids: list[int]):  # noqa: ANN202
+    """The guard tests' drafter with a draft vocabulary of ``ids`` (weights as the full one's)."""
+    full = _drafter()
+    cfg = DrafterConfig(**{**full.cfg.to_dict(), "draft_vocab": len(ids)})
+    d = Drafter(cfg).share(SharedParts(full.shared.embed, full.shared.head, _params(full)))
+    d.load_state_dict({**full.state_dict(), "vocab_ids": torch.tensor(ids)})
+    return full, d.eval()
+
+
+def _params(full):  # noqa: ANN001, ANN202
+    head = full.shared.head
+    return lambda: (head.weight, head.bias)
+
+
+def test_draft_vocabulary_scores_the_head_rows_and_counts_outside_labels_as_misses() -> None:
+    """A reduced draft vocabulary: logits = the full head's rows of its ids; the loss is the
+    CE of that restricted softmax over labels inside it (outside: no loss); outside labels
+    never match, so a block whose slot 1 is outside accepts nothing, and coverage counts them."""
+    feats, pos, valid = _inputs(16)
+    a_pos = torch.tensor([[2, 5, 9]])
+    a_ids = torch.tensor([[3, 4, 5]])
+    ids = list(range(0, V, 2))  # the even tokens
+    full, d = _vocab_drafter(ids)
+    h = d(feats, pos, valid, a_ids, a_pos)
+    torch.testing.assert_close(d.logits(h), full.logits(h)[..., ids], atol=1e-6, rtol=0)
+    assert d.to_token(torch.tensor([0, 3])).tolist() == [0, 6]
+    assert d.to_draft(torch.tensor([6, 7])).tolist() == [3, -1]
+    # labels: the drafter's own argmax (inside) except block 1 slot 1 (odd: outside)
+    logits = d.logits(h)
+    lab = d.to_token(logits.argmax(-1))
+    lab[0, 1, 1] = 7
+    ok = torch.ones_like(lab, dtype=torch.bool)
+    ok[..., 0] = False
+    loss_mod = BlockDraftLoss(d, gamma=4.0, chunk_blocks=64)
+    loss, weight, sums = loss_mod(feats, pos, valid, a_ids, a_pos, lab, ok)
+    inside = ok.clone()
+    inside[0, 1, 1] = False
+    logp = torch.log_softmax(logits.detach().float(), -1)
+    ce = -logp.gather(-1, d.to_draft(lab).clamp(min=0)[..., None])[..., 0]
+    w = position_weights(K, 4.0)[None, None] * inside
+    assert abs(float((loss / weight).detach()) - float((ce * w).sum() / w.sum())) < 1e-5
+    m = summarize_metrics(sums)
+    assert m["tau"] == (K + 1 + K) / 3  # blocks 0 and 2 accept all, block 1 nothing
+    assert m["vocab_coverage"] == (3 * (K - 1) - 1) / (3 * (K - 1))
+
+
+def test_draft_vocabulary_ids_and_the_checkpoint() -> None:
+    counts = torch.tensor([5, 0, 9, 9, 1, 0, 7])
+    assert draft_vocab_ids(counts, 3).tolist() == [2, 3, 6]  # ties to the lower id
+    assert draft_vocab_ids(counts, 3, always=(5,)).tolist() == [2, 3, 5]
+    _, d = _vocab_drafter([1, 4, 9, 20])
+    state = d.state_dict()
+    assert state["vocab_ids"].tolist() == [1, 4, 9, 20] and "vocab_index" not in state
+    again = Drafter(d.cfg)
+    again.load_state_dict(state)
+    assert again.to_draft(torch.tensor([9, 10])).tolist() == [2, -1]  # index follows the load
+    full = again.full_vocab(torch.log_softmax(torch.randn(2, 4), -1))
+    assert full.shape == (2, V) and torch.isinf(full[:, 0]).all()
+    assert torch.allclose(full[:, [1, 4, 9, 20]].exp().sum(-1), torch.ones(2))

@@ -281,7 +281,50 @@ def test_labels_that_are_not_the_target_are_flagged(lm, answers, tmp_path, capsy
 from tests.stages.test_shipped_presets import caption_run  # noqa: E402, F401  (a fixture)
 
 
-def test_captioner_drafter_end_to_end(caption_run, shapes_dir, tmp_path, capsys) -> None:  # noqa: ANN001, F811
+def test_a_reduced_draft_vocabulary_trains_saves_and_decodes_losslessly(
+    lm,  # noqa: ANN001
+    answers,  # noqa: ANN001
+    tmp_path,  # noqa: ANN001
+    capsys,  # noqa: ANN001
+) -> None:
+    """``drafter.draft_vocab``: the ids are the most frequent answer tokens (EOS kept), saved
+    in the checkpoint; eval reports the coverage; `generate --draft` prints the plain lines."""
+    from vltrain.models.drafter import load_drafter
+
+    run = tmp_path / "run"
+    m = _train(lm, answers, run, "optim.lr=3e-3", "drafter.draft_vocab=24")
+    assert "draft vocabulary of 24" in capsys.readouterr().err
+    recs = [json.loads(x) for x in (answers / "answers.jsonl").read_text().splitlines()]
+    counts = torch.bincount(
+        torch.tensor([t for r in recs for t in r["completion_ids"]]), minlength=400
+    )
+    drafter, _ = load_drafter(run)
+    ids = drafter.vocab_ids.tolist()
+    assert len(ids) == 24 and drafter.cfg.draft_vocab == 24
+    eos = int(json.loads((Path(lm) / "config.json").read_text())["eos_token_id"])
+    assert eos in ids
+    # every kept token is at least as frequent as every dropped one (EOS aside)
+    dropped = [t for t in range(len(counts)) if t not in ids]
+    assert min(int(counts[t]) for t in ids if t != eos) >= max(int(counts[t]) for t in dropped)
+    kept = float(counts[ids].sum() / counts.sum())
+    assert 0 < m["eval_vocab_coverage"] <= 1 and kept < 1
+    prompts = answers / "prompts.jsonl"
+    base = ["generate", "--model", str(lm), "--prompts", str(prompts), "--max-new-tokens", "16"]
+    assert main(base) == 0
+    plain = capsys.readouterr().out
+    for budget in ("0", "6"):
+        assert main([*base, "--draft", str(run), "--tree-budget", budget]) == 0
+        assert capsys.readouterr().out == plain
+
+
+@pytest.mark.parametrize("draft_vocab", [0, 40])
+def test_captioner_drafter_end_to_end(
+    caption_run,  # noqa: ANN001, F811
+    shapes_dir,  # noqa: ANN001
+    tmp_path,  # noqa: ANN001
+    capsys,  # noqa: ANN001
+    draft_vocab: int,
+) -> None:
     from tests.config.test_config import PRESETS
 
     data = tmp_path / "data"
@@ -326,6 +369,7 @@ def test_captioner_drafter_end_to_end(caption_run, shapes_dir, tmp_path, capsys)
         "drafter.eval_max_new_tokens=8",
         "drafter.eval_tree_budget=6",
         "data.length_buckets=0",
+        f"drafter.draft_vocab={draft_vocab}",
     ]
     assert main(["train", str(preset), *over]) == 0
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

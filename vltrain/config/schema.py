@@ -628,6 +628,14 @@ class DrafterConfig:
         "Drafter: compute each record's target features once (alone, unpadded) and keep them "
         "in memory for later epochs (vltrain.inference.feature_cache); not with soft_labels.",
     )
+    draft_vocab: int = option(
+        0,
+        "Drafter: score only the N most frequent tokens of the training labels (EAGLE-3's "
+        "reduced draft vocabulary; 0: the whole vocabulary). The LM-head cost of training and "
+        "of every decoding round shrinks by N / V; tokens outside are never drafted (decoding "
+        "stays lossless) and count as misses (eval_vocab_coverage).",
+        ge=0,
+    )
     anchors: int = option(64, "Drafter: anchors sampled per training sequence (0: all).", ge=0)
     chunk_blocks: int = option(
         32, "Drafter: blocks per loss chunk (checkpointed; memory flat in anchors).", ge=1

@@ -160,6 +160,21 @@ class CaptionDataset(Dataset):
             return 1
         return len(C.encode_segments(tokenizer or self.tokenizer, segs, self.max_len)[0])
 
+    def label_ids(self, index: int) -> list[int]:
+        """The supervised token ids of every caption (or the chat) of record ``index``."""
+        rec = self.source.records[index]
+        many = "messages" not in rec and len(rec.get("text") or []) > 1
+        out: list[int] = []
+        for caption in rec["text"] if many else [None]:
+            try:
+                labels = C.encode_segments(
+                    self.tokenizer, self.segments(rec, caption), self.max_len
+                )[1]
+            except BadSample:
+                continue
+            out += [t for t in labels if t != C.IGNORE_INDEX]
+        return out
+
     def caption_choice(self, rec: dict[str, Any], epoch: int, index: int) -> int | None:
         """Which of the record's captions training draws at (seed, epoch, index); None: the
         first (eval, chat records, a single caption)."""

@@ -85,6 +85,10 @@ class ChatRecords:
     def token_length(self, index: int) -> int:
         return len(self.encode(index)[0])
 
+    def label_ids(self, index: int) -> list[int]:
+        """The supervised token ids of record ``index`` (what a drafter learns to propose)."""
+        return [t for t in self.encode(index)[1] if t != IGNORE_INDEX]
+
     def __getitem__(self, key: Any) -> dict[str, Any]:
         _, _, index = as_key(key)
         ids, labels = self.encode(index)

@@ -9,7 +9,8 @@ A ``SpecTarget`` is a frozen model seen the way a block drafter needs it:
   and positions by depth; returns logits (B, N, V), the cache with all N nodes, and their
   features (B, N, F) and positions (B, N);
 - ``keep(cache, index, valid)`` compacts the cache to the accepted path (``select_cache``);
-- ``embed`` / ``head``: the frozen token embedding and LM head the drafter shares;
+- ``embed`` / ``head``: the frozen token embedding and LM head the drafter shares
+  (``head_params``: the head's weight and bias, whose rows a reduced draft vocabulary keeps);
 - ``features(...)``: the same features for whole training sequences (no cache).
 
 Features are read *after* block i: vltrain's ``DecoderOutput.taps[i]``, HF's
@@ -72,6 +73,8 @@ class SpecTarget(Protocol):
 
     def head(self, hidden: Tensor) -> Tensor: ...
 
+    def head_params(self) -> tuple[Tensor, Tensor | None]: ...
+
 
 def _concat(taps: dict[int, Tensor] | tuple[Tensor, ...], ids: list[int], offset: int) -> Tensor:
     return torch.cat([taps[i + offset] for i in ids], dim=-1)  # (B, S, n * W)
@@ -98,6 +101,12 @@ class CaptionerTarget:
 
     def head(self, hidden: Tensor) -> Tensor:
         return self.model.decoder.logits(hidden)
+
+    def head_params(self) -> tuple[Tensor, Tensor | None]:
+        dec = self.model.decoder
+        if dec.lm_head is None:  # tied to the token embedding
+            return dec.token_embed.weight, None
+        return dec.lm_head.weight, dec.lm_head.bias
 
     def _run(self, visual, ids, mask, kv, pos=None, attn=None):  # noqa: ANN001, ANN202
         m = self.model
@@ -175,6 +184,10 @@ class HFTarget:
 
     def head(self, hidden: Tensor) -> Tensor:
         return self.model.get_output_embeddings()(hidden)
+
+    def head_params(self) -> tuple[Tensor, Tensor | None]:
+        lin = self.model.get_output_embeddings()
+        return lin.weight, getattr(lin, "bias", None)
 
     @torch.no_grad()
     def features(self, input_ids: Tensor, attention_mask: Tensor):

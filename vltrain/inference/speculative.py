@@ -153,11 +153,12 @@ class _Rows:
 def _draft(
     drafter: Drafter, ctx: Context, root: Tensor, anchor_pos: Tensor, cache: DraftContextCache
 ) -> Tensor:
-    """Per-slot draft log-probs (B, K - 1, V) of the block after each row's root."""
+    """Per-slot draft log-probs (B, K - 1, V') of the block after each row's root; V' is the
+    draft vocabulary (``drafter.to_token`` maps its indices to token ids)."""
     h = drafter(
         ctx.features, ctx.positions, ctx.valid, root[:, None], anchor_pos[:, None], cache=cache
     )
-    logits = drafter.logits(h[:, 0, 1:]).float()  # (B, K - 1, V)
+    logits = drafter.logits(h[:, 0, 1:]).float()  # (B, K - 1, V')
     return torch.log_softmax(logits, dim=-1)
 
 
@@ -204,7 +205,11 @@ def speculative_generate(
     while not all(rows.done):
         anchor = target.next_positions(cache).to(root.device)  # (B,)
         logq = _draft(drafter, ctx, root, anchor, dcache)
+        if sample:  # the rejection rule compares p and q token by token: q over the whole vocab
+            logq = drafter.full_vocab(logq)
         toks, parents = _proposals(logq, tree_budget, sample, generator)
+        if not sample:
+            toks = drafter.to_token(toks.to(root.device))
         fed = torch.cat([root[:, None], toks.to(root.device)], 1)  # (B, 1 + N)
         fed_par = torch.cat([torch.full_like(parents[:, :1], -1), parents + 1], 1)
         fed_par[:, 1:] = fed_par[:, 1:].masked_fill(parents < 0, 0)

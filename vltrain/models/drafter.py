@@ -14,6 +14,12 @@ state dict, nor in the optimizer, nor in a DDP wrapper.
 
 Mask positions get a learned embedding chosen *by position* (k > 0), never by token value, so
 an anchor equal to ``mask_token_id`` stays itself (the z-lab #73 class of bug).
+
+A reduced draft vocabulary (``draft_vocab`` > 0, EAGLE-3's device): the drafter scores only
+``vocab_ids`` (the most frequent tokens of its training labels, a saved buffer) through the same
+frozen head rows, so its LM head costs draft_vocab / V of the full one in training and in every
+decoding round. It never drafts a token outside them (the target still verifies every token:
+decoding stays lossless); such labels carry no loss and count as misses in every metric.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ class DrafterConfig:
     """RoPE base of the draft attention."""
     mask_token_id: int = 0
     """Token id whose embedding initialises the learned mask embedding (any id is safe)."""
+    draft_vocab: int = 0
+    """Tokens the drafter scores (``Drafter.vocab_ids``); 0 = the target's whole vocabulary."""
 
     def __post_init__(self) -> None:
         if self.width % self.heads or (self.width // self.heads) % 2:
@@ -61,6 +69,10 @@ class DrafterConfig:
             raise ValueError(f"drafter block_size must be >= 2, got {self.block_size}")
         if not self.target_layer_ids:
             raise ValueError("drafter needs at least one target layer id")
+        if not 0 <= self.draft_vocab <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab {self.draft_vocab} must lie in [0, vocab_size {self.vocab_size}]"
+            )
 
     def to_dict(self) -> dict:
         """Plain JSON-able dict (saved beside every drafter checkpoint)."""
@@ -165,6 +177,22 @@ class SharedParts:
     """Token ids (B, T) -> embeddings (B, T, W)."""
     head: Callable[[Tensor], Tensor]
     """Hidden states (..., W) -> logits (..., V)."""
+    head_params: Callable[[], tuple[Tensor, Tensor | None]] | None = None
+    """The head as (weight (V, W), bias (V,) or None): ``head(h) == h @ weight.T + bias``;
+    needed by a reduced draft vocabulary, which keeps only its rows."""
+
+
+def draft_vocab_ids(counts: Tensor, n: int, always: tuple[int, ...] = ()) -> Tensor:
+    """The ``n`` token ids (sorted) a reduced draft vocabulary keeps: ``always`` first, then
+    the highest ``counts`` (V,) (label frequencies), ties to the lower id."""
+    v = counts.shape[0]
+    if not 0 < n <= v:
+        raise ValueError(f"a draft vocabulary of {n} tokens does not fit a vocabulary of {v}")
+    score = counts.double().clone()
+    keep = [t for t in dict.fromkeys(always) if 0 <= t < v]
+    score[keep] = float("inf")
+    order = torch.sort(-score, stable=True).indices  # descending count, then ascending id
+    return order[:n].sort().values
 
 
 @dataclass
@@ -201,6 +229,39 @@ class Drafter(nn.Module):
             if isinstance(mod, nn.Linear):
                 nn.init.normal_(mod.weight, std=1 / math.sqrt(mod.in_features))
         self._shared: SharedParts | None = None
+        self._sub_head: tuple[Tensor, Tensor | None] | None = None
+        if cfg.draft_vocab:
+            # a draft index -> target token id; set by set_vocab (training) or the checkpoint
+            self.register_buffer("vocab_ids", torch.arange(cfg.draft_vocab))
+            # target token id -> draft index, -1 outside
+            self.register_buffer("vocab_index", self._index(self.vocab_ids), persistent=False)
+
+    def _index(self, ids: Tensor) -> Tensor:
+        idx = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        idx[ids] = torch.arange(len(ids), device=ids.device)
+        return idx
+
+    def set_vocab(self, ids: Tensor) -> None:
+        """Use the token ids (draft_vocab,) as the draft vocabulary."""
+        if not self.cfg.draft_vocab or ids.shape != (self.cfg.draft_vocab,):
+            raise ValueError(
+                f"{tuple(ids.shape)} ids for a draft vocabulary of {self.cfg.draft_vocab}"
+            )
+        if (
+            len(set(ids.tolist())) != len(ids)
+            or int(ids.min()) < 0
+            or int(ids.max()) >= self.cfg.vocab_size
+        ):
+            raise ValueError("draft vocabulary ids must be distinct target token ids")
+        self.vocab_ids.copy_(ids)
+        self.vocab_index = self._index(self.vocab_ids)
+        self._sub_head = None
+
+    def _load_from_state_dict(self, state, prefix, *args) -> None:  # noqa: ANN001, ANN002
+        super()._load_from_state_dict(state, prefix, *args)
+        if self.cfg.draft_vocab:  # the derived index follows the loaded ids
+            self.vocab_index = self._index(self.vocab_ids)
+            self._sub_head = None
 
     def share(self, parts: SharedParts) -> Drafter:
         """Attach the target's embeddings and LM head (not registered: never saved/trained)."""
@@ -281,8 +342,40 @@ class Drafter(nn.Module):
         return cache.kv
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """Draft states (..., W) -> logits (..., V) through the target's LM head."""
-        return self.shared.head(hidden)
+        """Draft states (..., W) -> logits (..., V) through the target's LM head; over the
+        draft vocabulary (..., draft_vocab) when it is reduced (``to_token`` maps back)."""
+        if not self.cfg.draft_vocab:
+            return self.shared.head(hidden)
+        w, b = self._head_rows()
+        return F.linear(hidden.to(w.dtype), w, b)
+
+    def _head_rows(self) -> tuple[Tensor, Tensor | None]:
+        """The head's rows of the draft vocabulary, gathered once (the head is frozen)."""
+        ids = self.vocab_ids
+        if self._sub_head is None or self._sub_head[0].device != ids.device:
+            if self.shared.head_params is None:
+                raise RuntimeError("a reduced draft vocabulary needs SharedParts.head_params")
+            w, b = self.shared.head_params()
+            with torch.no_grad():
+                sub = w.detach()[ids.to(w.device)].to(ids.device)
+                bias = None if b is None else b.detach()[ids.to(b.device)].to(ids.device)
+            self._sub_head = (sub, bias)
+        return self._sub_head
+
+    def to_token(self, idx: Tensor) -> Tensor:
+        """Draft-vocabulary indices -> target token ids (the identity for the full vocabulary)."""
+        return self.vocab_ids[idx] if self.cfg.draft_vocab else idx
+
+    def to_draft(self, tokens: Tensor) -> Tensor:
+        """Target token ids -> draft-vocabulary indices, -1 for tokens outside it."""
+        return self.vocab_index[tokens] if self.cfg.draft_vocab else tokens
+
+    def full_vocab(self, logq: Tensor) -> Tensor:
+        """Draft log-probs (..., draft_vocab) -> (..., V), -inf outside the draft vocabulary."""
+        if not self.cfg.draft_vocab:
+            return logq
+        out = logq.new_full((*logq.shape[:-1], self.cfg.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.vocab_ids.to(logq.device), logq)
 
 
 DRAFTER_FILE = "drafter.json"

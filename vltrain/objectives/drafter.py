@@ -15,7 +15,8 @@ Metrics (``block_metrics``): per-slot accuracy and top-4 / top-8 accuracy, the *
 acceptance length (the prefix of slots matching their labels, + 1: what greedy speculative
 decoding accepts when the labels are the target's greedy tokens) next to the marginal-product
 estimate ``1 + sum_k prod_{i<=k} acc_i`` other trainers report, and top-k streaks (the prefix
-whose labels lie in the drafter's top k: what a tree of width k can accept).
+whose labels lie in the drafter's top k: what a tree of width k can accept); with a reduced
+draft vocabulary, ``vocab_coverage`` (the share of labels inside it; the others are misses).
 """
 
 from __future__ import annotations
@@ -152,6 +153,9 @@ def summarize_metrics(sums: dict[str, Tensor]) -> dict[str, float]:
     live = sums["slot_n"] > 0
     marginal = 1.0 + float(torch.cumprod(acc[1:] * live[1:], 0).sum())
     out = {
+        "vocab_coverage": float(sums["slot_in_vocab"].sum() / sums["slot_n"].sum().clamp(min=1))
+        if "slot_in_vocab" in sums
+        else 1.0,
         "tau": float(sums["accept"]) / blocks,
         "tau_marginal": marginal,
         "streak4": float(sums["streak4"]) / blocks,
@@ -210,10 +214,18 @@ class BlockDraftLoss(nn.Module):
 
     def _chunk(self, feats, ctx_pos, ctx_valid, a_ids, a_pos, labels, valid, soft):  # noqa: ANN001, ANN202
         hidden = self.drafter(feats, ctx_pos, ctx_valid, a_ids, a_pos)  # (B, j, K, W)
-        logits = self.drafter.logits(hidden)  # (B, j, K, V)
-        ce = slot_loss(logits, labels, valid, soft)
-        loss, weight = weighted_loss(ce, valid, self.weights, self.dpace)
+        logits = self.drafter.logits(hidden)  # (B, j, K, V or draft_vocab)
+        # a reduced draft vocabulary: labels as its indices; one outside it (-1) carries no
+        # loss and never matches in the metrics (the drafter cannot propose it)
+        labels = self.drafter.to_draft(labels)
+        inside = valid & (labels >= 0)
+        if soft is not None and self.drafter.cfg.draft_vocab:
+            soft = soft[..., self.drafter.vocab_ids]
+            soft = soft / soft.sum(-1, keepdim=True).clamp(min=1e-12)
+        ce = slot_loss(logits, labels.clamp(min=0), inside, soft)
+        loss, weight = weighted_loss(ce, inside, self.weights, self.dpace)
         m = block_metrics(logits, labels, valid)
+        m["slot_in_vocab"] = inside.sum((0, 1)).double()
         return loss, weight, *(m[name] for name in METRIC_KEYS)
 
     def forward(
@@ -263,4 +275,5 @@ METRIC_KEYS = (
     "slot_top8",
     "slot_n",
     "blocks",
+    "slot_in_vocab",
 )

@@ -49,6 +49,7 @@ from vltrain.models.drafter import (
     Drafter,
     DrafterConfig,
     SharedParts,
+    draft_vocab_ids,
     save_drafter_meta,
     target_layer_ids,
 )
@@ -74,6 +75,7 @@ EVAL_METRICS = (
     "eval_streak4",
     "eval_streak8",
     "eval_label_agreement",
+    "eval_vocab_coverage",
     "eval_labels_not_target",
     "eval_*",
 )
@@ -162,18 +164,43 @@ class DrafterStage:
             mlp_ratio=d.mlp_ratio,
             block_size=d.block_size,
             mask_token_id=t.pad_token_id,
+            draft_vocab=min(d.draft_vocab, t.vocab_size),
         )
         torch.manual_seed(self.cfg.run.seed)
-        drafter = Drafter(dcfg).share(SharedParts(t.embed, t.head))
+        drafter = Drafter(dcfg).share(SharedParts(t.embed, t.head, t.head_params))
         drafter.init_mask_embed()
+        if dcfg.draft_vocab:
+            drafter.set_vocab(self._draft_vocab(dcfg.draft_vocab))
         return BlockDraftLoss(drafter, gamma_of(self.cfg), d.chunk_blocks, d.dpace)
+
+    def _train_base(self) -> Any:
+        base = self._base(self.cfg.data.train, train=True)
+        if self.cfg.data.max_train_samples:
+            base.records = base.records[: self.cfg.data.max_train_samples]
+        return base
+
+    def _draft_vocab(self, n: int) -> Tensor:
+        """The n most frequent label tokens of the whole training set (EOS always kept):
+        every rank counts the same records, so every rank picks the same ids."""
+        base, t = self._train_base(), self.target
+        counts = torch.zeros(t.vocab_size, dtype=torch.long)
+        for i in range(len(base)):
+            ids = base.label_ids(i)
+            if ids:
+                counts += torch.bincount(torch.tensor(ids), minlength=t.vocab_size)
+        ids = draft_vocab_ids(counts, n, always=(t.eos_token_id,))
+        kept = float(counts[ids].sum() / counts.sum().clamp(min=1))
+        if self.ctx.is_main:
+            print(
+                f"vltrain: drafter: draft vocabulary of {n} of {t.vocab_size} tokens covers "
+                f"{kept:.2%} of the training labels ({int(counts.sum())} tokens)",
+                file=sys.stderr,
+            )
+        return ids
 
     def build_loader(self) -> Loader:
         c, d, ctx = self.cfg, self.cfg.data, self.ctx
-        base = self._base(d.train, train=True)
-        if d.max_train_samples:
-            base.records = base.records[: d.max_train_samples]
-        data = DraftDataset(base, c.drafter.anchors, c.run.seed)
+        data = DraftDataset(self._train_base(), c.drafter.anchors, c.run.seed)
         if d.length_buckets > 0:
             lengths = [data.token_length(i) for i in range(len(data))]
             sampler: Any = LengthBucketBatchSampler(

@@ -37,7 +37,7 @@ def attach(drafter: Drafter, target: Any) -> Drafter:
             f"was not trained for this target (width {target.width}, vocab "
             f"{target.vocab_size}, {target.num_layers} layers)"
         )
-    return drafter.share(SharedParts(target.embed, target.head))
+    return drafter.share(SharedParts(target.embed, target.head, target.head_params))
 
 
 def report(stats: list[SpecStats], seconds: float, tokens: int, path: str) -> None:
