@@ -139,3 +139,35 @@ def test_draft_vocabulary_ids_and_the_checkpoint() -> None:
     full = again.full_vocab(torch.log_softmax(torch.randn(2, 4), -1))
     assert full.shape == (2, V) and torch.isinf(full[:, 0]).all()
     assert torch.allclose(full[:, [1, 4, 9, 20]].exp().sum(-1), torch.ones(2))
+
+
+def test_draft_vocabulary_soft_labels_and_dpace_treat_outside_tokens_as_unproposable() -> None:
+    """Soft labels are restricted to the draft vocabulary and renormalised; with D-PACE a
+    valid slot whose label lies outside is a certain miss (q = 0) for the slots after it."""
+    feats, pos, valid = _inputs(16)
+    a_pos, a_ids = torch.tensor([[2, 5]]), torch.tensor([[3, 4]])
+    ids = list(range(0, V, 2))
+    _, d = _vocab_drafter(ids)
+    g = torch.Generator().manual_seed(5)
+    soft = torch.softmax(torch.randn(1, 2, K, V, generator=g), -1)
+    lab = torch.tensor([[[0, 2, 4, 6], [0, 8, 10, 12]]])
+    ok = torch.ones_like(lab, dtype=torch.bool)
+    ok[..., 0] = False
+    loss, weight, _ = BlockDraftLoss(d, gamma=4.0)(feats, pos, valid, a_ids, a_pos, lab, ok, soft)
+    logp = torch.log_softmax(d.logits(d(feats, pos, valid, a_ids, a_pos)).detach(), -1)
+    sub = soft[..., ids] / soft[..., ids].sum(-1, keepdim=True)
+    ce = -(sub * logp).sum(-1)
+    w = position_weights(K, 4.0)[None, None] * ok
+    want = float((ce * w).sum() / w.sum())
+    assert abs(float((loss / weight).detach()) - want) < 1e-5
+    # D-PACE: slot 1 of block 0 is outside (odd label): slots 2 and 3 weigh as after a miss
+    lab[0, 0, 1] = 7
+    _, weight_d, _ = BlockDraftLoss(d, gamma=4.0, dpace=0.5)(
+        feats, pos, valid, a_ids, a_pos, lab, ok
+    )
+    inside = ok & (lab % 2 == 0)
+    ce_in = -logp.gather(-1, d.to_draft(lab).clamp(min=0)[..., None])[..., 0] * inside
+    miss = ce_in.masked_fill(ok & ~inside, float("inf"))
+    want_w = float((dpace_weights(miss, ok, 0.5) * inside).sum())
+    as_if_hit = float((dpace_weights(ce_in, inside, 0.5) * inside).sum())  # the old bug
+    assert abs(float(weight_d) - want_w) < 1e-5 and abs(as_if_hit - want_w) > 0.1

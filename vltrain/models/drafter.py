@@ -229,43 +229,41 @@ class Drafter(nn.Module):
             if isinstance(mod, nn.Linear):
                 nn.init.normal_(mod.weight, std=1 / math.sqrt(mod.in_features))
         self._shared: SharedParts | None = None
+        # derived from vocab_ids and the shared head when first needed (never saved, never
+        # broadcast): target token id -> draft index (-1 outside), and the head's rows
+        self._vocab_index: Tensor | None = None
         self._sub_head: tuple[Tensor, Tensor | None] | None = None
         if cfg.draft_vocab:
             # a draft index -> target token id; set by set_vocab (training) or the checkpoint
             self.register_buffer("vocab_ids", torch.arange(cfg.draft_vocab))
-            # target token id -> draft index, -1 outside
-            self.register_buffer("vocab_index", self._index(self.vocab_ids), persistent=False)
 
-    def _index(self, ids: Tensor) -> Tensor:
-        idx = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long, device=ids.device)
-        idx[ids] = torch.arange(len(ids), device=ids.device)
-        return idx
+    def _check_vocab(self, ids: Tensor, where: str) -> None:
+        n, v = self.cfg.draft_vocab, self.cfg.vocab_size
+        if not n or ids.shape != (n,):
+            raise ValueError(f"{where}: {tuple(ids.shape)} ids for a draft vocabulary of {n}")
+        if len(set(ids.tolist())) != n or int(ids.min()) < 0 or int(ids.max()) >= v:
+            raise ValueError(f"{where}: draft vocabulary ids must be {n} distinct ids below {v}")
+
+    def _forget(self) -> None:
+        self._vocab_index, self._sub_head = None, None
 
     def set_vocab(self, ids: Tensor) -> None:
         """Use the token ids (draft_vocab,) as the draft vocabulary."""
-        if not self.cfg.draft_vocab or ids.shape != (self.cfg.draft_vocab,):
-            raise ValueError(
-                f"{tuple(ids.shape)} ids for a draft vocabulary of {self.cfg.draft_vocab}"
-            )
-        if (
-            len(set(ids.tolist())) != len(ids)
-            or int(ids.min()) < 0
-            or int(ids.max()) >= self.cfg.vocab_size
-        ):
-            raise ValueError("draft vocabulary ids must be distinct target token ids")
-        self.vocab_ids.copy_(ids)
-        self.vocab_index = self._index(self.vocab_ids)
-        self._sub_head = None
+        self._check_vocab(ids, "set_vocab")
+        with torch.no_grad():
+            self.vocab_ids.copy_(ids)
+        self._forget()
 
     def _load_from_state_dict(self, state, prefix, *args) -> None:  # noqa: ANN001, ANN002
         super()._load_from_state_dict(state, prefix, *args)
-        if self.cfg.draft_vocab:  # the derived index follows the loaded ids
-            self.vocab_index = self._index(self.vocab_ids)
-            self._sub_head = None
+        if self.cfg.draft_vocab:  # the derived index and head rows follow the loaded ids
+            self._check_vocab(self.vocab_ids, f"checkpoint key {prefix}vocab_ids")
+            self._forget()
 
     def share(self, parts: SharedParts) -> Drafter:
         """Attach the target's embeddings and LM head (not registered: never saved/trained)."""
         object.__setattr__(self, "_shared", parts)
+        self._sub_head = None  # another head: its rows are gathered again
         return self
 
     @property
@@ -368,7 +366,14 @@ class Drafter(nn.Module):
 
     def to_draft(self, tokens: Tensor) -> Tensor:
         """Target token ids -> draft-vocabulary indices, -1 for tokens outside it."""
-        return self.vocab_index[tokens] if self.cfg.draft_vocab else tokens
+        if not self.cfg.draft_vocab:
+            return tokens
+        ids = self.vocab_ids
+        if self._vocab_index is None or self._vocab_index.device != ids.device:
+            idx = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long, device=ids.device)
+            idx[ids] = torch.arange(len(ids), device=ids.device)
+            self._vocab_index = idx
+        return self._vocab_index[tokens.to(ids.device)].to(tokens.device)
 
     def full_vocab(self, logq: Tensor) -> Tensor:
         """Draft log-probs (..., draft_vocab) -> (..., V), -inf outside the draft vocabulary."""

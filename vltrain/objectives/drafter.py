@@ -104,13 +104,20 @@ def slot_loss(logits: Tensor, labels: Tensor, valid: Tensor, soft: Tensor | None
 
 
 def weighted_loss(
-    ce: Tensor, valid: Tensor, weights: Tensor, dpace: float = 0.0
+    ce: Tensor, valid: Tensor, weights: Tensor, dpace: float = 0.0, inside: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """(sum of weighted CE, sum of weights) of a chunk; weights (K,) or D-PACE when dpace > 0."""
+    """(sum of weighted CE, sum of weights) of a chunk; weights (K,) or D-PACE when dpace > 0.
+
+    ``inside`` (default ``valid``): the valid slots that carry a loss; a valid slot outside it
+    (a label a reduced draft vocabulary cannot propose) gets no weight and, for D-PACE, counts
+    as a certain miss (q = 0) in the prefix of the slots after it.
+    """
+    inside = valid if inside is None else inside
     if dpace > 0:
-        w = dpace_weights(ce, valid, dpace)
+        miss = valid & ~inside
+        w = dpace_weights(ce.detach().masked_fill(miss, float("inf")), valid, dpace) * inside
     else:
-        w = weights.to(ce.device)[None, None, :] * valid
+        w = weights.to(ce.device)[None, None, :] * inside
     return (ce * w).sum(), w.sum()
 
 
@@ -223,7 +230,7 @@ class BlockDraftLoss(nn.Module):
             soft = soft[..., self.drafter.vocab_ids]
             soft = soft / soft.sum(-1, keepdim=True).clamp(min=1e-12)
         ce = slot_loss(logits, labels.clamp(min=0), inside, soft)
-        loss, weight = weighted_loss(ce, inside, self.weights, self.dpace)
+        loss, weight = weighted_loss(ce, valid, self.weights, self.dpace, inside)
         m = block_metrics(logits, labels, valid)
         m["slot_in_vocab"] = inside.sum((0, 1)).double()
         return loss, weight, *(m[name] for name in METRIC_KEYS)

@@ -164,30 +164,27 @@ class DrafterStage:
             mlp_ratio=d.mlp_ratio,
             block_size=d.block_size,
             mask_token_id=t.pad_token_id,
-            draft_vocab=min(d.draft_vocab, t.vocab_size),
+            draft_vocab=d.draft_vocab,
         )
+        if d.draft_vocab >= t.vocab_size:
+            raise ConfigError(
+                f"'drafter.draft_vocab' {d.draft_vocab} is not below the target's vocabulary "
+                f"({t.vocab_size}): it would save nothing; use 0 for the whole vocabulary"
+            )
         torch.manual_seed(self.cfg.run.seed)
         drafter = Drafter(dcfg).share(SharedParts(t.embed, t.head, t.head_params))
         drafter.init_mask_embed()
-        if dcfg.draft_vocab:
-            drafter.set_vocab(self._draft_vocab(dcfg.draft_vocab))
+        self._drafter = drafter  # its draft vocabulary is chosen from the data (build_loader)
         return BlockDraftLoss(drafter, gamma_of(self.cfg), d.chunk_blocks, d.dpace)
 
-    def _train_base(self) -> Any:
-        base = self._base(self.cfg.data.train, train=True)
-        if self.cfg.data.max_train_samples:
-            base.records = base.records[: self.cfg.data.max_train_samples]
-        return base
-
-    def _draft_vocab(self, n: int) -> Tensor:
+    def _draft_vocab(self, base: Any, n: int) -> Tensor:
         """The n most frequent label tokens of the whole training set (EOS always kept):
-        every rank counts the same records, so every rank picks the same ids."""
-        base, t = self._train_base(), self.target
-        counts = torch.zeros(t.vocab_size, dtype=torch.long)
-        for i in range(len(base)):
-            ids = base.label_ids(i)
-            if ids:
-                counts += torch.bincount(torch.tensor(ids), minlength=t.vocab_size)
+        every rank counts the same records, so every rank picks the same ids. Chosen when the
+        training data is built (not in build_model: export and loading need no data, and a
+        resumed run takes the checkpoint's ids, loaded after this)."""
+        t = self.target
+        labels = [tok for i in range(len(base)) for tok in base.label_ids(i)]
+        counts = torch.bincount(torch.tensor(labels, dtype=torch.long), minlength=t.vocab_size)
         ids = draft_vocab_ids(counts, n, always=(t.eos_token_id,))
         kept = float(counts[ids].sum() / counts.sum().clamp(min=1))
         if self.ctx.is_main:
@@ -200,7 +197,12 @@ class DrafterStage:
 
     def build_loader(self) -> Loader:
         c, d, ctx = self.cfg, self.cfg.data, self.ctx
-        data = DraftDataset(self._train_base(), c.drafter.anchors, c.run.seed)
+        base = self._base(d.train, train=True)
+        if d.max_train_samples:
+            base.records = base.records[: d.max_train_samples]
+        if c.drafter.draft_vocab:
+            self._drafter.set_vocab(self._draft_vocab(base, c.drafter.draft_vocab))
+        data = DraftDataset(base, c.drafter.anchors, c.run.seed)
         if d.length_buckets > 0:
             lengths = [data.token_length(i) for i in range(len(data))]
             sampler: Any = LengthBucketBatchSampler(
