@@ -295,40 +295,46 @@ def predicted_speedup(tau: float, ratio: float, draft_ms: float, step_ms: float)
 
 
 def train_grid(args, out: Path, g: str) -> list[Path]:  # noqa: ANN001
-    """One drafter per (block, gamma); a finished run (summary.json) is not trained again."""
+    """One drafter per (block, gamma, draft vocabulary); a finished run (summary.json) is
+    not trained again."""
     from vltrain.cli import main as cli
 
     runs = []
-    for block in map(int, args.blocks.split(",")):
-        for gamma in map(float, args.gammas.split(",")):
-            vocab = f"_v{args.draft_vocab}" if args.draft_vocab else ""
-            run = out / f"b{block}_g{gamma:g}_s{args.steps}_p{args.prompts}{vocab}"
-            runs.append(run)
-            if (run / "summary.json").is_file():
-                continue
-            cli(
-                [
-                    "train",
-                    "configs/drafter_smollm2.yaml",
-                    f"run.out_dir={run}",
-                    f"model.target={g}",
-                    f"data.train={out}/answers_p{args.prompts}.jsonl",
-                    f"data.eval={out}/eval_answers.jsonl",
-                    f"train.max_steps={args.steps}",
-                    f"drafter.block_size={block}",
-                    f"drafter.gamma={gamma}",
-                    f"drafter.anchors={args.anchors}",
-                    f"drafter.draft_vocab={args.draft_vocab}",
-                    "drafter.cache_target=true",
-                    f"drafter.eval_prompts={len(HELD_OUT)}",
-                    f"drafter.eval_max_new_tokens={args.max_new}",
-                    f"optim.warmup_steps={max(1, args.steps // 20)}",
-                    "log.progress=false",
-                    "log.tensorboard=false",
-                    f"train.eval_every={max(1, args.steps // args.curve_points)}",
-                    f"train.save_every={args.steps}",
-                ]
-            )
+    grid = [
+        (block, gamma, vocab)
+        for block in map(int, args.blocks.split(","))
+        for gamma in map(float, args.gammas.split(","))
+        for vocab in map(int, args.draft_vocab.split(","))
+    ]
+    for block, gamma, vocab in grid:
+        tag = f"_v{vocab}" if vocab else ""
+        run = out / f"b{block}_g{gamma:g}_s{args.steps}_p{args.prompts}{tag}"
+        runs.append(run)
+        if (run / "summary.json").is_file():
+            continue
+        cli(
+            [
+                "train",
+                "configs/drafter_smollm2.yaml",
+                f"run.out_dir={run}",
+                f"model.target={g}",
+                f"data.train={out}/answers_p{args.prompts}.jsonl",
+                f"data.eval={out}/eval_answers.jsonl",
+                f"train.max_steps={args.steps}",
+                f"drafter.block_size={block}",
+                f"drafter.gamma={gamma}",
+                f"drafter.anchors={args.anchors}",
+                f"drafter.draft_vocab={vocab}",
+                "drafter.cache_target=true",
+                f"drafter.eval_prompts={len(HELD_OUT)}",
+                f"drafter.eval_max_new_tokens={args.max_new}",
+                f"optim.warmup_steps={max(1, args.steps // 20)}",
+                "log.progress=false",
+                "log.tensorboard=false",
+                f"train.eval_every={max(1, args.steps // args.curve_points)}",
+                f"train.save_every={args.steps}",
+            ]
+        )
     return runs
 
 
@@ -381,7 +387,7 @@ def main() -> None:
     p.add_argument("--out", default="bench/out/drafter")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--anchors", type=int, default=16, help="anchors per training sequence")
-    p.add_argument("--draft-vocab", type=int, default=0, help="drafter.draft_vocab (0: all)")
+    p.add_argument("--draft-vocab", default="0", help="drafter.draft_vocab values (0: all)")
     p.add_argument("--regen-batch", type=int, default=64, help="prompts per regenerate batch")
     p.add_argument("--curve-points", type=int, default=6, help="evaluations per run")
     p.add_argument("--prompts", type=int, default=len(PROMPTS))

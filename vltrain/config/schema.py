@@ -633,7 +633,8 @@ class DrafterConfig:
         "Drafter: score only the N most frequent tokens of the training labels (EAGLE-3's "
         "reduced draft vocabulary; 0: the whole vocabulary). The LM-head cost of training and "
         "of every decoding round shrinks by N / V; tokens outside are never drafted (decoding "
-        "stays lossless) and count as misses (eval_vocab_coverage).",
+        "stays lossless) and count as misses (eval_vocab_coverage). N >= the target's "
+        "vocabulary: the whole vocabulary (said).",
         ge=0,
     )
     anchors: int = option(64, "Drafter: anchors sampled per training sequence (0: all).", ge=0)

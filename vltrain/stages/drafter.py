@@ -164,18 +164,27 @@ class DrafterStage:
             mlp_ratio=d.mlp_ratio,
             block_size=d.block_size,
             mask_token_id=t.pad_token_id,
-            draft_vocab=d.draft_vocab,
+            draft_vocab=self._vocab_size(),
         )
-        if d.draft_vocab >= t.vocab_size:
-            raise ConfigError(
-                f"'drafter.draft_vocab' {d.draft_vocab} is not below the target's vocabulary "
-                f"({t.vocab_size}): it would save nothing; use 0 for the whole vocabulary"
-            )
         torch.manual_seed(self.cfg.run.seed)
         drafter = Drafter(dcfg).share(SharedParts(t.embed, t.head, t.head_params))
         drafter.init_mask_embed()
         self._drafter = drafter  # its draft vocabulary is chosen from the data (build_loader)
         return BlockDraftLoss(drafter, gamma_of(self.cfg), d.chunk_blocks, d.dpace)
+
+    def _vocab_size(self) -> int:
+        """``drafter.draft_vocab``, or 0 (the whole vocabulary, said once) when it is not
+        below the target's vocabulary (a preset's 8192 on a small test target)."""
+        n, v = self.cfg.drafter.draft_vocab, self.target.vocab_size
+        if n < v:
+            return n
+        if self.ctx.is_main:
+            print(
+                f"vltrain: drafter: 'drafter.draft_vocab' {n} is not below the target's "
+                f"vocabulary ({v}): the drafter scores the whole vocabulary",
+                file=sys.stderr,
+            )
+        return 0
 
     def _draft_vocab(self, base: Any, n: int) -> Tensor:
         """The n most frequent label tokens of the whole training set (EOS always kept):
@@ -200,8 +209,8 @@ class DrafterStage:
         base = self._base(d.train, train=True)
         if d.max_train_samples:
             base.records = base.records[: d.max_train_samples]
-        if c.drafter.draft_vocab:
-            self._drafter.set_vocab(self._draft_vocab(base, c.drafter.draft_vocab))
+        if self._drafter.cfg.draft_vocab:
+            self._drafter.set_vocab(self._draft_vocab(base, self._drafter.cfg.draft_vocab))
         data = DraftDataset(base, c.drafter.anchors, c.run.seed)
         if d.length_buckets > 0:
             lengths = [data.token_length(i) for i in range(len(data))]
