@@ -325,7 +325,7 @@ def train_grid(args, out: Path, g: str) -> list[Path]:  # noqa: ANN001
                 f"drafter.gamma={gamma}",
                 f"drafter.anchors={args.anchors}",
                 f"drafter.draft_vocab={vocab}",
-                "drafter.cache_target=true",
+                f"drafter.cache_dir={out}/features",  # computed once, read by every run
                 f"drafter.eval_prompts={len(HELD_OUT)}",
                 f"drafter.eval_max_new_tokens={args.max_new}",
                 f"optim.warmup_steps={max(1, args.steps // 20)}",
@@ -403,6 +403,7 @@ def main() -> None:
         "--assistant-steps", type=int, default=400, help="0: no assisted-generation draft LM"
     )
     p.add_argument("--tag", default="", help="suffix of results{TAG}.json")
+    p.add_argument("--also", default="", help="trained run folders to time too (comma list)")
     args = p.parse_args()
     from vltrain.inference.spec_targets import load_hf_causal_lm
 
@@ -427,7 +428,7 @@ def main() -> None:
         if int(json.loads(x)["id"]) < len(prompts)
     ]
     (out / f"answers_p{len(prompts)}.jsonl").write_text("\n".join(first) + "\n")
-    runs = train_grid(args, out, g)
+    runs = train_grid(args, out, g) + [Path(r) for r in args.also.split(",") if r]
     res["curves"] = {r.name: curve(r) for r in runs}
     assistant = None
     if args.assistant_steps > 0:

@@ -440,12 +440,72 @@ def test_cached_target_features_equal_the_online_ones(lm, answers) -> None:  # n
     actx, agreedy, _ = cache.features(again)
     assert cache.computed == 4 and torch.equal(actx.features, cctx.features[order])
     assert torch.equal(agreedy, greedy[order])
-    # negative control: a cache keyed by batch row instead of record gives other rows' features
-    wrong = {k: (v if k != "index" else torch.arange(4)) for k, v in again.items()}
-    stale = FeatureCache(target)
-    stale.features(batch)
-    wctx, _, _ = stale.features(wrong)
-    assert not torch.allclose(wctx.features, actx.features)
+    # a record that trains on other content in another epoch (a captioner record drawing
+    # another caption) keeps its index: the cache is keyed by content, so it gets the new
+    # content's features, not its first epoch's (keyed by index it got stale ones)
+    swapped = {k: (v if k != "index" else batch["index"]) for k, v in again.items()}
+    sctx, sgreedy, _ = cache.features(swapped)
+    assert cache.computed == 4 and torch.equal(sctx.features, cctx.features[order])
+    assert torch.equal(sgreedy, greedy[order])
+    stale = {k: v for k, v in zip(batch["index"].tolist(), cctx.features, strict=True)}
+    by_index = torch.stack([stale[k] for k in swapped["index"].tolist()])
+    assert not torch.allclose(by_index, sctx.features)  # what an index-keyed cache returned
+
+
+def test_features_on_disk_are_read_back_by_a_later_run(lm, answers, tmp_path) -> None:  # noqa: ANN001
+    from vltrain.inference.feature_cache import FeatureCache, target_fingerprint
+    from vltrain.inference.spec_targets import HFTarget
+
+    target, batch = _draft_batch(lm, answers)
+    first = FeatureCache(target, tmp_path)
+    ctx, greedy, _ = first.features(batch)
+    assert (first.computed, first.loaded) == (4, 0)
+    (folder,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    assert len(list(folder.glob("*.safetensors"))) == 4
+    assert json.loads((folder / "target.json").read_text())["layers"] == [0, 1]
+    later = FeatureCache(target, tmp_path)  # a later run: reads, runs no target forward
+    lctx, lgreedy, _ = later.features(batch)
+    assert (later.computed, later.loaded) == (0, 4)
+    assert torch.equal(lctx.features, ctx.features) and torch.equal(lgreedy, greedy)
+    assert torch.equal(lctx.positions, ctx.positions) and torch.equal(lctx.valid, ctx.valid)
+    # other layers or other weights: another folder, features computed again, never mixed
+    other = FeatureCache(HFTarget(target.model, [1]), tmp_path)
+    other.features(batch)
+    assert other.computed == 4 and other.store != first.store
+    fp = target_fingerprint(target)
+    with torch.no_grad():
+        next(target.model.parameters()).view(-1)[0] += 1e-3
+    try:
+        assert target_fingerprint(target) != fp
+        moved = FeatureCache(target, tmp_path)
+        moved.features(batch)
+        assert moved.computed == 4 and moved.loaded == 0
+    finally:
+        with torch.no_grad():
+            next(target.model.parameters()).view(-1)[0] -= 1e-3
+    assert not list(tmp_path.rglob("*.tmp"))  # atomic writes leave nothing behind
+
+
+def test_a_run_on_cached_features_from_disk_trains_like_one_that_computed_them(
+    lm,  # noqa: ANN001
+    answers,  # noqa: ANN001
+    tmp_path,  # noqa: ANN001
+    monkeypatch,  # noqa: ANN001
+) -> None:
+    from vltrain.inference.feature_cache import FeatureCache
+
+    store = tmp_path / "features"
+    memory = _train(lm, answers, tmp_path / "memory", "drafter.cache_target=true")
+    writes = _train(lm, answers, tmp_path / "writes", f"drafter.cache_dir={store}")
+    assert len(list(store.rglob("*.safetensors"))) == len(TEXTS)
+
+    def no_forward(self, batch, i):  # noqa: ANN001, ANN202
+        raise AssertionError("the target ran although its features were on disk")
+
+    monkeypatch.setattr(FeatureCache, "_compute", no_forward)
+    reads = _train(lm, answers, tmp_path / "reads", f"drafter.cache_dir={store}")
+    for key in ("eval_loss", "eval_tau", "eval_tau_target", "eval_label_agreement"):
+        assert memory[key] == writes[key] == reads[key], key
 
 
 def test_cached_features_train_like_online_ones(lm, answers, tmp_path) -> None:  # noqa: ANN001
@@ -478,4 +538,9 @@ def test_cache_target_refuses_soft_labels(lm) -> None:  # noqa: ANN001
         preset, [f"model.target={lm}", "drafter.cache_target=true", "drafter.soft_labels=true"]
     )
     with pytest.raises(ConfigError, match="soft_labels"):
+        STAGES["drafter"].check_config(cfg)
+    cfg = load_config(
+        preset, [f"model.target={lm}", "drafter.cache_dir=feats", "drafter.soft_labels=true"]
+    )
+    with pytest.raises(ConfigError, match="cache_dir' \\(it implies cache_target"):
         STAGES["drafter"].check_config(cfg)

@@ -628,6 +628,13 @@ class DrafterConfig:
         "Drafter: compute each record's target features once (alone, unpadded) and keep them "
         "in memory for later epochs (vltrain.inference.feature_cache); not with soft_labels.",
     )
+    cache_dir: str = option(
+        "",
+        "Drafter: also keep the cached target features on disk in this folder (one subfolder "
+        "per target weights and layers, one file per sequence), so later runs of the same "
+        "target (another block size, gamma or draft vocabulary; a resume; other ranks) read "
+        "them instead of running the target. Implies cache_target.",
+    )
     draft_vocab: int = option(
         0,
         "Drafter: score only the N most frequent tokens of the training labels (EAGLE-3's "

@@ -3,25 +3,46 @@
 A drafter step needs the target's hidden states at a few layers for every position of its
 sequences. The target is frozen, so a record gets the same features in every epoch; on a CPU
 that forward (a 135M target over the whole sequence, its LM head included) costs more than the
-drafter's own forward and backward. ``FeatureCache`` computes a record's features the first
+drafter's own forward and backward. ``FeatureCache`` computes a sequence's features the first
 time it is met, alone and unpadded (so the cached values do not depend on which batch first
-met the record, and a resumed run reads the same features), keeps them with the target's
-greedy tokens, and assembles later batches from memory. The logits are not kept (49k floats a
-token), so ``drafter.soft_labels`` cannot be combined with it.
+met it, and a resumed run reads the same features), keeps them with the target's greedy
+tokens, and assembles later batches from memory. The logits are not kept (49k floats a token),
+so ``drafter.soft_labels`` cannot be combined with it.
 
-Memory: (P + T) x n x W floats per record (SmolLM2, 3 layers: 7 KB a token, ~1.7 MB for a
-250-token answer); the features live on the CPU and move to the batch's device when used.
+Keys are the content of the row (its token ids, and its image for a captioner), not the
+record's index: a captioner record with several captions trains on another caption in another
+epoch, and must not be handed the features of the first one.
+
+With a ``store`` folder the features also go to disk (SpecForge's and speculators' "offline"
+hidden states): ``store/<target fingerprint>/<row digest>.safetensors``, written atomically,
+read back by any later run of the same target and layers (another block size, gamma or
+vocabulary; a resumed run; another rank). The fingerprint hashes the target's kind, the layers
+read, this module's feature format and every tensor of the target's state dict, so features of
+another target, other weights or other layers are never read.
+
+Memory: (P + T) x n x W floats per sequence (SmolLM2, 3 layers: 7 KB a token, ~1.7 MB for a
+250-token answer); the features live on the CPU and move to the batch's device when used. On
+disk the same bytes.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from vltrain.data.chat import IGNORE_INDEX
 from vltrain.inference.spec_targets import Context
+
+FORMAT = 1  # bump when what a cached row holds, or how it is computed, changes
+Row = tuple[Tensor, Tensor, Tensor, Tensor]  # features, positions, valid, greedy
+FIELDS = ("features", "positions", "valid", "greedy")
 
 
 def greedy_tokens(logits: Tensor, text_mask: Tensor) -> Tensor:
@@ -29,19 +50,57 @@ def greedy_tokens(logits: Tensor, text_mask: Tensor) -> Tensor:
     return logits.argmax(-1).masked_fill(~text_mask.bool(), IGNORE_INDEX)
 
 
-class FeatureCache:
-    """Per-record target features (a record = the batch's ``index``), one split's worth."""
+def _update(h: Any, t: Tensor) -> None:
+    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
 
-    def __init__(self, target: Any) -> None:
+
+def target_fingerprint(target: Any) -> str:
+    """A digest of what the features depend on: the target's kind, the layers read, the
+    feature format and every tensor of the target's state dict (one pass over the weights:
+    about a second for a 135M target)."""
+    h = hashlib.blake2b(digest_size=16)
+    head = {"kind": type(target).__name__, "layers": list(target.layer_ids), "format": FORMAT}
+    h.update(json.dumps(head, sort_keys=True).encode())
+    for name, t in sorted(target.model.state_dict().items()):
+        h.update(name.encode())
+        _update(h, t)
+    return h.hexdigest()
+
+
+class FeatureCache:
+    """Per-sequence target features of one split, in memory and optionally in `store`."""
+
+    def __init__(self, target: Any, store: str | Path | None = None) -> None:
         self.target = target
-        self.rows: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
-        self.computed = 0  # forwards run (a test counts them)
+        self.rows: dict[str, Row] = {}
+        self.computed = 0  # target forwards run (a test counts them)
+        self.loaded = 0  # rows read from the store
+        self.store: Path | None = None
+        if store:
+            self.store = Path(store) / target_fingerprint(target)
+            self.store.mkdir(parents=True, exist_ok=True)
+            about = self.store / "target.json"
+            if not about.is_file():
+                info = {"kind": type(target).__name__, "layers": list(target.layer_ids)}
+                info.update(format=FORMAT, width=target.width, vocab_size=target.vocab_size)
+                _atomic(about, lambda p: p.write_text(json.dumps(info, indent=1) + "\n"))
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def _one(self, batch: dict[str, Tensor], i: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(features, positions, valid, greedy) of row i, computed alone at its own length."""
+    @staticmethod
+    def key(batch: dict[str, Tensor], i: int) -> str:
+        """The digest of row i's content: its unpadded token ids (and image)."""
+        n = int(batch["attention_mask"][i].sum())
+        h = hashlib.blake2b(digest_size=16)
+        _update(h, batch["input_ids"][i, :n])
+        if "images" in batch:
+            _update(h, batch["images"][i])
+        return h.hexdigest()
+
+    def _compute(self, batch: dict[str, Tensor], i: int) -> Row:
+        """Row i's (features, positions, valid, greedy), computed alone at its own length."""
         n = int(batch["attention_mask"][i].sum())
         ids = batch["input_ids"][i : i + 1, :n]
         ones = torch.ones_like(ids)
@@ -57,12 +116,25 @@ class FeatureCache:
             greedy_tokens(logits, ones)[0].cpu(),
         )
 
+    def _row(self, batch: dict[str, Tensor], i: int, key: str) -> Row:
+        if self.store is None:
+            return self._compute(batch, i)
+        path = self.store / f"{key}.safetensors"
+        if path.is_file():
+            t = load_file(str(path))
+            self.loaded += 1
+            return tuple(t[f] for f in FIELDS)  # type: ignore[return-value]
+        row = self._compute(batch, i)
+        tensors = {f: x.contiguous() for f, x in zip(FIELDS, row, strict=True)}
+        _atomic(path, lambda p: save_file(tensors, str(p)))
+        return row
+
     def features(self, batch: dict[str, Tensor]) -> tuple[Context, Tensor, int]:
         """(Context (B, P + T, F), greedy (B, T), prefix length P) of a right-padded batch."""
-        keys = batch["index"].tolist()
+        keys = [self.key(batch, i) for i in range(batch["input_ids"].shape[0])]
         for i, key in enumerate(keys):
             if key not in self.rows:
-                self.rows[key] = self._one(batch, i)
+                self.rows[key] = self._row(batch, i, key)
         rows = [self.rows[k] for k in keys]
         b, t = batch["input_ids"].shape
         p = rows[0][0].shape[0] - rows[0][3].shape[0]  # prefix = context rows - text rows
@@ -75,3 +147,11 @@ class FeatureCache:
             feats[i, : len(f)], pos[i, : len(f)], valid[i, : len(f)] = f, ps, v
             greedy[i, : len(g)] = g
         return Context(feats.to(dev), pos.to(dev), valid.to(dev)), greedy.to(dev), p
+
+
+def _atomic(path: Path, write: Any) -> None:
+    """Write through a temporary name in the same folder, then rename: a reader (another
+    rank, a concurrent run) sees the whole file or none."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    write(tmp)
+    os.replace(tmp, path)

@@ -3,9 +3,10 @@
 Targets (``model.kind``): ``hf_lm`` (a local HF causal LM directory or ``.gguf`` file:
 Llama, Qwen2, Qwen3 families) or ``captioner`` (a vltrain caption/rl run; the image prefix is
 in the context, text is drafted). ``model.target`` names it. The target's features are computed
-online under ``no_grad`` in every step, or once per record with ``drafter.cache_target`` (kept
+online under ``no_grad`` in every step, or once per sequence with ``drafter.cache_target`` (kept
 in memory, 3 x 576 x 4 B = 7 KB per token for SmolLM2; anchors are still drawn per epoch, over
-the cached features; vltrain.inference.feature_cache). Data should be the target's own
+the cached features; vltrain.inference.feature_cache), and also on disk for later runs of the
+same target with ``drafter.cache_dir``. Data should be the target's own
 answers (``vltrain data regenerate``): the drafter must predict the target, and evaluation
 flags data whose labels are not the target's greedy tokens.
 
@@ -101,10 +102,12 @@ class DrafterStage:
         check_choice("model.kind", cfg.model.kind, TARGET_KINDS, "stage drafter")
         if not cfg.model.target:
             raise ConfigError("stage drafter needs 'model.target' (the frozen target model)")
-        if cfg.drafter.cache_target and cfg.drafter.soft_labels:
+        d = cfg.drafter
+        if (d.cache_target or d.cache_dir) and d.soft_labels:
+            which = "cache_dir' (it implies cache_target)" if d.cache_dir else "cache_target'"
             raise ConfigError(
-                "'drafter.cache_target' keeps features and greedy tokens, not the target's "
-                "logits, so it cannot feed 'drafter.soft_labels': turn one of them off"
+                f"'drafter.{which} keeps features and greedy tokens, not the target's logits, "
+                "so it cannot feed 'drafter.soft_labels': turn one of them off"
             )
 
     @classmethod
@@ -235,9 +238,15 @@ class DrafterStage:
 
     def _target(self, batch: dict[str, Any], split: str) -> tuple:
         """(Context, logits or None when cached, greedy tokens (B, T), prefix length)."""
-        if self.cfg.drafter.cache_target:
+        d = self.cfg.drafter
+        if d.cache_target or d.cache_dir:
             if split not in self.caches:
-                self.caches[split] = FeatureCache(self.target)
+                self.caches[split] = FeatureCache(self.target, d.cache_dir or None)
+                if d.cache_dir and self.ctx.is_main and split == "train":
+                    print(
+                        f"vltrain: drafter: target features cached in {self.caches[split].store}",
+                        file=sys.stderr,
+                    )
             ctx, greedy, p = self.caches[split].features(batch)
             return ctx, None, greedy, p
         mask = batch["attention_mask"]
