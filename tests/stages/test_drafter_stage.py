@@ -460,6 +460,9 @@ def test_features_on_disk_are_read_back_by_a_later_run(lm, answers, tmp_path) ->
     first = FeatureCache(target, tmp_path)
     ctx, greedy, _ = first.features(batch)
     assert (first.computed, first.loaded) == (4, 0)
+    assert not first.rows  # with a store nothing stays in memory: the next batch reads it back
+    again, _, _ = first.features(batch)
+    assert (first.computed, first.loaded) == (4, 4) and torch.equal(again.features, ctx.features)
     (folder,) = [d for d in tmp_path.iterdir() if d.is_dir()]
     assert len(list(folder.glob("*.safetensors"))) == 4
     assert json.loads((folder / "target.json").read_text())["layers"] == [0, 1]

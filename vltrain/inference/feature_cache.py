@@ -22,11 +22,18 @@ another target, other weights or other layers are never read.
 
 Memory: (P + T) x n x W floats per sequence (SmolLM2, 3 layers: 7 KB a token, ~1.7 MB for a
 250-token answer); the features live on the CPU and move to the batch's device when used. On
-disk the same bytes.
+disk the same bytes. With a store nothing is kept in memory: every batch reads its rows back
+(the OS caches the files; a few ms a step), so memory does not grow with the dataset. Without
+one, each kept row is copied into storage of its own and freed memory is handed back to the
+OS after each target forward (glibc's ``malloc_trim``): the forward's large temporaries freed
+around small long-lived rows fragmented the heap, and a run caching 3,200 SmolLM2 answers
+(4 GB of features) was killed at 24 GB.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import json
 import os
@@ -43,6 +50,17 @@ from vltrain.inference.spec_targets import Context
 FORMAT = 1  # bump when what a cached row holds, or how it is computed, changes
 Row = tuple[Tensor, Tensor, Tensor, Tensor]  # features, positions, valid, greedy
 FIELDS = ("features", "positions", "valid", "greedy")
+
+
+def _libc_trim() -> Any:
+    """glibc's ``malloc_trim`` (None elsewhere: macOS, musl)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = _libc_trim()
 
 
 def greedy_tokens(logits: Tensor, text_mask: Tensor) -> Tensor:
@@ -69,7 +87,7 @@ def target_fingerprint(target: Any) -> str:
 
 
 class FeatureCache:
-    """Per-sequence target features of one split, in memory and optionally in `store`."""
+    """Per-sequence target features of one split, in memory, or on disk in `store`."""
 
     def __init__(self, target: Any, store: str | Path | None = None) -> None:
         self.target = target
@@ -85,9 +103,6 @@ class FeatureCache:
                 info = {"kind": type(target).__name__, "layers": list(target.layer_ids)}
                 info.update(format=FORMAT, width=target.width, vocab_size=target.vocab_size)
                 _atomic(about, lambda p: p.write_text(json.dumps(info, indent=1) + "\n"))
-
-    def __len__(self) -> int:
-        return len(self.rows)
 
     @staticmethod
     def key(batch: dict[str, Tensor], i: int) -> str:
@@ -109,12 +124,12 @@ class FeatureCache:
         else:
             ctx, logits, _ = self.target.features(ids, ones)
         self.computed += 1
-        return (
-            ctx.features[0].cpu(),
-            ctx.positions[0].cpu(),
-            ctx.valid[0].cpu(),
-            greedy_tokens(logits, ones)[0].cpu(),
-        )
+        row = (ctx.features[0], ctx.positions[0], ctx.valid[0], greedy_tokens(logits, ones)[0])
+        row = tuple(t.detach().to("cpu", copy=True) for t in row)  # storage of its own
+        del ctx, logits
+        if _TRIM is not None:
+            _TRIM(0)
+        return row  # type: ignore[return-value]
 
     def _row(self, batch: dict[str, Tensor], i: int, key: str) -> Row:
         if self.store is None:
@@ -132,10 +147,13 @@ class FeatureCache:
     def features(self, batch: dict[str, Tensor]) -> tuple[Context, Tensor, int]:
         """(Context (B, P + T, F), greedy (B, T), prefix length P) of a right-padded batch."""
         keys = [self.key(batch, i) for i in range(batch["input_ids"].shape[0])]
+        got: dict[str, Row] = {}
         for i, key in enumerate(keys):
-            if key not in self.rows:
-                self.rows[key] = self._row(batch, i, key)
-        rows = [self.rows[k] for k in keys]
+            if key not in got:
+                got[key] = self.rows.get(key) or self._row(batch, i, key)
+        if self.store is None:
+            self.rows.update(got)
+        rows = [got[k] for k in keys]
         b, t = batch["input_ids"].shape
         p = rows[0][0].shape[0] - rows[0][3].shape[0]  # prefix = context rows - text rows
         dev = batch["input_ids"].device
