@@ -89,14 +89,17 @@ def target_fingerprint(target: Any) -> str:
 class FeatureCache:
     """Per-sequence target features of one split, in memory, or on disk in `store`."""
 
-    def __init__(self, target: Any, store: str | Path | None = None) -> None:
+    def __init__(
+        self, target: Any, store: str | Path | None = None, fingerprint: str | None = None
+    ) -> None:
+        """``fingerprint``: the target's, when the caller has it (another split's cache)."""
         self.target = target
         self.rows: dict[str, Row] = {}
         self.computed = 0  # target forwards run (a test counts them)
         self.loaded = 0  # rows read from the store
         self.store: Path | None = None
         if store:
-            self.store = Path(store) / target_fingerprint(target)
+            self.store = Path(store) / (fingerprint or target_fingerprint(target))
             self.store.mkdir(parents=True, exist_ok=True)
             about = self.store / "target.json"
             if not about.is_file():
@@ -140,7 +143,7 @@ class FeatureCache:
             self.loaded += 1
             return tuple(t[f] for f in FIELDS)  # type: ignore[return-value]
         row = self._compute(batch, i)
-        tensors = {f: x.contiguous() for f, x in zip(FIELDS, row, strict=True)}
+        tensors = dict(zip(FIELDS, row, strict=True))  # fresh copies: contiguous
         _atomic(path, lambda p: save_file(tensors, str(p)))
         return row
 

@@ -241,7 +241,8 @@ class DrafterStage:
         d = self.cfg.drafter
         if d.cache_target or d.cache_dir:
             if split not in self.caches:
-                self.caches[split] = FeatureCache(self.target, d.cache_dir or None)
+                known = next((c.store.name for c in self.caches.values() if c.store), None)
+                self.caches[split] = FeatureCache(self.target, d.cache_dir or None, known)
                 if d.cache_dir and self.ctx.is_main and split == "train":
                     print(
                         f"vltrain: drafter: target features cached in {self.caches[split].store}",
