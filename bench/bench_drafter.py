@@ -90,11 +90,39 @@ fishing, gardening tools, hammers, ladders, umbrellas, shoes, hats, scarves, woo
 silk, leather, wood, stone, iron, gold, silver, copper, plastic, recycling, compost""".replace(
     "\n", " "
 ).split(", ")
+FOURTH_TOPICS = """glaciers melting, hot air balloons, lava lamps, marathons, origami,
+knitting, candles, mirrors, microscopes, vaccines, hospitals, nurses, firefighters,
+police officers, pilots,
+farmers, bakers, chefs, carpenters, plumbers, electricians, architects, scientists,
+inventors, poets, journalists, librarians, judges, doctors, dentists, veterinarians,
+zookeepers, gardeners, tailors, painters, sculptors, musicians, drummers, violins, guitars,
+flutes, trumpets, choirs, orchestras, operas, ballet, jazz, hip hop, lullabies, podcasts,
+blogs, emails, passwords, spreadsheets, calculators, keyboards, printers, headphones,
+microphones, solar panels, wind turbines, dams, nuclear power, electric cars,
+trains at night, airports, highways, traffic lights, roundabouts, crosswalks, sidewalks,
+street food, bakeries, cafes, restaurants, supermarkets, vending machines, elevators,
+escalators, staircases, windows, doors, keys, locks, clocks on towers, bells, fountains,
+statues, monuments, pyramids, temples, cathedrals, palaces, villages, suburbs, apartments,
+tents, igloos, treehouses, cottages, barns, stables, greenhouses, orchards, vineyards,
+meadows, prairies, swamps, marshes, lagoons, fjords, canyons, cliffs, plateaus, valleys,
+hills, geysers, hot springs, icebergs, avalanches, wildfires, heat waves, blizzards,
+sunsets, sunrises, moonlight, shadows, echoes, rainbows after storms, puddles, dew, frost,
+snowflakes, seashells, pebbles, crystals, diamonds, pearls, amber, marble, granite, clay,
+chalk, ink, glue, tape, scissors, needles, buttons, zippers, backpacks, suitcases, wallets,
+watches, glasses, gloves, boots, socks, pajamas, blankets, pillows, hammocks, chairs,
+tables, sofas, lamps, rugs, curtains, kitchens, ovens, refrigerators, microwaves, kettles,
+spoons, forks, chopsticks, plates, bowls, cups, bottles, jars, baskets, boxes, envelopes,
+stamps, postcards, letters, diaries, dictionaries, encyclopedias, atlases, globes, flags,
+anthems, elections, parliaments, constitutions, taxes, insurance, loans""".replace("\n", " ").split(
+    ", "
+)
 PROMPTS = (
     [t.format(x) for x in TOPICS for t in TEMPLATES]
     + [t.format(x) for x in TOPICS for t in MORE_TEMPLATES]
     # the third prompt set (--prompts beyond 1,152): new topics, every template
     + [t.format(x) for x in MORE_TOPICS for t in TEMPLATES + MORE_TEMPLATES]
+    # the fourth set (--prompts beyond 4,224): 200 more topics, every template
+    + [t.format(x) for x in FOURTH_TOPICS for t in TEMPLATES + MORE_TEMPLATES]
 )
 
 
@@ -307,7 +335,7 @@ def train_grid(args, out: Path, g: str) -> list[Path]:  # noqa: ANN001
         for vocab in map(int, args.draft_vocab.split(","))
     ]
     for block, gamma, vocab in grid:
-        tag = f"_v{vocab}" if vocab else ""
+        tag = (f"_v{vocab}" if vocab else "") + (f"_l{args.layers}" if args.layers > 1 else "")
         run = out / f"b{block}_g{gamma:g}_s{args.steps}_p{args.prompts}{tag}"
         runs.append(run)
         if (run / "summary.json").is_file():
@@ -325,6 +353,7 @@ def train_grid(args, out: Path, g: str) -> list[Path]:  # noqa: ANN001
                 f"drafter.gamma={gamma}",
                 f"drafter.anchors={args.anchors}",
                 f"drafter.draft_vocab={vocab}",
+                f"drafter.layers={args.layers}",
                 f"drafter.cache_dir={out}/features",  # computed once, read by every run
                 f"drafter.eval_prompts={len(HELD_OUT)}",
                 f"drafter.eval_max_new_tokens={args.max_new}",
@@ -388,6 +417,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--anchors", type=int, default=16, help="anchors per training sequence")
     p.add_argument("--draft-vocab", default="0", help="drafter.draft_vocab values (0: all)")
+    p.add_argument("--layers", type=int, default=1, help="drafter.layers")
     p.add_argument("--regen-batch", type=int, default=64, help="prompts per regenerate batch")
     p.add_argument("--curve-points", type=int, default=6, help="evaluations per run")
     p.add_argument("--prompts", type=int, default=len(PROMPTS))
