@@ -164,3 +164,52 @@ def test_select_tree_path_equals_fresh_prefill_of_the_path(saved) -> None:
     wrong = torch.cat([torch.arange(ids.shape[1]), torch.tensor([0, 2, 5]) + ids.shape[1]])
     bad, _ = adapter.step(nxt, adapter.select_cache(cache, wrong))
     assert (bad - ref).abs().max() > 1e-3  # negative control: another path of the tree
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        [[0, 1, 2]],  # a chain's accepted prefix: nothing moves, the cache is cut
+        [[0, 1, 3, 6]],  # a tree path: the tail moves into place
+        [[0, 2, 5], [0, 1, 4], [6, 3, 1]],  # rows with different paths
+        [[3, 1, 0]],  # out of order: read before written
+        [[]],  # nothing accepted past the old cache
+    ],
+)
+def test_select_cache_equals_a_plain_gather(saved, tail) -> None:  # noqa: ANN001
+    adapter = _load(saved)
+    ids, mask = _prompt()
+    nodes = _tokens((3, len(PARENTS)), 8)
+    _, cache = adapter.prefill(input_ids=ids, attention_mask=mask)
+    pos, tmask = _tree_inputs(cache, mask)
+    _, cache = adapter.verify(nodes, cache, position_ids=pos, attention_mask=tmask)
+    old = ids.shape[1]
+    rows = torch.tensor(tail, dtype=torch.long).reshape(len(tail), -1).expand(3, -1)
+    index = torch.cat([torch.arange(old).expand(3, -1), old + rows], 1)
+    want = [
+        (
+            layer.keys.gather(2, _ix(index, layer.keys)),
+            layer.values.gather(2, _ix(index, layer.keys)),
+        )
+        for layer in cache.kv.layers
+    ]
+    kept = adapter.select_cache(cache, index)
+    for layer, (k, v) in zip(kept.kv.layers, want, strict=True):
+        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+    assert kept.kv.get_seq_length() == index.shape[1]
+
+
+def test_select_cache_may_repeat_positions(saved) -> None:  # noqa: ANN001
+    adapter = _load(saved)
+    ids, mask = _prompt()
+    _, cache = adapter.prefill(input_ids=ids, attention_mask=mask)
+    n = ids.shape[1]
+    index = torch.cat([torch.arange(n), torch.arange(n)])[None].expand(3, -1)  # 2n > n cached
+    want = [layer.keys.gather(2, _ix(index, layer.keys)) for layer in cache.kv.layers]
+    kept = adapter.select_cache(cache, index)
+    for layer, k in zip(kept.kv.layers, want, strict=True):
+        assert torch.equal(layer.keys, k)
+
+
+def _ix(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return index[:, None, :, None].expand(-1, like.shape[1], -1, like.shape[3])
