@@ -10,7 +10,7 @@ greedy decoding, and the speed-up tau and the measured costs predict.
     python bench/bench_drafter.py --costs-only          # step (1) only
 
 Step (2) first copies the committed answers in bench/data (the target's greedy answers to all
-6,624 prompts, made once with `--save-seed`) where the GGUF's sha256 and each prompt match,
+13,080 prompts, made once with `--save-seed`) where the GGUF's sha256 and each prompt match,
 so only missing prompts run the target (`--no-seed` regenerates everything).
 """
 
@@ -122,6 +122,29 @@ stamps, postcards, letters, diaries, dictionaries, encyclopedias, atlases, globe
 anthems, elections, parliaments, constitutions, taxes, insurance, loans""".replace("\n", " ").split(
     ", "
 )
+FIFTH_TOPICS = """sailboats, lighthouses at dawn, sea turtles, seagulls, pelicans, flamingos,
+woodpeckers, geese, turkeys, peacocks, ostriches, leopards, hippos, rhinos, gorillas,
+chimpanzees, lemurs, sloths, armadillos, bison, hamsters, goldfish, salamanders, tortoises,
+earthworms, ferns, mosses, cacti, orchids, lavender, pine forests, redwoods, baobabs,
+mangroves, seaweed, algae, pollen, seeds, fertilizer, irrigation, harvests, peppers, avocados,
+olives, salad, waffles, cake, lemonade, smoothies, spices, sugar, vinegar, baking, grilling,
+fermentation, recipes, table manners, parades, carnivals, circuses, magic tricks, riddles,
+jokes, comedy, movies, cartoons, legends, superheroes, detectives, pirates, knights, dragons,
+aliens, time travel, space stations, planets, asteroids, constellations, light bulbs, lasers,
+search engines, social media, laptops, robots in factories, artificial intelligence, computer
+programming, databases, encryption, cloud storage, drones, 3D printing, virtual reality, ships,
+parachutes, universities, exams, gratitude, creativity, emotions, music practice, soccer, the
+Olympics""".replace("\n", " ").split(", ")
+FIFTH_TEMPLATES = [  # answer styles the first four sets never asked for
+    "Write a haiku about {}.",
+    "What are the pros and cons of {}?",
+    "Give a step-by-step guide related to {}.",
+    "Write a short dialogue about {}.",
+    "What is a common misconception about {}?",
+    "Compare {} with something similar.",
+    "Write a tweet about {}.",
+    "What would the world be like without {}?",
+]
 PROMPTS = (
     [t.format(x) for x in TOPICS for t in TEMPLATES]
     + [t.format(x) for x in TOPICS for t in MORE_TEMPLATES]
@@ -129,6 +152,10 @@ PROMPTS = (
     + [t.format(x) for x in MORE_TOPICS for t in TEMPLATES + MORE_TEMPLATES]
     # the fourth set (--prompts beyond 4,224): 200 more topics, every template
     + [t.format(x) for x in FOURTH_TOPICS for t in TEMPLATES + MORE_TEMPLATES]
+    # the fifth set (--prompts beyond 6,624): 102 more topics with every template, then the
+    # new templates on the 552 earlier topics (their held-out prompts keep unseen topics)
+    + [t.format(x) for x in FIFTH_TOPICS for t in TEMPLATES + MORE_TEMPLATES + FIFTH_TEMPLATES]
+    + [t.format(x) for x in TOPICS + MORE_TOPICS + FOURTH_TOPICS for t in FIFTH_TEMPLATES]
 )
 
 
