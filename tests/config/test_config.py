@@ -136,3 +136,32 @@ def test_config_reference_doc_is_current() -> None:
     assert buf.getvalue().strip() == (REPO / "docs" / "config.md").read_text().strip(), (
         "docs/config.md is stale: run `vltrain config-docs --out docs/config.md`"
     )
+
+
+def test_configs_name_outside_a_checkout_reads_the_shipped_preset(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`vltrain train configs/drafter.yaml` where vltrain was only pip-installed: the shipped
+    preset, said on stderr; a configs/ file in the working directory wins; other names fail."""
+    from vltrain.config.core import load_yaml
+
+    monkeypatch.chdir(tmp_path)  # no configs/ here
+    shipped = yaml.safe_load((REPO / "vltrain" / "configs" / "drafter.yaml").read_text())
+    assert load_yaml("configs/drafter.yaml") == shipped
+    assert "using the shipped preset" in capsys.readouterr().err
+    assert load_config("configs/drafter.yaml").stage == "drafter"
+    from vltrain.runs.pipeline import load_pipeline  # stage configs resolved the same way
+
+    assert [s.name for s in load_pipeline("configs/pipeline.yaml")] == [
+        "pretrain",
+        "finetune",
+        "rl",
+    ]
+    assert "shipped preset" in capsys.readouterr().err
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "drafter.yaml").write_text("train:\n  max_steps: 7\n")
+    assert load_yaml("configs/drafter.yaml") == {"train": {"max_steps": 7}}
+    assert "shipped" not in capsys.readouterr().err
+    for missing in ("configs/no_such_preset.yaml", "drafter.yaml", "other/drafter.yaml"):
+        with pytest.raises(ConfigError, match="config file not found"):
+            load_yaml(missing)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
+import sys
 import types
 import typing
 from pathlib import Path
@@ -255,9 +257,34 @@ def safe_load_unique(text: str, name: str = "<string>") -> Any:
         loader.dispose()
 
 
-def load_yaml(path: str | Path) -> dict:
-    """Read a YAML file with the safe loader; a clear error if it is missing or malformed."""
+def shipped_preset(path: Path) -> Path | None:
+    """The preset shipped inside the installed package that ``configs/NAME.yaml`` names.
+
+    The README's commands say ``configs/NAME.yaml``, which a source checkout has (a link to
+    ``vltrain/configs``) but a folder where vltrain was only pip-installed does not. None for
+    any other path, or a name no preset has.
+    """
+    if path.is_absolute() or path.parent != Path("configs"):
+        return None
+    preset = Path(__file__).resolve().parents[1] / "configs" / path.name
+    return preset if preset.is_file() else None
+
+
+def config_path(path: str | Path) -> Path:
+    """``path``; for a missing ``configs/NAME.yaml``, the shipped preset of that name, said on
+    stderr (rank 0 only). A file of that path in the working directory always wins."""
     p = Path(path)
+    if not p.is_file() and (preset := shipped_preset(p)) is not None:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"vltrain: no {p} here; using the shipped preset {preset}", file=sys.stderr)
+        return preset
+    return p
+
+
+def load_yaml(path: str | Path) -> dict:
+    """Read a YAML file (``config_path``'s) with the safe loader; a clear error if it is
+    missing or malformed."""
+    p = config_path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:

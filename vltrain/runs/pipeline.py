@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from vltrain.config.core import ConfigError, load_yaml, to_dict
+from vltrain.config.core import ConfigError, config_path, load_yaml, to_dict
 from vltrain.config.schema import Config
 from vltrain.engine import checkpoint
 from vltrain.runs.report import cell, markdown_table
@@ -77,7 +77,7 @@ def load_pipeline(
     `root` replaces the file's root; `only` keeps the named stages (in file order), each still
     chained to the previous one kept.
     """
-    path = Path(path)
+    path = config_path(path)  # stage configs are relative to the file actually read
     spec = load_yaml(path)
     unknown = sorted(set(spec) - _KEYS)
     if unknown:
