@@ -19,10 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.bench_drafter import gguf_path, machine  # noqa: E402
+from vltrain.inference.spec_targets import load_hf_causal_lm  # noqa: E402
 
 
 def median_ms(fn, reps: int) -> float:  # noqa: ANN001
@@ -54,25 +60,18 @@ def main() -> None:
     p.add_argument("--rows", default="1,2,4,8,9,12,17,33")
     p.add_argument("--reps", type=int, default=9)
     args = p.parse_args()
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from bench.bench_drafter import gguf_path, machine
-    from vltrain.inference.spec_targets import load_hf_causal_lm
-
     model, _ = load_hf_causal_lm(str(gguf_path()))
     weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
     params = sum(w.numel() for w in weights)
     bounds = machine_bounds(args.reps)
     print(json.dumps(machine() | bounds | {"linears": len(weights), "params": params}))
+    mem = params * 4 / bounds["copy_gb_s"] / 1e6  # every weight read once, whatever M
     with torch.no_grad():
         base = None
         for m in map(int, args.rows.split(",")):
             xs = {k: torch.randn(m, k) for k in {w.shape[1] for w in weights}}
             ms = median_ms(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights], args.reps)
             base = base or ms
-            mem = params * 4 / bounds["copy_gb_s"] / 1e6
             comp = 2 * m * params / bounds["gemm_gflop_s"] / 1e6
             row = {"rows": m, "ms": round(ms, 2), "ratio_to_1": round(ms / base, 2)}
             row |= {"bound_ms": round(max(mem, comp), 2), "memory_ms": round(mem, 2)}

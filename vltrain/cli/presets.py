@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import re
-from importlib import resources
-from pathlib import Path
+
+from vltrain.config.core import preset_dir
 
 # a sentence ends at ". " before a capital, or where a line ends in "." or ":"
 _SENTENCE_END = re.compile(r"\.(?=\s+[A-Z(`])|[.:]\s*$")
@@ -21,11 +21,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "source checkout) with the purpose stated in its first comment.",
     )
     p.set_defaults(fn=run)
-
-
-def preset_dir() -> Path:
-    """The folder of shipped presets (inside the installed package)."""
-    return Path(str(resources.files("vltrain") / "configs"))
 
 
 def purpose(text: str) -> str:

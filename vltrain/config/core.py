@@ -15,6 +15,7 @@ import os
 import sys
 import types
 import typing
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +258,11 @@ def safe_load_unique(text: str, name: str = "<string>") -> Any:
         loader.dispose()
 
 
+def preset_dir() -> Path:
+    """The folder of shipped presets (inside the installed package)."""
+    return Path(str(resources.files("vltrain") / "configs"))
+
+
 def shipped_preset(path: Path) -> Path | None:
     """The preset shipped inside the installed package that ``configs/NAME.yaml`` names.
 
@@ -266,7 +272,7 @@ def shipped_preset(path: Path) -> Path | None:
     """
     if path.is_absolute() or path.parent != Path("configs"):
         return None
-    preset = Path(__file__).resolve().parents[1] / "configs" / path.name
+    preset = preset_dir() / path.name
     return preset if preset.is_file() else None
 
 

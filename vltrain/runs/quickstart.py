@@ -13,11 +13,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vltrain.config.core import preset_dir
 from vltrain.runs.pipeline import PipelineStage, run_pipeline
 from vltrain.runs.report import cell, markdown_table
 from vltrain.runs.run_report import write_report
 
-CONFIGS = Path(__file__).parent.parent / "configs"
+CONFIGS = preset_dir()
 PRESET = CONFIGS / "quickstart.yaml"
 PIPELINE = CONFIGS / "quickstart_pipeline.yaml"
 #: pipeline stage -> the name its row has in the all-stages table
