@@ -20,6 +20,7 @@ import argparse
 import gzip
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
 import platform
@@ -298,10 +299,38 @@ class Timer:
 
 
 @torch.no_grad()
-def spec_generate(model, tok, run: Path, prompts: list[str], max_new: int, budget: int) -> dict:  # noqa: ANN001
-    """Speculative greedy decoding of the prompts (batch 1) with the drafter of ``run``."""
+def native_generate(target, tok, prompts: list[str], max_new: int) -> dict:  # noqa: ANN001
+    """Greedy decoding through vltrain's native Llama forward (``NativeTarget``), one prompt at
+    a time: the target's own greedy decoding without HF's per-layer module overhead."""
+    from vltrain.data.draft_data import chat_prompt_ids
+    from vltrain.inference.decoding import generate
+
+    dec, ids_out = target.decoder(), []
+    t = time.perf_counter()
+    for q in prompts:
+        ids = torch.tensor([chat_prompt_ids(tok, q)])
+        out = generate(dec, {"input_ids": ids}, "greedy", max_new_tokens=max_new)
+        ids_out.append(out.sequences[0, : int(out.lengths[0])].tolist())
+    sec = time.perf_counter() - t
+    n = sum(len(x) for x in ids_out)
+    return {"seconds": sec, "tokens": n, "tokens_per_s": n / sec, "ids": ids_out}
+
+
+@torch.no_grad()
+def spec_generate(  # noqa: ANN201
+    model,  # noqa: ANN001
+    tok,  # noqa: ANN001
+    run: Path,
+    prompts: list[str],
+    max_new: int,
+    budget: int,
+    forward: str = "hf",
+) -> dict:
+    """Speculative greedy decoding of the prompts (batch 1) with the drafter of ``run``;
+    ``forward`` picks the target's forward: HF's modules or vltrain's native Llama loop."""
     from vltrain.data.draft_data import chat_prompt_ids
     from vltrain.inference import speculative as S
+    from vltrain.inference.native_llama import NativeTarget
     from vltrain.inference.spec_targets import HFTarget
     from vltrain.models.drafter import load_drafter
     from vltrain.tools.speculate import attach
@@ -309,7 +338,8 @@ def spec_generate(model, tok, run: Path, prompts: list[str], max_new: int, budge
     dev = next(model.parameters()).device
     drafter, _ = load_drafter(run)
     drafter = drafter.to(dev)
-    target = HFTarget(model, drafter.cfg.target_layer_ids)
+    kind = {"hf": HFTarget, "native": NativeTarget}[forward]
+    target = kind(model, drafter.cfg.target_layer_ids)
     attach(drafter, target)
     timer, orig_draft = Timer(), S._draft
     S._draft = timer.wrap(orig_draft, "draft")
@@ -540,6 +570,9 @@ def main() -> None:
     p.add_argument("--no-seed", action="store_true", help="regenerate every answer here")
     p.add_argument("--save-seed", action="store_true", help="commit-ready bench/data answers")
     p.add_argument("--also", default="", help="trained run folders to time too (comma list)")
+    p.add_argument(
+        "--forwards", default="hf,native", help="target forwards to time: hf, native (comma list)"
+    )
     args = p.parse_args()
     from vltrain.inference.spec_targets import load_hf_causal_lm
 
@@ -584,7 +617,8 @@ def main() -> None:
         print(json.dumps(res["curves"], indent=1))
         return
     step_ms = res["costs"]["forward_1_ms"]
-    rows, base, assisted, lookup = [], [], [], []
+    forwards = args.forwards.split(",")
+    rows, base, assisted, lookup, native = [], [], [], [], []
     for rep in range(args.repeats):  # alternate: the target's own generate, HF assisted, ours
         base.append(hf_generate(model, tok, HELD_OUT, args.max_new))
         lookup.append(hf_generate(model, tok, HELD_OUT, args.max_new, prompt_lookup_num_tokens=8))
@@ -592,19 +626,24 @@ def main() -> None:
             assisted.append(
                 hf_generate(model, tok, HELD_OUT, args.max_new, assistant_model=assistant)
             )
-        for run in runs:
+        if "native" in forwards:
+            from vltrain.inference.native_llama import NativeTarget
+
+            native.append(native_generate(NativeTarget(model), tok, HELD_OUT, args.max_new))
+        for run, budget, fw in itertools.product(runs, map(int, args.budgets.split(",")), forwards):
             block = int(run.name.split("_")[0][1:])
-            for budget in map(int, args.budgets.split(",")):
-                r = spec_generate(model, tok, run, HELD_OUT, args.max_new, budget)
-                r.update(run=run.name, block=block, budget=budget, repeat=rep)
-                r["lossless"] = r["ids"] == base[0]["ids"]
-                ratio = res["costs"][f"ratio_{1 + budget if budget else block}"]  # fed tokens
-                r["predicted_speedup"] = predicted_speedup(
-                    r["tau"], ratio, r["draft_ms_per_round"], step_ms
-                )
-                rows.append(r)
+            r = spec_generate(model, tok, run, HELD_OUT, args.max_new, budget, fw)
+            r.update(run=run.name, block=block, budget=budget, repeat=rep, forward=fw)
+            r["lossless"] = r["ids"] == base[0]["ids"]
+            ratio = res["costs"][f"ratio_{1 + budget if budget else block}"]  # fed tokens
+            r["predicted_speedup"] = predicted_speedup(
+                r["tau"], ratio, r["draft_ms_per_round"], step_ms
+            )
+            rows.append(r)
     greedy_s = sorted(b["seconds"] for b in base)[len(base) // 2]
-    for name, runs_ in (("hf_prompt_lookup", lookup), ("hf_assisted", assisted)):
+    native_s = sorted(b["seconds"] for b in native)[len(native) // 2] if native else None
+    named = (("hf_prompt_lookup", lookup), ("hf_assisted", assisted), ("native_greedy", native))
+    for name, runs_ in named:
         if runs_:
             res[name] = [{k: v for k, v in b.items() if k != "ids"} for b in runs_]
             res[f"{name}_identical"] = all(b["ids"] == base[0]["ids"] for b in runs_)
@@ -612,10 +651,11 @@ def main() -> None:
     res["hf_greedy"] = [{k: v for k, v in b.items() if k != "ids"} for b in base]
     res["rows"] = [{k: v for k, v in r.items() if k != "ids"} for r in rows]
     greedy_ms = 1000 * greedy_s / base[0]["tokens"]  # per token, inside HF generate
-    res["table"] = summarize(rows, greedy_s, greedy_ms)
+    res["table"] = summarize(rows, greedy_s, greedy_ms, native_s)
     chain = {r["run"]: r["row_tau"] for r in rows if r["budget"] == 0 and r["repeat"] == 0}
     for t in res["table"]:
-        first = next(r for r in rows if (r["run"], r["budget"]) == (t["run"], t["budget"]))
+        key = (t["run"], t["budget"], t["forward"])
+        first = next(r for r in rows if (r["run"], r["budget"], r["forward"]) == key)
         ct = next(c["tau"] for c in res["table"] if (c["run"], c["budget"]) == (t["run"], 0))
         t["tau_vs_chain"] = t["tau"] / ct
         t["ge_chain_every_prompt"] = all(
@@ -626,8 +666,11 @@ def main() -> None:
     print(json.dumps(res["table"], indent=1))
 
 
-def summarize(rows: list[dict], greedy_s: float, greedy_ms: float) -> list[dict]:
-    """Per (run, budget): medians over repeats; speed-up = HF greedy seconds / ours.
+def summarize(
+    rows: list[dict], greedy_s: float, greedy_ms: float, native_s: float | None = None
+) -> list[dict]:
+    """Per (run, budget, forward): medians over repeats; speed-up = HF greedy seconds / ours
+    (and native greedy seconds / ours when the native forward's greedy decoding was timed).
 
     ``predicted_speedup`` prices a round with the start-of-run probe (``verify_costs``: one
     forward after a fresh prefill); ``predicted_from_rounds`` with the draft and verify times
@@ -635,15 +678,17 @@ def summarize(rows: list[dict], greedy_s: float, greedy_ms: float) -> list[dict]
     """
     table = {}
     for r in rows:
-        table.setdefault((r["run"], r["budget"]), []).append(r)
+        table.setdefault((r["run"], r["budget"], r["forward"]), []).append(r)
     out = []
-    for (run, budget), rs in table.items():
+    for (run, budget, forward), rs in table.items():
         sec = sorted(x["seconds"] for x in rs)[len(rs) // 2]
         first = rs[0]
+        round_ms = first["draft_ms_per_round"] + first["verify_ms_per_round"]
         out.append(
             {
                 "run": run,
                 "budget": budget,
+                "forward": forward,
                 "tau": first["tau"],
                 "min_row_tau": min(first["row_tau"]),
                 "share_rounds_ge4": first["share_rounds_ge4"],
@@ -653,10 +698,14 @@ def summarize(rows: list[dict], greedy_s: float, greedy_ms: float) -> list[dict]
                 "lossless": all(x["lossless"] for x in rs),
                 "seconds_median": sec,
                 "speedup_vs_hf_greedy": greedy_s / sec,
+                "speedup_vs_native_greedy": native_s / sec if native_s else None,
                 "predicted_speedup": first["predicted_speedup"],
-                "predicted_from_rounds": first["tau"]
-                * greedy_ms
-                / (first["draft_ms_per_round"] + first["verify_ms_per_round"]),
+                "predicted_from_rounds": first["tau"] * greedy_ms / round_ms,
+                "predicted_vs_native_from_rounds": (
+                    first["tau"] * 1000 * native_s / first["tokens"] / round_ms
+                    if native_s
+                    else None
+                ),
             }
         )
     return out

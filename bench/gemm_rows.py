@@ -12,7 +12,9 @@ on M random rows, and prints the two bounds of this machine next to it:
 
     python bench/gemm_rows.py --rows 1,2,4,8,9,12,17,33
 
-Output: one JSON line per M with ms (median of --reps), the bound, and ms / ms at M = 1.
+Output: one JSON line per M with ms (median of --reps), the bound, and ms / ms at M = 1; and
+``packed_ms``: the same products on MKL-packed weights (``vltrain.models.packed``, what the
+native verify runs; at M = 1 it is ``F.linear``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_drafter import gguf_path, machine  # noqa: E402
 from vltrain.inference.spec_targets import load_hf_causal_lm  # noqa: E402
+from vltrain.models.packed import PackedLinears  # noqa: E402
 
 
 def median_ms(fn, reps: int) -> float:  # noqa: ANN001
@@ -71,9 +74,19 @@ def main() -> None:
         for m in map(int, args.rows.split(",")):
             xs = {k: torch.randn(m, k) for k in {w.shape[1] for w in weights}}
             ms = median_ms(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights], args.reps)
+            packs = PackedLinears(keep=1)  # MKL's pre-packed weights, as the native verify
+            packed = median_ms(
+                lambda xs=xs, packs=packs: [packs.linear(xs[w.shape[1]], w) for w in weights],
+                args.reps,
+            )
+            del packs
             base = base or ms
             comp = 2 * m * params / bounds["gemm_gflop_s"] / 1e6
             row = {"rows": m, "ms": round(ms, 2), "ratio_to_1": round(ms / base, 2)}
+            row |= {
+                "packed_ms": round(packed, 2),
+                "packed_of_bound": round(packed / max(mem, comp), 2),
+            }
             row |= {"bound_ms": round(max(mem, comp), 2), "memory_ms": round(mem, 2)}
             row |= {"compute_ms": round(comp, 2), "of_bound": round(ms / max(mem, comp), 2)}
             print(json.dumps(row), flush=True)

@@ -7,6 +7,40 @@ import torch
 from vltrain.inference.decoding import generate
 from vltrain.models.drafter import Drafter, DrafterConfig, SharedParts
 
+V, PAD, BOS, EOS = 96, 0, 1, 2  # the tiny HF causal LMs' vocabulary and special tokens
+
+
+def tiny_causal_lm(arch: str):  # noqa: ANN201
+    """(config, model class) of a tiny random HF causal LM: llama, qwen2 or qwen3."""
+    import transformers
+
+    dims = dict(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+    )
+    if arch == "llama":
+        return transformers.LlamaConfig(**dims), transformers.LlamaForCausalLM
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**dims), transformers.Qwen2ForCausalLM
+    return transformers.Qwen3Config(head_dim=16, **dims), transformers.Qwen3ForCausalLM
+
+
+def left_padded_prompts(b: int = 3) -> dict:
+    """BOS + 6 random tokens per row; row 1 left-padded by two."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.cat([torch.full((b, 1), BOS), torch.randint(3, V, (b, 6), generator=g)], 1)
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = PAD, 0
+    return {"input_ids": ids, "attention_mask": mask}
+
 
 def random_drafter(
     target,  # noqa: ANN001

@@ -15,7 +15,7 @@ from vltrain.models.captioner import Captioner
 transformers = pytest.importorskip("transformers")
 from vltrain.inference.hf_adapter import HFDecodeAdapter  # noqa: E402
 
-V, PAD, BOS, EOS = 96, 0, 1, 2
+V, PAD, BOS, EOS = H.V, H.PAD, H.BOS, H.EOS
 BUDGETS = (0, 4, 12)
 
 
@@ -29,20 +29,7 @@ def _one_thread():
 
 def hf_model(arch: str, tmp_path, scale: float = 1.0):  # noqa: ANN001, ANN201
     torch.manual_seed(0)
-    dims = dict(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
-        bos_token_id=BOS,
-    )
-    cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM
-    cfg = (transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config)(**dims)
+    cfg, cls = H.tiny_causal_lm(arch)
     cls(cfg).save_pretrained(tmp_path)
     model = cls.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
     if scale != 1.0:
@@ -52,11 +39,7 @@ def hf_model(arch: str, tmp_path, scale: float = 1.0):  # noqa: ANN001, ANN201
 
 
 def prompts(b: int = 3) -> dict:
-    g = torch.Generator().manual_seed(3)
-    ids = torch.cat([torch.full((b, 1), BOS), torch.randint(3, V, (b, 6), generator=g)], 1)
-    mask = torch.ones_like(ids)
-    ids[1, :2], mask[1, :2] = PAD, 0  # row 1 left-padded
-    return {"input_ids": ids, "attention_mask": mask}
+    return H.left_padded_prompts(b)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

@@ -146,6 +146,12 @@ def test_train_and_generate_with_the_drafter(lm, answers, trained, tmp_path, cap
         )
         assert capsys.readouterr().out == plain  # lossless, line for line
         assert json.loads(stats.read_text())["tau"] >= 1.0
+    # the default forward of this Llama is the native one; HF's modules give the same lines
+    base = ["generate", "--model", str(lm), "--prompts", str(prompts), "--max-new-tokens", "16"]
+    assert main([*base, "--forward", "hf"]) == 0
+    assert capsys.readouterr().out == plain
+    assert main([*base, "--forward", "hf", "--draft", str(run), "--tree-budget", "6"]) == 0
+    assert capsys.readouterr().out == plain
 
 
 def test_training_tau_equals_decoding_tau_on_the_same_blocks(lm, trained) -> None:  # noqa: ANN001

@@ -46,6 +46,12 @@ def add_generate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="", help="instead: an HF causal LM dir or .gguf file")
     p.add_argument("--prompts", default="", help="--model: prompts JSONL ({'prompt'} per line)")
     p.add_argument("--stats", default="", help="--draft: write acceptance statistics here")
+    p.add_argument(
+        "--forward",
+        default="auto",
+        choices=("auto", "native", "hf"),
+        help="--model: the target's forward; auto = native for Llama/Mistral/Qwen2/Qwen3",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -232,6 +232,12 @@ class HFTarget:
     def keep(self, cache: HFCache, index: Tensor, valid: Tensor) -> HFCache:
         return self.adapter.select_cache(cache, index, valid)
 
+    def decoder(self) -> HFDecodeAdapter:
+        """The same model for plain decoding (``decoding.generate``), without hidden states."""
+        a = self.adapter
+        ids = {"eos_token_id": a.eos_token_id, "pad_token_id": a.pad_token_id}
+        return HFDecodeAdapter(self.model, bos_token_id=a.bos_token_id, **ids)
+
 
 def load_hf_causal_lm(path: str | Path, attn: str = "sdpa") -> tuple[Any, Any]:
     """(model in eval mode, tokenizer) of a local HF directory or a ``.gguf`` file, offline.

@@ -243,7 +243,7 @@ def _pick(logits: Tensor, sample: bool, temperature: float, gen) -> Tensor:  # n
 def _walk_row(i, fed, fed_par, tlogits, logq, sample, temperature, gen):  # noqa: ANN001, ANN202
     """Accepted fed indices of row i (root first) and the target's token after them."""
     if not sample:
-        choice = tlogits[i].argmax(-1).tolist()  # (1 + N,)
+        choice = tlogits[i].max(-1).indices.tolist()  # (1 + N,): argmax, first of ties
         path, bonus = accept_walk(fed[i, 1:], fed_par[i, 1:] - 1, lambda n: choice[n + 1])
         return [0] + [n + 1 for n in path], bonus
     path = [0]

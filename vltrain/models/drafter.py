@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vltrain.models.packed import PackedLinears
+
 
 @dataclass
 class DrafterConfig:
@@ -233,6 +235,7 @@ class Drafter(nn.Module):
         # broadcast): target token id -> draft index (-1 outside), and the head's rows
         self._vocab_index: Tensor | None = None
         self._sub_head: tuple[Tensor, Tensor | None] | None = None
+        self._packed = PackedLinears(keep=1)  # the head rows, MKL-packed (decoding, CPU)
         if cfg.draft_vocab:
             # a draft index -> target token id; set by set_vocab (training) or the checkpoint
             self.register_buffer("vocab_ids", torch.arange(cfg.draft_vocab))
@@ -246,6 +249,7 @@ class Drafter(nn.Module):
 
     def _forget(self) -> None:
         self._vocab_index, self._sub_head = None, None
+        self._packed.clear()
 
     def set_vocab(self, ids: Tensor) -> None:
         """Use the token ids (draft_vocab,) as the draft vocabulary."""
@@ -263,7 +267,8 @@ class Drafter(nn.Module):
     def share(self, parts: SharedParts) -> Drafter:
         """Attach the target's embeddings and LM head (not registered: never saved/trained)."""
         object.__setattr__(self, "_shared", parts)
-        self._sub_head = None  # another head: its rows are gathered again
+        self._sub_head = None  # another head: its rows are gathered (and packed) again
+        self._packed.clear()
         return self
 
     @property
@@ -345,7 +350,9 @@ class Drafter(nn.Module):
         if not self.cfg.draft_vocab:
             return self.shared.head(hidden)
         w, b = self._head_rows()
-        return F.linear(hidden.to(w.dtype), w, b)
+        if torch.is_grad_enabled():
+            return F.linear(hidden.to(w.dtype), w, b)
+        return self._packed.linear(hidden.to(w.dtype), w, b)  # decoding: rows recur each round
 
     def _head_rows(self) -> tuple[Tensor, Tensor | None]:
         """The head's rows of the draft vocabulary, gathered once (the head is frozen)."""

@@ -1,0 +1,197 @@
+"""The native Llama-family forward (`NativeTarget`) against HF's own modules.
+
+Tiny random Llama / Qwen2 (q/k/v bias) / Qwen3 (q/k norm, explicit head_dim) built from config
+objects, saved to a tmp dir and loaded back (no downloads). The reference is a second, untouched
+load of the same checkpoint (the native forward re-homes q/k/v and gate/up into fused tensors).
+Tolerance 1e-5 (fp32); on SmolLM2-135M the two agree bit for bit (bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.inference.spec_helpers import (
+    EOS,
+    PAD,
+    V,
+    greedy_reference,
+    left_padded_prompts,
+    random_drafter,
+    tiny_causal_lm,
+)
+from vltrain.inference.decoding import generate
+from vltrain.inference.hf_adapter import HFDecodeAdapter
+from vltrain.inference.speculative import speculative_generate
+from vltrain.models.packed import PackedLinears, can_pack
+
+transformers = pytest.importorskip("transformers")
+from vltrain.inference.native_llama import NativeLlama, NativeTarget  # noqa: E402
+from vltrain.inference.spec_targets import HFTarget  # noqa: E402
+
+ATOL = 1e-5
+PARENTS = [-1, 0, 0, 1, 1, 2, 3]
+LAYERS = [0, 1]
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def saved(request, tmp_path_factory):
+    torch.manual_seed(0)
+    cfg, cls = tiny_causal_lm(request.param)
+    model = cls(cfg)
+    with torch.no_grad():  # random norms and biases, so that a skipped one shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.3 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return cls, path
+
+
+def _load(saved):
+    cls, path = saved
+    return cls.from_pretrained(path, attn_implementation="sdpa").eval()
+
+
+def _prompt() -> tuple[torch.Tensor, torch.Tensor]:
+    p = left_padded_prompts()
+    return p["input_ids"], p["attention_mask"]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape
+    assert (a - b).abs().max().item() <= ATOL
+
+
+def test_prefill_verify_keep_step_equal_hf(saved):
+    """Logits, drafter features and positions of every call equal HF's (HFTarget)."""
+    hf, nat = HFTarget(_load(saved), LAYERS), NativeTarget(_load(saved), LAYERS)
+    ids, mask = _prompt()
+    lh, ch, xh = hf.prefill(ids, mask)
+    ln, cn, xn = nat.prefill(ids, mask)
+    _close(lh, ln)
+    real = mask.bool()
+    _close(xh.features[real], xn.features[real])  # padded positions hold anything
+    assert torch.equal(xh.positions[real], xn.positions[real])
+    parents = torch.tensor(PARENTS).expand(3, -1)
+    toks = torch.randint(3, V, (3, len(PARENTS)), generator=torch.Generator().manual_seed(5))
+    vh, ch, fh = hf.verify(toks, parents, ch)
+    vn, cn, fn = nat.verify(toks, parents, cn)
+    _close(vh, vn)
+    _close(fh.features, fn.features)
+    assert torch.equal(fh.positions, fn.positions)
+    n = ids.shape[1]
+    keep = torch.tensor([[*range(n), n + 0, n + 1, n + 3], [*range(n), n + 0, n + 2, n + 5]] * 2)
+    keep, valid = keep[:3], torch.ones(3, n + 3, dtype=torch.bool)
+    valid[2, -1] = False  # row 2 keeps a shorter path
+    ch, cn = hf.keep(ch, keep, valid), nat.keep(cn, keep, valid)
+    assert torch.equal(hf.next_positions(ch), nat.next_positions(cn))
+    nxt = torch.tensor([7, 8, 9])
+    sh, _ = hf.adapter.step(nxt, ch)
+    sn, _ = nat.step(nxt, cn)
+    _close(sh, sn)
+
+
+def test_greedy_equals_hf_generate_on_padded_batch(saved):
+    """`generate` through the native decoder == HF's own `generate`, token for token."""
+    ids, mask = _prompt()
+    ref = _load(saved).generate(
+        ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD
+    )[:, ids.shape[1] :]
+    dec = NativeTarget(_load(saved)).decoder()
+    ours = greedy_reference(dec, {"input_ids": ids, "attention_mask": mask}, 12)
+    for row, want in zip(ours, ref.tolist(), strict=True):
+        assert row == want[: len(row)]
+        assert len(row) == 12 or row[-1] == EOS
+
+
+def test_beam_search_reorders_the_native_cache_like_hf(saved):
+    ids, mask = _prompt()
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    ref = generate(HFDecodeAdapter(_load(saved)), inputs, "beam", max_new_tokens=6, num_beams=3)
+    ours = generate(NativeTarget(_load(saved)).decoder(), inputs, "beam", 6, num_beams=3)
+    assert torch.equal(ref.sequences, ours.sequences)
+
+
+@pytest.mark.parametrize("budget", [0, 6])
+def test_speculative_decoding_through_the_native_forward_is_lossless(saved, budget):
+    """Chain and DDTree verification on the native forward: HF greedy tokens, HF's acceptance."""
+    ids, mask = _prompt()
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    want = greedy_reference(HFDecodeAdapter(_load(saved)), inputs, 20)
+    hf = HFTarget(_load(saved), LAYERS)
+    nat = NativeTarget(_load(saved), LAYERS)
+    got_hf, st_hf = speculative_generate(hf, random_drafter(hf, 4), inputs, 20, budget)
+    got, st = speculative_generate(nat, random_drafter(nat, 4), inputs, 20, budget)
+    assert got == want
+    assert got_hf == want
+    assert st.accepted == st_hf.accepted  # same logits, same walk
+
+
+def test_the_native_cache_grows_past_its_first_capacity(saved):
+    """Decoding far past the prefill's spare room: the buffers double and keep their keys."""
+    ids, mask = _prompt()
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    want = greedy_reference(HFDecodeAdapter(_load(saved)), inputs, 150)
+    nat = NativeTarget(_load(saved))
+    assert greedy_reference(nat.decoder(), inputs, 150) == want
+    _, cache, _ = nat.prefill(ids, mask)
+    assert cache.keys[0].shape[2] == ids.shape[1] + 128  # so 150 tokens did grow it
+
+
+def test_fusion_leaves_the_hf_model_unchanged(saved):
+    """q/k/v and gate/up become views of fused tensors: HF's forward gives the same logits."""
+    model = _load(saved)
+    ids, mask = _prompt()
+    before = model(input_ids=ids, attention_mask=mask).logits
+    native = NativeLlama(model)
+    attn = model.model.layers[0].self_attn
+    fused = native.layers[0].qkv
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    assert torch.equal(attn.q_proj.weight, fused[: attn.q_proj.weight.shape[0]])
+    assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, before)
+
+
+def test_unsupported_models_are_refused_with_the_reason():
+    cfg = transformers.GPT2Config(vocab_size=V, n_embd=32, n_layer=1, n_head=2)
+    with pytest.raises(ValueError, match="gpt2"):
+        NativeLlama(transformers.GPT2LMHeadModel(cfg))
+    cfg, cls = tiny_causal_lm("qwen2")
+    cfg.use_sliding_window, cfg.sliding_window = True, 16
+    cfg.layer_types = ["sliding_attention"] * cfg.num_hidden_layers
+    with pytest.raises(ValueError, match="full attention"):
+        NativeLlama(cls(cfg))
+
+
+def test_packed_linear_matches_f_linear():
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(300, 64, generator=g), torch.randn(300, generator=g)
+    packs = PackedLinears(keep=2)
+    for rows in (1, 3, 8, 16, 17, 33):
+        x = torch.randn(1, rows, 64, generator=g)
+        want = F.linear(x, w, b)
+        got = packs.linear(x, w, b)
+        assert got.shape == want.shape
+        assert (got - want).abs().max().item() <= 1e-4
+        if rows >= 16 and can_pack(w):
+            assert torch.equal(got, want)  # MKL packs the same way itself from 16 rows on
+    assert len(packs._packs) == 2  # only the latest two row counts stay packed
+    w2 = torch.randn(300, 64, generator=g)  # another weight, maybe at a recycled id
+    x = torch.randn(17, 64, generator=g)
+    assert (packs.linear(x, w2) - F.linear(x, w2)).abs().max().item() <= 1e-4
+
+
+def test_packed_linear_is_plain_under_autograd():
+    w = torch.randn(40, 8, requires_grad=True)
+    x = torch.randn(20, 8)
+    with torch.enable_grad():
+        assert not can_pack(w)
+        PackedLinears().linear(x, w).sum().backward()
+    assert torch.allclose(w.grad, x.sum(0).expand(40, -1))
