@@ -101,6 +101,20 @@ def test_regenerate_device_flag(lm, answers, monkeypatch) -> None:  # noqa: ANN0
     assert resolve_device("auto") == torch.device("cuda", 3)
 
 
+def test_regenerate_with_hf_modules_writes_the_same_answers(lm, answers, tmp_path) -> None:  # noqa: ANN001
+    """The default (native) forward and HF's modules answer every prompt with the same ids."""
+    out = tmp_path / "hf.jsonl"
+    args = ["data", "regenerate", "--model", str(lm), "--data", str(answers / "prompts.jsonl")]
+    args += ["--out", str(out), "--max-new-tokens", "24", "--batch-size", "4", "--forward", "hf"]
+    assert main(args) == 0
+
+    def ids(path: Path) -> dict:
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        return {r["id"]: r["completion_ids"] for r in rows}
+
+    assert ids(out) == ids(answers / "answers.jsonl")
+
+
 def test_train_and_generate_with_the_drafter(lm, answers, trained, tmp_path, capsys) -> None:  # noqa: ANN001
     run, m = trained
     for key in (

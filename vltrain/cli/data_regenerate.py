@@ -23,6 +23,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--batch-size", type=int, default=8)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument(
+        "--forward",
+        default="auto",
+        choices=("auto", "native", "hf"),
+        help="--model: the target's forward; auto = native for Llama/Mistral/Qwen2/Qwen3",
+    )
+    s.add_argument(
         "--device",
         default="auto",
         help="auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu, cuda, cuda:N",

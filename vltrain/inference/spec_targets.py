@@ -239,6 +239,23 @@ class HFTarget:
         return HFDecodeAdapter(self.model, bos_token_id=a.bos_token_id, **ids)
 
 
+def causal_lm_target(model: Any, layer_ids: list[int], forward: str, pad: int) -> Any:
+    """An HF causal LM as a ``SpecTarget`` whose ``decoder()`` does plain decoding too.
+
+    ``forward``: "native" (``NativeTarget``: vltrain's loop over the HF weights, the same
+    logits with less overhead), "hf" (``HFTarget``: the HF modules) or "auto" (native where
+    the model type has it: Llama, Mistral, Qwen2, Qwen3).
+    """
+    from vltrain.inference.native_llama import SUPPORTED, NativeTarget
+
+    if forward not in ("auto", "native", "hf"):
+        raise ValueError(f"forward must be auto, native or hf, not {forward!r}")
+    kind = model.config.get_text_config(decoder=True).model_type
+    if forward == "native" or (forward == "auto" and kind in SUPPORTED):
+        return NativeTarget(model, layer_ids, pad_token_id=pad)
+    return HFTarget(model, layer_ids, pad_token_id=pad)
+
+
 def load_hf_causal_lm(path: str | Path, attn: str = "sdpa") -> tuple[Any, Any]:
     """(model in eval mode, tokenizer) of a local HF directory or a ``.gguf`` file, offline.
 

@@ -32,8 +32,7 @@ from vltrain.data.draft_data import chat_prompt_ids, read_prompts
 from vltrain.engine.runtime import resolve_device
 from vltrain.inference.captioning import decode_captions, left_pad
 from vltrain.inference.decoding import generate
-from vltrain.inference.hf_adapter import HFDecodeAdapter
-from vltrain.inference.spec_targets import load_captioner, load_hf_causal_lm
+from vltrain.inference.spec_targets import causal_lm_target, load_captioner, load_hf_causal_lm
 
 
 def _done_ids(out: Path) -> set[str]:
@@ -53,7 +52,8 @@ def _shard(out: Path, rank: int, world: int) -> Path:
 
 
 def _answer_lm(model: Any, tok: Any, recs: list[dict], args: Any) -> list[dict]:
-    adapter = HFDecodeAdapter(model, pad_token_id=tok.pad_token_id or tok.eos_token_id)
+    pad = tok.pad_token_id or tok.eos_token_id
+    adapter = causal_lm_target(model, [], getattr(args, "forward", "auto"), pad).decoder()
     ids, mask = left_pad([chat_prompt_ids(tok, r["prompt"]) for r in recs], adapter.pad_token_id)
     dev = next(model.parameters()).device
     ids, mask = ids.to(dev), mask.to(dev)

@@ -20,7 +20,11 @@ from vltrain.config.core import ConfigError
 from vltrain.data.draft_data import chat_prompt_ids, read_prompts
 from vltrain.inference.captioning import left_pad
 from vltrain.inference.decoding import generate
-from vltrain.inference.spec_targets import CaptionerTarget, HFTarget, load_hf_causal_lm
+from vltrain.inference.spec_targets import (
+    CaptionerTarget,
+    causal_lm_target,
+    load_hf_causal_lm,
+)
 from vltrain.inference.speculative import SpecStats, speculative_generate
 from vltrain.models.drafter import Drafter, SharedParts, load_drafter
 
@@ -87,20 +91,6 @@ def caption_speculative(
     return tok.decode_batch([r[: r.index(eos) + 1] if eos in r else r for r in rows])
 
 
-def lm_target(model: Any, layer_ids: list[int], forward: str, pad: int) -> Any:
-    """The causal LM as a ``SpecTarget`` whose decoder view also does plain decoding.
-
-    ``forward``: "native" (``NativeTarget``: vltrain's loop over the HF weights, same logits,
-    less overhead), "hf" (the HF modules) or "auto" (native where the model type has it).
-    """
-    from vltrain.inference.native_llama import SUPPORTED, NativeTarget
-
-    kind = model.config.get_text_config(decoder=True).model_type
-    if forward == "native" or (forward == "auto" and kind in SUPPORTED):
-        return NativeTarget(model, layer_ids, pad_token_id=pad)
-    return HFTarget(model, layer_ids, pad_token_id=pad)
-
-
 def lm_command(args: Any) -> int:
     """``--model DIR_OR_GGUF --prompts FILE.jsonl [--draft D] [--tree-budget N]``."""
     model, tok = load_hf_causal_lm(args.model)
@@ -108,7 +98,7 @@ def lm_command(args: Any) -> int:
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     drafter, _ = load_drafter(args.draft) if args.draft else (None, None)
     layer_ids = drafter.cfg.target_layer_ids if drafter is not None else []
-    target = lm_target(model, layer_ids, getattr(args, "forward", "auto"), pad)
+    target = causal_lm_target(model, layer_ids, getattr(args, "forward", "auto"), pad)
     if drafter is not None:
         attach(drafter, target)
     adapter = target.decoder()
