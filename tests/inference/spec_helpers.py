@@ -11,7 +11,8 @@ V, PAD, BOS, EOS = 96, 0, 1, 2  # the tiny HF causal LMs' vocabulary and special
 
 
 def tiny_causal_lm(arch: str):  # noqa: ANN201
-    """(config, model class) of a tiny random HF causal LM: llama, qwen2 or qwen3."""
+    """(config, model class) of a tiny random HF causal LM: llama, llama_bias (attention
+    biases, o_proj's included), qwen2 (q/k/v biases) or qwen3 (q/k norm, head_dim 16)."""
     import transformers
 
     dims = dict(
@@ -26,8 +27,9 @@ def tiny_causal_lm(arch: str):  # noqa: ANN201
         pad_token_id=PAD,
         bos_token_id=BOS,
     )
-    if arch == "llama":
-        return transformers.LlamaConfig(**dims), transformers.LlamaForCausalLM
+    if arch in ("llama", "llama_bias"):
+        cfg = transformers.LlamaConfig(attention_bias=arch == "llama_bias", **dims)
+        return cfg, transformers.LlamaForCausalLM
     if arch == "qwen2":
         return transformers.Qwen2Config(**dims), transformers.Qwen2ForCausalLM
     return transformers.Qwen3Config(head_dim=16, **dims), transformers.Qwen3ForCausalLM

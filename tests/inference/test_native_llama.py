@@ -1,8 +1,9 @@
 """The native Llama-family forward (`NativeTarget`) against HF's own modules.
 
-Tiny random Llama / Qwen2 (q/k/v bias) / Qwen3 (q/k norm, explicit head_dim) built from config
-objects, saved to a tmp dir and loaded back (no downloads). The reference is a second, untouched
-load of the same checkpoint (the native forward re-homes q/k/v and gate/up into fused tensors).
+Tiny random Llama (with and without attention biases) / Qwen2 (q/k/v bias) / Qwen3 (q/k norm,
+explicit head_dim) built from config objects, saved to a tmp dir and loaded back (no
+downloads). The reference is a second, untouched load of the same checkpoint (the native
+forward re-homes q/k/v and gate/up into fused tensors).
 Tolerance 1e-5 (fp32); on SmolLM2-135M the two agree bit for bit (bench/RESULTS.md).
 """
 
@@ -41,7 +42,7 @@ def _no_grad():
         yield
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "llama_bias", "qwen2", "qwen3"])
 def saved(request, tmp_path_factory):
     torch.manual_seed(0)
     cfg, cls = tiny_causal_lm(request.param)

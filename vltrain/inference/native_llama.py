@@ -79,6 +79,7 @@ class _Layer:
     q_norm: Tensor | None
     k_norm: Tensor | None
     o: Tensor
+    o_bias: Tensor | None
     norm2: Tensor
     gate_up: Tensor  # (2 * I, W)
     down: Tensor
@@ -118,7 +119,7 @@ class NativeLlama:
         if kind not in SUPPORTED:
             raise ValueError(
                 f"the native forward covers model types {SUPPORTED}, not {kind!r}; "
-                "decode this model with HFTarget (the default)"
+                "run it through HF's modules (--forward hf, HFTarget)"
             )
         if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "mlp_bias", False):
             raise ValueError("the native forward needs a SwiGLU MLP (hidden_act silu, no bias)")
@@ -152,6 +153,7 @@ class NativeLlama:
             q_norm=None if getattr(a, "q_norm", None) is None else a.q_norm.weight.detach(),
             k_norm=None if getattr(a, "k_norm", None) is None else a.k_norm.weight.detach(),
             o=a.o_proj.weight.detach(),
+            o_bias=_param(a.o_proj, "bias"),  # Llama with attention_bias; Qwen2 has none
             norm2=block.post_attention_layernorm.weight.detach(),
             gate_up=_fuse([m.gate_proj.weight, m.up_proj.weight]),
             down=m.down_proj.weight.detach(),
@@ -167,8 +169,10 @@ class NativeLlama:
         )
 
     def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
-        # HF's RMSNorm, op for op (float32): x * rsqrt(mean(x^2) + eps), then the weight
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        # HF's RMSNorm, op for op: x * rsqrt(mean(x^2) + eps) in float32, then the weight
+        y = x.float()  # a no-op for float32 weights
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * y.to(x.dtype)
 
     @torch.no_grad()
     def forward(
@@ -243,7 +247,7 @@ class NativeLlama:
         o = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=attn, is_causal=causal, scale=self.scale, enable_gqa=gqa
         )  # (B, H, M, Dh)
-        return self._lin(o.transpose(1, 2).reshape(b, m, -1), layer.o)
+        return self._lin(o.transpose(1, 2).reshape(b, m, -1), layer.o, layer.o_bias)
 
     def logits(self, hidden: Tensor, packed: bool = False) -> Tensor:
         """LM head; ``packed``: through MKL-packed weights (a recurring row count)."""
