@@ -56,7 +56,9 @@ def torchrun_vltrain(args: list[str], cwd: Path | None = None) -> subprocess.Com
     cmd += ["-m", "vltrain", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    # a rank's own error line first: torchrun's traceback of the other rank buries it
+    errors = [x for x in res.stderr.splitlines() if "vltrain: error" in x or "Error:" in x]
+    assert res.returncode == 0, "\n".join([*errors[:20], res.stdout[-3000:], res.stderr[-3000:]])
     return res
 
 
