@@ -196,3 +196,50 @@ def test_packed_linear_is_plain_under_autograd():
         assert not can_pack(w)
         PackedLinears().linear(x, w).sum().backward()
     assert torch.allclose(w.grad, x.sum(0).expand(40, -1))
+
+
+def test_auto_falls_back_to_hf_where_the_native_forward_cannot_go():
+    from vltrain.config.core import ConfigError
+    from vltrain.inference.spec_targets import causal_lm_target
+
+    dims = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    dims |= dict(num_attention_heads=4, num_key_value_heads=2)
+    windowed = transformers.MistralForCausalLM(
+        transformers.MistralConfig(sliding_window=16, **dims)
+    )
+    assert isinstance(causal_lm_target(windowed, [], "auto", PAD), HFTarget)
+    with pytest.raises(ConfigError, match="sliding_window=16"):
+        causal_lm_target(windowed, [], "native", PAD)
+    full = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=None, **dims))
+    assert isinstance(causal_lm_target(full, [], "auto", PAD), NativeTarget)
+    gpt2_cfg = transformers.GPT2Config(vocab_size=V, n_embd=32, n_layer=1, n_head=2)
+    gpt2 = transformers.GPT2LMHeadModel(gpt2_cfg)
+    assert isinstance(causal_lm_target(gpt2, [], "auto", PAD), HFTarget)
+    with pytest.raises(ConfigError, match="gpt2"):
+        causal_lm_target(gpt2, [], "native", PAD)
+
+
+def test_a_changed_hf_model_is_refused_and_a_second_target_shares_the_fusion(saved):
+    model = _load(saved)
+    first = NativeTarget(model)
+    second = NativeTarget(model)  # reuses the fused tensors: the first stays valid
+    assert first.native.layers[0].qkv is second.native.layers[0].qkv
+    ids, mask = _prompt()
+    first.prefill(ids, mask)
+    other = _load(saved)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.01)
+    model.load_state_dict(other.state_dict())  # in place: packed copies would be stale
+    with pytest.raises(RuntimeError, match="build a new NativeTarget"):
+        first.prefill(ids, mask)
+    fresh = NativeTarget(model)
+    _close(fresh.prefill(ids, mask)[0], HFTarget(other, []).prefill(ids, mask)[0])
+
+
+def test_packed_linear_repacks_a_weight_updated_in_place():
+    packs = PackedLinears()
+    w, x = torch.randn(16, 8), torch.randn(4, 8)
+    packs.linear(x, w)
+    w.add_(1.0)
+    assert (packs.linear(x, w) - F.linear(x, w)).abs().max().item() <= 1e-5

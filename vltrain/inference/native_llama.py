@@ -91,23 +91,61 @@ def _param(module: Any, name: str) -> Tensor | None:
 
 
 @torch.no_grad()
-def _fuse(params: list[Any]) -> Tensor:
+def _fuse(owner: Any, name: str, params: list[Any]) -> Tensor | None:
     """One tensor holding ``params`` stacked along dim 0; each parameter becomes a view of it.
 
     A fused product costs one GEMM call instead of two or three (each output column is the
     same dot product, bit for bit), and the HF module keeps working on the same memory, so
-    the fusion adds no copy of the weights.
+    the fusion adds no copy of the weights. The fused tensor is kept on ``owner`` as ``name``:
+    a second native forward over the same model reuses it instead of fusing again.
     """
     if any(p is None for p in params):
         if not all(p is None for p in params):
             raise ValueError("q/k/v projections must all have a bias or none")
-        return None  # type: ignore[return-value]
+        return None
+    fused = getattr(owner, name, None)
+    if fused is not None and _views_of(fused, params):
+        return fused
     fused = torch.cat([p.detach() for p in params])
     lo = 0
     for p in params:
         p.data = fused[lo : lo + p.shape[0]]
         lo += p.shape[0]
+    object.__setattr__(owner, name, fused)  # a plain attribute: not in the state dict
     return fused
+
+
+def _views_of(fused: Tensor, params: list[Any]) -> bool:
+    """Whether ``params`` are still consecutive row blocks of ``fused``, in order."""
+    step = fused.stride(0) * fused.element_size()
+    at = fused.data_ptr()
+    for p in params:
+        if p.dtype != fused.dtype or p.device != fused.device or p.data_ptr() != at:
+            return False
+        at += p.shape[0] * step
+    return True
+
+
+def unsupported(cfg: Any) -> str:
+    """Why the native forward cannot run a model of this (text) config; "" when it can."""
+    kind = getattr(cfg, "model_type", "")
+    if kind not in SUPPORTED:
+        return (
+            f"the native forward covers model types {SUPPORTED}, not {kind!r}; "
+            "run it through HF's modules (--forward hf)"
+        )
+    if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "mlp_bias", False):
+        return "the native forward needs a SwiGLU MLP (hidden_act silu, no MLP bias)"
+    types = getattr(cfg, "layer_types", None)
+    if types:  # HF decides by layer_types where the config has them (Qwen2, Qwen3)
+        other = sorted(set(types) - {"full_attention"})
+        if other:
+            return f"the native forward has full attention only; this model has {other} layers"
+        return ""
+    window = getattr(cfg, "sliding_window", None)
+    if window and getattr(cfg, "use_sliding_window", True):
+        return f"the native forward has full attention only; this model has sliding_window={window}"
+    return ""
 
 
 class NativeLlama:
@@ -115,18 +153,9 @@ class NativeLlama:
 
     def __init__(self, model: Any) -> None:
         cfg = model.config.get_text_config(decoder=True)
-        kind = getattr(cfg, "model_type", "")
-        if kind not in SUPPORTED:
-            raise ValueError(
-                f"the native forward covers model types {SUPPORTED}, not {kind!r}; "
-                "run it through HF's modules (--forward hf, HFTarget)"
-            )
-        if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "mlp_bias", False):
-            raise ValueError("the native forward needs a SwiGLU MLP (hidden_act silu, no bias)")
-        window = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)
-        kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-        if window or kinds != {"full_attention"}:
-            raise ValueError(f"the native forward has full attention only, not {sorted(kinds)}")
+        reason = unsupported(cfg)
+        if reason:
+            raise ValueError(reason)
         base = model.model
         self.model = model
         self.rotary = base.rotary_emb
@@ -139,25 +168,40 @@ class NativeLlama:
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.scale = self.head_dim**-0.5
+        self._watch: list[Tensor] = []  # the HF parameters this forward reads (see stale())
         self.layers = [self._layer(block) for block in base.layers]
+        self._watch += [base.embed_tokens.weight, base.norm.weight, head.weight]
+        self._seen = [(p.data_ptr(), p._version) for p in self._watch]
         self.packed = PackedLinears(keep=2)  # verify row counts (vltrain.models.packed)
         self._pack_now = False
 
     def _layer(self, block: Any) -> _Layer:
         a, m = block.self_attn, block.mlp
         projections = (a.q_proj, a.k_proj, a.v_proj)
+        self._watch += [
+            p
+            for mod in (*projections, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+            for p in mod.parameters()
+        ]
         return _Layer(
             norm1=block.input_layernorm.weight.detach(),
-            qkv=_fuse([p.weight for p in projections]),
-            qkv_bias=_fuse([getattr(p, "bias", None) for p in projections]),
+            qkv=_fuse(a, "_vltrain_qkv", [p.weight for p in projections]),
+            qkv_bias=_fuse(a, "_vltrain_qkv_bias", [getattr(p, "bias", None) for p in projections]),
             q_norm=None if getattr(a, "q_norm", None) is None else a.q_norm.weight.detach(),
             k_norm=None if getattr(a, "k_norm", None) is None else a.k_norm.weight.detach(),
             o=a.o_proj.weight.detach(),
             o_bias=_param(a.o_proj, "bias"),  # Llama with attention_bias; Qwen2 has none
             norm2=block.post_attention_layernorm.weight.detach(),
-            gate_up=_fuse([m.gate_proj.weight, m.up_proj.weight]),
+            gate_up=_fuse(m, "_vltrain_gate_up", [m.gate_proj.weight, m.up_proj.weight]),
             down=m.down_proj.weight.detach(),
         )
+
+    def stale(self) -> bool:
+        """Whether the HF model's weights changed since this forward was built: updated in place
+        (``load_state_dict``, an optimizer step), moved (``.to``) or fused again by another
+        ``NativeLlama``. Packed copies and fused tensors would then be out of date."""
+        now = [(p.data_ptr(), p._version) for p in self._watch]
+        return now != self._seen
 
     def new_cache(self, batch: int, capacity: int) -> NativeCache:
         shape = (batch, self.kv_heads, capacity, self.head_dim)
@@ -310,6 +354,11 @@ class NativeTarget:
 
     def prefill(self, input_ids: Tensor, attention_mask: Tensor | None = None):  # noqa: ANN201
         """Left-padded prompts (B, T): next-token logits (B, V), the cache, the prompt context."""
+        if self.native.stale():
+            raise RuntimeError(
+                "the HF model's weights changed after its NativeTarget was built (updated in "
+                "place, moved or fused again): build a new NativeTarget"
+            )
         from vltrain.inference.spec_targets import Context
         from vltrain.models.text import mask_positions
 

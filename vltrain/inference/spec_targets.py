@@ -77,6 +77,8 @@ class SpecTarget(Protocol):
 
 
 def _concat(taps: dict[int, Tensor] | tuple[Tensor, ...], ids: list[int], offset: int) -> Tensor:
+    if not ids:  # a target without a drafter (plain decoding): no features
+        return taps[offset][..., :0]
     return torch.cat([taps[i + offset] for i in ids], dim=-1)  # (B, S, n * W)
 
 
@@ -244,16 +246,20 @@ def causal_lm_target(model: Any, layer_ids: list[int], forward: str, pad: int) -
 
     ``forward``: "native" (``NativeTarget``: vltrain's loop over the HF weights, the same
     logits with less overhead), "hf" (``HFTarget``: the HF modules) or "auto" (native where
-    the model type has it: Llama, Mistral, Qwen2, Qwen3).
+    the model has it: Llama, Mistral, Qwen2, Qwen3 with full attention; the others, and a
+    sliding window, run on HF's modules).
     """
-    from vltrain.inference.native_llama import SUPPORTED, NativeTarget
+    from vltrain.config.core import ConfigError
+    from vltrain.inference.native_llama import NativeTarget, unsupported
 
     if forward not in ("auto", "native", "hf"):
-        raise ValueError(f"forward must be auto, native or hf, not {forward!r}")
-    kind = model.config.get_text_config(decoder=True).model_type
-    if forward == "native" or (forward == "auto" and kind in SUPPORTED):
-        return NativeTarget(model, layer_ids, pad_token_id=pad)
-    return HFTarget(model, layer_ids, pad_token_id=pad)
+        raise ConfigError(f"--forward must be auto, native or hf, not {forward!r}")
+    reason = unsupported(model.config.get_text_config(decoder=True))
+    if forward == "native" and reason:
+        raise ConfigError(f"--forward native: {reason}")
+    if forward == "hf" or reason:  # auto: HF's modules where the native forward cannot go
+        return HFTarget(model, layer_ids, pad_token_id=pad)
+    return NativeTarget(model, layer_ids, pad_token_id=pad)
 
 
 def load_hf_causal_lm(path: str | Path, attn: str = "sdpa") -> tuple[Any, Any]:

@@ -38,7 +38,7 @@ class PackedLinears:
 
     def __init__(self, keep: int = 2) -> None:
         self.keep = keep
-        self._packs: dict[int, dict[int, tuple[Tensor, Tensor]]] = {}
+        self._packs: dict[int, dict[int, tuple[Tensor, int, Tensor]]] = {}
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         """``F.linear(x, weight, bias)`` through a packed copy of ``weight`` for x's rows."""
@@ -51,11 +51,13 @@ class PackedLinears:
                 self._packs.pop(next(iter(self._packs)))  # the oldest row count
             pack = self._packs[rows] = {}
         entry = pack.get(id(weight))
-        if entry is None or entry[0] is not weight:  # a new tensor may reuse a freed id
-            entry = (weight, torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows))
-            pack[id(weight)] = entry
+        # a new tensor may reuse a freed id; an in-place update (copy_, an optimizer step)
+        # bumps the version: either way the packed copy is out of date
+        if entry is None or entry[0] is not weight or entry[1] != weight._version:
+            packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+            entry = pack[id(weight)] = (weight, weight._version, packed)
         x = x.contiguous()
-        return torch.ops.mkl._mkl_linear(x, entry[1], weight.detach(), bias, rows)
+        return torch.ops.mkl._mkl_linear(x, entry[2], weight.detach(), bias, rows)
 
     def clear(self) -> None:
         self._packs.clear()
