@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from vltrain.cli.options import add_forward_option
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser(
@@ -22,12 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-new-tokens", type=int, default=128)
     s.add_argument("--batch-size", type=int, default=8)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument(
-        "--forward",
-        default="auto",
-        choices=("auto", "native", "hf"),
-        help="--model: the target's forward; auto = native for Llama/Mistral/Qwen2/Qwen3",
-    )
+    add_forward_option(s)
     s.add_argument(
         "--device",
         default="auto",

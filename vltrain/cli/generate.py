@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from vltrain.cli.options import non_negative_int, path_arg, positive_int
+from vltrain.cli.options import add_forward_option, non_negative_int, path_arg, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -46,12 +46,7 @@ def add_generate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="", help="instead: an HF causal LM dir or .gguf file")
     p.add_argument("--prompts", default="", help="--model: prompts JSONL ({'prompt'} per line)")
     p.add_argument("--stats", default="", help="--draft: write acceptance statistics here")
-    p.add_argument(
-        "--forward",
-        default="auto",
-        choices=("auto", "native", "hf"),
-        help="--model: the target's forward; auto = native for Llama/Mistral/Qwen2/Qwen3",
-    )
+    add_forward_option(p)
 
 
 def run(args: argparse.Namespace) -> int:

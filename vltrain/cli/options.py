@@ -74,3 +74,13 @@ def image_size(text: str) -> int:
     if value < 32:
         raise argparse.ArgumentTypeError(f"must be an integer >= 32 (pixels), got {text!r}")
     return value
+
+
+def add_forward_option(p: argparse.ArgumentParser) -> None:
+    """``--forward``: how an HF causal LM runs (``inference.spec_targets.causal_lm_target``)."""
+    p.add_argument(
+        "--forward",
+        default="auto",
+        choices=("auto", "native", "hf"),
+        help="--model: the target's forward; auto = native for Llama/Mistral/Qwen2/Qwen3",
+    )

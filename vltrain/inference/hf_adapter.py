@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from vltrain.models.layers import kept_prefix, move_kept
+
 # Inputs consumed by the prefill only (HF's MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL, abridged).
 _PREFILL_ONLY = frozenset(
     {
@@ -181,18 +183,14 @@ class HFDecodeAdapter:
         # positions kept where they are (speculative decoding keeps the whole old cache) are
         # not copied: only the tail after the common prefix moves, into place, then a cut
         n = index.shape[1]
-        same = (index == torch.arange(n, device=index.device)).all(0)
-        p = int(same.long().cumprod(0).sum()) if n <= s_len else 0
-        tail = index[:, p:]
+        p = kept_prefix(index) if n <= s_len else 0
         for layer in layers:
             if n > s_len:  # more kept than cached (repeated positions): new tensors
                 idx = _per_head(index, layer.keys)
                 layer.keys, layer.values = layer.keys.gather(2, idx), layer.values.gather(2, idx)
                 continue
-            if n > p:
-                idx = _per_head(tail, layer.keys)
-                layer.keys[:, :, p:n] = layer.keys.gather(2, idx)
-                layer.values[:, :, p:n] = layer.values.gather(2, idx)
+            move_kept(layer.keys, index, p)
+            move_kept(layer.values, index, p)
             layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
         mask = cache.attention_mask
         mask = (

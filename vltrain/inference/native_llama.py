@@ -29,8 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vltrain.models.layers import tree_depths, tree_mask
+from vltrain.inference.hf_adapter import HFDecodeAdapter
+from vltrain.inference.spec_targets import Context
+from vltrain.models.layers import kept_prefix, move_kept, tree_depths, tree_mask
 from vltrain.models.packed import PackedLinears
+from vltrain.models.text import mask_positions
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 PACK_BYTES = 2 * 2**30  # NativeTarget packs a verify's weights by default up to this size
@@ -157,7 +160,6 @@ class NativeLlama:
         if reason:
             raise ValueError(reason)
         base = model.model
-        self.model = model
         self.rotary = base.rotary_emb
         self.embed = base.embed_tokens.weight.detach()
         self.final_norm = base.norm.weight.detach()
@@ -326,8 +328,6 @@ class NativeTarget:
         pack: bool | None = None,
         **token_ids: int,
     ) -> None:
-        from vltrain.inference.hf_adapter import HFDecodeAdapter
-
         self.native = NativeLlama(model)
         if pack is None:  # each packed row count copies the weights: small targets only
             pack = sum(p.numel() * p.element_size() for p in model.parameters()) <= PACK_BYTES
@@ -349,8 +349,11 @@ class NativeTarget:
     def head_params(self) -> tuple[Tensor, Tensor | None]:
         return self.native.head_weight, self.native.head_bias
 
-    def _features(self, taps: dict[int, Tensor]) -> Tensor:
-        return torch.cat([taps[i] for i in self.layer_ids], dim=-1)  # (B, S, n * W)
+    def _features(self, taps: dict[int, Tensor], hidden: Tensor) -> Tensor:
+        """The drafter's context features (B, S, n * W); (B, S, 0) without a drafter."""
+        if not self.layer_ids:
+            return hidden[..., :0]
+        return torch.cat([taps[i] for i in self.layer_ids], dim=-1)
 
     def prefill(self, input_ids: Tensor, attention_mask: Tensor | None = None):  # noqa: ANN201
         """Left-padded prompts (B, T): next-token logits (B, V), the cache, the prompt context."""
@@ -359,9 +362,6 @@ class NativeTarget:
                 "the HF model's weights changed after its NativeTarget was built (updated in "
                 "place, moved or fused again): build a new NativeTarget"
             )
-        from vltrain.inference.spec_targets import Context
-        from vltrain.models.text import mask_positions
-
         mask = torch.ones_like(input_ids, dtype=torch.bool)
         if attention_mask is not None:
             mask = attention_mask.bool()
@@ -373,7 +373,7 @@ class NativeTarget:
             attn = tree_mask(torch.arange(-1, t - 1, device=mask.device), 0, key_mask=mask)
         hidden, taps = self.native.forward(input_ids, pos, cache, attn, mask, tuple(self.layer_ids))
         logits = self.native.logits(hidden[:, -1]).float()
-        feats = self._features(taps) if self.layer_ids else hidden[..., :0]
+        feats = self._features(taps, hidden)
         return logits, cache, Context(feats, pos, mask)
 
     def step(self, tokens: Tensor, cache: NativeCache) -> tuple[Tensor, NativeCache]:
@@ -388,15 +388,13 @@ class NativeTarget:
 
     def verify(self, tokens: Tensor, parents: Tensor, cache: NativeCache):  # noqa: ANN201
         """Tree nodes (B, N) with parents (B, N) after the cache, in one forward."""
-        from vltrain.inference.spec_targets import Context
-
         pos = cache.next_positions()[:, None] + tree_depths(parents)  # (B, N)
         attn = tree_mask(parents, cache.length, key_mask=cache.mask)
         taps = tuple(self.layer_ids)
         hidden, taps = self.native.forward(tokens, pos, cache, attn, None, taps, self.pack)
         logits = self.native.logits(hidden, self.pack).float()  # (B, N, V)
         ones = torch.ones_like(tokens, dtype=torch.bool)
-        feats = self._features(taps) if self.layer_ids else hidden[..., :0]
+        feats = self._features(taps, hidden)
         return logits, cache, Context(feats, pos, ones)
 
     def keep(self, cache: NativeCache, index: Tensor, valid: Tensor | None) -> NativeCache:
@@ -409,14 +407,9 @@ class NativeTarget:
         index = index.to(device=cache.mask.device, dtype=torch.long).expand(b, -1)
         if n > cache.length or (index.numel() and int(index.max()) >= cache.length):
             raise ValueError(f"keep: positions must lie in [0, {cache.length})")
-        same = (index == torch.arange(n, device=index.device)).all(0)
-        p = int(same.long().cumprod(0).sum())
-        if n > p:
-            tail = index[:, p:]  # (B, n - p)
-            for store in (cache.keys, cache.values):
-                for t in store:
-                    idx = tail[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
-                    t[:, :, p:n] = t.gather(2, idx)
+        p = kept_prefix(index)
+        for t in (*cache.keys, *cache.values):
+            move_kept(t, index, p)
         mask = cache.mask.gather(1, index)
         if valid is not None:
             mask = mask & valid.to(mask.device).bool().expand_as(mask)

@@ -83,6 +83,24 @@ class KVCache:
         return reorder_cache(self, index)
 
 
+def kept_prefix(index: Tensor) -> int:
+    """How many leading entries of ``index`` (B, N) equal their own column in every row: the
+    cached positions a compaction to ``index`` leaves where they are."""
+    n = index.shape[1]
+    same = (index == torch.arange(n, device=index.device)).all(0)  # (N,)
+    return int(same.long().cumprod(0).sum())
+
+
+def move_kept(t: Tensor, index: Tensor, start: int) -> None:
+    """Write positions ``index[:, start:]`` (B, N - start) of ``t`` (B, H, S, Dh) to
+    ``t[:, :, start:N]`` in place (the entries before ``start`` are already in place)."""
+    n = index.shape[1]
+    if n > start:
+        tail = index[:, start:]
+        idx = tail[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])  # (B, H, N - p, Dh)
+        t[:, :, start:n] = t.gather(2, idx)
+
+
 def reorder_cache(cache: KVCache, index: Tensor) -> KVCache:
     """Select rows of ``cache`` along the batch dim (beam search: reorder, expand or prune).
 
