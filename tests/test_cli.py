@@ -127,3 +127,23 @@ def test_quickstart_end_to_end_at_a_tiny_size(tmp_path: Path, capsys) -> None:
     a = json.loads((run / "summary.json").read_text())["val"]
     b = json.loads((tmp_path / "again" / "summary.json").read_text())["val"]
     assert a == b
+
+
+def test_a_missing_optional_dependency_names_the_extra(tmp_path: Path, capsys, monkeypatch) -> None:
+    """`--model` without transformers installed: one line naming `vltrain[hf]`, exit 2."""
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import raises ModuleNotFoundError
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    assert main(["generate", "--model", str(tmp_path), "--prompts", str(prompts)]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'vltrain[hf]'" in err and "Traceback" not in err
+    monkeypatch.setitem(sys.modules, "numpy_not_an_extra", None)
+    monkeypatch.setattr(
+        "vltrain.tools.speculate.load_hf_causal_lm",
+        lambda path: __import__("numpy_not_an_extra"),
+    )
+    try:  # a missing module that is no extra of ours stays a real error
+        main(["generate", "--model", str(tmp_path), "--prompts", str(prompts)])
+        raise AssertionError("expected ModuleNotFoundError")
+    except ModuleNotFoundError as e:
+        assert e.name == "numpy_not_an_extra"

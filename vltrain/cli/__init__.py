@@ -92,6 +92,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: optional packages -> the pyproject extra that installs them
+OPTIONAL_EXTRAS = {
+    "transformers": "hf",
+    "peft": "hf",
+    "optuna": "tune",
+    "plotly": "tune",
+    "tensorboard": "log",
+    "wandb": "log",
+    "scipy": "scaling",
+    "fsspec": "stream",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `vltrain` console script."""
     from vltrain.config.core import ConfigError
@@ -117,6 +130,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         OutputError,
     ) as e:
         print(f"vltrain: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # an optional dependency the install lacks
+        extra = OPTIONAL_EXTRAS.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(
+            f"vltrain: error: this command needs {e.name}: pip install 'vltrain[{extra}]'",
+            file=sys.stderr,
+        )
         return 2
     except OSError as e:  # a path the user gave or the disk: name it, no traceback
         print(f"vltrain: error: {os_error_message(e)}", file=sys.stderr)
