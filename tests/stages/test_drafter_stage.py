@@ -199,6 +199,44 @@ def test_training_tau_equals_decoding_tau_on_the_same_blocks(lm, trained) -> Non
         assert float(m["accept"]) == sum(want) and float(m["blocks"]) == len(want)
 
 
+def test_decoding_tau_in_training_runs_native_and_equals_hf_decoding(
+    lm, answers, tmp_path, monkeypatch
+) -> None:  # noqa: ANN001
+    """The eval's tau_decode (chain and tree) decodes through the native forward, as
+    `vltrain generate` does, and equals decoding the same prompts through HF's modules with
+    the saved drafter."""
+    from vltrain.data.draft_data import chat_prompt_ids
+    from vltrain.inference.captioning import left_pad
+    from vltrain.inference.native_llama import NativeTarget
+    from vltrain.inference.spec_targets import HFTarget, load_hf_causal_lm
+    from vltrain.inference.speculative import speculative_generate
+    from vltrain.models.drafter import load_drafter
+    from vltrain.tools.speculate import attach
+
+    verifies = []
+    real = NativeTarget.verify
+    monkeypatch.setattr(
+        NativeTarget, "verify", lambda self, *a, **k: verifies.append(1) or real(self, *a, **k)
+    )
+    run = tmp_path / "run"
+    m = _train(lm, answers, run, "optim.lr=3e-3", "drafter.eval_tree_budget=5")
+    assert verifies, "the eval decoded through HF's modules, not the native forward"
+    model, tok = load_hf_causal_lm(lm)
+    drafter, _ = load_drafter(run)
+    target = HFTarget(model, drafter.cfg.target_layer_ids)
+    attach(drafter, target)
+    records = [json.loads(x) for x in (answers / "answers.jsonl").read_text().splitlines()]
+    ids, mask = left_pad(
+        [chat_prompt_ids(tok, r["prompt"]) for r in records[:4]], target.pad_token_id
+    )
+    for name, budget in (("", 0), ("_tree", 5)):
+        _, stats = speculative_generate(
+            target, drafter, {"input_ids": ids, "attention_mask": mask}, 16, tree_budget=budget
+        )
+        tau = sum(map(sum, stats.accepted)) / stats.rounds
+        assert m[f"eval_tau_decode{name}"] == pytest.approx(tau, abs=1e-9), name
+
+
 def test_loss_mask_matches_the_chat_template(lm) -> None:  # noqa: ANN001
     from transformers import AutoTokenizer
 
@@ -245,6 +283,18 @@ def test_features_are_block_outputs(lm) -> None:  # noqa: ANN001
         torch.testing.assert_close(ctx.features, want, atol=1e-5, rtol=0)
 
     check(HFTarget(model, [1, 2]))
+    # the last block (3 of 4): HF's last hidden state has the final norm applied, so the
+    # target reads the block's own output, in training features, prefill and verify alike
+    last = HFTarget(model, [1, 3])
+    check(last)
+    _, cache, ctx = last.prefill(ids)
+    torch.testing.assert_close(ctx.features, torch.cat([seen[1], seen[3]], -1), atol=1e-5, rtol=0)
+    _, _, ctx = last.verify(torch.tensor([[4, 6, 8]]), torch.tensor([[-1, 0, 0]]), cache)
+    torch.testing.assert_close(ctx.features, torch.cat([seen[1], seen[3]], -1), atol=1e-5, rtol=0)
+    normed = HFTarget(model, [1, 3])
+    normed.reads_last = False  # what it read before: hidden_states[-1]
+    with pytest.raises(AssertionError):
+        check(normed)
     buggy = HFTarget(model, [1, 2])
     import vltrain.inference.spec_targets as T
 

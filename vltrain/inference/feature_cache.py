@@ -79,6 +79,8 @@ def target_fingerprint(target: Any) -> str:
     about a second for a 135M target)."""
     h = hashlib.blake2b(digest_size=16)
     head = {"kind": type(target).__name__, "layers": list(target.layer_ids), "format": FORMAT}
+    if getattr(target, "reads_last", False):  # stores from before it read the raw last block
+        head["last_block"] = "raw"
     h.update(json.dumps(head, sort_keys=True).encode())
     for name, t in sorted(target.model.state_dict().items()):
         h.update(name.encode())

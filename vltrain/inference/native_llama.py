@@ -237,7 +237,7 @@ class NativeLlama:
         token that sees the whole cache, or a prompt into an empty cache, causal (either way
         without padding). ``real`` (B, M) bool marks the new positions that are real tokens
         (default all). Returns the final-normed hidden states (B, M, W) and ``taps``: layer
-        i's output (before the final norm) for each i asked for, as HF's ``hidden_states[i+1]``.
+        i's output (before the final norm) for each i asked for, as ``HFTarget`` reads them.
         ``packed`` runs the linears on MKL-packed weights for this row count
         (``vltrain.models.packed``): worth it for a count that recurs, as a verify's does.
         """

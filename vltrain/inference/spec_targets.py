@@ -14,7 +14,10 @@ A ``SpecTarget`` is a frozen model seen the way a block drafter needs it:
 - ``features(...)``: the same features for whole training sequences (no cache).
 
 Features are read *after* block i: vltrain's ``DecoderOutput.taps[i]``, HF's
-``hidden_states[i + 1]`` (index 0 holds the embeddings).
+``hidden_states[i + 1]`` (index 0 holds the embeddings), except the last block: HF's last
+hidden state has the final norm applied, so ``HFTarget`` reads that block's own output with a
+forward hook (the native forward and the captioner tap block outputs, and a drafter trained
+on one target's features is deployed on another's).
 """
 
 from __future__ import annotations
@@ -180,6 +183,22 @@ class HFTarget:
         self.eos_token_id = self.adapter.eos_token_id
         self.pad_token_id = self.adapter.pad_token_id
         self.bos_token_id = self.adapter.bos_token_id
+        self._last: Tensor | None = None  # the last block's output, when a drafter reads it
+        self.reads_last = self.num_layers - 1 in self.layer_ids
+        if self.reads_last:
+            decoder_blocks(model, self.num_layers)[-1].register_forward_hook(self._keep_last)
+
+    def _keep_last(self, module: Any, args: Any, out: Any) -> None:
+        self._last = out[0] if isinstance(out, tuple) else out
+
+    def _taps(self, hidden_states: tuple[Tensor, ...]) -> Tensor:
+        """The drafter's features from HF's hidden states: block outputs, the last one raw."""
+        if self.reads_last:
+            if self._last is None:
+                raise RuntimeError("the last decoder block's forward hook did not run")
+            hidden_states = (*hidden_states[:-1], self._last)
+            self._last = None
+        return _concat(hidden_states, self.layer_ids, 1)
 
     def embed(self, ids: Tensor) -> Tensor:
         return self.model.get_input_embeddings()(ids)
@@ -198,7 +217,7 @@ class HFTarget:
             input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True
         )
         mask = attention_mask.bool()
-        ctx = Context(_concat(out.hidden_states, self.layer_ids, 1), mask_positions(mask), mask)
+        ctx = Context(self._taps(out.hidden_states), mask_positions(mask), mask)
         return ctx, out.logits.float(), 0
 
     @torch.no_grad()
@@ -207,7 +226,7 @@ class HFTarget:
             attention_mask = torch.ones_like(input_ids)
         logits, cache = self.adapter.prefill(input_ids=input_ids, attention_mask=attention_mask)
         mask = attention_mask.bool()
-        feats = _concat(cache.hidden_states, self.layer_ids, 1)
+        feats = self._taps(cache.hidden_states)
         cache.hidden_states = None
         return logits, cache, Context(feats, mask_positions(mask), mask)
 
@@ -226,7 +245,7 @@ class HFTarget:
         pos = self.next_positions(cache)[:, None] + tree_depths(parents)  # (B, N)
         attn = tree_mask(parents, key_mask.shape[1], key_mask=key_mask)
         logits, cache = self.adapter.verify(tokens, cache, position_ids=pos, attention_mask=attn)
-        feats = _concat(cache.hidden_states, self.layer_ids, 1)
+        feats = self._taps(cache.hidden_states)
         cache.hidden_states = None
         ones = torch.ones_like(tokens, dtype=torch.bool)
         return logits, cache, Context(feats, pos, ones)
@@ -260,6 +279,16 @@ def causal_lm_target(model: Any, layer_ids: list[int], forward: str, pad: int) -
     if forward == "hf" or reason:  # auto: HF's modules where the native forward cannot go
         return HFTarget(model, layer_ids, pad_token_id=pad)
     return NativeTarget(model, layer_ids, pad_token_id=pad)
+
+
+def decoder_blocks(model: Any, n: int) -> torch.nn.ModuleList:
+    """The ``n`` decoder blocks of an HF causal LM (``model.model.layers`` in the Llama family,
+    ``transformer.h`` in GPT-2): the first module list of that length in its decoder."""
+    root = model.get_decoder() if hasattr(model, "get_decoder") else model
+    for m in root.modules():
+        if isinstance(m, torch.nn.ModuleList) and len(m) == n:
+            return m
+    raise ValueError(f"found no list of {n} decoder blocks in {type(model).__name__}")
 
 
 def load_hf_causal_lm(path: str | Path, attn: str = "sdpa") -> tuple[Any, Any]:

@@ -42,6 +42,7 @@ from vltrain.inference.feature_cache import FeatureCache, greedy_tokens
 from vltrain.inference.spec_targets import (
     CaptionerTarget,
     HFTarget,
+    causal_lm_target,
     load_captioner,
     load_hf_causal_lm,
 )
@@ -125,11 +126,15 @@ class DrafterStage:
             ids = list(d.layer_ids) or target_layer_ids(n_layers, d.target_layers)
             self.target: Any = HFTarget(model.to(self.ctx.device), ids)
             self.pad_id = self.target.pad_token_id
+            # tau_decode runs the speculative loop the way `vltrain generate` does: through
+            # the native forward where the model has one (same logits, fewer ms a round)
+            self.decode_target: Any = causal_lm_target(self.target.model, ids, "auto", self.pad_id)
         else:
             model, self.tokenizer, self.target_cfg = load_captioner(m.target)
             n_layers = len(model.decoder.blocks)
             ids = list(d.layer_ids) or target_layer_ids(n_layers, d.target_layers)
             self.target = CaptionerTarget(model.to(self.ctx.device), ids)
+            self.decode_target = self.target
             self.pad_id = self.tokenizer.pad_id
         self.caches: dict[str, FeatureCache] = {}
         bad = [i for i in ids if not 0 <= i < n_layers]
@@ -422,7 +427,7 @@ class DrafterStage:
             acc = torch.zeros(2, dtype=torch.float64)
             if mine:
                 _, stats = speculative_generate(
-                    self.target,
+                    self.decode_target,
                     drafter,
                     self._prompts(base, mine),
                     max_new_tokens=self._room(d.eval_max_new_tokens),
