@@ -168,7 +168,11 @@ def check_nccl_fsdp(args: argparse.Namespace) -> tuple[str, str]:
     cmd += [f"--nproc_per_node={_ranks(args)}", __file__, "--nccl-worker"]
     res = _run([*cmd, "--device", "cuda" if _cuda(args) else "cpu"], 240)
     said = [x for x in res.stdout.splitlines() if "vs unsharded" in x]
-    return ("ok" if res.returncode == 0 else "FAILED"), (said[-1] if said else _tail(res))
+    if res.returncode:  # the ranks' own error, not only rank 0's comparison
+        errors = [x for x in res.stderr.splitlines() if "Error" in x or "error" in x]
+        print(res.stderr[-3000:], file=sys.stderr)
+        return "FAILED", "; ".join([*said[-1:], *(errors[-1:] or [_tail(res)])])[:300]
+    return "ok", said[-1] if said else _tail(res)
 
 
 def nccl_worker(device: str) -> None:
@@ -233,7 +237,10 @@ def nccl_worker(device: str) -> None:
     if rank == 0:
         said = ", ".join(f"{k} {v:.2e}" for k, v in diffs.items())
         where = f"NCCL over {world} GPU(s)" if cuda else f"gloo over {world} CPU ranks"
-        print(f"{where} ok; vs unsharded after 2 steps, max diff: {said}")
+        print(f"{where} ok; vs unsharded after 2 steps, max diff: {said}", flush=True)
+    # leave together: a rank that tore its group down while rank 0 still compared weights
+    # made torchrun fail the row now and then (once in ~8 runs, after the comparison printed)
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     for name, diff in diffs.items():
         if diff > 1e-4:
