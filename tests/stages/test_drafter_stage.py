@@ -49,11 +49,13 @@ def answers(lm, tmp_path_factory) -> Path:  # noqa: ANN001
     return d
 
 
-def _train(lm, answers, out, *extra) -> dict:  # noqa: ANN001
+def _train_args(lm, answers, out, *extra) -> list[str]:  # noqa: ANN001
     from tests.config.test_config import PRESETS
 
     preset = next(p for p in PRESETS if p.name == "drafter_smollm2.yaml")
-    over = [
+    return [
+        "train",
+        str(preset),
         f"run.out_dir={out}",
         f"model.target={lm}",
         f"data.train={answers}/answers.jsonl",
@@ -71,7 +73,10 @@ def _train(lm, answers, out, *extra) -> dict:  # noqa: ANN001
         "data.length_buckets=0",
         *extra,
     ]
-    assert main(["train", str(preset), *over]) == 0
+
+
+def _train(lm, answers, out, *extra) -> dict:  # noqa: ANN001
+    assert main(_train_args(lm, answers, out, *extra)) == 0
     rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     return next(r for r in reversed(rows) if "eval_tau" in r)
 
@@ -213,14 +218,22 @@ def test_decoding_tau_in_training_runs_native_and_equals_hf_decoding(
     from vltrain.models.drafter import load_drafter
     from vltrain.tools.speculate import attach
 
-    verifies = []
-    real = NativeTarget.verify
+    verifies, released = [], []
+    real, real_release = NativeTarget.verify, NativeTarget.release
     monkeypatch.setattr(
-        NativeTarget, "verify", lambda self, *a, **k: verifies.append(1) or real(self, *a, **k)
+        NativeTarget, "verify", lambda self, *a, **k: verifies.append(self) or real(self, *a, **k)
+    )
+    monkeypatch.setattr(
+        NativeTarget,
+        "release",
+        lambda self: released.append(len(self.native.packed._packs)) or real_release(self),
     )
     run = tmp_path / "run"
     m = _train(lm, answers, run, "optim.lr=3e-3", "drafter.eval_tree_budget=5")
     assert verifies, "the eval decoded through HF's modules, not the native forward"
+    # the verify's packed weight copies do not outlive an eval (one per row count)
+    assert released and (max(released) > 0 or not torch.backends.mkl.is_available())
+    assert all(not t.native.packed._packs for t in verifies)
     model, tok = load_hf_causal_lm(lm)
     drafter, _ = load_drafter(run)
     target = HFTarget(model, drafter.cfg.target_layer_ids)
@@ -291,6 +304,12 @@ def test_features_are_block_outputs(lm) -> None:  # noqa: ANN001
     torch.testing.assert_close(ctx.features, torch.cat([seen[1], seen[3]], -1), atol=1e-5, rtol=0)
     _, _, ctx = last.verify(torch.tensor([[4, 6, 8]]), torch.tensor([[-1, 0, 0]]), cache)
     torch.testing.assert_close(ctx.features, torch.cat([seen[1], seen[3]], -1), atol=1e-5, rtol=0)
+    # the hook lives for one of the target's forwards: none left on the model (only this
+    # test's own), and a forward of the model by someone else leaves nothing in the target
+    left = model.model.layers[3]._forward_hooks.values()
+    assert not [h for h in left if getattr(h, "__self__", None) is last]
+    model(input_ids=ids)
+    assert last._last is None
     normed = HFTarget(model, [1, 3])
     normed.reads_last = False  # what it read before: hidden_states[-1]
     with pytest.raises(AssertionError):
@@ -596,6 +615,66 @@ def test_cached_features_train_like_online_ones(lm, answers, tmp_path) -> None: 
 
     a, b = losses(tmp_path / "online"), losses(tmp_path / "cached")
     assert len(a) == 6 and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
+
+
+def test_a_run_killed_mid_first_epoch_resumes_on_its_half_filled_store_exactly(
+    lm,  # noqa: ANN001
+    answers,  # noqa: ANN001
+    tmp_path,  # noqa: ANN001
+    monkeypatch,  # noqa: ANN001
+) -> None:
+    """Killed after step 3 (checkpoint at 2), while its on-disk feature store holds only the
+    rows met so far; resumed, it reads the rows the killed run wrote, computes the rest, and
+    ends with the losses, eval and weights of the run that was never interrupted."""
+    from safetensors.torch import load_file
+
+    from vltrain.engine import loop
+
+    over = ("data.batch_size=2", "train.max_steps=7", "train.save_every=2", "train.log_every=1")
+
+    def losses(run: Path) -> dict[int, float]:
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if "loss" in r and "eval_tau" not in r}
+
+    full = _train(lm, answers, tmp_path / "full", f"drafter.cache_dir={tmp_path}/a", *over)
+    store = tmp_path / "b"
+    real = loop.Trainer._maybe_eval_and_save
+
+    def killed_after_3(self, model, logger):  # noqa: ANN001, ANN202
+        real(self, model, logger)
+        if self.state.step == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop.Trainer, "_maybe_eval_and_save", killed_after_3)
+    # Ctrl-C: the CLI's exit code for an interrupt
+    assert (
+        main(_train_args(lm, answers, tmp_path / "part", f"drafter.cache_dir={store}", *over))
+        == 130
+    )
+    monkeypatch.setattr(loop.Trainer, "_maybe_eval_and_save", real)
+    kept = len(list(store.rglob("*.safetensors")))
+    assert 0 < kept < len(TEXTS)  # the store was half filled when the run died
+    from vltrain.inference.feature_cache import FeatureCache
+
+    read, row = [], FeatureCache._row
+
+    def counted(self, *a):  # noqa: ANN001, ANN202
+        read.append(self)
+        return row(self, *a)
+
+    monkeypatch.setattr(FeatureCache, "_row", counted)
+    part = _train(
+        lm, answers, tmp_path / "part", f"drafter.cache_dir={store}", *over, "train.resume=true"
+    )
+    assert max(c.loaded for c in read) > 0  # it read rows the killed run had written
+    assert len(list(store.rglob("*.safetensors"))) == len(TEXTS)
+    assert losses(tmp_path / "full") == losses(tmp_path / "part")
+    assert len(losses(tmp_path / "full")) == 7
+    for key in ("eval_loss", "eval_tau", "eval_tau_decode"):
+        assert full[key] == part[key], key
+    a = load_file(str(tmp_path / "full" / "checkpoints" / "step_7" / "model.safetensors"))
+    b = load_file(str(tmp_path / "part" / "checkpoints" / "step_7" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_cache_target_refuses_soft_labels(lm) -> None:  # noqa: ANN001

@@ -340,6 +340,11 @@ class NativeTarget:
         self.vocab_size = self.native.head_weight.shape[0]
         self.layer_ids = list(layer_ids)
 
+    def release(self) -> None:
+        """Drop the packed weight copies (one copy of the weights per verify row count):
+        for a target that stays in memory between decodings, as a training run's eval does."""
+        self.native.packed.clear()
+
     def embed(self, ids: Tensor) -> Tensor:
         return F.embedding(ids, self.native.embed)
 

@@ -22,6 +22,8 @@ on one target's features is deployed on another's).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -185,11 +187,23 @@ class HFTarget:
         self.bos_token_id = self.adapter.bos_token_id
         self._last: Tensor | None = None  # the last block's output, when a drafter reads it
         self.reads_last = self.num_layers - 1 in self.layer_ids
-        if self.reads_last:
-            decoder_blocks(model, self.num_layers)[-1].register_forward_hook(self._keep_last)
+        self._last_block = decoder_blocks(model, self.num_layers)[-1] if self.reads_last else None
 
     def _keep_last(self, module: Any, args: Any, out: Any) -> None:
         self._last = out[0] if isinstance(out, tuple) else out
+
+    @contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Hook the last block for the length of one of this target's forwards (only when a
+        drafter reads it): the model carries no hook, and holds no output, between calls."""
+        if self._last_block is None:
+            yield
+            return
+        handle = self._last_block.register_forward_hook(self._keep_last)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def _taps(self, hidden_states: tuple[Tensor, ...]) -> Tensor:
         """The drafter's features from HF's hidden states: block outputs, the last one raw."""
@@ -213,20 +227,23 @@ class HFTarget:
     @torch.no_grad()
     def features(self, input_ids: Tensor, attention_mask: Tensor):
         """(Context of every position, logits (B, T, V), prefix length 0) of right-padded rows."""
-        out = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True
-        )
+        with self._reading():
+            out = self.model(
+                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True
+            )
+            feats = self._taps(out.hidden_states)
         mask = attention_mask.bool()
-        ctx = Context(self._taps(out.hidden_states), mask_positions(mask), mask)
+        ctx = Context(feats, mask_positions(mask), mask)
         return ctx, out.logits.float(), 0
 
     @torch.no_grad()
     def prefill(self, input_ids: Tensor, attention_mask: Tensor | None = None):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        logits, cache = self.adapter.prefill(input_ids=input_ids, attention_mask=attention_mask)
+        with self._reading():
+            logits, cache = self.adapter.prefill(input_ids=input_ids, attention_mask=attention_mask)
+            feats = self._taps(cache.hidden_states)
         mask = attention_mask.bool()
-        feats = self._taps(cache.hidden_states)
         cache.hidden_states = None
         return logits, cache, Context(feats, mask_positions(mask), mask)
 
@@ -244,8 +261,11 @@ class HFTarget:
         key_mask = self._key_mask(cache).to(tokens.device)
         pos = self.next_positions(cache)[:, None] + tree_depths(parents)  # (B, N)
         attn = tree_mask(parents, key_mask.shape[1], key_mask=key_mask)
-        logits, cache = self.adapter.verify(tokens, cache, position_ids=pos, attention_mask=attn)
-        feats = self._taps(cache.hidden_states)
+        with self._reading():
+            logits, cache = self.adapter.verify(
+                tokens, cache, position_ids=pos, attention_mask=attn
+            )
+            feats = self._taps(cache.hidden_states)
         cache.hidden_states = None
         ones = torch.ones_like(tokens, dtype=torch.bool)
         return logits, cache, Context(feats, pos, ones)

@@ -39,6 +39,7 @@ from vltrain.engine.runtime import RunContext
 from vltrain.engine.task import StepOutput
 from vltrain.inference.captioning import left_pad
 from vltrain.inference.feature_cache import FeatureCache, greedy_tokens
+from vltrain.inference.native_llama import NativeTarget
 from vltrain.inference.spec_targets import (
     CaptionerTarget,
     HFTarget,
@@ -436,6 +437,8 @@ class DrafterStage:
                 acc += torch.tensor([sum(map(sum, stats.accepted)), stats.rounds])
             acc = D.all_reduce_sum(acc.to(self.ctx.device)).cpu()
             out[f"tau_decode{name}"] = float(acc[0] / acc[1].clamp(min=1))
+        if isinstance(self.decode_target, NativeTarget):
+            self.decode_target.release()  # ~2 copies of the target's weights until next eval
         return out
 
     def _room(self, want: int) -> int:
