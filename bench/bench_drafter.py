@@ -146,6 +146,84 @@ FIFTH_TEMPLATES = [  # answer styles the first four sets never asked for
     "Write a tweet about {}.",
     "What would the world be like without {}?",
 ]
+# the sixth set (--prompts beyond 13,080): 630 more topics, all 20 templates; none names a
+# held-out topic (nor bench_drafter_heldout's)
+SIXTH_TOPICS = """acorns, alarm clocks, albatrosses, alpacas, anchors, anteaters, antelopes,
+apricots, aquariums, arches, archery, arithmetic, armor, art galleries, asparagus, auctions,
+badgers, badminton, bagpipes, balconies, ballpoint pens, balloons, bandages, banjos, barbecues,
+barcodes, barley, barometers, basil, bathtubs, beaches, beards, bees in winter, beetroot, bells
+in churches, belts, benches, bicycle repair, billboards, binoculars, birch trees, bird nests,
+biscuits, blackberries, blacksmiths, blenders, blimps, blood, blue whales, bobsleds, bonfires,
+bonsai trees, bookmarks, bookshelves, boomerangs, bowling, bracelets, braids, brass bands,
+brick walls, broccoli, brooms, brushes, bubbles, buckets, buffaloes, bulldozers, bumblebees,
+buoys, butterflies in spring, cabbages, cable cars, calligraphy, camels in the desert,
+campfires, canoes, canaries, candy, cannons, capybaras, caravans, cardboard, cardinals,
+carousels, carpets, cartography, cashews, casseroles, caterpillars, cats at night, cauliflower,
+cedar trees, cellos, cement, centipedes, cereal, chameleons, chandeliers, charcoal, cherries,
+chestnuts, chickpeas, chimneys, chipmunks, chives, choirs in churches, cider, cinemas, circles,
+citrus fruits, clams, clarinets, cliffs by the sea, climbing walls, clockmakers, clothespins,
+clover, coal, coats, cobblestones, cockatoos, coconut trees, coffee shops, coins, colanders,
+comets at night, compost bins, concrete, condors, conveyor belts, cookbooks, copper wire,
+corals, corks, cornfields, cotton candy, cougars, courtrooms, cowboys, coyotes, cranberries,
+cranes, crayons, crickets, croissants, crosswords, crowns, cucumbers, cupcakes, cymbals,
+daffodils, daisies, dandelions, darts, dates, deltas, denim, deserts in spring, dewdrops, dice,
+dishwashers, dodos, dollhouses, dominoes, doughnuts, doves, dragon boats, drawbridges,
+driftwood, drums, dunes at sunset, dust, eagles in flight, easels, eels, eggplants,
+elderberries, electric guitars, embroidery, emeralds, emus, encyclopedias online, erasers,
+estuaries, eucalyptus, evergreens, fabric, fairgrounds, falcons, fans, feathers, fences,
+fennel, ferries, ferris wheels, fiddles, figs, filing cabinets, fingerprints, fireplaces, fish
+markets, fishing boats, flashlights, flax, fleas, flowerpots, flutes in orchestras, folk songs,
+footbridges, forklifts, fossils, fountain pens, foxgloves, freight trains, frisbees, frogs in
+ponds, fruit salad, fudge, funnels, fur, gazelles, gears, gemstones, gingerbread, ginger,
+giraffes at the zoo, glaciers in Alaska, glass blowing, gliders, globes in classrooms, glow
+worms, gnus, goldfinches, golf, gondolas, gooseberries, gorges, gourds, granola, grapefruit,
+grass, gravel, greeting cards, guinea pigs, gulls, gumdrops, hairbrushes, hammocks in summer,
+hamburgers, harmonicas, harps, harvest moons, hawks, hay, hazelnuts, headlamps, hedges,
+helmets, hens, herbs, herons, hiccups, hiking boots, hockey, hoes, hopscotch, horseshoes,
+hourglasses, houseplants, hula hoops, humidity, hyenas, ibises, ice skating rinks, icicles,
+iguanas, incense, inkwells, insects, irises, ivy, jackals, jaguars, jam, javelins, jellybeans,
+jigsaws, jogging, judo, jugglers, jungles, juniper, kale, kayaks, kelp, kestrels, ketchup,
+kettledrums, kilns, kimonos, kingfishers, kiwis, knots, kookaburras, lacrosse, ladles, lakes,
+lambs, lanes in the countryside, larks, lava, lawnmowers, leaves, leeks, lentils, lettuce,
+lichens, lifeboats, lifeguards, lilies, limes, limestone, linen, lions at dusk, lipstick,
+lobster boats, locomotives, logs, looms, lotus flowers, lynxes, macaws, mackerel, magnifying
+glasses, magpies, mailboxes, mammoths, mandolins, manatees, mangrove swamps, maple trees,
+marbles, marigolds, marmalade, marshmallows, masks, matches, mattresses, mazes, meerkats,
+melons, mice, milkshakes, millstones, minerals, mint, mittens, moats, mockingbirds, molasses,
+moles, mongooses, monkeys, mops, mosaics, mosquitoes, motels, mountain goats, muffins, mules,
+murals, mussels, mustard, narwhals, necklaces, nectar, nests, nettles, nightingales, notebooks,
+nutmeg, oars, oatmeal, oases, oboes, octagons, okra, opals, orangutans, orchards in autumn,
+ospreys, ostrich eggs, ovens in bakeries, owls at night, oysters, paddles, paintbrushes, palm
+trees, pancake syrup, paperclips, paprika, parsley, parsnips, passports, pastries, peaches,
+peacocks in gardens, pears, peas, pecans, pendulums, penknives, peppermint, perfume,
+periscopes, persimmons, pet shops, pheasants, piccolos, pickles, piers, pillars, pinecones,
+pinwheels, pipelines, pistachios, pitchforks, plankton, platypuses, plums, pocket watches,
+poison ivy, polka dots, pomegranates, ponchos, ponies, popcorn, poppies, porcupines, porridge,
+postmen, pottery wheels, prawns, pretzels, prisms, pudding, pumpkins, pyramids of Egypt,
+quails, quarries, quicksand, quinoa, rabbits in meadows, racoons in cities, radishes, rafts,
+railways, raisins, rakes, raspberries, rattlesnakes, ravens, recorders, reindeer, reptiles,
+rhubarb, ribbons, rice fields, rings, roadrunners, robins, rock climbing, rocking chairs,
+roller coasters, rope, rosemary, rowing, rubber, rubies, rugby, rulers, rust, saddles, saffron,
+sage, sailors, salamanders in streams, sandals, sandcastles, sapphires, sardines, satchels,
+sauces, sausages, saxophones, scales, scarecrows, scooters, scorpions, screwdrivers,
+sculptures, sea lions, seals, sesame, sewing machines, shepherds, shipwrecks, shrimp,
+silkworms, skateboards, skunks, skylarks, sledges, slippers, slugs, smoke, snails in gardens,
+snowmen, soccer balls, sofas in living rooms, sparrows, spinach, sponges, spoonbills, squash,
+squid, stained glass, stamps in albums, starlings, steam engines, stingrays, stork nests,
+strawberry fields, streetlights, submarines in fiction, sugar cane, sundaes, sunscreen,
+suspension bridges, swallows, sweaters, sweet potatoes, swings, swordfish, sycamores, tadpoles,
+tambourines, tangerines, tapestries, tapirs, tarantulas, teapots, teddy bears, telegrams,
+termites, thermometers, thimbles, thistles, thrushes, thyme, tigers in India, tiles, toads,
+toasters, toboggans, toffee, tofu, tomatoes in greenhouses, toothbrushes, toucans, towels, toy
+trains, tractors, trampolines, tree frogs, tricycles, trolleys, trombones, trout, truffles,
+tubas, tumbleweeds, tuning forks, turnips, turquoise, tweezers, typewriters, ukuleles,
+unicycles, vacuum cleaners, vans, vases, velvet, vines, vinyl records, violets, volleyball,
+vultures, wagons, walnuts, walruses, wardrobes, warthogs, washing machines, wasps, water
+lilies, water towers, watercolors, weasels, weather vanes, weaving, wells, wetlands,
+wheelbarrows, wheels, whistles, wildflowers, willow trees, wind socks, wizards, wombats,
+woodcarving, woodlands, wrens, wrestling, xylophones, yachts, yaks, yarn, zucchini""".replace(
+    "\n", " "
+).split(", ")
 PROMPTS = (
     [t.format(x) for x in TOPICS for t in TEMPLATES]
     + [t.format(x) for x in TOPICS for t in MORE_TEMPLATES]
@@ -157,6 +235,7 @@ PROMPTS = (
     # new templates on the 552 earlier topics (their held-out prompts keep unseen topics)
     + [t.format(x) for x in FIFTH_TOPICS for t in TEMPLATES + MORE_TEMPLATES + FIFTH_TEMPLATES]
     + [t.format(x) for x in TOPICS + MORE_TOPICS + FOURTH_TOPICS for t in FIFTH_TEMPLATES]
+    + [t.format(x) for x in SIXTH_TOPICS for t in TEMPLATES + MORE_TEMPLATES + FIFTH_TEMPLATES]
 )
 
 
@@ -390,7 +469,8 @@ def predicted_speedup(tau: float, ratio: float, draft_ms: float, step_ms: float)
 
 def train_grid(args, out: Path, g: str) -> list[Path]:  # noqa: ANN001
     """One drafter per (block, gamma, draft vocabulary); a finished run (summary.json) is
-    not trained again."""
+    not trained again, an interrupted one (a checkpoint, no summary) resumes where it stopped
+    (``train.resume=true``: same overrides, so the config check passes)."""
     from vltrain.cli import main as cli
 
     runs = []
@@ -406,6 +486,9 @@ def train_grid(args, out: Path, g: str) -> list[Path]:  # noqa: ANN001
         runs.append(run)
         if (run / "summary.json").is_file():
             continue
+        saved = (run / "checkpoints").is_dir() and any((run / "checkpoints").iterdir())
+        # a run killed before its first checkpoint starts over
+        resume = [f"train.{'resume' if saved else 'overwrite'}=true"] if run.is_dir() else []
         cli(
             [
                 "train",
@@ -427,7 +510,8 @@ def train_grid(args, out: Path, g: str) -> list[Path]:  # noqa: ANN001
                 "log.progress=false",
                 "log.tensorboard=false",
                 f"train.eval_every={max(1, args.steps // args.curve_points)}",
-                f"train.save_every={args.steps}",
+                f"train.save_every={args.save_every or args.steps}",
+                *resume,
             ]
         )
     return runs
@@ -554,6 +638,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=1, help="drafter.layers")
     p.add_argument("--regen-batch", type=int, default=64, help="prompts per regenerate batch")
     p.add_argument("--curve-points", type=int, default=6, help="evaluations per run")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint interval (0: the end)")
     p.add_argument("--prompts", type=int, default=len(PROMPTS))
     p.add_argument("--costs-only", action="store_true")
     p.add_argument("--train-only", action="store_true", help="regenerate + train, no timing")
