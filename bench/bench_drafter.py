@@ -10,7 +10,7 @@ greedy decoding, and the speed-up tau and the measured costs predict.
     python bench/bench_drafter.py --costs-only          # step (1) only
 
 Step (2) first copies the committed answers in bench/data (the target's greedy answers to all
-13,080 prompts, made once with `--save-seed`) where the GGUF's sha256 and each prompt match,
+25,680 prompts, made once with `--save-seed`) where the GGUF's sha256 and each prompt match,
 so only missing prompts run the target (`--no-seed` regenerates everything).
 """
 
