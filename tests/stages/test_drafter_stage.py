@@ -515,8 +515,8 @@ def test_cached_target_features_equal_the_online_ones(lm, answers) -> None:  # n
     assert (~mask).any(), "the batch must hold padded rows for this test to mean anything"
     ctx, logits, _ = target.features(batch["input_ids"], batch["attention_mask"])
     cache = FeatureCache(target)
-    cctx, greedy, p = cache.features(batch)
-    assert p == 0 and cache.computed == len(batch["index"])
+    cctx, greedy, p, top = cache.features(batch)
+    assert p == 0 and top is None and cache.computed == len(batch["index"])
     torch.testing.assert_close(cctx.features[mask], ctx.features[mask], atol=1e-5, rtol=0)
     assert torch.equal(cctx.valid, ctx.valid) and torch.equal(
         cctx.positions[mask], ctx.positions[mask]
@@ -526,14 +526,14 @@ def test_cached_target_features_equal_the_online_ones(lm, answers) -> None:  # n
     # a later epoch: same records, reordered, assembled from memory without a forward
     order = torch.tensor([2, 0, 3, 1])
     again = {k: v[order] for k, v in batch.items()}
-    actx, agreedy, _ = cache.features(again)
+    actx, agreedy, _, _ = cache.features(again)
     assert cache.computed == 4 and torch.equal(actx.features, cctx.features[order])
     assert torch.equal(agreedy, greedy[order])
     # a record that trains on other content in another epoch (a captioner record drawing
     # another caption) keeps its index: the cache is keyed by content, so it gets the new
     # content's features, not its first epoch's (keyed by index it got stale ones)
     swapped = {k: (v if k != "index" else batch["index"]) for k, v in again.items()}
-    sctx, sgreedy, _ = cache.features(swapped)
+    sctx, sgreedy, _, _ = cache.features(swapped)
     assert cache.computed == 4 and torch.equal(sctx.features, cctx.features[order])
     assert torch.equal(sgreedy, greedy[order])
     stale = {k: v for k, v in zip(batch["index"].tolist(), cctx.features, strict=True)}
@@ -547,16 +547,16 @@ def test_features_on_disk_are_read_back_by_a_later_run(lm, answers, tmp_path) ->
 
     target, batch = _draft_batch(lm, answers)
     first = FeatureCache(target, tmp_path)
-    ctx, greedy, _ = first.features(batch)
+    ctx, greedy, _, _ = first.features(batch)
     assert (first.computed, first.loaded) == (4, 0)
     assert not first.rows  # with a store nothing stays in memory: the next batch reads it back
-    again, _, _ = first.features(batch)
+    again, _, _, _ = first.features(batch)
     assert (first.computed, first.loaded) == (4, 4) and torch.equal(again.features, ctx.features)
     (folder,) = [d for d in tmp_path.iterdir() if d.is_dir()]
     assert len(list(folder.glob("*.safetensors"))) == 4
     assert json.loads((folder / "target.json").read_text())["layers"] == [0, 1]
     later = FeatureCache(target, tmp_path)  # a later run: reads, runs no target forward
-    lctx, lgreedy, _ = later.features(batch)
+    lctx, lgreedy, _, _ = later.features(batch)
     assert (later.computed, later.loaded) == (0, 4)
     assert torch.equal(lctx.features, ctx.features) and torch.equal(lgreedy, greedy)
     assert torch.equal(lctx.positions, ctx.positions) and torch.equal(lctx.valid, ctx.valid)
@@ -576,6 +576,103 @@ def test_features_on_disk_are_read_back_by_a_later_run(lm, answers, tmp_path) ->
         with torch.no_grad():
             next(target.model.parameters()).view(-1)[0] -= 1e-3
     assert not list(tmp_path.rglob("*.tmp"))  # atomic writes leave nothing behind
+
+
+def test_soft_labels_are_the_targets_distribution_before_each_slot(lm, answers) -> None:  # noqa: ANN001
+    """Slot k of an anchor gets the target's distribution read after token anchor + k - 1 (its
+    argmax is the target's greedy token at the slot, exactly); its top-k (online or cached)
+    is that distribution cut to k tokens and renormalised, and k = V gives it back whole."""
+    from vltrain.inference.feature_cache import FeatureCache, greedy_tokens, top_logprobs
+    from vltrain.objectives.drafter import block_labels, block_soft_labels
+
+    target, batch = _draft_batch(lm, answers)
+    mask, anchors = batch["attention_mask"], batch["anchors"]
+    valid, block, vocab = batch["anchor_valid"], 6, target.vocab_size
+    _, logits, p = target.features(batch["input_ids"], mask)
+    assert p == 0
+    greedy = greedy_tokens(logits, mask)
+    shifted = torch.cat([torch.full_like(greedy[:, :1], -100), greedy[:, :-1]], 1)
+    lab, ok = block_labels(shifted, anchors, valid, block)
+    assert ok.sum() > 40
+    full = block_soft_labels(logits, anchors, block, vocab)
+    assert torch.allclose(full.sum(-1), torch.ones(()), atol=1e-5)
+    assert torch.equal(full.argmax(-1)[ok], lab[ok])
+    late = block_soft_labels(logits, anchors + 1, block, vocab)  # one position late: the bug
+    assert (late.argmax(-1)[ok] != lab[ok]).float().mean() > 0.5
+    whole = block_soft_labels(top_logprobs(logits, mask, vocab), anchors, block, vocab)
+    torch.testing.assert_close(whole[ok], full[ok], atol=1e-6, rtol=0)  # (padding: id 0)
+    five = block_soft_labels(top_logprobs(logits, mask, 5), anchors, block, vocab)
+    assert ((five[ok] > 0).sum(-1) == 5).all()
+    cut = full.topk(5, -1)
+    torch.testing.assert_close(
+        five.gather(-1, cut.indices)[ok],
+        (cut.values / cut.values.sum(-1, keepdim=True))[ok],
+        atol=1e-5,
+        rtol=0,
+    )
+    # the cache keeps, per sequence computed alone, what the padded batch's logits give
+    _, _, _, top = FeatureCache(target, top_k=5).features(batch)
+    real = mask.bool()
+    want = top_logprobs(logits, mask, 5)
+    assert torch.equal(top.ids[real], want.ids[real])
+    torch.testing.assert_close(top.logp[real], want.logp[real], atol=1e-5, rtol=0)
+    assert (top.ids[~real] == 0).all() and (top.logp[~real] == 0).all()
+
+
+def test_a_store_gains_soft_labels_when_a_run_asks_for_them(lm, answers, tmp_path) -> None:  # noqa: ANN001
+    """Rows stored without top-k log-probabilities are computed again and rewritten with them
+    the first time a run asks; a run asking for fewer than stored cuts them, more recomputes."""
+    from vltrain.inference.feature_cache import FeatureCache
+
+    target, batch = _draft_batch(lm, answers)
+    plain = FeatureCache(target, tmp_path)
+    ctx, greedy, _, none = plain.features(batch)
+    assert none is None and plain.computed == 4
+    five = FeatureCache(target, tmp_path, top_k=5)
+    fctx, fgreedy, _, top5 = five.features(batch)
+    assert (five.computed, five.loaded) == (4, 0)  # no soft labels on disk: computed again
+    assert torch.equal(fctx.features, ctx.features) and torch.equal(fgreedy, greedy)
+    three = FeatureCache(target, tmp_path, top_k=3)
+    _, _, _, top3 = three.features(batch)
+    assert (three.computed, three.loaded) == (0, 4)
+    assert torch.equal(top3.ids, top5.ids[..., :3]) and torch.equal(top3.logp, top5.logp[..., :3])
+    again = FeatureCache(target, tmp_path)  # a run without soft labels reads the same rows
+    actx, _, _, _ = again.features(batch)
+    assert (again.computed, again.loaded) == (0, 4) and torch.equal(actx.features, ctx.features)
+    more = FeatureCache(target, tmp_path, top_k=8)
+    _, _, _, top8 = more.features(batch)
+    assert (more.computed, more.loaded) == (4, 0) and top8.ids.shape[-1] == 8
+    assert torch.equal(top8.ids[..., :5], top5.ids)
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_soft_labels_on_cached_features_train_like_online_ones(lm, answers, tmp_path) -> None:  # noqa: ANN001
+    """drafter.soft_labels on features from the disk store (soft_top_k covering the tiny
+    vocabulary) trains like soft labels from the target's logits in every step."""
+    soft = ("train.log_every=1", "drafter.soft_labels=true")
+    whole = _train(lm, answers, tmp_path / "whole", *soft)
+    top = _train(lm, answers, tmp_path / "top", *soft, "drafter.soft_top_k=100000")
+    cached = _train(
+        lm,
+        answers,
+        tmp_path / "cached",
+        *soft,
+        "drafter.soft_top_k=100000",
+        f"drafter.cache_dir={tmp_path}/store",
+    )
+    hard = _train(lm, answers, tmp_path / "hard", "train.log_every=1")
+
+    def losses(run: Path) -> list[float]:
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in rows if "loss" in r and "eval_tau" not in r]
+
+    a = losses(tmp_path / "whole")
+    for other in ("top", "cached"):
+        b = losses(tmp_path / other)
+        assert len(a) == len(b) == 6 and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
+    for key in ("eval_loss", "eval_tau"):
+        assert abs(whole[key] - top[key]) < 1e-4 and abs(whole[key] - cached[key]) < 1e-4, key
+    assert abs(whole["eval_loss"] - hard["eval_loss"]) > 1e-3  # soft labels did change the loss
 
 
 def test_a_run_on_cached_features_from_disk_trains_like_one_that_computed_them(
@@ -677,22 +774,22 @@ def test_a_run_killed_mid_first_epoch_resumes_on_its_half_filled_store_exactly(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_cache_target_refuses_soft_labels(lm) -> None:  # noqa: ANN001
+def test_cached_soft_labels_need_soft_top_k(lm) -> None:  # noqa: ANN001
     from tests.config.test_config import PRESETS
     from vltrain.config import load_config
     from vltrain.config.core import ConfigError
     from vltrain.stages import STAGES
 
     preset = next(p for p in PRESETS if p.name == "drafter_smollm2.yaml")
-    cfg = load_config(preset, [f"model.target={lm}", "drafter.cache_target=true"])
-    STAGES["drafter"].check_config(cfg)
-    cfg = load_config(
-        preset, [f"model.target={lm}", "drafter.cache_target=true", "drafter.soft_labels=true"]
-    )
-    with pytest.raises(ConfigError, match="soft_labels"):
-        STAGES["drafter"].check_config(cfg)
-    cfg = load_config(
-        preset, [f"model.target={lm}", "drafter.cache_dir=feats", "drafter.soft_labels=true"]
-    )
+
+    def check(*over: str) -> None:
+        STAGES["drafter"].check_config(load_config(preset, [f"model.target={lm}", *over]))
+
+    check("drafter.cache_target=true")
+    check("drafter.cache_dir=feats", "drafter.soft_labels=true", "drafter.soft_top_k=32")
+    with pytest.raises(ConfigError, match="set 'drafter.soft_top_k'"):
+        check("drafter.cache_target=true", "drafter.soft_labels=true")
     with pytest.raises(ConfigError, match="cache_dir' \\(it implies cache_target"):
-        STAGES["drafter"].check_config(cfg)
+        check("drafter.cache_dir=feats", "drafter.soft_labels=true")
+    with pytest.raises(ConfigError, match="'drafter.soft_labels' is off"):
+        check("drafter.soft_top_k=32")

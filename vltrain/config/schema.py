@@ -623,10 +623,18 @@ class DrafterConfig:
         0.0, "Drafter: D-PACE alpha (0: off; 0.5 as in the paper).", ge=0.0, le=1.0
     )
     soft_labels: bool = option(False, "Drafter: CE against the target's own distribution.")
+    soft_top_k: int = option(
+        0,
+        "Drafter soft labels: keep the target's k most likely tokens per position, "
+        "renormalised (0: its whole distribution). Needed (> 0) with cache_target or "
+        "cache_dir, which store those k log-probabilities with the features.",
+        ge=0,
+    )
     cache_target: bool = option(
         False,
         "Drafter: compute each record's target features once (alone, unpadded) and keep them "
-        "in memory for later epochs (vltrain.inference.feature_cache); not with soft_labels.",
+        "in memory for later epochs (vltrain.inference.feature_cache); with soft_labels, also "
+        "the target's top soft_top_k log-probabilities per position.",
     )
     cache_dir: str = option(
         "",

@@ -6,8 +6,11 @@ that forward (a 135M target over the whole sequence, its LM head included) costs
 drafter's own forward and backward. ``FeatureCache`` computes a sequence's features the first
 time it is met, alone and unpadded (so the cached values do not depend on which batch first
 met it, and a resumed run reads the same features), keeps them with the target's greedy
-tokens, and assembles later batches from memory. The logits are not kept (49k floats a token),
-so ``drafter.soft_labels`` cannot be combined with it.
+tokens, and assembles later batches from memory. The logits are not kept (49k floats a token);
+for ``drafter.soft_labels`` a cache made with ``top_k`` keeps the target's k largest
+log-probabilities per position and their token ids (``drafter.soft_top_k``; 32 of them cost
+256 bytes a token, ~4% of SmolLM2's features). A stored row without them, or with fewer, is
+computed again and rewritten the first time a run asks for them; a row with more is cut.
 
 Keys are the content of the row (its token ids, and its image for a captioner), not the
 record's index: a captioner record with several captions trains on another caption in another
@@ -38,7 +41,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -48,8 +51,17 @@ from vltrain.data.chat import IGNORE_INDEX
 from vltrain.inference.spec_targets import Context
 
 FORMAT = 1  # bump when what a cached row holds, or how it is computed, changes
-Row = tuple[Tensor, Tensor, Tensor, Tensor]  # features, positions, valid, greedy
+Row = dict[str, Tensor]  # FIELDS, plus TOP_FIELDS in a cache with top_k
 FIELDS = ("features", "positions", "valid", "greedy")
+TOP_FIELDS = ("top_ids", "top_logp")
+
+
+class TopK(NamedTuple):
+    """The target's k most likely next tokens after each position: ids and log-probabilities
+    under its whole distribution, (B, T, k) each, most likely first; padding holds id 0, 0.0."""
+
+    ids: Tensor
+    logp: Tensor
 
 
 def _libc_trim() -> Any:
@@ -66,6 +78,13 @@ _TRIM = _libc_trim()
 def greedy_tokens(logits: Tensor, text_mask: Tensor) -> Tensor:
     """The target's token after each real position (B, T); IGNORE_INDEX after padding."""
     return logits.argmax(-1).masked_fill(~text_mask.bool(), IGNORE_INDEX)
+
+
+def top_logprobs(logits: Tensor, text_mask: Tensor, k: int) -> TopK:
+    """The k most likely tokens after each real position of logits (B, T, V)."""
+    logp, ids = torch.log_softmax(logits.float(), -1).topk(min(k, logits.shape[-1]), -1)
+    pad = ~text_mask.bool()[..., None]
+    return TopK(ids.masked_fill(pad, 0), logp.masked_fill(pad, 0.0))
 
 
 def _update(h: Any, t: Tensor) -> None:
@@ -92,10 +111,16 @@ class FeatureCache:
     """Per-sequence target features of one split, in memory, or on disk in `store`."""
 
     def __init__(
-        self, target: Any, store: str | Path | None = None, fingerprint: str | None = None
+        self,
+        target: Any,
+        store: str | Path | None = None,
+        fingerprint: str | None = None,
+        top_k: int = 0,
     ) -> None:
-        """``fingerprint``: the target's, when the caller has it (another split's cache)."""
+        """``fingerprint``: the target's, when the caller has it (another split's cache);
+        ``top_k``: also keep the target's k most likely tokens per position (soft labels)."""
         self.target = target
+        self.top_k = min(top_k, target.vocab_size) if top_k > 0 else 0
         self.rows: dict[str, Row] = {}
         self.computed = 0  # target forwards run (a test counts them)
         self.loaded = 0  # rows read from the store
@@ -129,12 +154,17 @@ class FeatureCache:
         else:
             ctx, logits, _ = self.target.features(ids, ones)
         self.computed += 1
-        row = (ctx.features[0], ctx.positions[0], ctx.valid[0], greedy_tokens(logits, ones)[0])
-        row = tuple(t.detach().to("cpu", copy=True) for t in row)  # storage of its own
+        parts = [ctx.features[0], ctx.positions[0], ctx.valid[0], greedy_tokens(logits, ones)[0]]
+        if self.top_k:
+            top = top_logprobs(logits, ones, self.top_k)
+            parts += [top.ids[0].int(), top.logp[0]]  # int32 ids: half the bytes
+        # storage of its own (fresh contiguous copies)
+        names = (FIELDS + TOP_FIELDS)[: len(parts)]
+        row = {f: t.detach().to("cpu", copy=True) for f, t in zip(names, parts, strict=True)}
         del ctx, logits
         if _TRIM is not None:
             _TRIM(0)
-        return row  # type: ignore[return-value]
+        return row
 
     def _row(self, batch: dict[str, Tensor], i: int, key: str) -> Row:
         if self.store is None:
@@ -142,15 +172,20 @@ class FeatureCache:
         path = self.store / f"{key}.safetensors"
         if path.is_file():
             t = load_file(str(path))
-            self.loaded += 1
-            return tuple(t[f] for f in FIELDS)  # type: ignore[return-value]
-        row = self._compute(batch, i)
-        tensors = dict(zip(FIELDS, row, strict=True))  # fresh copies: contiguous
-        _atomic(path, lambda p: save_file(tensors, str(p)))
+            have = t["top_ids"].shape[-1] if "top_ids" in t else 0
+            if have >= self.top_k:  # enough soft labels (or none asked for): cut to top_k
+                self.loaded += 1
+                row = {f: t[f] for f in FIELDS}
+                if self.top_k:
+                    row.update({f: t[f][:, : self.top_k] for f in TOP_FIELDS})
+                return row
+        row = self._compute(batch, i)  # new, or stored without the soft labels asked for
+        _atomic(path, lambda p: save_file(row, str(p)))
         return row
 
-    def features(self, batch: dict[str, Tensor]) -> tuple[Context, Tensor, int]:
-        """(Context (B, P + T, F), greedy (B, T), prefix length P) of a right-padded batch."""
+    def features(self, batch: dict[str, Tensor]) -> tuple[Context, Tensor, int, TopK | None]:
+        """(Context (B, P + T, F), greedy (B, T), prefix length P, the target's top-k tokens
+        (B, T, k) or None without ``top_k``) of a right-padded batch."""
         keys = [self.key(batch, i) for i in range(batch["input_ids"].shape[0])]
         got: dict[str, Row] = {}
         for i, key in enumerate(keys):
@@ -160,16 +195,25 @@ class FeatureCache:
             self.rows.update(got)
         rows = [got[k] for k in keys]
         b, t = batch["input_ids"].shape
-        p = rows[0][0].shape[0] - rows[0][3].shape[0]  # prefix = context rows - text rows
+        first = rows[0]["features"]
+        p = first.shape[0] - rows[0]["greedy"].shape[0]  # prefix = context rows - text rows
         dev = batch["input_ids"].device
-        feats = rows[0][0].new_zeros(b, p + t, rows[0][0].shape[1])
+        feats = first.new_zeros(b, p + t, first.shape[1])
         pos = torch.zeros(b, p + t, dtype=torch.long)
         valid = torch.zeros(b, p + t, dtype=torch.bool)
         greedy = torch.full((b, t), IGNORE_INDEX, dtype=torch.long)
-        for i, (f, ps, v, g) in enumerate(rows):
-            feats[i, : len(f)], pos[i, : len(f)], valid[i, : len(f)] = f, ps, v
-            greedy[i, : len(g)] = g
-        return Context(feats.to(dev), pos.to(dev), valid.to(dev)), greedy.to(dev), p
+        k = self.top_k
+        top_ids = torch.zeros(b, t, k, dtype=torch.long)
+        top_logp = torch.zeros(b, t, k)
+        for i, r in enumerate(rows):
+            n, m = len(r["features"]), len(r["greedy"])
+            feats[i, :n], pos[i, :n], valid[i, :n] = r["features"], r["positions"], r["valid"]
+            greedy[i, :m] = r["greedy"]
+            if k:
+                top_ids[i, :m], top_logp[i, :m] = r["top_ids"], r["top_logp"]
+        ctx = Context(feats.to(dev), pos.to(dev), valid.to(dev))
+        top = TopK(top_ids.to(dev), top_logp.to(dev)) if k else None
+        return ctx, greedy.to(dev), p, top
 
 
 def _atomic(path: Path, write: Any) -> None:

@@ -93,6 +93,28 @@ def block_labels(
     return lab.masked_fill(~valid, 0), valid
 
 
+def block_soft_labels(
+    target: Tensor | tuple[Tensor, Tensor], anchors: Tensor, block_size: int, vocab: int
+) -> Tensor:
+    """Soft labels (B, J, K, V): for slot k of anchor a, the target's distribution over token
+    ``a + k``, read after token ``a + k - 1`` (slot 0 repeats slot 1's; it carries no loss).
+
+    ``target`` is its logits (B, T, V) or its top-k tokens, a pair (ids, log-probs) of
+    (B, T, k) each (``vltrain.inference.feature_cache.TopK``), renormalised over those k.
+    ``anchors`` (B, J) index the same T positions.
+    """
+    k = torch.arange(block_size, device=anchors.device)
+    idx = (anchors[:, :, None] + k - 1).clamp(min=0)  # (B, J, K)
+    rows = torch.arange(idx.shape[0], device=idx.device)[:, None, None]
+    if isinstance(target, tuple):
+        ids, logp = target
+        idx = idx.clamp(max=ids.shape[1] - 1)
+        top_ids, top_logp = ids[rows, idx], logp[rows, idx]  # (B, J, K, k)
+        dense = top_logp.new_zeros(*top_ids.shape[:-1], vocab)
+        return dense.scatter_(-1, top_ids, torch.softmax(top_logp, -1))
+    return torch.softmax(target[rows, idx.clamp(max=target.shape[1] - 1)].float(), -1)
+
+
 def slot_loss(logits: Tensor, labels: Tensor, valid: Tensor, soft: Tensor | None = None) -> Tensor:
     """Per-slot cross-entropy (B, J, K) fp32, 0 where invalid; ``soft`` (B, J, K, V) probs."""
     logp = torch.log_softmax(logits.float(), dim=-1)

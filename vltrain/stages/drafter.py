@@ -38,7 +38,12 @@ from vltrain.engine.parallel import ParallelModel
 from vltrain.engine.runtime import RunContext
 from vltrain.engine.task import StepOutput
 from vltrain.inference.captioning import left_pad
-from vltrain.inference.feature_cache import FeatureCache, greedy_tokens
+from vltrain.inference.feature_cache import (
+    FeatureCache,
+    TopK,
+    greedy_tokens,
+    top_logprobs,
+)
 from vltrain.inference.native_llama import NativeTarget
 from vltrain.inference.spec_targets import (
     CaptionerTarget,
@@ -59,6 +64,7 @@ from vltrain.models.drafter import (
 from vltrain.objectives.drafter import (
     BlockDraftLoss,
     block_labels,
+    block_soft_labels,
     default_gamma,
     summarize_metrics,
 )
@@ -105,11 +111,17 @@ class DrafterStage:
         if not cfg.model.target:
             raise ConfigError("stage drafter needs 'model.target' (the frozen target model)")
         d = cfg.drafter
-        if (d.cache_target or d.cache_dir) and d.soft_labels:
+        if (d.cache_target or d.cache_dir) and d.soft_labels and not d.soft_top_k:
             which = "cache_dir' (it implies cache_target)" if d.cache_dir else "cache_target'"
             raise ConfigError(
-                f"'drafter.{which} keeps features and greedy tokens, not the target's logits, "
-                "so it cannot feed 'drafter.soft_labels': turn one of them off"
+                f"'drafter.{which} keeps the target's k most likely tokens per position, not "
+                "its whole distribution: set 'drafter.soft_top_k' (e.g. 32) for "
+                "'drafter.soft_labels' on cached features, or turn one of them off"
+            )
+        if d.soft_top_k and not d.soft_labels:
+            raise ConfigError(
+                f"'drafter.soft_top_k={d.soft_top_k}' only shapes soft labels, and "
+                "'drafter.soft_labels' is off: turn it on, or drop soft_top_k"
             )
 
     @classmethod
@@ -243,25 +255,28 @@ class DrafterStage:
     # ---- one step --------------------------------------------------------------------------
 
     def _target(self, batch: dict[str, Any], split: str) -> tuple:
-        """(Context, logits or None when cached, greedy tokens (B, T), prefix length)."""
+        """(Context, the target's logits (B, T, V) or its top-k tokens (``soft_top_k``; None
+        when cached without soft labels), greedy tokens (B, T), prefix length)."""
         d = self.cfg.drafter
+        k = d.soft_top_k if d.soft_labels else 0
         if d.cache_target or d.cache_dir:
             if split not in self.caches:
                 known = next((c.store.name for c in self.caches.values() if c.store), None)
-                self.caches[split] = FeatureCache(self.target, d.cache_dir or None, known)
+                self.caches[split] = FeatureCache(self.target, d.cache_dir or None, known, k)
                 if d.cache_dir and self.ctx.is_main and split == "train":
                     print(
                         f"vltrain: drafter: target features cached in {self.caches[split].store}",
                         file=sys.stderr,
                     )
-            ctx, greedy, p = self.caches[split].features(batch)
-            return ctx, None, greedy, p
+            ctx, greedy, p, top = self.caches[split].features(batch)
+            return ctx, top, greedy, p
         mask = batch["attention_mask"]
         if "images" in batch:
             ctx, tlogits, p = self.target.features(batch["images"], batch["input_ids"], mask)
         else:
             ctx, tlogits, p = self.target.features(batch["input_ids"], mask)
-        return ctx, tlogits, greedy_tokens(tlogits, mask), p
+        soft = top_logprobs(tlogits, mask, k) if k else tlogits
+        return ctx, soft, greedy_tokens(tlogits, mask), p
 
     def _inputs(self, batch: dict[str, Any], split: str = "train") -> tuple:
         """Target features and the drafter's inputs of one batch (target under no_grad)."""
@@ -280,13 +295,12 @@ class DrafterStage:
         same = (labels[:, 1:] == greedy[:, :-1]) & sup
         return torch.stack([same.sum(), sup.sum()]).double()
 
-    def _soft(self, tlogits: Tensor, a_pos: Tensor, p: int) -> Tensor | None:
-        if not self.cfg.drafter.soft_labels:
+    def _soft(self, target: Tensor | TopK | None, a_pos: Tensor, p: int) -> Tensor | None:
+        """Soft labels (B, A, K, V), or None without ``drafter.soft_labels``."""
+        if not self.cfg.drafter.soft_labels or target is None:
             return None
-        k = self.cfg.drafter.block_size
-        idx = (a_pos[:, :, None] - p + torch.arange(k, device=a_pos.device) - 1).clamp(min=0)
-        rows = torch.arange(idx.shape[0], device=idx.device)[:, None, None]
-        return torch.softmax(tlogits[rows, idx.clamp(max=tlogits.shape[1] - 1)], -1)
+        d = self.cfg.drafter
+        return block_soft_labels(target, a_pos - p, d.block_size, self.target.vocab_size)
 
     def forward_backward(
         self, model: ParallelModel, batch: dict[str, Any], scale: float
