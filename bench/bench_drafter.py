@@ -482,6 +482,9 @@ def train_grid(args, out: Path, g: str) -> list[Path]:  # noqa: ANN001
     ]
     for block, gamma, vocab in grid:
         tag = (f"_v{vocab}" if vocab else "") + (f"_l{args.layers}" if args.layers > 1 else "")
+        tag += f"_soft{args.soft_top_k}" if args.soft_top_k else ""
+        k = args.soft_top_k
+        soft = ["drafter.soft_labels=true", f"drafter.soft_top_k={k}"] if k else []
         run = out / f"b{block}_g{gamma:g}_s{args.steps}_p{args.prompts}{tag}"
         runs.append(run)
         if (run / "summary.json").is_file():
@@ -511,6 +514,7 @@ def train_grid(args, out: Path, g: str) -> list[Path]:  # noqa: ANN001
                 "log.tensorboard=false",
                 f"train.eval_every={max(1, args.steps // args.curve_points)}",
                 f"train.save_every={args.save_every or args.steps}",
+                *soft,
                 *resume,
             ]
         )
@@ -636,6 +640,9 @@ def main() -> None:
     p.add_argument("--anchors", type=int, default=16, help="anchors per training sequence")
     p.add_argument("--draft-vocab", default="0", help="drafter.draft_vocab values (0: all)")
     p.add_argument("--layers", type=int, default=1, help="drafter.layers")
+    p.add_argument(
+        "--soft-top-k", type=int, default=0, help="soft labels from the target's top-k (0: hard)"
+    )
     p.add_argument("--regen-batch", type=int, default=64, help="prompts per regenerate batch")
     p.add_argument("--curve-points", type=int, default=6, help="evaluations per run")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint interval (0: the end)")
