@@ -171,3 +171,36 @@ def test_draft_vocabulary_soft_labels_and_dpace_treat_outside_tokens_as_unpropos
     want_w = float((dpace_weights(miss, ok, 0.5) * inside).sum())
     as_if_hit = float((dpace_weights(ce_in, inside, 0.5) * inside).sum())  # the old bug
     assert abs(float(weight_d) - want_w) < 1e-5 and abs(as_if_hit - want_w) > 0.1
+
+
+def test_sparse_top_k_soft_labels_equal_their_dense_form_in_a_draft_vocabulary() -> None:
+    """Soft labels given as the target's top-k (ids, probs) train exactly like the same labels
+    as a vocabulary-wide tensor, with a reduced draft vocabulary (outside ids dropped, the rest
+    renormalised); a slot whose top-k all lie outside carries no loss and no weight."""
+    feats, pos, valid = _inputs(16)
+    a_pos, a_ids = torch.tensor([[2, 5]]), torch.tensor([[3, 4]])
+    _, d = _vocab_drafter(list(range(0, V, 2)))
+    g = torch.Generator().manual_seed(7)
+    # per slot one id inside the (even) draft vocabulary and two outside, all distinct
+    even = 2 * torch.randint(V // 2, (2 * K, 1), generator=g)
+    odd = torch.stack([2 * torch.randperm(V // 2, generator=g)[:2] + 1 for _ in range(2 * K)])
+    ids = torch.cat([even, odd], 1).view(1, 2, K, 3)
+    ids[0, 1, 2] = torch.tensor([1, 3, 5])  # every one outside the (even) draft vocabulary
+    probs = torch.softmax(torch.randn(1, 2, K, 3, generator=g), -1)
+    dense = probs.new_zeros(1, 2, K, V).scatter_(-1, ids, probs)
+    lab = torch.tensor([[[0, 2, 4, 6], [0, 8, 10, 12]]])
+    ok = torch.ones_like(lab, dtype=torch.bool)
+    ok[..., 0] = False
+    loss_fn = BlockDraftLoss(d, gamma=4.0)
+    s_loss, s_w, _ = loss_fn(feats, pos, valid, a_ids, a_pos, lab, ok, (ids, probs))
+    d_loss, d_w, _ = loss_fn(feats, pos, valid, a_ids, a_pos, lab, ok, dense)
+    w = position_weights(K, 4.0)
+    assert abs(float(d_w) - float(w[1:].sum() * 2)) < 1e-6  # dense: the empty slot still weighs
+    assert abs(float(s_w) - float(d_w - w[2])) < 1e-6  # sparse: it does not
+    assert abs(float(s_loss.detach()) - float(d_loss.detach())) < 1e-5  # its CE: 0 either way
+    chunked = BlockDraftLoss(d, gamma=4.0, chunk_blocks=1)
+    c_loss, c_w, _ = chunked(feats, pos, valid, a_ids, a_pos, lab, ok, (ids, probs))
+    assert (
+        abs(float(c_loss.detach()) - float(s_loss.detach())) < 1e-5
+        and abs(float(c_w) - float(s_w)) < 1e-6
+    )

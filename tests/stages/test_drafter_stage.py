@@ -594,14 +594,20 @@ def test_soft_labels_are_the_targets_distribution_before_each_slot(lm, answers) 
     shifted = torch.cat([torch.full_like(greedy[:, :1], -100), greedy[:, :-1]], 1)
     lab, ok = block_labels(shifted, anchors, valid, block)
     assert ok.sum() > 40
-    full = block_soft_labels(logits, anchors, block, vocab)
+    full = block_soft_labels(logits, anchors, block)
+    assert full.shape[-1] == vocab
     assert torch.allclose(full.sum(-1), torch.ones(()), atol=1e-5)
     assert torch.equal(full.argmax(-1)[ok], lab[ok])
-    late = block_soft_labels(logits, anchors + 1, block, vocab)  # one position late: the bug
+    late = block_soft_labels(logits, anchors + 1, block)  # one position late: the bug
     assert (late.argmax(-1)[ok] != lab[ok]).float().mean() > 0.5
-    whole = block_soft_labels(top_logprobs(logits, mask, vocab), anchors, block, vocab)
+
+    def dense(sparse):  # noqa: ANN001, ANN202
+        ids, probs = sparse
+        return probs.new_zeros(*ids.shape[:-1], vocab).scatter_(-1, ids, probs)
+
+    whole = dense(block_soft_labels(top_logprobs(logits, mask, vocab), anchors, block))
     torch.testing.assert_close(whole[ok], full[ok], atol=1e-6, rtol=0)  # (padding: id 0)
-    five = block_soft_labels(top_logprobs(logits, mask, 5), anchors, block, vocab)
+    five = dense(block_soft_labels(top_logprobs(logits, mask, 5), anchors, block))
     assert ((five[ok] > 0).sum(-1) == 5).all()
     cut = full.topk(5, -1)
     torch.testing.assert_close(
@@ -622,16 +628,26 @@ def test_soft_labels_are_the_targets_distribution_before_each_slot(lm, answers) 
 def test_a_store_gains_soft_labels_when_a_run_asks_for_them(lm, answers, tmp_path) -> None:  # noqa: ANN001
     """Rows stored without top-k log-probabilities are computed again and rewritten with them
     the first time a run asks; a run asking for fewer than stored cuts them, more recomputes."""
+    from safetensors.torch import load_file, save_file
+
     from vltrain.inference.feature_cache import FeatureCache
 
     target, batch = _draft_batch(lm, answers)
     plain = FeatureCache(target, tmp_path)
     ctx, greedy, _, none = plain.features(batch)
     assert none is None and plain.computed == 4
+    # row 0's stored features differ from what the target computes now (as when another
+    # device or thread count wrote them): adding soft labels must keep what runs have read
+    row0 = plain.store / f"{FeatureCache.key(batch, 0)}.safetensors"
+    stored = load_file(str(row0))
+    save_file({**stored, "features": stored["features"] + 1.0}, str(row0))
     five = FeatureCache(target, tmp_path, top_k=5)
     fctx, fgreedy, _, top5 = five.features(batch)
     assert (five.computed, five.loaded) == (4, 0)  # no soft labels on disk: computed again
-    assert torch.equal(fctx.features, ctx.features) and torch.equal(fgreedy, greedy)
+    assert torch.equal(fctx.features[1:], ctx.features[1:]) and torch.equal(fgreedy, greedy)
+    n0 = len(stored["features"])
+    assert torch.equal(fctx.features[0, :n0], ctx.features[0, :n0] + 1.0)  # kept, not replaced
+    ctx.features[0, :n0] += 1.0  # what the store holds from now on
     three = FeatureCache(target, tmp_path, top_k=3)
     _, _, _, top3 = three.features(batch)
     assert (three.computed, three.loaded) == (0, 4)
@@ -647,32 +663,36 @@ def test_a_store_gains_soft_labels_when_a_run_asks_for_them(lm, answers, tmp_pat
 
 
 def test_soft_labels_on_cached_features_train_like_online_ones(lm, answers, tmp_path) -> None:  # noqa: ANN001
-    """drafter.soft_labels on features from the disk store (soft_top_k covering the tiny
-    vocabulary) trains like soft labels from the target's logits in every step."""
+    """drafter.soft_labels on features from the disk store trains like soft labels from the
+    target's logits in every step: with soft_top_k covering the tiny vocabulary, like the whole
+    distribution; cut to 5 tokens, like the same cut online."""
     soft = ("train.log_every=1", "drafter.soft_labels=true")
-    whole = _train(lm, answers, tmp_path / "whole", *soft)
-    top = _train(lm, answers, tmp_path / "top", *soft, "drafter.soft_top_k=100000")
-    cached = _train(
-        lm,
-        answers,
-        tmp_path / "cached",
-        *soft,
-        "drafter.soft_top_k=100000",
-        f"drafter.cache_dir={tmp_path}/store",
-    )
-    hard = _train(lm, answers, tmp_path / "hard", "train.log_every=1")
+    store = f"drafter.cache_dir={tmp_path}/store"
+    runs = {
+        "whole": _train(lm, answers, tmp_path / "whole", *soft),
+        "top": _train(lm, answers, tmp_path / "top", *soft, "drafter.soft_top_k=1024"),
+        "cached": _train(lm, answers, tmp_path / "cached", *soft, "drafter.soft_top_k=1024", store),
+        "five": _train(lm, answers, tmp_path / "five", *soft, "drafter.soft_top_k=5"),
+        "five_cached": _train(
+            lm, answers, tmp_path / "five_cached", *soft, "drafter.soft_top_k=5", store
+        ),
+        "hard": _train(lm, answers, tmp_path / "hard", "train.log_every=1"),
+    }
 
-    def losses(run: Path) -> list[float]:
-        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    def losses(run: str) -> list[float]:
+        rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
         return [r["loss"] for r in rows if "loss" in r and "eval_tau" not in r]
 
-    a = losses(tmp_path / "whole")
-    for other in ("top", "cached"):
-        b = losses(tmp_path / other)
-        assert len(a) == len(b) == 6 and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
-    for key in ("eval_loss", "eval_tau"):
-        assert abs(whole[key] - top[key]) < 1e-4 and abs(whole[key] - cached[key]) < 1e-4, key
-    assert abs(whole["eval_loss"] - hard["eval_loss"]) > 1e-3  # soft labels did change the loss
+    for a, b in (("whole", "top"), ("whole", "cached"), ("five", "five_cached")):
+        la, lb = losses(a), losses(b)
+        assert (
+            len(la) == len(lb) == 6 and max(abs(x - y) for x, y in zip(la, lb, strict=True)) < 1e-4
+        )
+        for key in ("eval_loss", "eval_tau"):
+            assert abs(runs[a][key] - runs[b][key]) < 1e-4, (a, b, key)
+    # each does change the loss: the cut from the whole distribution, soft labels from hard ones
+    assert abs(runs["whole"]["eval_loss"] - runs["five"]["eval_loss"]) > 1e-3
+    assert abs(runs["whole"]["eval_loss"] - runs["hard"]["eval_loss"]) > 1e-3
 
 
 def test_a_run_on_cached_features_from_disk_trains_like_one_that_computed_them(
@@ -793,3 +813,6 @@ def test_cached_soft_labels_need_soft_top_k(lm) -> None:  # noqa: ANN001
         check("drafter.cache_dir=feats", "drafter.soft_labels=true")
     with pytest.raises(ConfigError, match="'drafter.soft_labels' is off"):
         check("drafter.soft_top_k=32")
+    with pytest.raises(ConfigError, match="keep it <= 1024"):
+        check("drafter.cache_target=true", "drafter.soft_labels=true", "drafter.soft_top_k=5000")
+    check("drafter.soft_labels=true", "drafter.soft_top_k=5000")  # online: no store to fill

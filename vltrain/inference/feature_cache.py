@@ -9,8 +9,9 @@ met it, and a resumed run reads the same features), keeps them with the target's
 tokens, and assembles later batches from memory. The logits are not kept (49k floats a token);
 for ``drafter.soft_labels`` a cache made with ``top_k`` keeps the target's k largest
 log-probabilities per position and their token ids (``drafter.soft_top_k``; 32 of them cost
-256 bytes a token, ~4% of SmolLM2's features). A stored row without them, or with fewer, is
-computed again and rewritten the first time a run asks for them; a row with more is cut.
+256 bytes a token, ~4% of SmolLM2's features). A stored row without them, or with fewer, gets
+them the first time a run asks (the target runs again; the stored features are kept, so runs
+reading the row keep reading the same values); a row with more is cut.
 
 Keys are the content of the row (its token ids, and its image for a captioner), not the
 record's index: a captioner record with several captions trains on another caption in another
@@ -179,7 +180,10 @@ class FeatureCache:
                 if self.top_k:
                     row.update({f: t[f][:, : self.top_k] for f in TOP_FIELDS})
                 return row
-        row = self._compute(batch, i)  # new, or stored without the soft labels asked for
+            row = self._compute(batch, i)  # stored without the soft labels asked for
+            row.update({f: t[f] for f in FIELDS})  # keep the stored features: runs read those
+        else:
+            row = self._compute(batch, i)
         _atomic(path, lambda p: save_file(row, str(p)))
         return row
 

@@ -21,6 +21,8 @@ draft vocabulary, ``vocab_coverage`` (the share of labels inside it; the others 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
@@ -94,13 +96,16 @@ def block_labels(
 
 
 def block_soft_labels(
-    target: Tensor | tuple[Tensor, Tensor], anchors: Tensor, block_size: int, vocab: int
-) -> Tensor:
-    """Soft labels (B, J, K, V): for slot k of anchor a, the target's distribution over token
-    ``a + k``, read after token ``a + k - 1`` (slot 0 repeats slot 1's; it carries no loss).
+    target: Tensor | tuple[Tensor, Tensor], anchors: Tensor, block_size: int
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Soft labels of every block slot: for slot k of anchor a, the target's distribution over
+    token ``a + k``, read after token ``a + k - 1`` (slot 0 reads position a - 1; it carries no
+    loss).
 
-    ``target`` is its logits (B, T, V) or its top-k tokens, a pair (ids, log-probs) of
-    (B, T, k) each (``vltrain.inference.feature_cache.TopK``), renormalised over those k.
+    ``target`` is its logits (B, T, V): returns probabilities (B, J, K, V). Or its top-k
+    tokens, a pair (ids, log-probs) of (B, T, k) each
+    (``vltrain.inference.feature_cache.TopK``): returns the pair (ids, probabilities renormalised
+    over those k), (B, J, K, k) each, which the loss reads without a vocabulary-wide tensor.
     ``anchors`` (B, J) index the same T positions.
     """
     k = torch.arange(block_size, device=anchors.device)
@@ -109,17 +114,23 @@ def block_soft_labels(
     if isinstance(target, tuple):
         ids, logp = target
         idx = idx.clamp(max=ids.shape[1] - 1)
-        top_ids, top_logp = ids[rows, idx], logp[rows, idx]  # (B, J, K, k)
-        dense = top_logp.new_zeros(*top_ids.shape[:-1], vocab)
-        return dense.scatter_(-1, top_ids, torch.softmax(top_logp, -1))
+        return ids[rows, idx], torch.softmax(logp[rows, idx], -1)
     return torch.softmax(target[rows, idx.clamp(max=target.shape[1] - 1)].float(), -1)
 
 
-def slot_loss(logits: Tensor, labels: Tensor, valid: Tensor, soft: Tensor | None = None) -> Tensor:
-    """Per-slot cross-entropy (B, J, K) fp32, 0 where invalid; ``soft`` (B, J, K, V) probs."""
+def slot_loss(
+    logits: Tensor,
+    labels: Tensor,
+    valid: Tensor,
+    soft: Tensor | tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
+    """Per-slot cross-entropy (B, J, K) fp32, 0 where invalid; ``soft`` (B, J, K, V) probs, or
+    a sparse pair (indices into the logits, probs), (B, J, K, k) each."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     if soft is None:
         ce = -logp.gather(-1, labels[..., None])[..., 0]
+    elif isinstance(soft, tuple):
+        ce = -(soft[1].float() * logp.gather(-1, soft[0])).sum(-1)
     else:
         ce = -(soft.float() * logp).sum(-1)
     return ce * valid
@@ -247,12 +258,18 @@ class BlockDraftLoss(nn.Module):
         # a reduced draft vocabulary: labels as its indices; one outside it (-1) carries no
         # loss and never matches in the metrics (the drafter cannot propose it)
         labels = self.drafter.to_draft(labels)
-        inside = valid & (labels >= 0)
-        if soft is not None and self.drafter.cfg.draft_vocab:
+        inside = carries = valid & (labels >= 0)
+        if isinstance(soft, tuple):  # the target's top-k: (token ids, probs)
+            ids = self.drafter.to_draft(soft[0])
+            probs = soft[1] * (ids >= 0)
+            soft = ids.clamp(min=0), probs / probs.sum(-1, keepdim=True).clamp(min=1e-12)
+            # no mass left inside the draft vocabulary: nothing to learn, like an outside label
+            carries = inside & (probs.sum(-1) > 0)
+        elif soft is not None and self.drafter.cfg.draft_vocab:
             soft = soft[..., self.drafter.vocab_ids]
             soft = soft / soft.sum(-1, keepdim=True).clamp(min=1e-12)
-        ce = slot_loss(logits, labels.clamp(min=0), inside, soft)
-        loss, weight = weighted_loss(ce, valid, self.weights, self.dpace, inside)
+        ce = slot_loss(logits, labels.clamp(min=0), carries, soft)
+        loss, weight = weighted_loss(ce, valid, self.weights, self.dpace, carries)
         m = block_metrics(logits, labels, valid)
         m["slot_in_vocab"] = inside.sum((0, 1)).double()
         return loss, weight, *(m[name] for name in METRIC_KEYS)
@@ -266,9 +283,10 @@ class BlockDraftLoss(nn.Module):
         anchor_pos: Tensor,
         labels: Tensor,
         valid: Tensor,
-        soft: Tensor | None = None,
+        soft: Tensor | tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        """Features (B, S, F) at ctx_pos/ctx_valid (B, S); anchors (B, J); labels (B, J, K)."""
+        """Features (B, S, F) at ctx_pos/ctx_valid (B, S); anchors (B, J); labels (B, J, K);
+        ``soft``: soft labels (B, J, K, V), or (target ids, probs) of (B, J, K, k) each."""
         j = anchor_ids.shape[1]
         step = self.chunk_blocks if self.chunk_blocks > 0 else j
         loss = weight = features.new_zeros((), dtype=torch.float32)
@@ -283,7 +301,7 @@ class BlockDraftLoss(nn.Module):
                 anchor_pos[:, sl],
                 labels[:, sl],
                 valid[:, sl],
-                None if soft is None else soft[:, sl],
+                _blocks(soft, sl),
             )
             if j > step and torch.is_grad_enabled():
                 out = checkpoint(self._chunk, *args, use_reentrant=False)
@@ -293,6 +311,13 @@ class BlockDraftLoss(nn.Module):
             for name, v in zip(METRIC_KEYS, out[2:], strict=True):
                 sums[name] = sums.get(name, 0) + v.detach()
         return loss, weight, sums
+
+
+def _blocks(soft: Tensor | tuple[Tensor, Tensor] | None, sl: slice) -> Any:
+    """Anchors ``sl`` of soft labels (dense or sparse)."""
+    if soft is None:
+        return None
+    return tuple(t[:, sl] for t in soft) if isinstance(soft, tuple) else soft[:, sl]
 
 
 METRIC_KEYS = (

@@ -70,6 +70,7 @@ from vltrain.objectives.drafter import (
 )
 
 TARGET_KINDS = ("hf_lm", "captioner")
+MAX_CACHED_TOP_K = 1024  # soft labels kept per position in a feature store
 EVAL_METRICS = (
     "eval_loss",
     "eval_tau",
@@ -117,6 +118,12 @@ class DrafterStage:
                 f"'drafter.{which} keeps the target's k most likely tokens per position, not "
                 "its whole distribution: set 'drafter.soft_top_k' (e.g. 32) for "
                 "'drafter.soft_labels' on cached features, or turn one of them off"
+            )
+        if (d.cache_target or d.cache_dir) and d.soft_labels and d.soft_top_k > MAX_CACHED_TOP_K:
+            raise ConfigError(
+                f"'drafter.soft_top_k={d.soft_top_k}' on cached features stores 8 bytes a "
+                f"position for each kept token (at {MAX_CACHED_TOP_K}, 8 KB: more than "
+                f"SmolLM2's features): keep it <= {MAX_CACHED_TOP_K}, or train online"
             )
         if d.soft_top_k and not d.soft_labels:
             raise ConfigError(
@@ -295,12 +302,14 @@ class DrafterStage:
         same = (labels[:, 1:] == greedy[:, :-1]) & sup
         return torch.stack([same.sum(), sup.sum()]).double()
 
-    def _soft(self, target: Tensor | TopK | None, a_pos: Tensor, p: int) -> Tensor | None:
-        """Soft labels (B, A, K, V), or None without ``drafter.soft_labels``."""
-        if not self.cfg.drafter.soft_labels or target is None:
+    def _soft(self, target: Tensor | TopK | None, a_pos: Tensor, p: int) -> Any:
+        """Soft labels, dense (B, A, K, V) from logits or sparse from the target's top-k; None
+        without ``drafter.soft_labels``."""
+        if not self.cfg.drafter.soft_labels:
             return None
-        d = self.cfg.drafter
-        return block_soft_labels(target, a_pos - p, d.block_size, self.target.vocab_size)
+        if target is None:  # check_config keeps this from happening: never fall back silently
+            raise RuntimeError("drafter.soft_labels is on but the target gave no distribution")
+        return block_soft_labels(target, a_pos - p, self.cfg.drafter.block_size)
 
     def forward_backward(
         self, model: ParallelModel, batch: dict[str, Any], scale: float
