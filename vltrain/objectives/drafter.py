@@ -262,9 +262,10 @@ class BlockDraftLoss(nn.Module):
         if isinstance(soft, tuple):  # the target's top-k: (token ids, probs)
             ids = self.drafter.to_draft(soft[0])
             probs = soft[1] * (ids >= 0)
-            soft = ids.clamp(min=0), probs / probs.sum(-1, keepdim=True).clamp(min=1e-12)
+            mass = probs.sum(-1, keepdim=True)
+            soft = ids.clamp(min=0), probs / mass.clamp(min=1e-12)
             # no mass left inside the draft vocabulary: nothing to learn, like an outside label
-            carries = inside & (probs.sum(-1) > 0)
+            carries = inside & (mass[..., 0] > 0)
         elif soft is not None and self.drafter.cfg.draft_vocab:
             soft = soft[..., self.drafter.vocab_ids]
             soft = soft / soft.sum(-1, keepdim=True).clamp(min=1e-12)
