@@ -244,6 +244,35 @@ def test_beam_drops_frozen_inputs_without_changing_results(llava) -> None:
     assert rows[0] == full and min(rows) < full, rows  # the pruning path really ran
 
 
+@pytest.mark.parametrize("which", ["llama", "llava"])
+def test_greedy_drops_finished_rows_without_changing_results(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    """A row that has emitted EOS leaves the batch (HF keeps computing it): each step feeds
+    exactly the rows still running, and the tokens stay HF's."""
+    model, inputs = request.getfixturevalue(which)
+    adapter = HFDecodeAdapter(model)
+    fed: list[int] = []
+    step = adapter.step
+
+    def spy(tokens, cache):
+        fed.append(tokens.shape[0])
+        return step(tokens, cache)
+
+    adapter.step = spy  # type: ignore[method-assign]
+    out = generate(adapter, inputs, "greedy", max_new_tokens=MAX_NEW)
+    _check_against_hf(model, inputs, out)
+    _assert_some_finished_early(out)
+    running = [int((out.lengths > t).sum()) for t in range(1, out.sequences.shape[1])]
+    assert fed == running, (fed, out.lengths)
+    assert min(fed) < inputs["input_ids"].shape[0]  # the dropping path really ran
+    # sampling keeps the whole batch to the end (its draws must be HF's)
+    fed.clear()
+    torch.manual_seed(0)
+    generate(adapter, inputs, "sample", max_new_tokens=MAX_NEW)
+    assert set(fed) == {inputs["input_ids"].shape[0]}, fed
+
+
 @pytest.mark.parametrize("strategy", ["greedy", "beam"])
 def test_qwen2vl_matches_hf(qwen2vl, strategy: str) -> None:
     """Qwen2-VL: 3-D M-RoPE positions come from the model's own generation helper."""

@@ -243,3 +243,48 @@ def test_packed_linear_repacks_a_weight_updated_in_place():
     packs.linear(x, w)
     w.add_(1.0)
     assert (packs.linear(x, w) - F.linear(x, w)).abs().max().item() <= 1e-5
+
+
+def test_greedy_drops_finished_rows_from_the_native_cache(saved):
+    """Rows leave the batch once they emit EOS (``reorder_cache`` on the native buffers) and
+    the others still decode HF's tokens. EOS is a token some row really emits before the others
+    end, so rows finish at different steps whatever the random weights."""
+    ids, mask = _prompt()
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    dec = NativeTarget(_load(saved)).decoder()
+    free = generate(dec, inputs, "greedy", max_new_tokens=12)
+    eos = _early_stop_token(free.sequences, free.lengths)
+    ref = _load(saved).generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=12,
+        do_sample=False,
+        pad_token_id=PAD,
+        eos_token_id=eos,
+    )[:, ids.shape[1] :]
+    dec.eos_token_id = eos
+    fed: list[int] = []
+    step = dec.step
+
+    def spy(tokens, cache):
+        fed.append(len(tokens))
+        return step(tokens, cache)
+
+    dec.step = spy
+    out = generate(dec, inputs, "greedy", max_new_tokens=12)
+    for row, n, want in zip(
+        out.sequences.tolist(), out.lengths.tolist(), ref.tolist(), strict=True
+    ):
+        assert row[:n] == want[:n]
+    assert fed == [int((out.lengths > t).sum()) for t in range(1, out.sequences.shape[1])]
+    assert min(fed) < ids.shape[0]
+
+
+def _early_stop_token(seqs: torch.Tensor, lengths: torch.Tensor) -> int:
+    """A token that, as EOS, ends some rows of this greedy output at different steps."""
+    rows = [row[:n] for row, n in zip(seqs.tolist(), lengths.tolist(), strict=True)]
+    for tok in dict.fromkeys(t for row in rows for t in row):
+        first = [row.index(tok) if tok in row else len(row) for row in rows]
+        if min(first) < max(first):
+            return tok
+    pytest.skip(f"this random model writes the same tokens in every row: {rows}")

@@ -11,7 +11,9 @@ implements both in `vltrain/models/captioner.py`; HF models are wrapped by
 Semantics follow `transformers` 5.x `GenerationMixin` exactly (tests compare token for token):
 
 - Greedy/sampling: logits -> no-repeat-ngram ban -> min-new-tokens EOS ban -> temperature ->
-  top-k -> top-p -> argmax or multinomial. Finished rows emit `pad_token_id`.
+  top-k -> top-p -> argmax or multinomial. Finished rows emit `pad_token_id`. Greedy stops
+  computing a row once it has emitted EOS (the cache drops it through `reorder_cache`); sampling
+  keeps the whole batch so that the random draws are HF's.
 - Beam search: `log_softmax` then the same bans, `2 * num_beams` candidates per input, a finished
   hypothesis scores `sum(logprobs) / (generated_len ** length_penalty)` where `generated_len`
   counts the new tokens including EOS, and `early_stopping` True/False/"never" picks HF's
@@ -268,37 +270,50 @@ def _expand(model: DecodeModel, logits: Tensor, cache: Any, hist: Tensor, n: int
 def _greedy_or_sample(
     model: DecodeModel, inputs: dict[str, Any], cfg: DecodeSettings, gen: torch.Generator | None
 ) -> GenerationOutput:
+    """Greedy drops a row from the batch once it emits EOS (``model.reorder_cache`` keeps the
+    live rows), so a batch costs the sum of its rows' lengths, not its longest times its size;
+    sampling keeps every row to the end so the generator draws what HF's does."""
     max_new, min_new, ngram = cfg.max_new_tokens, cfg.min_new_tokens, cfg.no_repeat_ngram_size
     sample, temperature = cfg.strategy == "sample", cfg.temperature
     logits, cache = model.prefill(**inputs)  # (B, V)
     hist = _prompt_history(inputs, logits.shape[0], logits.device)
     logits, cache, hist = _expand(model, logits, cache, hist, cfg.num_return_sequences)  # (N, V)
     eos, pad = model.eos_token_id, model.pad_token_id
-    unfinished = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+    n = logits.shape[0]
+    live = torch.arange(n, device=logits.device)  # the rows the cache holds, in its order
+    unfinished = torch.ones(n, dtype=torch.bool, device=logits.device)
     toks: list[Tensor] = []
     lps: list[Tensor] = []
     for t in range(max_new):
         if t > 0:
-            logits, cache = model.step(toks[-1], cache)
+            logits, cache = model.step(toks[-1][live], cache)  # (L, V): the live rows
         logits = logits.float()
-        scores = ban_repeated_ngrams(hist, logits, ngram) if ngram > 0 else logits
+        scores = ban_repeated_ngrams(hist[live], logits, ngram) if ngram > 0 else logits
         scores = _ban_eos(scores, eos, t, min_new)
         if sample:
             scores = scores / temperature if temperature != 1.0 else scores
             scores = top_p_filter(top_k_filter(scores, cfg.top_k), cfg.top_p)
             probs = torch.softmax(scores, dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)  # (N,)
+            picked = torch.multinomial(probs, 1, generator=gen).squeeze(1)  # (L,)
         else:
-            nxt = scores.argmax(dim=-1)
-        nxt = torch.where(unfinished, nxt, torch.full_like(nxt, pad))
-        raw_lp = torch.log_softmax(logits, dim=-1).gather(1, nxt[:, None]).squeeze(1)
-        lps.append(torch.where(unfinished, raw_lp, torch.zeros_like(raw_lp)))
+            picked = scores.argmax(dim=-1)
+        raw_lp = torch.log_softmax(logits, dim=-1).gather(1, picked[:, None]).squeeze(1)
+        on = unfinished[live]
+        nxt = torch.full((n,), pad, dtype=picked.dtype, device=picked.device)
+        nxt[live] = torch.where(on, picked, torch.full_like(picked, pad))
+        lp = torch.zeros(n, dtype=raw_lp.dtype, device=raw_lp.device)
+        lp[live] = torch.where(on, raw_lp, torch.zeros_like(raw_lp))
+        lps.append(lp)
         toks.append(nxt)
         if ngram > 0:
             hist = torch.cat([hist, nxt[:, None]], dim=1)
         unfinished = unfinished & (nxt != eos)
         if not bool(unfinished.any()):
             break
+        keep = unfinished[live]
+        if not sample and not bool(keep.all()):
+            cache = model.reorder_cache(cache, keep.nonzero()[:, 0])
+            live = live[keep]
     seqs = torch.stack(toks, dim=1)  # (N, L)
     token_lp = torch.stack(lps, dim=1)  # (N, L)
     lengths = _lengths(seqs, eos)
