@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.bench_scripts import load_bench
+
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
 
 
@@ -19,11 +21,7 @@ def test_gpu_check_runs_on_cpu_and_skips_gpu_parts_clearly() -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [line for line in res.stdout.splitlines() if line.startswith("| ")][2:]
     by_name = {r.split("|")[1].strip(): r for r in rows}
-    from importlib.util import module_from_spec, spec_from_file_location
-
-    spec = spec_from_file_location("gpu_check", SCRIPT)
-    mod = module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_bench("gpu_check")
     assert list(by_name) == list(mod.CHECKS)  # one row per check, in order
     assert "| ok |" in by_name["env"]
     gpu_only = [n for n in mod.CHECKS if n.startswith("stage_")]
@@ -61,12 +59,7 @@ def test_every_gpu_row_runs_its_code_on_the_cpu(tmp_path: Path) -> None:
 
 
 def _module():  # noqa: ANN202
-    from importlib.util import module_from_spec, spec_from_file_location
-
-    spec = spec_from_file_location("gpu_check", SCRIPT)
-    mod = module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("gpu_check")
 
 
 def test_gpu_check_rejects_an_unknown_check() -> None:

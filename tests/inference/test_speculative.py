@@ -222,6 +222,17 @@ def test_ddtree_is_prefix_closed_and_holds_the_chain() -> None:
     assert len(seen) == 16  # no duplicate child
 
 
+def test_every_prefix_of_a_ddtree_is_the_ddtree_of_that_size() -> None:
+    """bench_tree_budget.py reads each smaller budget's acceptance off one large-budget round."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        logq = torch.log_softmax(3 * torch.randn(7, 40, generator=g), -1)
+        big_t, big_p = S.ddtree(logq, 64)
+        for n in (7, 8, 11, 16, 24, 32, 48):
+            t, p = S.ddtree(logq, n)
+            assert big_t[:n].tolist() == t.tolist() and big_p[:n].tolist() == p.tolist(), n
+
+
 def _spec_sample_counts(target, drafter, n: int, accept_all: bool, monkeypatch) -> torch.Tensor:  # noqa: ANN001
     if accept_all:  # the bug: drafts kept whatever the target thinks
         monkeypatch.setattr(S, "rejection_step", lambda p, q, x, g: x)

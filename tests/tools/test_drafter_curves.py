@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import json
-from importlib.util import module_from_spec, spec_from_file_location
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "drafter_curves.py"
+from tests.bench_scripts import load_bench
 
 
 def _module():  # noqa: ANN202
-    spec = spec_from_file_location("drafter_curves", SCRIPT)
-    mod = module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("drafter_curves")
 
 
 def _fake_run(folder: Path, losses: dict[int, float], evals: dict[int, float]) -> Path:

@@ -1,0 +1,222 @@
+"""Would a per-round tree budget beat a fixed one? A calibration study of a trained drafter.
+
+DDTree (arXiv 2604.12989) verifies a fixed number of nodes every round. EAGLE-2's dynamic tree
+instead sizes each round's tree from the drafter's own confidence: if the drafter's
+probabilities are calibrated, a node's chance of being accepted is exp(its path score), so the
+expected acceptance of the best-first tree's first N nodes is 1 + the sum of their exp(score),
+and a round can pick the N that buys the most expected tokens per millisecond.
+
+Every prefix of a best-first DDTree is itself the DDTree of that size, so one decoding at the
+largest budget gives, for every round, the acceptance each smaller budget would have had (the
+target's greedy choice is known at every node). This script decodes the 64 held-out prompts of
+``bench_drafter_heldout.py`` at ``--max-budget`` nodes (batch ``--batch-size``, vltrain's native
+forward), records per round and candidate N the predicted (1 + sum exp score) and the actual
+acceptance, measures the target's batch-1 verify cost at each 1 + N and the drafter's cost, and
+prints: the calibration (predicted / actual per N), the rate of each fixed budget, of a dynamic
+rule that picks argmax_N (predicted(N) - lambda * cost(N)) per round, and of the oracle that
+knows each round's actual acceptance.
+
+Rounds are those of the largest-budget decoding, so the rates are a per-round estimate, not a
+wall-clock run:
+
+    python bench/bench_tree_budget.py --run bench/out/drafter/RUN
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_drafter import gguf_path, machine  # noqa: E402
+from bench_drafter_heldout import held_out_prompts  # noqa: E402
+
+from vltrain.data.draft_data import chat_prompt_ids
+from vltrain.inference import speculative as S
+from vltrain.inference.captioning import left_pad
+from vltrain.inference.spec_targets import causal_lm_target, load_hf_causal_lm
+from vltrain.models.drafter import load_drafter
+from vltrain.tools.speculate import attach
+
+
+def path_scores(logq: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> list[float]:
+    """Sum of log q along each node's path (nodes topologically ordered, -1 = root)."""
+    lq = logq.float()
+    score: list[float] = []
+    depth: list[int] = []
+    for t, p in zip(tokens.tolist(), parents.tolist(), strict=True):
+        d = 0 if p < 0 else depth[p] + 1
+        depth.append(d)
+        score.append((0.0 if p < 0 else score[p]) + float(lq[d, t]))
+    return score
+
+
+class Recorder:
+    """Wraps ``_proposals`` and ``_walk_row`` to log, per live row and round, the predicted and
+    actual acceptance of every candidate prefix size."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+        self.scores: list[list[float]] = []
+        self.rounds: list[dict] = []
+
+    def proposals(self, orig):  # noqa: ANN001, ANN201
+        def run(logq, budget, sample, gen):  # noqa: ANN001, ANN202
+            toks, parents = orig(logq, budget, sample, gen)
+            rows = zip(logq, toks, parents, strict=True)
+            self.scores = [path_scores(q, t, p) for q, t, p in rows]
+            return toks, parents
+
+        return run
+
+    def walk(self, orig):  # noqa: ANN001, ANN201
+        def run(i, fed, fed_par, tlogits, logq, sample, temperature, gen):  # noqa: ANN001, ANN202
+            out = orig(i, fed, fed_par, tlogits, logq, sample, temperature, gen)
+            if bool((fed_par[i, 2:] == 0).all()):  # a finished row: every node hangs off the root
+                return out
+            choice = tlogits[i].max(-1).indices.tolist()
+            ex = [float(torch.tensor(s).exp()) for s in self.scores[i]]
+            pred, act = {}, {}
+            for n in self.sizes:
+                path, _ = S.accept_walk(
+                    fed[i, 1 : n + 1], fed_par[i, 1 : n + 1] - 1, lambda k: choice[k + 1]
+                )
+                pred[n] = 1 + sum(ex[:n])
+                act[n] = 1 + len(path)
+            assert act[self.sizes[-1]] == len(out[0]), "the prefix walk disagrees with decoding"
+            self.rounds.append({"pred": pred, "act": act})
+            return out
+
+        return run
+
+
+@torch.no_grad()
+def costs_ms(target, drafter, tok, sizes: list[int], reps: int = 5) -> tuple[dict, float]:  # noqa: ANN001
+    """Batch-1 verify ms at 1 + N tokens after a ~200-token prompt, and the draft ms."""
+    q = " ".join(["Tell me about the history of lighthouses and the people who kept them."] * 8)
+    ids = torch.tensor([chat_prompt_ids(tok, q)[:200]])
+    mask = torch.ones_like(ids)
+    out = {}
+    for n in sizes:
+        times = []
+        for r in range(reps + 1):
+            _, cache, _ = target.prefill(input_ids=ids, attention_mask=mask)
+            fed = torch.randint(100, 1000, (1, 1 + n))
+            par = torch.arange(-1, n)[None]  # a chain: the cost depends on the row count only
+            t = time.perf_counter()
+            target.verify(fed, par, cache)
+            if r:  # the first call packs this row count's weights
+                times.append(time.perf_counter() - t)
+        out[n] = 1000 * statistics.median(times)
+    logits, cache, ctx = target.prefill(input_ids=ids, attention_mask=mask)
+    root = logits.argmax(-1)
+    anchor = target.next_positions(cache)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        S._draft(drafter, ctx, root, anchor, S.DraftContextCache())
+        times.append(time.perf_counter() - t)
+    return out, 1000 * statistics.median(times)
+
+
+def rate(rounds: list[dict], pick, cost: dict, draft: float) -> tuple[float, float, float]:  # noqa: ANN001
+    """(tokens per ms, tau, mean N) when each round verifies ``pick(round)`` nodes."""
+    ns = [pick(r) for r in rounds]
+    tok = sum(r["act"][n] for r, n in zip(rounds, ns, strict=True))
+    ms = sum(draft + cost[n] for n in ns)
+    return tok / ms, tok / len(rounds), sum(ns) / len(ns)
+
+
+def best_lambda(rounds, score, cost, draft, sizes):  # noqa: ANN001, ANN201
+    """The rule argmax_N (score(N) - lambda * cost(N)) at its best lambda over a grid; the
+    fixed point of lambda = the rule's own rate is where the grid's best lies."""
+    best = None
+    for lam in [x / 1000 for x in range(5, 80)]:
+
+        def pick(r, lam=lam):  # noqa: ANN001, ANN202
+            return max(sizes, key=lambda n: r[score][n] - lam * (draft + cost[n]))
+
+        res = (*rate(rounds, pick, cost, draft), lam)
+        if best is None or res[0] > best[0]:
+            best = res
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--run", required=True, help="drafter run or checkpoint folder")
+    p.add_argument("--max-budget", type=int, default=64)
+    p.add_argument("--sizes", default="7,11,16,24,32,48,64", help="candidate budgets (7: chain)")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-new", type=int, default=96)
+    p.add_argument("--out", default="bench/out/tree_budget.json")
+    args = p.parse_args()
+    sizes = sorted(int(x) for x in args.sizes.split(","))
+    if sizes[-1] != args.max_budget:
+        raise SystemExit("the largest candidate must be --max-budget")
+    model, tok = load_hf_causal_lm(gguf_path())
+    drafter, _ = load_drafter(args.run)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    target = causal_lm_target(model, drafter.cfg.target_layer_ids, "native", pad)
+    attach(drafter, target)
+    if drafter.cfg.block_size - 1 != sizes[0]:
+        print(f"note: the chain has {drafter.cfg.block_size - 1} nodes, not {sizes[0]}")
+    cost, draft = costs_ms(target, drafter, tok, sizes)
+    print(f"verify ms at 1+N: {json.dumps({n: round(c, 1) for n, c in cost.items()})}")
+    print(f"draft ms: {draft:.1f}")
+    rec = Recorder(sizes)
+    orig_p, orig_w = S._proposals, S._walk_row
+    S._proposals, S._walk_row = rec.proposals(orig_p), rec.walk(orig_w)
+    qs = held_out_prompts()[: args.prompts]
+    t = time.perf_counter()
+    try:
+        for lo in range(0, len(qs), args.batch_size):
+            batch = [chat_prompt_ids(tok, q) for q in qs[lo : lo + args.batch_size]]
+            ids, mask = left_pad(batch, pad)
+            inputs = {"input_ids": ids, "attention_mask": mask}
+            S.speculative_generate(target, drafter, inputs, args.max_new, args.max_budget)
+    finally:
+        S._proposals, S._walk_row = orig_p, orig_w
+    rounds = rec.rounds
+    print(
+        f"{len(rounds)} rounds of {len(qs)} prompts at {args.max_budget} nodes in "
+        f"{time.perf_counter() - t:.0f} s"
+    )
+    table = []
+    print("N | predicted tau | actual tau | tokens/ms")
+    for n in sizes:
+        pr = statistics.mean(r["pred"][n] for r in rounds)
+        tps, tau, _ = rate(rounds, lambda r, n=n: n, cost, draft)
+        table.append({"n": n, "predicted_tau": pr, "tau": tau, "tokens_per_ms": tps})
+        print(f"{n} | {pr:.3f} | {tau:.3f} | {tps:.4f}")
+    fixed = max(table, key=lambda x: x["tokens_per_ms"])
+    dyn = best_lambda(rounds, "pred", cost, draft, sizes)
+    ora = best_lambda(rounds, "act", cost, draft, sizes)
+    for name, (tps, tau, mean_n, lam) in (("dynamic (predicted)", dyn), ("oracle", ora)):
+        print(
+            f"{name}: {tps:.4f} tokens/ms ({tps / fixed['tokens_per_ms']:.3f}x the best fixed "
+            f"budget, {fixed['n']}), tau {tau:.3f}, mean N {mean_n:.1f}, lambda {lam}"
+        )
+    res = {
+        "run": args.run,
+        "machine": machine(),
+        "rounds": len(rounds),
+        "verify_ms": cost,
+        "draft_ms": draft,
+        "fixed": table,
+        "dynamic": dict(zip(("tokens_per_ms", "tau", "mean_n", "lambda"), dyn, strict=True)),
+        "oracle": dict(zip(("tokens_per_ms", "tau", "mean_n", "lambda"), ora, strict=True)),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
