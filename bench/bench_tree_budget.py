@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -80,16 +81,12 @@ class Recorder:
             out = orig(i, fed, fed_par, tlogits, logq, sample, temperature, gen)
             if bool((fed_par[i, 2:] == 0).all()):  # a finished row: every node hangs off the root
                 return out
-            choice = tlogits[i].max(-1).indices.tolist()
-            ex = [float(torch.tensor(s).exp()) for s in self.scores[i]]
-            pred, act = {}, {}
-            for n in self.sizes:
-                path, _ = S.accept_walk(
-                    fed[i, 1 : n + 1], fed_par[i, 1 : n + 1] - 1, lambda k: choice[k + 1]
-                )
-                pred[n] = 1 + sum(ex[:n])
-                act[n] = 1 + len(path)
-            assert act[self.sizes[-1]] == len(out[0]), "the prefix walk disagrees with decoding"
+            # the accepted path (fed indices, root 0 first): a (parent, token) child is unique,
+            # so the walk in the first n nodes follows it while its nodes are among them
+            path = out[0]
+            ex = [math.exp(s) for s in self.scores[i]]
+            pred = {n: 1 + sum(ex[:n]) for n in self.sizes}
+            act = {n: next((k for k, x in enumerate(path) if x > n), len(path)) for n in self.sizes}
             self.rounds.append({"pred": pred, "act": act})
             return out
 
