@@ -404,9 +404,11 @@ def spec_generate(  # noqa: ANN201
     max_new: int,
     budget: int,
     forward: str = "hf",
+    tree_shape: str = "chain-first",
 ) -> dict:
     """Speculative greedy decoding of the prompts (batch 1) with the drafter of ``run``;
-    ``forward`` picks the target's forward: HF's modules or vltrain's native Llama loop."""
+    ``forward`` picks the target's forward: HF's modules or vltrain's native Llama loop;
+    ``tree_shape`` the DDTree's (``speculative_generate``)."""
     from vltrain.data.draft_data import chat_prompt_ids
     from vltrain.inference import speculative as S
     from vltrain.inference.native_llama import NativeTarget
@@ -436,6 +438,7 @@ def spec_generate(  # noqa: ANN201
                 {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
                 max_new,
                 tree_budget=budget,
+                tree_shape=tree_shape,
             )
             rows.append(out[0])
             accepted.append(st.accepted[0])
@@ -653,6 +656,7 @@ def main() -> None:
     p.add_argument("--blocks", default="8,16")
     p.add_argument("--gammas", default="4,7,10")
     p.add_argument("--budgets", default="0,16,32,64")
+    p.add_argument("--tree-shape", default="chain-first", choices=("chain-first", "best-first"))
     p.add_argument("--repeats", type=int, default=3, help="timed repeats, alternating")
     p.add_argument("--assistant-layers", type=int, default=2, help="HF assisted-generation LM")
     p.add_argument(
@@ -724,7 +728,7 @@ def main() -> None:
             native.append(native_generate(NativeTarget(model), tok, HELD_OUT, args.max_new))
         for run, budget, fw in itertools.product(runs, map(int, args.budgets.split(",")), forwards):
             block = int(run.name.split("_")[0][1:])
-            r = spec_generate(model, tok, run, HELD_OUT, args.max_new, budget, fw)
+            r = spec_generate(model, tok, run, HELD_OUT, args.max_new, budget, fw, args.tree_shape)
             r.update(run=run.name, block=block, budget=budget, repeat=rep, forward=fw)
             r["lossless"] = r["ids"] == base[0]["ids"]
             ratio = res["costs"][f"ratio_{1 + budget if budget else block}"]  # fed tokens

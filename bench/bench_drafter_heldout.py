@@ -8,6 +8,10 @@ the target alone and with each drafter at each tree budget, checks every output 
 target's greedy one, and prints tau with the paired per-prompt difference between runs:
 
     python bench/bench_drafter_heldout.py --runs bench/out/drafter/RUN_A,bench/out/drafter/RUN_B
+
+``--tree-shape best-first`` decodes the trees without the argmax chain placed first;
+``--prompt-set tune`` decodes 64 other prompts (16 more unseen topics), for choosing decoding
+settings on prompts that do not report the result.
 """
 
 from __future__ import annotations
@@ -34,17 +38,36 @@ TOPICS = [
     *("windchimes", "sundials", "quilts", "marionettes", "tugboats", "observatories"),
     *("beekeeping", "snorkeling"),
 ]
+#: a second disjoint set, for choosing decoding settings (tree shape, budget) without looking at
+#: the held-out prompts that report the result
+TUNING_TOPICS = [
+    *("glassblowing", "falconry", "zeppelins", "abacuses", "hovercraft", "kaleidoscopes"),
+    *("yodeling", "stalactites", "sextants", "monocles", "metronomes", "catapults"),
+    *("dirigibles", "accordions", "sauerkraut", "crossbows"),
+]
 
 
-def held_out_prompts() -> list[str]:
+def held_out_prompts(topics: list[str] = TOPICS) -> list[str]:
     """64 prompts: topic i // 4 with template i mod 20; none is a training prompt."""
     tpl = TEMPLATES + MORE_TEMPLATES + FIFTH_TEMPLATES
-    qs = [tpl[i % len(tpl)].format(TOPICS[i // 4]) for i in range(64)]
+    qs = [tpl[i % len(tpl)].format(topics[i // 4]) for i in range(64)]
     text = " ".join(PROMPTS).lower()
-    seen = [t for t in TOPICS if t in text]
+    seen = [t for t in topics if t in text]
     if seen or len(set(qs)) != 64:
         raise SystemExit(f"held-out topics appear in the training prompts: {seen}")
     return qs
+
+
+def tuning_prompts() -> list[str]:
+    """64 prompts on TUNING_TOPICS: neither training nor held-out prompts."""
+    if set(TUNING_TOPICS) & set(TOPICS):
+        raise SystemExit("the tuning topics overlap the held-out ones")
+    return held_out_prompts(TUNING_TOPICS)
+
+
+def prompt_set(name: str) -> list[str]:
+    """``held`` (the 64 reported prompts) or ``tune`` (the 64 for choosing settings)."""
+    return {"held": held_out_prompts, "tune": tuning_prompts}[name]()
 
 
 def generate(out: Path, name: str, prompts: Path, args: argparse.Namespace, *extra: str) -> float:
@@ -63,20 +86,25 @@ def main() -> None:
     p.add_argument("--out", default="bench/out/held64")
     p.add_argument("--max-new", type=int, default=96)
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--prompt-set", default="held", choices=("held", "tune"))
+    p.add_argument("--tree-shape", default="chain-first", choices=("chain-first", "best-first"))
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = out / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in held_out_prompts()))
+    qs = prompt_set(args.prompt_set)
+    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in qs))
     secs = generate(out, "greedy", prompts, args)
     print(f"target greedy: {secs:.1f} s (batch {args.batch_size})")
     greedy = (out / "greedy.jsonl").read_text()
     rows: dict[tuple[str, int], list[float]] = {}
     for run in args.runs.split(","):
         for b in map(int, args.budgets.split(",")):
-            name = f"{Path(run).name}_b{b}"
+            shape = "_best" if b and args.tree_shape == "best-first" else ""
+            name = f"{Path(run).name}_b{b}{shape}"
             stats = out / f"{name}.json"
             draft = ["--draft", run, "--tree-budget", str(b), "--stats", str(stats)]
+            draft += ["--tree-shape", args.tree_shape]
             secs = generate(out, name, prompts, args, *draft)
             st = json.loads(stats.read_text())
             same = (out / f"{name}.jsonl").read_text() == greedy

@@ -14,7 +14,11 @@ forward), records per round and candidate N the predicted (1 + sum exp score) an
 acceptance, measures the target's batch-1 verify cost at each 1 + N and the drafter's cost, and
 prints: the calibration (predicted / actual per N), the rate of each fixed budget, of a dynamic
 rule that picks argmax_N (predicted(N) - lambda * cost(N)) per round, and of the oracle that
-knows each round's actual acceptance.
+knows each round's actual acceptance. The same rounds also give the acceptance of the pure
+best-first tree (``--tree-shape best-first``: DDTree without the argmax chain placed first) of
+every N up to the big tree's size less its chain: its nodes are the big tree's N of highest
+path score. ``--prompt-set tune`` runs the 64 tuning prompts instead of the held-out ones (to
+choose settings on prompts that do not report the result).
 
 Rounds are those of the largest-budget decoding, so the rates are a per-round estimate, not a
 wall-clock run:
@@ -36,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_drafter import gguf_path, machine  # noqa: E402
-from bench_drafter_heldout import held_out_prompts  # noqa: E402
+from bench_drafter_heldout import prompt_set  # noqa: E402
 
 from vltrain.data.draft_data import chat_prompt_ids
 from vltrain.inference import speculative as S
@@ -58,20 +62,40 @@ def path_scores(logq: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor)
     return score
 
 
+def best_first_ranks(scores: list[float], parents: list[int]) -> list[int]:
+    """Each node's place in the pure best-first order (DDTree without the chain placed first):
+    path score descending, a parent before its children on ties. The best-first tree of N
+    nodes is the N nodes of rank < N, as long as N <= the chain-first tree's size - its chain
+    (those nodes are all in it: the chain-first tree is the chain plus the best-first pops)."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    order = sorted(range(len(scores)), key=lambda k: (-scores[k], depth[k], k))
+    rank = [0] * len(scores)
+    for r, k in enumerate(order):
+        rank[k] = r
+    return rank
+
+
 class Recorder:
     """Wraps ``_proposals`` and ``_walk_row`` to log, per live row and round, the predicted and
     actual acceptance of every candidate prefix size."""
 
-    def __init__(self, sizes: list[int]) -> None:
+    def __init__(self, sizes: list[int], best_first: list[int] = ()) -> None:  # type: ignore[assignment]
         self.sizes = sizes
+        self.best_first = list(best_first)  # sizes whose best-first tree lies in the big one
         self.scores: list[list[float]] = []
+        self.ranks: list[list[int]] = []
         self.rounds: list[dict] = []
 
     def proposals(self, orig):  # noqa: ANN001, ANN201
-        def run(logq, budget, sample, gen):  # noqa: ANN001, ANN202
-            toks, parents = orig(logq, budget, sample, gen)
+        def run(logq, budget, sample, gen, *rest):  # noqa: ANN001, ANN002, ANN202
+            toks, parents = orig(logq, budget, sample, gen, *rest)
             rows = zip(logq, toks, parents, strict=True)
             self.scores = [path_scores(q, t, p) for q, t, p in rows]
+            self.ranks = [
+                best_first_ranks(s, p.tolist()) for s, p in zip(self.scores, parents, strict=True)
+            ]
             return toks, parents
 
         return run
@@ -87,7 +111,12 @@ class Recorder:
             ex = [math.exp(s) for s in self.scores[i]]
             pred = {n: 1 + sum(ex[:n]) for n in self.sizes}
             act = {n: next((k for k, x in enumerate(path) if x > n), len(path)) for n in self.sizes}
-            self.rounds.append({"pred": pred, "act": act})
+            rank = self.ranks[i]  # fed index x is tree node x - 1
+            best = {
+                n: next((k for k, x in enumerate(path) if k and rank[x - 1] >= n), len(path))
+                for n in self.best_first
+            }
+            self.rounds.append({"pred": pred, "act": act, "best_first": best})
             return out
 
         return run
@@ -153,6 +182,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-new", type=int, default=96)
+    p.add_argument("--prompt-set", default="held", choices=("held", "tune"))
     p.add_argument("--out", default="bench/out/tree_budget.json")
     args = p.parse_args()
     sizes = sorted(int(x) for x in args.sizes.split(","))
@@ -168,10 +198,11 @@ def main() -> None:
     cost, draft = costs_ms(target, drafter, tok, sizes)
     print(f"verify ms at 1+N: {json.dumps({n: round(c, 1) for n, c in cost.items()})}")
     print(f"draft ms: {draft:.1f}")
-    rec = Recorder(sizes)
+    depth = drafter.cfg.block_size - 1
+    rec = Recorder(sizes, [n for n in sizes if n <= args.max_budget - depth])
     orig_p, orig_w = S._proposals, S._walk_row
     S._proposals, S._walk_row = rec.proposals(orig_p), rec.walk(orig_w)
-    qs = held_out_prompts()[: args.prompts]
+    qs = prompt_set(args.prompt_set)[: args.prompts]
     t = time.perf_counter()
     try:
         for lo in range(0, len(qs), args.batch_size):
@@ -187,12 +218,14 @@ def main() -> None:
         f"{time.perf_counter() - t:.0f} s"
     )
     table = []
-    print("N | predicted tau | actual tau | tokens/ms")
+    print("N | predicted tau | actual tau | tokens/ms | best-first tau")
     for n in sizes:
         pr = statistics.mean(r["pred"][n] for r in rounds)
         tps, tau, _ = rate(rounds, lambda r, n=n: n, cost, draft)
-        table.append({"n": n, "predicted_tau": pr, "tau": tau, "tokens_per_ms": tps})
-        print(f"{n} | {pr:.3f} | {tau:.3f} | {tps:.4f}")
+        bf = statistics.mean(r["best_first"][n] for r in rounds) if n in rec.best_first else None
+        row = {"n": n, "predicted_tau": pr, "tau": tau, "tokens_per_ms": tps, "best_first_tau": bf}
+        table.append(row)
+        print(f"{n} | {pr:.3f} | {tau:.3f} | {tps:.4f} | " + ("-" if bf is None else f"{bf:.3f}"))
     fixed = max(table, key=lambda x: x["tokens_per_ms"])
     dyn = best_lambda(rounds, "pred", cost, draft, sizes)
     ora = best_lambda(rounds, "act", cost, draft, sizes)
@@ -203,6 +236,7 @@ def main() -> None:
         )
     res = {
         "run": args.run,
+        "prompt_set": args.prompt_set,
         "machine": machine(),
         "rounds": len(rounds),
         "verify_ms": cost,

@@ -48,17 +48,26 @@ def hf_target(request, tmp_path_factory):  # noqa: ANN001, ANN201
     return HFTarget(model, [0, 1])
 
 
-@pytest.mark.parametrize("budget", BUDGETS)
-def test_hf_greedy_is_lossless(hf_target, budget, monkeypatch) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(
+    ("budget", "shape"), [(b, "chain-first") for b in BUDGETS] + [(5, "best-first")]
+)
+def test_hf_greedy_is_lossless(hf_target, budget, shape, monkeypatch) -> None:  # noqa: ANN001
     inputs = prompts()
     ref = H.greedy_reference(HFDecodeAdapter(hf_target.model), inputs, 24)
     drafter = H.random_drafter(hf_target)
-    out, _ = S.speculative_generate(hf_target, drafter, inputs, 24, tree_budget=budget)
+    kw = {"tree_budget": budget, "tree_shape": shape}
+    out, _ = S.speculative_generate(hf_target, drafter, inputs, 24, **kw)
     assert out == ref
     first = inputs["attention_mask"].sum(1).tolist()  # position of the first new token
     monkeypatch.setattr(S, "_draft", H.oracle_draft(ref, first, V, 0.7))
-    out, stats = S.speculative_generate(hf_target, drafter, inputs, 24, tree_budget=budget)
+    out, stats = S.speculative_generate(hf_target, drafter, inputs, 24, **kw)
     assert out == ref and stats.tau > 1.5  # long accepted paths exercise the compaction
+
+
+def test_an_unknown_tree_shape_is_refused(hf_target) -> None:  # noqa: ANN001
+    drafter = H.random_drafter(hf_target)
+    with pytest.raises(ValueError, match="tree_shape"):
+        S.speculative_generate(hf_target, drafter, prompts(), 4, 8, tree_shape="widest")
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
@@ -210,6 +219,29 @@ def test_tree_walk_matches_a_reference_walk_on_random_trees() -> None:
         assert got == _reference_walk(tokens, parents, lambda x, c=choice: c[x + 1])
         lengths.append(len(got[0]))
     assert max(lengths) >= 3  # the walks went deep, not only root misses
+
+
+def test_a_best_first_ddtree_holds_the_best_scored_paths() -> None:
+    """Without the chain placed first, the tree is the ``budget`` paths of highest score: every
+    node outside it scores at most the tree's lowest (DDTree's own construction)."""
+    g = torch.Generator().manual_seed(3)
+    logq = torch.log_softmax(3 * torch.randn(6, 25, generator=g), -1)
+    tokens, parents = S.ddtree(logq, 20, chain_first=False)
+    assert all(p < i for i, p in enumerate(parents.tolist()))
+    score: list[float] = []
+    depth: list[int] = []
+    for t, p in zip(tokens.tolist(), parents.tolist(), strict=True):
+        depth.append(0 if p < 0 else depth[p] + 1)
+        score.append((score[p] if p >= 0 else 0.0) + float(logq[depth[-1], t]))
+    lowest = min(score)
+    for k in range(-1, 20):  # every child left out of the tree scores no more than the lowest
+        d = depth[k] + 1 if k >= 0 else 0
+        if d < 6:
+            kids = {t for t, p in zip(tokens.tolist(), parents.tolist(), strict=True) if p == k}
+            best_out = max(float(logq[d, v]) for v in range(25) if v not in kids)
+            assert (score[k] if k >= 0 else 0.0) + best_out <= lowest + 1e-6
+    chain, _ = S.chain_tree(logq)
+    assert S.ddtree(logq, 20)[0][:6].tolist() == chain.tolist()  # the default places it first
 
 
 def test_ddtree_is_prefix_closed_and_holds_the_chain() -> None:

@@ -171,6 +171,9 @@ def test_train_and_generate_with_the_drafter(lm, answers, trained, tmp_path, cap
     assert capsys.readouterr().out == plain
     assert main([*base, "--forward", "hf", "--draft", str(run), "--tree-budget", "6"]) == 0
     assert capsys.readouterr().out == plain
+    best = ["--draft", str(run), "--tree-budget", "6", "--tree-shape", "best-first"]
+    assert main([*base, *best]) == 0
+    assert capsys.readouterr().out == plain
 
 
 def test_training_tau_equals_decoding_tau_on_the_same_blocks(lm, trained) -> None:  # noqa: ANN001

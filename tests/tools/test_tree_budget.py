@@ -63,3 +63,29 @@ def test_dynamic_rule_with_exact_predictions_is_the_oracle_and_beats_every_fixed
     ora = m.best_lambda(rounds, "act", cost, 5.0, sizes)
     assert dyn[0] == pytest.approx(ora[0]) and dyn[0] > fixed * 1.1
     assert 7 < dyn[2] < 32  # it mixes sizes
+
+
+def test_best_first_trees_are_read_off_a_chain_first_tree_by_path_score() -> None:
+    """bench_tree_budget.py's best-first column: the N best-scored nodes of a 64-node
+    chain-first DDTree are the nodes of the N-node best-first DDTree, for N up to 64 - depth."""
+    m = _module()
+    g = torch.Generator().manual_seed(2)
+
+    def paths(tokens: torch.Tensor, parents: torch.Tensor, keep) -> set:  # noqa: ANN001
+        out: dict[int, tuple] = {}
+        for k, (t, p) in enumerate(zip(tokens.tolist(), parents.tolist(), strict=True)):
+            out[k] = (*(out[p] if p >= 0 else ()), t)
+        return {out[k] for k in range(len(out)) if keep(k)}
+
+    differs = 0
+    for _ in range(20):
+        logq = torch.log_softmax(3 * torch.randn(7, 40, generator=g), -1)
+        big_t, big_p = S.ddtree(logq, 64)
+        rank = m.best_first_ranks(m.path_scores(logq, big_t, big_p), big_p.tolist())
+        assert sorted(rank) == list(range(64))
+        for n in (7, 11, 16, 32, 57):
+            t, p = S.ddtree(logq, n, chain_first=False)
+            want = paths(t, p, lambda k: True)
+            assert paths(big_t, big_p, lambda k, n=n, rank=rank: rank[k] < n) == want, n
+            differs += want != paths(*S.ddtree(logq, n), lambda k: True)
+    assert differs  # the two shapes are different trees at some sizes

@@ -43,6 +43,13 @@ def add_generate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tree-budget", type=non_negative_int, default=0, help="DDTree nodes (0: chain verify)"
     )
+    p.add_argument(
+        "--tree-shape",
+        default="chain-first",
+        choices=("chain-first", "best-first"),
+        help="DDTree: the argmax chain placed first (a round never accepts less than the chain) "
+        "or the paper's pure best-first tree (more tokens a round on average)",
+    )
     p.add_argument("--model", default="", help="instead: an HF causal LM dir or .gguf file")
     p.add_argument("--prompts", default="", help="--model: prompts JSONL ({'prompt'} per line)")
     p.add_argument("--stats", default="", help="--draft: write acceptance statistics here")

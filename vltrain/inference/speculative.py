@@ -3,8 +3,9 @@
 One round per row: the drafter reads the target's features of every accepted position and
 proposes a block after the last accepted token (the root, already emitted but not yet fed to the
 target); the proposal is a chain (the drafter's argmax per slot) or a DDTree (arXiv 2604.12989:
-best-first over the per-slot log-probabilities under a node budget, seeded with the argmax
-chain so it never holds less than the chain). The target scores root + nodes in ONE forward
+best-first over the per-slot log-probabilities under a node budget; by default seeded with the
+argmax chain so it never holds less than the chain, ``tree_shape="best-first"`` for the paper's
+unseeded tree). The target scores root + nodes in ONE forward
 under the ancestor-only mask with positions by depth; the walk follows the target's own choice
 from the root while it matches a child; the cache and the drafter context are compacted to the
 accepted path. Emitted tokens are the accepted nodes plus the target's next token, cut at EOS
@@ -30,6 +31,8 @@ from torch import Tensor
 
 from vltrain.inference.spec_targets import Context, SpecTarget
 from vltrain.models.drafter import DraftContextCache, Drafter
+
+TREE_SHAPES = ("chain-first", "best-first")
 
 
 @dataclass
@@ -162,7 +165,13 @@ def _draft(
     return torch.log_softmax(logits, dim=-1)
 
 
-def _proposals(logq: Tensor, budget: int, sample: bool, gen) -> tuple[Tensor, Tensor]:  # noqa: ANN001
+def _proposals(
+    logq: Tensor,
+    budget: int,
+    sample: bool,
+    gen,  # noqa: ANN001
+    chain_first: bool = True,
+) -> tuple[Tensor, Tensor]:
     """Tokens and parents (B, N) of every row's proposal (chain or tree)."""
     rows = []
     for lq in logq:
@@ -170,7 +179,7 @@ def _proposals(logq: Tensor, budget: int, sample: bool, gen) -> tuple[Tensor, Te
             toks = torch.multinomial(lq.exp(), 1, generator=gen)[:, 0]
             rows.append((toks, torch.arange(-1, len(toks) - 1)))
         elif budget > 0:
-            rows.append(ddtree(lq, budget))
+            rows.append(ddtree(lq, budget, chain_first))
         else:
             rows.append(chain_tree(lq))
     return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
@@ -186,12 +195,18 @@ def speculative_generate(
     sample: bool = False,
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
+    tree_shape: str = "chain-first",
 ) -> tuple[list[list[int]], SpecStats]:
     """Decode every row of ``inputs`` (as ``target.prefill`` takes them) with the drafter.
 
     ``tree_budget`` 0 verifies the chain of the block's K - 1 slots; N > 0 a DDTree of N
-    nodes. Returns the new tokens per row (EOS included) and the acceptance statistics.
+    nodes, ``tree_shape`` "chain-first" (the argmax chain placed first: a round never accepts
+    fewer tokens than the chain would) or "best-first" (DDTree's own: the N nodes of highest
+    path score; more tokens per round on average, no per-round guarantee). Returns the new
+    tokens per row (EOS included) and the acceptance statistics.
     """
+    if tree_shape not in TREE_SHAPES:
+        raise ValueError(f"tree_shape must be one of {TREE_SHAPES}, not {tree_shape!r}")
     if sample and tree_budget:
         raise ValueError("sampling verifies a chain; use tree_budget=0 with sample=True")
     eos = target.eos_token_id
@@ -207,7 +222,9 @@ def speculative_generate(
         logq = _draft(drafter, ctx, root, anchor, dcache)
         if sample:  # the rejection rule compares p and q token by token: q over the whole vocab
             logq = drafter.full_vocab(logq)
-        toks, parents = _proposals(logq, tree_budget, sample, generator)
+        toks, parents = _proposals(
+            logq, tree_budget, sample, generator, tree_shape == "chain-first"
+        )
         if not sample:
             toks = drafter.to_token(toks.to(root.device))
         fed = torch.cat([root[:, None], toks.to(root.device)], 1)  # (B, 1 + N)

@@ -85,6 +85,7 @@ def caption_speculative(
         {"images": images, "input_ids": ids, "attention_mask": mask},
         max_new_tokens=min(args.max_new_tokens, room),
         tree_budget=args.tree_budget,
+        tree_shape=args.tree_shape,
     )
     stats.append(st)
     eos = tok.eos_id
@@ -113,7 +114,12 @@ def lm_command(args: Any) -> int:
             rows = [s[: int(n)].tolist() for s, n in zip(out.sequences, out.lengths, strict=True)]
         else:
             rows, st = speculative_generate(
-                target, drafter, inputs, args.max_new_tokens, tree_budget=args.tree_budget
+                target,
+                drafter,
+                inputs,
+                args.max_new_tokens,
+                tree_budget=args.tree_budget,
+                tree_shape=args.tree_shape,
             )
             stats.append(st)
         for r, comp in zip(batch, rows, strict=True):
