@@ -4,7 +4,11 @@ Steps (each can be skipped): (1) verify cost: one decode step vs a forward over 
 tokens at a ~200-token context; (2) regenerate answers to a prompt set with the target;
 (3) train drafters (block 8/16, gamma 4/7/10) for --steps; (4) decode held-out prompts with
 chain and DDTree verification at several budgets: tau, streaks, tokens/s vs the target's own
-greedy decoding, and the speed-up tau and the measured costs predict.
+greedy decoding, and the speed-up tau and the measured costs predict. Timing interleaves the
+methods prompt by prompt (``interleaved``: every method decodes prompt 1, then prompt 2, ...,
+the order rotated), after one untimed warm-up prompt each, so a shared machine's drift over
+minutes falls on every method alike; ``--repeats`` such passes give medians and the per-repeat
+paired ratios (``speedup_paired_median``).
 
     python bench/bench_drafter.py --out bench/out/drafter --steps 300 --prompts 64
     python bench/bench_drafter.py --costs-only          # step (1) only
@@ -17,6 +21,7 @@ so only missing prompts run the target (`--no-seed` regenerates everything).
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import hashlib
 import importlib.util
@@ -361,11 +366,12 @@ def train_assistant(model, tok, answers: Path, layers: int, steps: int, out: Pat
 
 
 class Timer:
-    """Seconds spent inside the wrapped functions (drafting; target verification; the cache
-    compaction to the accepted path)."""
+    """Seconds spent inside the wrapped functions (drafting; target verification; the greedy
+    walk, which scores the nodes it visits with the LM head; the cache compaction to the
+    accepted path)."""
 
     def __init__(self) -> None:
-        self.draft = self.verify = self.keep = 0.0
+        self.draft = self.verify = self.walk = self.keep = 0.0
 
     def wrap(self, fn, name: str):  # noqa: ANN001, ANN202
         def timed(*a, **k):  # noqa: ANN002, ANN003, ANN202
@@ -395,6 +401,9 @@ def native_generate(target, tok, prompts: list[str], max_new: int) -> dict:  # n
     return {"seconds": sec, "tokens": n, "tokens_per_s": n / sec, "ids": ids_out}
 
 
+_BUILT: dict = {}  # (run, forward) -> (drafter, target), kept across spec_generate calls
+
+
 @torch.no_grad()
 def spec_generate(  # noqa: ANN201
     model,  # noqa: ANN001
@@ -417,13 +426,16 @@ def spec_generate(  # noqa: ANN201
     from vltrain.tools.speculate import attach
 
     dev = next(model.parameters()).device
-    drafter, _ = load_drafter(run)
-    drafter = drafter.to(dev)
-    kind = {"hf": HFTarget, "native": NativeTarget}[forward]
-    target = kind(model, drafter.cfg.target_layer_ids)
-    attach(drafter, target)
-    timer, orig_draft = Timer(), S._draft
+    if (run, forward) not in _BUILT:  # once: a NativeTarget packs its weights on first use
+        drafter, _ = load_drafter(run)
+        drafter = drafter.to(dev)
+        kind = {"hf": HFTarget, "native": NativeTarget}[forward]
+        target = kind(model, drafter.cfg.target_layer_ids)
+        _BUILT[(run, forward)] = (attach(drafter, target), target)
+    drafter, target = _BUILT[(run, forward)]
+    timer, orig_draft, orig_walks = Timer(), S._draft, S._greedy_walks
     S._draft = timer.wrap(orig_draft, "draft")
+    S._greedy_walks = timer.wrap(orig_walks, "walk")
     target.verify = timer.wrap(target.verify, "verify")
     target.keep = timer.wrap(target.keep, "keep")
     rows, accepted = [], []
@@ -443,7 +455,8 @@ def spec_generate(  # noqa: ANN201
             rows.append(out[0])
             accepted.append(st.accepted[0])
     finally:
-        S._draft = orig_draft
+        S._draft, S._greedy_walks = orig_draft, orig_walks
+        del target.verify, target.keep  # the class's methods again (the target is reused)
     _sync(dev)
     sec = time.perf_counter() - t
     rounds = sum(len(a) for a in accepted)
@@ -460,9 +473,40 @@ def spec_generate(  # noqa: ANN201
         "share_rounds_ge8": streak[1],
         "draft_ms_per_round": 1000 * timer.draft / max(rounds, 1),
         "verify_ms_per_round": 1000 * timer.verify / max(rounds, 1),
+        "walk_ms_per_round": 1000 * timer.walk / max(rounds, 1),
         "keep_ms_per_round": 1000 * timer.keep / max(rounds, 1),
         "ids": rows,
     }
+
+
+def interleaved(methods: dict, prompts: list[str], rep: int) -> dict:
+    """One timed repeat: prompt by prompt, every method in turn (the order rotated by prompt
+    and repeat), so a shared machine's drift over minutes falls on every method alike; each
+    method's per-prompt results merged (``merge_runs``)."""
+    names = list(methods)
+    parts: dict = {name: [] for name in names}
+    for j, q in enumerate(prompts):
+        k = (j + rep) % len(names)
+        for name in names[k:] + names[:k]:
+            parts[name].append(methods[name]([q]))
+    return {name: merge_runs(ps) for name, ps in parts.items()}
+
+
+def merge_runs(parts: list[dict]) -> dict:
+    """Per-prompt results of one method -> one result over all its prompts: seconds, tokens and
+    rounds add up, ids and per-prompt tau concatenate, per-round figures weigh by rounds."""
+    out: dict = {}
+    rounds = [p.get("rounds", 0) for p in parts]
+    for key in parts[0]:
+        vals = [p[key] for p in parts]
+        if key in ("seconds", "tokens", "rounds"):
+            out[key] = sum(vals)
+        elif key in ("ids", "row_tau"):
+            out[key] = [x for v in vals for x in v]
+        elif key == "tau" or key.endswith("_per_round") or key.startswith("share_rounds"):
+            out[key] = sum(v * r for v, r in zip(vals, rounds, strict=True)) / max(sum(rounds), 1)
+    out["tokens_per_s"] = out["tokens"] / out["seconds"]
+    return out
 
 
 def predicted_speedup(tau: float, ratio: float, draft_ms: float, step_ms: float) -> float:
@@ -715,20 +759,44 @@ def main() -> None:
     step_ms = res["costs"]["forward_1_ms"]
     forwards = args.forwards.split(",")
     rows, base, assisted, lookup, native = [], [], [], [], []
-    for rep in range(args.repeats):  # alternate: the target's own generate, HF assisted, ours
-        base.append(hf_generate(model, tok, HELD_OUT, args.max_new))
-        lookup.append(hf_generate(model, tok, HELD_OUT, args.max_new, prompt_lookup_num_tokens=8))
-        if assistant is not None:
-            assisted.append(
-                hf_generate(model, tok, HELD_OUT, args.max_new, assistant_model=assistant)
-            )
-        if "native" in forwards:
-            from vltrain.inference.native_llama import NativeTarget
+    gen = functools.partial(hf_generate, model, tok, max_new=args.max_new)
+    methods = {
+        "hf_greedy": gen,
+        "hf_prompt_lookup": functools.partial(gen, prompt_lookup_num_tokens=8),
+    }
+    if assistant is not None:
+        methods["hf_assisted"] = functools.partial(gen, assistant_model=assistant)
+    if "native" in forwards:
+        from vltrain.inference.native_llama import NativeTarget
 
-            native.append(native_generate(NativeTarget(model), tok, HELD_OUT, args.max_new))
-        for run, budget, fw in itertools.product(runs, map(int, args.budgets.split(",")), forwards):
+        methods["native_greedy"] = functools.partial(
+            native_generate, NativeTarget(model), tok, max_new=args.max_new
+        )
+    for run, budget, fw in itertools.product(runs, map(int, args.budgets.split(",")), forwards):
+        methods[(run, budget, fw)] = functools.partial(
+            spec_generate,
+            model,
+            tok,
+            run,
+            max_new=args.max_new,
+            budget=budget,
+            forward=fw,
+            tree_shape=args.tree_shape,
+        )
+    for fn in methods.values():  # untimed warm-up: lazy inits, packed weights
+        fn(HELD_OUT[:1])
+    for rep in range(args.repeats):
+        timed = interleaved(methods, HELD_OUT, rep)
+        base.append(timed["hf_greedy"])
+        lookup.append(timed["hf_prompt_lookup"])
+        assisted += [timed["hf_assisted"]] if "hf_assisted" in timed else []
+        native += [timed["native_greedy"]] if "native_greedy" in timed else []
+        for key in methods:
+            if not isinstance(key, tuple):
+                continue
+            run, budget, fw = key
+            r = timed[key]
             block = int(run.name.split("_")[0][1:])
-            r = spec_generate(model, tok, run, HELD_OUT, args.max_new, budget, fw, args.tree_shape)
             r.update(run=run.name, block=block, budget=budget, repeat=rep, forward=fw)
             r["lossless"] = r["ids"] == base[0]["ids"]
             ratio = res["costs"][f"ratio_{1 + budget if budget else block}"]  # fed tokens
@@ -747,7 +815,7 @@ def main() -> None:
     res["hf_greedy"] = [{k: v for k, v in b.items() if k != "ids"} for b in base]
     res["rows"] = [{k: v for k, v in r.items() if k != "ids"} for r in rows]
     greedy_ms = 1000 * greedy_s / base[0]["tokens"]  # per token, inside HF generate
-    res["table"] = summarize(rows, greedy_s, greedy_ms, native_s)
+    res["table"] = summarize(rows, greedy_s, greedy_ms, native_s, [b["seconds"] for b in base])
     chain = {r["run"]: r["row_tau"] for r in rows if r["budget"] == 0 and r["repeat"] == 0}
     for t in res["table"]:
         key = (t["run"], t["budget"], t["forward"])
@@ -763,10 +831,17 @@ def main() -> None:
 
 
 def summarize(
-    rows: list[dict], greedy_s: float, greedy_ms: float, native_s: float | None = None
+    rows: list[dict],
+    greedy_s: float,
+    greedy_ms: float,
+    native_s: float | None = None,
+    greedy_each: list[float] | None = None,
 ) -> list[dict]:
     """Per (run, budget, forward): medians over repeats; speed-up = HF greedy seconds / ours
     (and native greedy seconds / ours when the native forward's greedy decoding was timed).
+    ``speedup_paired_median``: the median over repeats of HF greedy's seconds in that repeat
+    (``greedy_each``) / ours in the same repeat: steadier when the machine's speed drifts
+    between repeats, as a shared VM's does.
 
     ``predicted_speedup`` prices a round with the start-of-run probe (``verify_costs``: one
     forward after a fresh prefill); ``predicted_from_rounds`` with the draft and verify times
@@ -780,6 +855,8 @@ def summarize(
         sec = sorted(x["seconds"] for x in rs)[len(rs) // 2]
         first = rs[0]
         round_ms = first["draft_ms_per_round"] + first["verify_ms_per_round"]
+        round_ms += first.get("walk_ms_per_round", 0.0)  # the head on the walk's nodes
+        paired = sorted(greedy_each[x["repeat"]] / x["seconds"] for x in rs) if greedy_each else []
         out.append(
             {
                 "run": run,
@@ -790,10 +867,12 @@ def summarize(
                 "share_rounds_ge4": first["share_rounds_ge4"],
                 "draft_ms_per_round": first["draft_ms_per_round"],
                 "verify_ms_per_round": first["verify_ms_per_round"],
+                "walk_ms_per_round": first.get("walk_ms_per_round", 0.0),
                 "keep_ms_per_round": first["keep_ms_per_round"],
                 "lossless": all(x["lossless"] for x in rs),
                 "seconds_median": sec,
                 "speedup_vs_hf_greedy": greedy_s / sec,
+                "speedup_paired_median": paired[(len(paired) - 1) // 2] if paired else None,
                 "speedup_vs_native_greedy": native_s / sec if native_s else None,
                 "predicted_speedup": first["predicted_speedup"],
                 "predicted_from_rounds": first["tau"] * greedy_ms / round_ms,

@@ -121,16 +121,18 @@ def test_beam_search_reorders_the_native_cache_like_hf(saved):
     assert torch.equal(ref.sequences, ours.sequences)
 
 
+@pytest.mark.parametrize("vocab", [None, list(range(0, V, 2))], ids=["full", "half-vocab"])
 @pytest.mark.parametrize("budget", [0, 6])
-def test_speculative_decoding_through_the_native_forward_is_lossless(saved, budget):
-    """Chain and DDTree verification on the native forward: HF greedy tokens, HF's acceptance."""
+def test_speculative_decoding_through_the_native_forward_is_lossless(saved, budget, vocab):
+    """Chain and DDTree verification on the native forward: HF greedy tokens, HF's acceptance;
+    with a reduced draft vocabulary the walk scores its visited nodes over the whole head."""
     ids, mask = _prompt()
     inputs = {"input_ids": ids, "attention_mask": mask}
     want = greedy_reference(HFDecodeAdapter(_load(saved)), inputs, 20)
     hf = HFTarget(_load(saved), LAYERS)
     nat = NativeTarget(_load(saved), LAYERS)
-    got_hf, st_hf = speculative_generate(hf, random_drafter(hf, 4), inputs, 20, budget)
-    got, st = speculative_generate(nat, random_drafter(nat, 4), inputs, 20, budget)
+    got_hf, st_hf = speculative_generate(hf, random_drafter(hf, 4, vocab=vocab), inputs, 20, budget)
+    got, st = speculative_generate(nat, random_drafter(nat, 4, vocab=vocab), inputs, 20, budget)
     assert got == want
     assert got_hf == want
     assert st.accepted == st_hf.accepted  # same logits, same walk

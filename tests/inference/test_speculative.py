@@ -82,9 +82,9 @@ def test_a_reduced_draft_vocabulary_is_lossless_and_drafts_only_its_tokens(
     drafter = H.random_drafter(hf_target, vocab=vocab)
     fed, verify = [], hf_target.verify
 
-    def spy(tokens, parents, cache):  # noqa: ANN001, ANN202
+    def spy(tokens, parents, cache, **kw):  # noqa: ANN001, ANN003, ANN202
         fed.append(tokens[:, 1:].clone())  # the drafted nodes (column 0 is the root)
-        return verify(tokens, parents, cache)
+        return verify(tokens, parents, cache, **kw)
 
     monkeypatch.setattr(hf_target, "verify", spy)
     out, _ = S.speculative_generate(hf_target, drafter, inputs, 24, tree_budget=budget)
@@ -113,6 +113,8 @@ def test_captioner_batched_greedy_is_lossless(connector, budget, monkeypatch) ->
     ref = H.greedy_reference(model, inputs, 20)
     drafter = H.random_drafter(target)
     assert S.speculative_generate(target, drafter, inputs, 20, tree_budget=budget)[0] == ref
+    half = H.random_drafter(target, vocab=list(range(0, V, 2)))  # the walk's lazy head
+    assert S.speculative_generate(target, half, inputs, 20, tree_budget=budget)[0] == ref
     prefix = model.connector.num_prefix_tokens() if model.connector.uses_prefix else 0
     first = (prefix + inputs["attention_mask"].sum(1)).tolist()
     monkeypatch.setattr(S, "_draft", H.oracle_draft(ref, first, V, 0.7))
@@ -139,9 +141,9 @@ def test_a_finished_row_stops_growing_while_others_decode(budget, monkeypatch) -
     seen: list[list[int]] = []
     real = target.verify
 
-    def verify(tokens, parents, cache):  # noqa: ANN001, ANN202
+    def verify(tokens, parents, cache, **kw):  # noqa: ANN001, ANN003, ANN202
         seen.append(target.next_positions(cache).tolist())
-        return real(tokens, parents, cache)
+        return real(tokens, parents, cache, **kw)
 
     monkeypatch.setattr(target, "verify", verify)
     first = (model.connector.num_prefix_tokens() + inputs["attention_mask"].sum(1)).tolist()
@@ -219,6 +221,71 @@ def test_tree_walk_matches_a_reference_walk_on_random_trees() -> None:
         assert got == _reference_walk(tokens, parents, lambda x, c=choice: c[x + 1])
         lengths.append(len(got[0]))
     assert max(lengths) >= 3  # the walks went deep, not only root misses
+
+
+class _SubHead:
+    """A drafter's side of the lazy greedy walk: its vocabulary ``ids`` (of the head's rows);
+    ``scored`` holds the states each completion scored over the rest of the head."""
+
+    def __init__(self, head: torch.Tensor, ids: torch.Tensor) -> None:
+        self.head, self.ids, self.scored = head, ids, []
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.head[self.ids].T
+
+    def to_token(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.ids[idx]
+
+    def complete_logits(self, hidden: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+        self.scored.append(hidden)
+        full = hidden @ self.head.T
+        assert torch.allclose(full[:, self.ids], sub, atol=1e-5)
+        return full
+
+
+def test_greedy_walks_score_the_visited_nodes_and_equal_full_vocabulary_walks() -> None:
+    """``_greedy_walks`` (the whole head on visited nodes only) returns exactly the walk over
+    every node's full-vocabulary argmax, on random trees whose children often carry the
+    target's choice and whose choices often lie outside the draft vocabulary (a walk cut
+    short on the draft vocabulary's argmax is walked again)."""
+    g = torch.Generator().manual_seed(0)
+    vocab, width = 40, 16
+    head = torch.randn(vocab, width, generator=g)
+    passes_over_one = deep = scored = nodes = 0
+    for trial in range(150):
+        b, n = 3, int(torch.randint(2, 20, (), generator=g))
+        hidden = torch.randn(b, 1 + n, width, generator=g)
+        choice = (hidden @ head.T).argmax(-1)  # (B, 1 + N): the target's full-vocabulary argmax
+        par = torch.full((b, 1 + n), -1)
+        for k in range(1, 1 + n):  # fed index k hangs off an earlier fed index (0 = the root)
+            par[:, k] = torch.randint(0, k, (b,), generator=g)
+        toks = torch.randint(0, vocab, (b, 1 + n), generator=g)
+        carry = torch.rand(b, 1 + n, generator=g) < 0.7  # a child carries its parent's choice
+        for i, k in carry[:, 1:].nonzero().tolist():
+            toks[i, k + 1] = choice[i, int(par[i, k + 1])]
+        drafter = _SubHead(head, torch.randperm(vocab, generator=g)[: vocab // 2])
+        done = [trial % 7 == 0, False, False]
+        got = S._greedy_walks(drafter, toks, par, hidden, done)
+        passes_over_one += len(drafter.scored) > 1
+        rows = torch.cat(drafter.scored)  # which (row, fed index) each scored state is
+        which = [
+            tuple(divmod(int((hidden.flatten(0, 1) == r).all(-1).nonzero()), 1 + n)) for r in rows
+        ]
+        assert len(set(which)) == len(which)  # no node scored twice
+        scored, nodes = scored + len(which), nodes + (b - sum(done)) * (1 + n)
+        for i in range(b):
+            if done[i]:
+                assert got[i][0] == [0] and all(r != i for r, _ in which)
+                continue
+            assert {(i, k) for k in got[i][0]} <= set(which)  # each visited node: full head
+            c = choice[i].tolist()
+            path, bonus = _reference_walk(
+                toks[i, 1:].tolist(), (par[i, 1:] - 1).tolist(), lambda x, c=c: c[x + 1]
+            )
+            assert got[i] == ([0] + [p + 1 for p in path], bonus)
+            deep += len(path) >= 3
+    assert passes_over_one > 10 and deep > 20  # re-walks and deep walks were exercised
+    assert scored < nodes / 2  # the whole head on a minority of the nodes
 
 
 def test_a_best_first_ddtree_holds_the_best_scored_paths() -> None:

@@ -127,11 +127,14 @@ class HFDecodeAdapter:
         cache: HFCache,
         position_ids: Tensor | None = None,
         attention_mask: Tensor | None = None,
+        keep: int | None = None,
     ) -> tuple[Tensor, HFCache]:
         """Feed `tokens` (B, K); return the logits after each (B, K, V) float32 and the cache.
 
         `position_ids` (B, K) default to the chain `last + 1 ... last + K`; `attention_mask`
         is an optional 4-D bool mask (B or 1, 1, K, S + K), True = attend (see module doc).
+        `keep`: logits of the last `keep` tokens only (B, keep, V) (default all K), for a
+        caller that applies the head itself to the hidden states.
         """
         if tokens.ndim != 2:
             raise ValueError(f"verify takes (B, K) tokens, got {tuple(tokens.shape)}")
@@ -146,10 +149,11 @@ class HFDecodeAdapter:
             raise ValueError("this model's forward takes no position_ids; verify without them")
         fed_mask = mask2d if attention_mask is None else self._mask_4d(attention_mask, k)
         extra = {kk: v for kk, v in self.static_inputs.items() if kk not in _PREFILL_ONLY}
-        out = self._forward(tokens, fed_mask, position_ids, cache.kv, extra, keep=k)
+        keep = k if keep is None else keep
+        out = self._forward(tokens, fed_mask, position_ids, cache.kv, extra, keep=keep)
         last = None if position_ids is None else position_ids[..., -1:]
         hidden = getattr(out, "hidden_states", None)
-        return out.logits[:, -k:].float(), HFCache(out.cache, mask2d, last, hidden)
+        return out.logits[:, -keep:].float(), HFCache(out.cache, mask2d, last, hidden)
 
     def crop_cache(self, cache: HFCache, n: int) -> HFCache:
         """Keep the first `n` cached positions (in place on the KV tensors).

@@ -391,16 +391,17 @@ class NativeTarget:
         hidden, _ = self.native.forward(tokens[:, None], pos, cache, attn)
         return self.native.logits(hidden[:, -1]).float(), cache
 
-    def verify(self, tokens: Tensor, parents: Tensor, cache: NativeCache):  # noqa: ANN201
-        """Tree nodes (B, N) with parents (B, N) after the cache, in one forward."""
+    def verify(self, tokens: Tensor, parents: Tensor, cache: NativeCache, logits: bool = True):  # noqa: ANN201
+        """Tree nodes (B, N) with parents (B, N) after the cache, in one forward: logits
+        (B, N, V), or the final hidden states (B, N, W) with ``logits=False``."""
         pos = cache.next_positions()[:, None] + tree_depths(parents)  # (B, N)
         attn = tree_mask(parents, cache.length, key_mask=cache.mask)
         taps = tuple(self.layer_ids)
         hidden, taps = self.native.forward(tokens, pos, cache, attn, None, taps, self.pack)
-        logits = self.native.logits(hidden, self.pack).float()  # (B, N, V)
+        scores = self.native.logits(hidden, self.pack).float() if logits else hidden
         ones = torch.ones_like(tokens, dtype=torch.bool)
         feats = self._features(taps, hidden)
-        return logits, cache, Context(feats, pos, ones)
+        return scores, cache, Context(feats, pos, ones)
 
     def keep(self, cache: NativeCache, index: Tensor, valid: Tensor | None) -> NativeCache:
         """Keep cached positions ``index`` (B, N) per row, in place; ``valid`` False = padding.

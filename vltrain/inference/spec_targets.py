@@ -7,7 +7,9 @@ A ``SpecTarget`` is a frozen model seen the way a block drafter needs it:
 - ``verify(tokens, parents, cache)`` feeds a tree of nodes (a chain is the tree
   ``parents = [-1, 0, 1, ...]``) after the cache in one forward, with the ancestor-only mask
   and positions by depth; returns logits (B, N, V), the cache with all N nodes, and their
-  features (B, N, F) and positions (B, N);
+  features (B, N, F) and positions (B, N); with ``logits=False`` the final (normed) hidden
+  states (B, N, W) in place of the logits, the head left to the caller (greedy speculative
+  decoding scores only the nodes its walk visits over the whole vocabulary);
 - ``keep(cache, index, valid)`` compacts the cache to the accepted path (``select_cache``);
 - ``embed`` / ``head``: the frozen token embedding and LM head the drafter shares
   (``head_params``: the head's weight and bias, whose rows a reduced draft vocabulary keeps);
@@ -67,7 +69,7 @@ class SpecTarget(Protocol):
     def prefill(self, **inputs: Any) -> tuple[Tensor, Any, Context]: ...
 
     def verify(
-        self, tokens: Tensor, parents: Tensor, cache: Any
+        self, tokens: Tensor, parents: Tensor, cache: Any, logits: bool = True
     ) -> tuple[Tensor, Any, Context]: ...
 
     def keep(self, cache: Any, index: Tensor, valid: Tensor) -> Any: ...
@@ -151,15 +153,15 @@ class CaptionerTarget:
         return logits, CaptionerCache(kv=out.cache, visual=keep), ctx
 
     @torch.no_grad()
-    def verify(self, tokens: Tensor, parents: Tensor, cache: CaptionerCache):
+    def verify(self, tokens: Tensor, parents: Tensor, cache: CaptionerCache, logits: bool = True):
         kv = cache.kv
         pos = kv.next_positions()[:, None] + tree_depths(parents)  # (B, N)
         attn = tree_mask(parents, kv.length, key_mask=kv.mask)
         ones = torch.ones_like(tokens, dtype=torch.bool)
         out = self._run(cache.visual, tokens, ones, kv, pos, attn)
-        logits = self.model.decoder.logits(out.hidden).float()  # (B, N, V)
+        scores = self.model.decoder.logits(out.hidden).float() if logits else out.hidden
         ctx = Context(_concat(out.taps, self.layer_ids, 0), pos, ones)
-        return logits, CaptionerCache(kv=out.cache, visual=cache.visual), ctx
+        return scores, CaptionerCache(kv=out.cache, visual=cache.visual), ctx
 
     def keep(self, cache: CaptionerCache, index: Tensor, valid: Tensor) -> CaptionerCache:
         return self.model.select_cache(cache, index, valid)
@@ -257,18 +259,21 @@ class HFTarget:
         return cache.position_ids[:, 0] + 1
 
     @torch.no_grad()
-    def verify(self, tokens: Tensor, parents: Tensor, cache: HFCache):
+    def verify(self, tokens: Tensor, parents: Tensor, cache: HFCache, logits: bool = True):
         key_mask = self._key_mask(cache).to(tokens.device)
         pos = self.next_positions(cache)[:, None] + tree_depths(parents)  # (B, N)
         attn = tree_mask(parents, key_mask.shape[1], key_mask=key_mask)
+        n = tokens.shape[1]
         with self._reading():
-            logits, cache = self.adapter.verify(
-                tokens, cache, position_ids=pos, attention_mask=attn
+            scores, cache = self.adapter.verify(
+                tokens, cache, position_ids=pos, attention_mask=attn, keep=n if logits else 1
             )
             feats = self._taps(cache.hidden_states)
+        if not logits:  # HF's last hidden state is after the final norm: what the head reads
+            scores = cache.hidden_states[-1][:, -n:]
         cache.hidden_states = None
         ones = torch.ones_like(tokens, dtype=torch.bool)
-        return logits, cache, Context(feats, pos, ones)
+        return scores, cache, Context(feats, pos, ones)
 
     def keep(self, cache: HFCache, index: Tensor, valid: Tensor) -> HFCache:
         return self.adapter.select_cache(cache, index, valid)

@@ -235,7 +235,10 @@ class Drafter(nn.Module):
         # broadcast): target token id -> draft index (-1 outside), and the head's rows
         self._vocab_index: Tensor | None = None
         self._sub_head: tuple[Tensor, Tensor | None] | None = None
-        self._packed = PackedLinears(keep=1)  # the head rows, MKL-packed (decoding, CPU)
+        self._rest_head: tuple[Tensor, Tensor, Tensor | None] | None = None
+        # the head rows, MKL-packed (decoding, CPU) for two row counts: the drafted slots,
+        # and the verified nodes that greedy speculative decoding scores over them
+        self._packed = PackedLinears(keep=2)
         if cfg.draft_vocab:
             # a draft index -> target token id; set by set_vocab (training) or the checkpoint
             self.register_buffer("vocab_ids", torch.arange(cfg.draft_vocab))
@@ -248,7 +251,7 @@ class Drafter(nn.Module):
             raise ValueError(f"{where}: draft vocabulary ids must be {n} distinct ids below {v}")
 
     def _forget(self) -> None:
-        self._vocab_index, self._sub_head = None, None
+        self._vocab_index, self._sub_head, self._rest_head = None, None, None
         self._packed.clear()
 
     def set_vocab(self, ids: Tensor) -> None:
@@ -267,7 +270,7 @@ class Drafter(nn.Module):
     def share(self, parts: SharedParts) -> Drafter:
         """Attach the target's embeddings and LM head (not registered: never saved/trained)."""
         object.__setattr__(self, "_shared", parts)
-        self._sub_head = None  # another head: its rows are gathered (and packed) again
+        self._sub_head = self._rest_head = None  # another head: its rows are gathered again
         self._packed.clear()
         return self
 
@@ -366,6 +369,31 @@ class Drafter(nn.Module):
                 bias = None if b is None else b.detach()[ids.to(b.device)].to(ids.device)
             self._sub_head = (sub, bias)
         return self._sub_head
+
+    def complete_logits(self, hidden: Tensor, sub: Tensor) -> Tensor:
+        """Full-vocabulary logits (R, V) of states ``hidden`` (R, W) whose draft-vocabulary
+        logits ``sub`` (R, draft_vocab) (``logits``) are at hand: only the head's other rows
+        are scored here, so the head's weight is read once in all."""
+        ids, w, b = self._rest_rows()
+        rest = F.linear(hidden.to(w.dtype), w, b)  # (R, V - draft_vocab)
+        out = sub.new_empty(sub.shape[0], self.cfg.vocab_size)
+        out[:, self.vocab_ids.to(out.device)] = sub
+        out[:, ids.to(out.device)] = rest.to(out.dtype)
+        return out
+
+    def _rest_rows(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Token ids outside the draft vocabulary and the head's rows for them (gathered once:
+        (V - draft_vocab) x W more floats held while decoding)."""
+        if self._rest_head is None or self._rest_head[0].device != self.vocab_ids.device:
+            w, b = self.shared.head_params()
+            rest = torch.ones(self.cfg.vocab_size, dtype=torch.bool, device=w.device)
+            rest[self.vocab_ids.to(w.device)] = False
+            ids = rest.nonzero()[:, 0]
+            with torch.no_grad():
+                sub = w.detach()[ids].to(self.vocab_ids.device)
+                bias = None if b is None else b.detach()[ids.to(b.device)].to(sub.device)
+            self._rest_head = (ids.to(self.vocab_ids.device), sub, bias)
+        return self._rest_head
 
     def to_token(self, idx: Tensor) -> Tensor:
         """Draft-vocabulary indices -> target token ids (the identity for the full vocabulary)."""

@@ -1,0 +1,45 @@
+"""bench/bench_drafter.py's timing: per-prompt interleaving of the methods and the merge of
+their per-prompt results (the numbers bench/RESULTS.md reports)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.bench_scripts import load_bench
+
+pytest.importorskip("transformers")
+
+
+def test_interleaving_rotates_the_order_and_merges_per_prompt_results() -> None:
+    m = load_bench("bench_drafter")
+    calls: list[tuple[str, str]] = []
+
+    def method(name: str, tau: float, rounds: int):  # noqa: ANN202
+        def run(prompts: list[str]) -> dict:
+            (q,) = prompts
+            calls.append((name, q))
+            return {
+                "seconds": 1.0 + len(q),
+                "tokens": 10,
+                "ids": [[len(q)]],
+                "tau": tau * len(q),
+                "rounds": rounds * len(q),
+                "row_tau": [tau * len(q)],
+                "draft_ms_per_round": 2.0 * len(q),
+                "share_rounds_ge4": 0.5,
+            }
+
+        return run
+
+    methods = {"a": method("a", 1.0, 2), ("b", 8, "native"): method("b", 2.0, 3)}
+    got = m.interleaved(methods, ["x", "yy", "zzz"], rep=1)
+    # prompt by prompt, every method in turn, the first method rotated by prompt and repeat
+    assert calls == [("b", "x"), ("a", "x"), ("a", "yy"), ("b", "yy"), ("b", "zzz"), ("a", "zzz")]
+    b = got[("b", 8, "native")]
+    assert b["seconds"] == 2 + 3 + 4 and b["tokens"] == 30 and b["rounds"] == 3 + 6 + 9
+    assert b["ids"] == [[1], [2], [3]] and b["row_tau"] == [2.0, 4.0, 6.0]
+    # per-round figures weigh by rounds: tau = sum(accepted) / rounds over all prompts
+    assert b["tau"] == pytest.approx((2 * 3 + 4 * 6 + 6 * 9) / 18)
+    assert b["draft_ms_per_round"] == pytest.approx((2 * 3 + 4 * 6 + 6 * 9) / 18)
+    assert b["share_rounds_ge4"] == pytest.approx(0.5)
+    assert b["tokens_per_s"] == pytest.approx(30 / 9)
