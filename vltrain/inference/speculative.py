@@ -296,7 +296,7 @@ def _greedy_walks(drafter, fed, fed_par, hidden, done):  # noqa: ANN001, ANN202
     outside it either ends the walk (no drafted child carries it) or, when a child does,
     sends the next pass down that child. One pass in the common case, two when a visited
     node's argmax lies outside the draft vocabulary. The head's weight is still read once a
-    round, so this pays where its product is the cost (batched rounds: ~1.2x a round at batch
+    round, so this pays where its product is the cost (batched rounds: ~1.15x a round at batch
     16 on SmolLM2-135M, 32 nodes) rather than its read (batch 1 on a CPU: no change).
     """
     sub = drafter.logits(hidden)  # (B, 1 + N, draft_vocab)
