@@ -855,7 +855,7 @@ def summarize(
         sec = sorted(x["seconds"] for x in rs)[len(rs) // 2]
         first = rs[0]
         round_ms = first["draft_ms_per_round"] + first["verify_ms_per_round"]
-        round_ms += first.get("walk_ms_per_round", 0.0)  # the head on the walk's nodes
+        round_ms += first["walk_ms_per_round"]  # the head on the walk's nodes
         paired = sorted(greedy_each[x["repeat"]] / x["seconds"] for x in rs) if greedy_each else []
         out.append(
             {
@@ -867,7 +867,7 @@ def summarize(
                 "share_rounds_ge4": first["share_rounds_ge4"],
                 "draft_ms_per_round": first["draft_ms_per_round"],
                 "verify_ms_per_round": first["verify_ms_per_round"],
-                "walk_ms_per_round": first.get("walk_ms_per_round", 0.0),
+                "walk_ms_per_round": first["walk_ms_per_round"],
                 "keep_ms_per_round": first["keep_ms_per_round"],
                 "lossless": all(x["lossless"] for x in rs),
                 "seconds_median": sec,

@@ -216,6 +216,7 @@ def speculative_generate(
     stats.accepted, stats.anchors = [[] for _ in range(b)], [[] for _ in range(b)]
     root = _pick(logits, sample, temperature, generator)  # (B,)
     dcache = DraftContextCache()  # the drafter projects each context row once
+    lazy = not sample and drafter.cfg.draft_vocab > 0  # the head on walked nodes only
     rows = _Rows([[int(t)] for t in root], [int(t) == eos or max_new_tokens <= 1 for t in root])
     while not all(rows.done):
         anchor = target.next_positions(cache).to(root.device)  # (B,)
@@ -233,7 +234,6 @@ def speculative_generate(
         if any(rows.done):  # a finished row's nodes all hang off its root: one position
             fed_par[torch.tensor(rows.done, device=fed_par.device), 1:] = 0  # past its end
         n_old = _cache_len(cache)
-        lazy = not sample and drafter.cfg.draft_vocab > 0  # the head on visited nodes only
         scores, cache, new_ctx = target.verify(fed, fed_par.to(root.device), cache, logits=not lazy)
         stats.target_calls += 1
         walks = _greedy_walks(drafter, fed, fed_par, scores, rows.done) if lazy else None

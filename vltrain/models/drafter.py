@@ -359,16 +359,19 @@ class Drafter(nn.Module):
 
     def _head_rows(self) -> tuple[Tensor, Tensor | None]:
         """The head's rows of the draft vocabulary, gathered once (the head is frozen)."""
-        ids = self.vocab_ids
-        if self._sub_head is None or self._sub_head[0].device != ids.device:
-            if self.shared.head_params is None:
-                raise RuntimeError("a reduced draft vocabulary needs SharedParts.head_params")
-            w, b = self.shared.head_params()
-            with torch.no_grad():
-                sub = w.detach()[ids.to(w.device)].to(ids.device)
-                bias = None if b is None else b.detach()[ids.to(b.device)].to(ids.device)
-            self._sub_head = (sub, bias)
+        if self._sub_head is None or self._sub_head[0].device != self.vocab_ids.device:
+            self._sub_head = self._gather_head(self.vocab_ids)
         return self._sub_head
+
+    def _gather_head(self, ids: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Rows ``ids`` of the shared head's weight and bias, on ``ids``' device."""
+        if self.shared.head_params is None:
+            raise RuntimeError("a reduced draft vocabulary needs SharedParts.head_params")
+        w, b = self.shared.head_params()
+        with torch.no_grad():
+            rows = w.detach()[ids.to(w.device)].to(ids.device)
+            bias = None if b is None else b.detach()[ids.to(b.device)].to(ids.device)
+        return rows, bias
 
     def complete_logits(self, hidden: Tensor, sub: Tensor) -> Tensor:
         """Full-vocabulary logits (R, V) of states ``hidden`` (R, W) whose draft-vocabulary
@@ -376,23 +379,16 @@ class Drafter(nn.Module):
         are scored here, so the head's weight is read once in all."""
         ids, w, b = self._rest_rows()
         rest = F.linear(hidden.to(w.dtype), w, b)  # (R, V - draft_vocab)
-        out = sub.new_empty(sub.shape[0], self.cfg.vocab_size)
-        out[:, self.vocab_ids.to(out.device)] = sub
-        out[:, ids.to(out.device)] = rest.to(out.dtype)
-        return out
+        return self.full_vocab(sub).index_copy_(-1, ids.to(sub.device), rest.to(sub.dtype))
 
     def _rest_rows(self) -> tuple[Tensor, Tensor, Tensor | None]:
         """Token ids outside the draft vocabulary and the head's rows for them (gathered once:
         (V - draft_vocab) x W more floats held while decoding)."""
         if self._rest_head is None or self._rest_head[0].device != self.vocab_ids.device:
-            w, b = self.shared.head_params()
-            rest = torch.ones(self.cfg.vocab_size, dtype=torch.bool, device=w.device)
-            rest[self.vocab_ids.to(w.device)] = False
+            rest = torch.ones(self.cfg.vocab_size, dtype=torch.bool, device=self.vocab_ids.device)
+            rest[self.vocab_ids] = False
             ids = rest.nonzero()[:, 0]
-            with torch.no_grad():
-                sub = w.detach()[ids].to(self.vocab_ids.device)
-                bias = None if b is None else b.detach()[ids.to(b.device)].to(sub.device)
-            self._rest_head = (ids.to(self.vocab_ids.device), sub, bias)
+            self._rest_head = (ids, *self._gather_head(ids))
         return self._rest_head
 
     def to_token(self, idx: Tensor) -> Tensor:
@@ -411,7 +407,8 @@ class Drafter(nn.Module):
         return self._vocab_index[tokens.to(ids.device)].to(tokens.device)
 
     def full_vocab(self, logq: Tensor) -> Tensor:
-        """Draft log-probs (..., draft_vocab) -> (..., V), -inf outside the draft vocabulary."""
+        """Draft-vocabulary scores (..., draft_vocab: log-probs or logits) -> (..., V), -inf
+        outside the draft vocabulary."""
         if not self.cfg.draft_vocab:
             return logq
         out = logq.new_full((*logq.shape[:-1], self.cfg.vocab_size), float("-inf"))
