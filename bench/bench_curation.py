@@ -21,13 +21,13 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from vltrain.data.curation import minhash, planted
-from vltrain.data.curation.bloom import BloomFilter
-from vltrain.data.curation.decode import decode_rgb
-from vltrain.data.curation.features import Features, FeatureSettings, iter_features
-from vltrain.data.curation.hashing import image_hashes
-from vltrain.data.curation.pipeline import CurateOptions, Decider
-from vltrain.data.curation.text import NgramHasher, jaccard, words, words_batch
+from vltrain.curation import minhash, planted
+from vltrain.curation.bloom import BloomFilter
+from vltrain.curation.decode import decode_rgb
+from vltrain.curation.features import Features, FeatureSettings, iter_features
+from vltrain.curation.hashing import image_hashes
+from vltrain.curation.pipeline import CurateOptions, Decider
+from vltrain.curation.text import NgramHasher, jaccard, words, words_batch
 
 _PHOTOS = ("astronaut", "camera", "chelsea", "coffee", "coins", "horse", "rocket", "moon", "page",
            "text", "clock", "immunohistochemistry", "hubble_deep_field", "logo", "brick", "grass",

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from vltrain.config import load_config
-from vltrain.data.curation.curate import curate
+from vltrain.curation.curate import curate
 from vltrain.data.synth import write_shapes_dataset
 from vltrain.runs import train
 

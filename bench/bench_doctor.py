@@ -506,7 +506,7 @@ def _train_in_process(sc: Scenario, data: Path, out: Path) -> str:
 
 def ddp_worker(name: str, data: Path, out: Path) -> None:
     """One rank of a two-process scenario (launched by torchrun)."""
-    from vltrain.engine import distributed as D
+    from vltrain.core import distributed
 
     steps, onset = int(os.environ["BENCH_STEPS"]), int(os.environ["BENCH_ONSET"])
     # the clean run: the learning recipe's global batch of 32 as 2 x 16
@@ -524,7 +524,7 @@ def ddp_worker(name: str, data: Path, out: Path) -> None:
     if name == "DDP desync":  # rank 1 takes a private update from ONSET on
 
         def desync(step, t):
-            if step >= _onset() and D.rank() == 1:
+            if step >= _onset() and distributed.rank() == 1:
                 with torch.no_grad():
                     next(t.optimizer.param_groups[0]["params"].__iter__()).add_(1e-2)
 
@@ -539,7 +539,7 @@ def ddp_worker(name: str, data: Path, out: Path) -> None:
     del trainer, stack
     Hooks.trainer = None
     gc.collect()
-    D.shutdown()
+    distributed.shutdown()
 
 
 # ---- peer rules, applied to the same runs' series ------------------------------------------

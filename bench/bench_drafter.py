@@ -419,7 +419,7 @@ def spec_generate(  # noqa: ANN201
     ``forward`` picks the target's forward: HF's modules or vltrain's native Llama loop;
     ``tree_shape`` the DDTree's (``speculative_generate``)."""
     from vltrain.data.draft_data import chat_prompt_ids
-    from vltrain.inference import speculative as S
+    from vltrain.inference import speculative
     from vltrain.inference.native_llama import NativeTarget
     from vltrain.inference.spec_targets import HFTarget
     from vltrain.models.drafter import load_drafter
@@ -433,9 +433,9 @@ def spec_generate(  # noqa: ANN201
         target = kind(model, drafter.cfg.target_layer_ids)
         _BUILT[(run, forward)] = (attach(drafter, target), target)
     drafter, target = _BUILT[(run, forward)]
-    timer, orig_draft, orig_walks = Timer(), S._draft, S._greedy_walks
-    S._draft = timer.wrap(orig_draft, "draft")
-    S._greedy_walks = timer.wrap(orig_walks, "walk")
+    timer, orig_draft, orig_walks = Timer(), speculative._draft, speculative._greedy_walks
+    speculative._draft = timer.wrap(orig_draft, "draft")
+    speculative._greedy_walks = timer.wrap(orig_walks, "walk")
     target.verify = timer.wrap(target.verify, "verify")
     target.keep = timer.wrap(target.keep, "keep")
     rows, accepted = [], []
@@ -444,7 +444,7 @@ def spec_generate(  # noqa: ANN201
     try:
         for q in prompts:
             ids = torch.tensor([chat_prompt_ids(tok, q)], device=dev)
-            out, st = S.speculative_generate(
+            out, st = speculative.speculative_generate(
                 target,
                 drafter,
                 {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
@@ -455,7 +455,7 @@ def spec_generate(  # noqa: ANN201
             rows.append(out[0])
             accepted.append(st.accepted[0])
     finally:
-        S._draft, S._greedy_walks = orig_draft, orig_walks
+        speculative._draft, speculative._greedy_walks = orig_draft, orig_walks
         del target.verify, target.keep  # the class's methods again (the target is reused)
     _sync(dev)
     sec = time.perf_counter() - t

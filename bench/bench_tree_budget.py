@@ -43,7 +43,7 @@ from bench_drafter import gguf_path, machine  # noqa: E402
 from bench_drafter_heldout import prompt_set  # noqa: E402
 
 from vltrain.data.draft_data import chat_prompt_ids
-from vltrain.inference import speculative as S
+from vltrain.inference import speculative
 from vltrain.inference.captioning import left_pad
 from vltrain.inference.spec_targets import causal_lm_target, load_hf_causal_lm
 from vltrain.models.drafter import load_drafter
@@ -146,7 +146,7 @@ def costs_ms(target, drafter, tok, sizes: list[int], reps: int = 5) -> tuple[dic
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        S._draft(drafter, ctx, root, anchor, S.DraftContextCache())
+        speculative._draft(drafter, ctx, root, anchor, speculative.DraftContextCache())
         times.append(time.perf_counter() - t)
     return out, 1000 * statistics.median(times)
 
@@ -200,8 +200,8 @@ def main() -> None:
     print(f"draft ms: {draft:.1f}")
     depth = drafter.cfg.block_size - 1
     rec = Recorder(sizes, [n for n in sizes if n <= args.max_budget - depth])
-    orig_p, orig_w = S._proposals, S._walk_row
-    S._proposals, S._walk_row = rec.proposals(orig_p), rec.walk(orig_w)
+    orig_p, orig_w = speculative._proposals, speculative._walk_row
+    speculative._proposals, speculative._walk_row = rec.proposals(orig_p), rec.walk(orig_w)
     qs = prompt_set(args.prompt_set)[: args.prompts]
     t = time.perf_counter()
     try:
@@ -209,9 +209,9 @@ def main() -> None:
             batch = [chat_prompt_ids(tok, q) for q in qs[lo : lo + args.batch_size]]
             ids, mask = left_pad(batch, pad)
             inputs = {"input_ids": ids, "attention_mask": mask}
-            S.speculative_generate(target, drafter, inputs, args.max_new, args.max_budget)
+            speculative.speculative_generate(target, drafter, inputs, args.max_new, args.max_budget)
     finally:
-        S._proposals, S._walk_row = orig_p, orig_w
+        speculative._proposals, speculative._walk_row = orig_p, orig_w
     rounds = rec.rounds
     print(
         f"{len(rounds)} rounds of {len(qs)} prompts at {args.max_budget} nodes in "

@@ -21,7 +21,7 @@ import torch
 
 from vltrain.config import load_config
 from vltrain.engine.runtime import RunContext
-from vltrain.eval import corpus as C
+from vltrain.eval import corpus
 from vltrain.stages import check_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def main() -> None:
     stage = check_config(cfg)(cfg, out, ctx)
     stage.prepare()
     model = stage.build_model().eval()
-    split = C.read_split_dir(pages)
+    split = corpus.read_split_dir(pages)
     n = min(a.encode_docs, len(split.docs))
     t = time.perf_counter()
     d_emb, _, _ = stage.corpus.embed(model, split.docs[:n], "doc")
@@ -68,10 +68,10 @@ def main() -> None:
     d = torch.nn.functional.normalize(torch.randn(a.docs, dim, generator=g), dim=-1)
     qrels = [{int(j): 1} for j in torch.randint(a.docs, (a.queries,), generator=g)]
     t = time.perf_counter()
-    _, ranks, top = C.corpus_metrics(q, d, qrels)  # search + metrics
+    _, ranks, top = corpus.corpus_metrics(q, d, qrels)  # search + metrics
     both = time.perf_counter() - t
     t = time.perf_counter()
-    C.graded_ndcg(top, qrels)
+    corpus.graded_ndcg(top, qrels)
     ndcg_s = time.perf_counter() - t
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     enc_full = a.docs / doc_rate + a.queries / q_rate

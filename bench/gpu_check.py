@@ -178,7 +178,7 @@ def check_nccl_fsdp(args: argparse.Namespace) -> tuple[str, str]:
 def nccl_worker(device: str) -> None:
     """Under torchrun: all_reduce, then FSDP2 vs an unsharded copy on this rank's device (NCCL
     and CUDA, with and without CPU offload; on the CPU: gloo, no offload, which needs CUDA)."""
-    from vltrain.engine import distributed as D
+    from vltrain.core import checkpoint, distributed
     from vltrain.engine import sharding
     from vltrain.models.dual_encoder import DualEncoder
     from vltrain.models.presets import text_config, vision_config
@@ -186,10 +186,10 @@ def nccl_worker(device: str) -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     cuda = device == "cuda"
     if cuda:
-        torch.cuda.set_device(D.local_rank())
+        torch.cuda.set_device(distributed.local_rank())
     torch.distributed.init_process_group("nccl" if cuda else "gloo")
-    world, rank = D.world_size(), D.rank()
-    total = D.all_reduce_sum(torch.ones(1, device=device))
+    world, rank = distributed.world_size(), distributed.rank()
+    total = distributed.all_reduce_sum(torch.ones(1, device=device))
     assert int(total.item()) == world, f"all_reduce gave {total.item()}, expected {world}"
 
     class Pair(torch.nn.Module):  # the loss in the root's forward, where FSDP2 gathers
@@ -229,7 +229,7 @@ def nccl_worker(device: str) -> None:
             opt.zero_grad()
     diffs = {}
     for name, m in pairs:
-        full = sharding.full_state_dict(m)  # every rank calls; rank 0 gets the weights
+        full = checkpoint.full_state_dict(m)  # every rank calls; rank 0 gets the weights
         if rank == 0:
             ref_sd = ref.state_dict()
             per = {k: float((full[k] - v.cpu()).abs().max()) for k, v in ref_sd.items()}

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from vltrain.data import synth_pages as sp
 from vltrain.data.pairs import DEFAULT_MAX_PIXELS, load_side, read_pair_records, side_inputs
 from vltrain.data.reading import next_on_line
-from vltrain.eval import corpus as C
+from vltrain.eval import corpus
 from vltrain.tools.loading import load_trained
 
 
@@ -182,7 +182,7 @@ def temperatures(
 ) -> None:
     """Part 3: R@1 with page codes from readings at other softmax temperatures."""
     v = data / "val"
-    split = C.read_split(v / "queries.jsonl", v / "corpus.jsonl", v / "qrels.tsv")
+    split = corpus.read_split(v / "queries.jsonl", v / "corpus.jsonl", v / "qrels.tsv")
     split.groups = [meta[qid]["group"] for qid in split.query_ids]
     head, vision = model.encoder.pairs, model.encoder.vision
     toks, nxts = [], []
@@ -205,9 +205,9 @@ def temperatures(
             for c in range(0, tok.shape[0], 512):  # (512, K, D) at a time
                 codes.append(head.code_of(*(sharpen(x[c : c + 512], t) for x in (tok, nxt))))
             d = F.normalize(torch.cat(codes), dim=-1)
-            m, ranks, _ = C.corpus_metrics(q, d, split.qrels)
-            g = C.group_metrics(ranks, split.groups)
-            hn = C.judged_negative_accuracy(q, d, split.qrels, split.judged_negatives)
+            m, ranks, _ = corpus.corpus_metrics(q, d, split.qrels)
+            g = corpus.group_metrics(ranks, split.groups)
+            hn = corpus.judged_negative_accuracy(q, d, split.qrels, split.judged_negatives)
             groups = f"{g.get('R@1_title', 0):.3f} | {g.get('R@1_body', 0):.3f}"
             print(f"| {t} | {m['R@1']:.3f} | {m['R@5']:.3f} | {groups} | {hn or 0:.3f} |")
 

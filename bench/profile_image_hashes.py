@@ -22,8 +22,8 @@ import numpy as np
 from PIL import Image
 
 from bench.bench_curation import photos
-from vltrain.data.curation import hashing
-from vltrain.data.curation.decode import decode_rgb
+from vltrain.curation import hashing
+from vltrain.curation.decode import decode_rgb
 from vltrain.data.images import load_image_native
 
 

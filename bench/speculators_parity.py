@@ -48,9 +48,11 @@ def load_objective():  # noqa: ANN201
 
 
 obj = load_objective()
-
+sys.path.insert(0, ROOT)
 from speculators.losses import dflash_loss_decay, dpace_loss_decay, eager  # noqa: E402
 from speculators.models.dflash.metrics import compute_metrics  # noqa: E402
+
+from vltrain.data import draft_data  # noqa: E402  (torch, numpy, pillow, pyyaml: light deps)
 
 PEER_CE = {"ce": (eager.ce_loss, 1.0)}  # eager: the fused losses need Triton on a GPU
 
@@ -69,7 +71,7 @@ def make_case(block: int, seed: int, rows: int = 3, t: int = 48, anchors: int = 
         n = t - 9 * r
         labels[r, 5:n] = tok[r, 5:n]
         labels[r, 20 + r : 23 + r] = -100  # unsupervised span inside the row
-    anc = [obj.sample_anchors(labels[r] >= 0, anchors, g) for r in range(rows)]
+    anc = [draft_data.sample_anchors(labels[r] >= 0, anchors, g) for r in range(rows)]
     j = max(len(a) for a in anc)
     anchor_pos = torch.zeros(rows, j, dtype=torch.long)
     anchor_valid = torch.zeros(rows, j, dtype=torch.bool)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# strict collectives with NCCL's rule emulated on gloo (vltrain/engine/distributed.py): set at
+# strict collectives with NCCL's rule emulated on gloo (vltrain/core/distributed.py): set at
 # import, before vltrain is, so the torchrun and spawned processes the tests start inherit it
 os.environ.setdefault("VLTRAIN_STRICT_COLLECTIVES", "cuda")
 REPO = Path(__file__).resolve().parents[1]

@@ -1,10 +1,10 @@
-"""Import boundaries: the arrows of DESIGN.md point one way.
+"""Import boundaries: the arrows of DESIGN.md point one way, and packages form no cycle.
 
-cli -> runs/tools -> stages -> engine/objectives/models/data/eval/inference/diagnostics ->
-config. Every module under vltrain/ is parsed with `ast` (nothing is imported), and every
-import counts: top-level, function-level (lazy), under TYPE_CHECKING, relative, and
-`importlib.import_module("...")` with a literal name. A rule names a source package and the
-packages it may not import.
+cli -> runs/tools -> stages -> scaling/curation -> engine -> inference -> diagnostics ->
+objectives -> models -> eval -> data -> core -> config (FLOORS). Every module under vltrain/
+is parsed with `ast` (nothing is imported), and every import counts: top-level, function-level
+(lazy), under TYPE_CHECKING, relative, and `importlib.import_module("...")` with a literal
+name. A rule names a source package and the packages it may not import.
 """
 
 from __future__ import annotations
@@ -16,22 +16,31 @@ import pytest
 
 from tests.conftest import REPO
 
-# (source package, packages it must not import), all under vltrain
-RULES: list[tuple[str, tuple[str, ...]]] = [
-    ("engine", ("stages", "runs", "tools", "cli")),
-    ("config", ("models", "engine", "stages", "data", "objectives", "runs", "tools")),
-    ("diagnostics", ("engine",)),
-    ("models", ("stages", "runs", "tools", "cli")),
-    ("data", ("stages", "runs", "tools", "cli")),
-    ("objectives", ("stages", "runs", "tools", "cli")),
-    ("eval", ("stages", "runs", "tools", "cli")),
-    ("inference", ("stages", "runs", "tools", "cli")),
-    ("stages", ("runs", "tools", "cli")),
-    ("scaling", ("stages", "runs", "tools", "cli")),
+# The floors of the house, bottom up (DESIGN.md). A package imports only packages on a lower
+# floor: never one above it (an arrow that climbs) and never one beside it (two packages of a
+# floor import neither each other). Every package under vltrain/ must be on a floor.
+FLOORS: list[tuple[str, ...]] = [
+    ("config",),
+    ("core",),
+    ("data",),
+    ("eval",),
+    ("models",),
+    ("objectives",),
+    ("diagnostics",),
+    ("inference",),
+    ("engine",),
+    ("scaling", "curation"),
+    ("stages",),
+    ("runs", "tools"),
+    ("cli",),
 ]
-# orchestration that sits at the top level today and moves under vltrain.runs (DESIGN.md)
-RUNS_TODAY = ("pipeline", "quickstart", "tuning")
-RULES = [(s, f + RUNS_TODAY if "runs" in f else f) for s, f in RULES]
+FLOOR = {pkg: level for level, names in enumerate(FLOORS) for pkg in names}
+# (source package, packages it must not import): everything on its floor and above
+RULES: list[tuple[str, tuple[str, ...]]] = [
+    (pkg, tuple(p for p in FLOOR if p != pkg and FLOOR[p] >= FLOOR[pkg]))
+    for pkg in FLOOR
+    if pkg != "cli"
+]
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -113,3 +122,86 @@ def test_the_checker_sees_every_kind_of_import(tmp_path: Path) -> None:
         "vltrain/engine/loop.py:7 imports vltrain.tools",
     ]
     assert violations(tmp_path, "engine", ("models",)) == []
+
+
+def test_every_package_is_on_a_floor() -> None:
+    packages = {p.name for p in (REPO / "vltrain").iterdir() if (p / "__init__.py").is_file()}
+    assert packages == set(FLOOR), (
+        f"add to FLOORS: {packages - set(FLOOR)}; gone: {set(FLOOR) - packages}"
+    )
+
+
+def package_graph(root: Path, top: str = "vltrain") -> dict[str, set[str]]:
+    """Package -> the packages it imports (first level under `top`), from every import."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted((root / top).rglob("*.py")):
+        parts = path.relative_to(root / top).parts
+        if len(parts) < 2:
+            continue  # top-level modules (__init__, __main__) are the face, not a room
+        edges = graph.setdefault(parts[0], set())
+        for _, name in imported_names(path, root):
+            bits = name.split(".")
+            if bits[0] == top and len(bits) > 1 and bits[1] != parts[0]:
+                if (root / top / bits[1] / "__init__.py").is_file():
+                    edges.add(bits[1])
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected sets of more than one package (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_package_cycle() -> None:
+    assert cycles(package_graph(REPO)) == []
+
+
+def test_the_cycle_check_sees_a_cycle_through_a_lazy_import(tmp_path: Path) -> None:
+    """Negative control: data -> eval (top level) and eval -> models -> data (lazy) is reported,
+    and so is the floor rule that data may not import eval."""
+    files = {
+        "data/records.py": "from vltrain.eval import topk\n",
+        "eval/topk.py": "def f():\n    from vltrain.models import towers\n",
+        "models/towers.py": "import vltrain.data.records\n",
+        "config/schema.py": "",
+    }
+    for rel, text in files.items():
+        path = tmp_path / "vltrain" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        (path.parent / "__init__.py").write_text("")
+        path.write_text(text)
+    (tmp_path / "vltrain" / "__init__.py").write_text("")
+    assert cycles(package_graph(tmp_path)) == [["data", "eval", "models"]]
+    banned = dict(RULES)["data"]
+    assert violations(tmp_path, "data", banned) == [
+        "vltrain/data/records.py:1 imports vltrain.eval"
+    ]
+    (tmp_path / "vltrain" / "models" / "towers.py").write_text("import vltrain.config.schema\n")
+    assert cycles(package_graph(tmp_path)) == []

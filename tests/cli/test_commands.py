@@ -11,7 +11,7 @@ import pytest
 import vltrain
 from vltrain.cli import main, os_error_message
 from vltrain.cli.presets import list_presets, preset_dir, purpose
-from vltrain.files import OutputError, atomic_write_text
+from vltrain.core.files import OutputError, atomic_write_text
 from vltrain.tools.mine import mine_record
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tests.conftest import hardlink_tree
-from vltrain.data import chat as C
+from vltrain.data import chat
 from vltrain.data.caption_data import CaptionDataset, read_caption_source
-from vltrain.data.records import DataError, read_jsonl
+from vltrain.data.readers import DataError, read_jsonl
 from vltrain.data.samplers import TAIL_BUCKET, LengthBucketBatchSampler
 from vltrain.data.tokenizer import train_bpe_tokenizer
 from vltrain.models.captioner import IGNORE_INDEX
@@ -22,7 +22,7 @@ from vltrain.models.captioner import IGNORE_INDEX
 @pytest.fixture(scope="module")
 def tok(shapes_dir: Path):
     texts = [t for r in read_jsonl(shapes_dir / "train.jsonl") for t in r["text"]]
-    return train_bpe_tokenizer(texts + [C.USER, C.ASSISTANT] * 50, vocab_size=400)
+    return train_bpe_tokenizer(texts + [chat.USER, chat.ASSISTANT] * 50, vocab_size=400)
 
 
 def _dataset(path: Path, tok, **kw) -> CaptionDataset:
@@ -31,7 +31,7 @@ def _dataset(path: Path, tok, **kw) -> CaptionDataset:
 
 
 def test_ignore_index_matches_the_captioner() -> None:
-    assert C.IGNORE_INDEX == IGNORE_INDEX
+    assert chat.IGNORE_INDEX == IGNORE_INDEX
 
 
 def test_sft_labels_cover_exactly_the_assistant_tokens(tok) -> None:
@@ -41,20 +41,20 @@ def test_sft_labels_cover_exactly_the_assistant_tokens(tok) -> None:
         {"role": "user", "content": "and the colour of the circle?"},
         {"role": "assistant", "content": "red"},
     ]
-    ids, labels = C.encode_segments(tok, C.chat_segments(msgs), max_len=64)
+    ids, labels = chat.encode_segments(tok, chat.chat_segments(msgs), max_len=64)
     labelled = [i for i, lab in zip(ids, labels, strict=True) if lab != IGNORE_INDEX]
     expected = tok.encode("a red circle") + [tok.eos_id] + tok.encode("red") + [tok.eos_id]
     assert labelled == expected
     assert all(lab in (IGNORE_INDEX, i) for i, lab in zip(ids, labels, strict=True))
     # the user turns and markers are in the ids but unlabelled (negative control of the mask)
     assert len(ids) > len(expected) + 10 and ids[0] == tok.bos_id
-    prompt, ref = C.chat_prompt_and_reference(msgs)
-    assert ref == "red" and prompt[-1] == (C.ASSISTANT, False)
-    assert C.encode_prompt(tok, prompt) == ids[: len(C.encode_prompt(tok, prompt))]
+    prompt, ref = chat.chat_prompt_and_reference(msgs)
+    assert ref == "red" and prompt[-1] == (chat.ASSISTANT, False)
+    assert chat.encode_prompt(tok, prompt) == ids[: len(chat.encode_prompt(tok, prompt))]
 
 
 def test_truncation_keeps_eos_inside_a_target(tok) -> None:
-    ids, labels = C.encode_segments(tok, C.caption_segments("a red circle " * 20), max_len=10)
+    ids, labels = chat.encode_segments(tok, chat.caption_segments("a red circle " * 20), max_len=10)
     assert len(ids) == 10 and ids[-1] == labels[-1] == tok.eos_id
 
 

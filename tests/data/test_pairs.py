@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from vltrain.data.pairs import PairCollate, PairDataset, read_pair_records, role_modalities
-from vltrain.data.records import DataError
+from vltrain.data.readers import DataError
 
 
 def _write(path: Path, rows: list[object]) -> Path:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from vltrain.data.pairs import read_corpus, read_pair_records
+from vltrain.data.readers import DataError
 from vltrain.data.reading import IGNORE, ReadingTargets, box_cells, parse_words
-from vltrain.data.records import DataError
 from vltrain.data.tokenizer import train_bpe_tokenizer
 
 

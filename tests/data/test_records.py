@@ -12,15 +12,13 @@ from PIL import Image
 
 from tests.fixtures import write_bad_corpus
 from vltrain.data.images import REASONS, BadSample
+from vltrain.data.readers import DataError, read_jsonl, resolve_image_path
 from vltrain.data.records import (
     BadSampleTracker,
-    DataError,
     DataQualityError,
     ImageTextDataset,
     pick_caption_pair,
-    read_jsonl,
     read_records,
-    resolve_image_path,
     split_bad,
 )
 

@@ -14,7 +14,7 @@ from tests.data.stream_fixtures import png_bytes, write_records
 from vltrain.cli import main
 from vltrain.config.core import ConfigError
 from vltrain.data import shard_decode, shards, streaming
-from vltrain.data.records import DataError
+from vltrain.data.readers import DataError
 from vltrain.stages import load_run_config
 
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from vltrain.data.records import DataError, ImageTextDataset, read_jsonl, read_records
+from vltrain.data.readers import DataError, read_jsonl
+from vltrain.data.records import ImageTextDataset, read_records
 from vltrain.data.sources import read_source
 
 

@@ -16,7 +16,7 @@ import pytest
 from tests.data.stream_fixtures import make_shards
 from vltrain.data import shard_decode, streaming
 from vltrain.data import shards as shards_mod
-from vltrain.data.records import DataError
+from vltrain.data.readers import DataError
 
 N_SAMPLES, GLOBAL_BATCH, STREAMS, STEPS = 300, 8, 4, 72  # 72 steps = 576 samples = 1.9 epochs
 

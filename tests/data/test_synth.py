@@ -15,7 +15,7 @@ import pytest
 
 from tests.fixtures import write_bad_corpus
 from vltrain.data.images import load_image
-from vltrain.data.records import read_jsonl
+from vltrain.data.readers import read_jsonl
 from vltrain.data.synth import (
     COLORS,
     SHAPES,

@@ -18,7 +18,7 @@ import sys
 import torch
 from transformers import AutoModelForImageTextToText
 
-from vltrain.engine import distributed as D
+from vltrain.core import checkpoint, distributed
 from vltrain.engine import sharding
 
 
@@ -41,8 +41,8 @@ def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def main(path: str, out: str, modes: str = "") -> None:
-    D.init_from_env("cpu")
-    rank, world = D.rank(), D.world_size()
+    distributed.init_from_env("cpu")
+    rank, world = distributed.rank(), distributed.world_size()
     lora, offload = "lora" in modes.split(","), "offload" in modes.split(",")
     ref, model = _load(path, lora), _load(path, lora)
     initial = {k: v.clone() for k, v in ref.state_dict().items()}
@@ -60,7 +60,7 @@ def main(path: str, out: str, modes: str = "") -> None:
         _loss(model, ids[2 * rank : 2 * rank + 2]).backward()
         opt.step()
         opt.zero_grad()
-    full = sharding.full_state_dict(model)  # on rank 0 only (the others get {})
+    full = checkpoint.full_state_dict(model)  # on rank 0 only (the others get {})
     if rank == 0:
         trained = ref.state_dict()
         record = {
@@ -79,7 +79,7 @@ def main(path: str, out: str, modes: str = "") -> None:
         }
         with open(out, "w") as f:
             json.dump(record, f)
-    D.shutdown()
+    distributed.shutdown()
 
 
 if __name__ == "__main__":

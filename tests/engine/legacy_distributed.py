@@ -1,4 +1,4 @@
-"""vltrain/engine/distributed.py as it was before issue 11, kept as a negative control.
+"""vltrain/core/distributed.py as it was before issue 11, kept as a negative control.
 
 Its helpers hand the caller's tensor straight to `dist.*`: fine on gloo, but under NCCL a CPU
 tensor (the loop's bad-sample vote, CPU evaluation shards) fails. Strict mode with the declared

@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from vltrain.engine import distributed as D
+from vltrain.core import distributed
 from vltrain.engine import loop
 
 calls: Counter[str] = Counter()
@@ -27,7 +27,7 @@ def _caller() -> str:
     frame = sys._getframe(2)
     while frame is not None:
         mod = frame.f_globals.get("__name__", "")
-        if mod.startswith("vltrain.") and mod != D.__name__:
+        if mod.startswith("vltrain.") and mod != distributed.__name__:
             return f"{mod}.{frame.f_code.co_qualname}"
         frame = frame.f_back
     return "?"
@@ -47,7 +47,7 @@ def _patch(mode: str) -> None:
         vote = loop._vote
 
         def unplaced_from_first_step(*args: Any, **kwargs: Any) -> tuple[int, int]:
-            D._mark = lambda t: t  # placement still copies, but no longer marks
+            distributed._mark = lambda t: t  # placement still copies, but no longer marks
             return vote(*args, **kwargs)
 
         loop._vote = unplaced_from_first_step
@@ -55,17 +55,17 @@ def _patch(mode: str) -> None:
         from tests.engine import legacy_distributed
 
         for name in ("barrier", "all_reduce_sum", "all_reduce_mean", "all_reduce_max"):
-            setattr(D, name, getattr(legacy_distributed, name))
+            setattr(distributed, name, getattr(legacy_distributed, name))
         for name in ("broadcast_object", "all_gather_object", "all_gather_with_grad"):
-            setattr(D, name, getattr(legacy_distributed, name))
-        D.all_gather_no_grad = legacy_distributed.all_gather_no_grad
+            setattr(distributed, name, getattr(legacy_distributed, name))
+        distributed.all_gather_no_grad = legacy_distributed.all_gather_no_grad
     elif mode != "placed":
         raise SystemExit(f"unknown mode {mode!r}")
 
 
 def main() -> int:
     mode, out, *args = sys.argv[1:]
-    D._check = _record(D._check)
+    distributed._check = _record(distributed._check)
     _patch(mode)
     from vltrain.cli import main as vltrain_main
 

@@ -24,47 +24,51 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.engine import legacy_distributed
-from vltrain.engine import distributed as D
+from vltrain.core import distributed
 
 
 @pytest.fixture
 def strict_state() -> Iterator[None]:
     """Restore strict mode to what the environment (tests/conftest.py) asks for."""
     yield
-    D._strict_override = D._UNSET
-    D._remove_guards()
-    if D.strict_device() is not None:
-        D._install_guards()
+    distributed._strict_override = distributed._UNSET
+    distributed._remove_guards()
+    if distributed.strict_device() is not None:
+        distributed._install_guards()
 
 
 def test_suite_runs_strict_with_cuda_declared() -> None:
-    assert D.strict_device() == torch.device("cuda")
+    assert distributed.strict_device() == torch.device("cuda")
     assert dist.all_reduce is not dist.distributed_c10d.all_reduce  # raw calls are wrapped
 
 
 def test_checkpoint_rejects_unplaced_tensors(strict_state: None) -> None:
-    D.set_strict("cuda")
+    distributed.set_strict("cuda")
     cpu = torch.zeros(3)
-    with pytest.raises(D.CollectiveDeviceError, match=r"my_helper: a \(3,\) .* on cpu .* cuda"):
-        D._check("my_helper", [cpu])
-    placed = D._to_comm(cpu)
-    D._check("my_helper", [placed])
+    with pytest.raises(
+        distributed.CollectiveDeviceError, match=r"my_helper: a \(3,\) .* on cpu .* cuda"
+    ):
+        distributed._check("my_helper", [cpu])
+    placed = distributed._to_comm(cpu)
+    distributed._check("my_helper", [placed])
     assert placed.data_ptr() != cpu.data_ptr()  # collectives write in place: never the input
-    with pytest.raises(D.CollectiveDeviceError):
-        D._check("my_helper", [placed[:2]])  # a view was not produced by placement
-    D.set_strict("cpu")
-    D._check("my_helper", [cpu])  # on the declared device itself
-    D.set_strict(None)
-    D._check("my_helper", [cpu])
-    assert dist.all_reduce is dist.distributed_c10d.all_reduce and not D._originals
+    with pytest.raises(distributed.CollectiveDeviceError):
+        distributed._check("my_helper", [placed[:2]])  # a view was not produced by placement
+    distributed.set_strict("cpu")
+    distributed._check("my_helper", [cpu])  # on the declared device itself
+    distributed.set_strict(None)
+    distributed._check("my_helper", [cpu])
+    assert dist.all_reduce is dist.distributed_c10d.all_reduce and not distributed._originals
 
 
 def test_raw_call_outside_helpers_is_caught(strict_state: None) -> None:
-    D.set_strict("cuda")
-    with pytest.raises(D.CollectiveDeviceError, match="torch.distributed.all_reduce called from"):
+    distributed.set_strict("cuda")
+    with pytest.raises(
+        distributed.CollectiveDeviceError, match="torch.distributed.all_reduce called from"
+    ):
         dist.all_reduce(torch.zeros(2))
     with pytest.raises((ValueError, RuntimeError), match="(?i)process group"):
-        dist.all_reduce(D._to_comm(torch.zeros(2)))  # passes the check; no group here
+        dist.all_reduce(distributed._to_comm(torch.zeros(2)))  # passes the check; no group here
 
 
 @pytest.mark.parametrize(
@@ -73,15 +77,15 @@ def test_raw_call_outside_helpers_is_caught(strict_state: None) -> None:
 def test_environment_values(
     value: str, expected: str | None, monkeypatch: pytest.MonkeyPatch, strict_state: None
 ) -> None:
-    monkeypatch.setenv(D.STRICT_ENV, value)
-    D._strict_override = D._UNSET
-    got = D.strict_device()
+    monkeypatch.setenv(distributed.STRICT_ENV, value)
+    distributed._strict_override = distributed._UNSET
+    got = distributed.strict_device()
     assert (got and str(got)) == expected
 
 
 def test_unknown_declared_device_is_a_clear_error(strict_state: None) -> None:
     with pytest.raises(ValueError, match="VLTRAIN_STRICT_COLLECTIVES to 0 .off., 1"):
-        D.set_strict("gpu0")
+        distributed.set_strict("gpu0")
 
 
 # ---------------------------------------------------------------- two spawned gloo ranks
@@ -116,11 +120,11 @@ def _with_grad(mod: ModuleType, r: int, declared: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     weights = torch.arange(6, dtype=torch.float32).reshape(3, 2)
     x = torch.full((r + 1, 2), r + 1.0, requires_grad=True)
-    D.set_strict(declared)
+    distributed.set_strict(declared)
     out["all_gather_with_grad"] = _attempt(lambda: mod.all_gather_with_grad(x)[0].tolist())
-    D.set_strict(None)
+    distributed.set_strict(None)
     gathered, mine = mod.all_gather_with_grad(x)
-    D.set_strict(declared)
+    distributed.set_strict(declared)
 
     def backward() -> Any:
         (gathered * weights).sum().backward()  # the same loss on both ranks
@@ -133,26 +137,28 @@ def _with_grad(mod: ModuleType, r: int, declared: str) -> dict[str, Any]:
 def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
     try:
         return {"ok": True, "value": fn()}
-    except D.CollectiveDeviceError as e:
+    except distributed.CollectiveDeviceError as e:
         return {"ok": False, "error": str(e)}
 
 
 def _scenario(mod: ModuleType, r: int, declared: str, placement: bool) -> dict[str, Any]:
-    mark = D._mark
+    mark = distributed._mark
     if not placement:
-        D._mark = lambda t: t  # placement copies but no longer marks: as if it were skipped
+        distributed._mark = lambda t: (
+            t
+        )  # placement copies but no longer marks: as if it were skipped
     try:
-        D.set_strict(declared)
+        distributed.set_strict(declared)
         res = {name: _attempt(fn) for name, fn in _helper_calls(mod, r).items()}
         return {**res, **_with_grad(mod, r, declared)}
     finally:
-        D._mark = mark
-        D.set_strict(None)
+        distributed._mark = mark
+        distributed.set_strict(None)
 
 
 SCENARIOS = {  # name: (module, declared device, placement on)
-    "fixed": (D, "cuda", True),
-    "no_placement": (D, "cuda", False),
+    "fixed": (distributed, "cuda", True),
+    "no_placement": (distributed, "cuda", False),
     "legacy": (legacy_distributed, "cuda", True),
     "legacy_declared_cpu": (legacy_distributed, "group", True),
 }

@@ -17,7 +17,7 @@ import torch
 from tests.conftest import tiny_overrides
 from vltrain.config import load_config
 from vltrain.config.core import ConfigError
-from vltrain.engine import checkpoint
+from vltrain.core import checkpoint
 from vltrain.runs import train
 from vltrain.tools.loading import load_trained
 
@@ -174,7 +174,7 @@ def test_keys_that_would_be_ignored_duplicate_yaml_and_non_finite_floats(tmp_pat
 
 def test_symlink_out_of_the_data_folder_is_a_path_escape(tmp_path: Path) -> None:
     from vltrain.data.images import BadSample
-    from vltrain.data.records import resolve_image_path
+    from vltrain.data.readers import resolve_image_path
 
     outside = tmp_path / "secret.png"
     outside.write_bytes(b"x")
@@ -261,13 +261,13 @@ def test_every_rank_reads_the_run_folder_before_rank_0_rewrites_it(
     """Resume planning reads config.yaml on every rank; rank 0 rewrites it. A barrier between
     the two: without it a slower rank read the rewritten file (the new data.batch_size) and
     refused a 1 -> 2 rank resume with a spurious "global batch" error (test_fsdp reshards)."""
-    from vltrain.engine import distributed as D
+    from vltrain.core import distributed
     from vltrain.engine import loop, run_dir
 
     order: list[str] = []
     real_plan, real_dump = run_dir.plan_run, loop.dump_config
     monkeypatch.setattr(run_dir, "plan_run", lambda *a: order.append("plan") or real_plan(*a))
-    monkeypatch.setattr(D, "barrier", lambda: order.append("barrier"))
+    monkeypatch.setattr(distributed, "barrier", lambda: order.append("barrier"))
     monkeypatch.setattr(loop, "dump_config", lambda *a: order.append("write") or real_dump(*a))
     from vltrain.stages.contrastive import ContrastiveStage
 

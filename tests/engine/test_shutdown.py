@@ -1,4 +1,4 @@
-"""How a distributed run leaves its process group (`vltrain.engine.distributed.shutdown`).
+"""How a distributed run leaves its process group (`vltrain.core.distributed.shutdown`).
 
 A finished rank waits for the others before it tears gloo down, so no rank closes its
 connections under a peer that is still talking (a rank that did was seen to abort with SIGABRT
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vltrain.engine import distributed as D
+from vltrain.core import distributed
 
 
 def _worker(rank: int, store: str, out: str, scenario: str) -> None:
@@ -25,14 +25,14 @@ def _worker(rank: int, store: str, out: str, scenario: str) -> None:
         "gloo", init_method=f"file://{store}", rank=rank, world_size=2,
         timeout=timedelta(seconds=60),
     )  # fmt: skip
-    D.FINISH_TIMEOUT_S = 3
+    distributed.FINISH_TIMEOUT_S = 3
     marker = Path(out, f"{scenario}_rank1_arrived")
     if rank == 1:
         time.sleep(1.5 if scenario == "late_peer" else 8)  # rank 1 is still busy
         marker.touch()
-        D.shutdown(finished=scenario == "late_peer")
+        distributed.shutdown(finished=scenario == "late_peer")
     else:
-        D.shutdown(finished=scenario != "error")
+        distributed.shutdown(finished=scenario != "error")
     # what rank 0 saw when it left: had rank 1 reached its shutdown?
     report = {"peer_arrived": marker.exists(), "initialized": dist.is_initialized()}
     Path(out, f"{scenario}_rank{rank}.json").write_text(json.dumps(report))

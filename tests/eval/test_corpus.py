@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vltrain.data.records import DataError
-from vltrain.eval import corpus as C
+from vltrain.data.readers import DataError
+from vltrain.eval import corpus
 
 
 def _brute_ndcg(scores: torch.Tensor, rel: dict[int, int]) -> float:
@@ -28,7 +28,7 @@ def test_metrics_match_brute_force_with_graded_qrels() -> None:
         {int(j): 1 + (k % 3) for k, j in enumerate(torch.randperm(200, generator=g)[:4])}
         for _ in range(30)
     ]
-    m, ranks, top = C.corpus_metrics(q, d, qrels)
+    m, ranks, top = corpus.corpus_metrics(q, d, qrels)
     scores = q @ d.T
     want_ranks = []
     for i, rel in enumerate(qrels):
@@ -41,7 +41,7 @@ def test_metrics_match_brute_force_with_graded_qrels() -> None:
     assert m["nDCG@10"] == pytest.approx(ndcg, abs=1e-9)
     # negative control: binary gains give a different number on graded qrels
     binary = [{j: 1 for j in rel} for rel in qrels]
-    assert C.corpus_metrics(q, d, binary)[0]["nDCG@10"] != pytest.approx(ndcg, abs=1e-6)
+    assert corpus.corpus_metrics(q, d, binary)[0]["nDCG@10"] != pytest.approx(ndcg, abs=1e-6)
 
 
 def test_read_split_and_judged_negatives(tmp_path: Path) -> None:
@@ -52,24 +52,24 @@ def test_read_split_and_judged_negatives(tmp_path: Path) -> None:
         '{"_id": "d0", "text": "x"}\n{"_id": "d1", "text": "y"}\n'
     )
     (tmp_path / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\na\td0\t2\na\td1\t0\n")
-    split = C.read_split_dir(tmp_path)
+    split = corpus.read_split_dir(tmp_path)
     assert split.query_ids == ["a"] and split.n_no_relevant == 1  # b has no relevant doc
     assert split.qrels == [{0: 2}] and split.judged_negatives == [[1]]
     e = torch.eye(2)
-    assert C.judged_negative_accuracy(e[:1], e, split.qrels, split.judged_negatives) == 1.0
-    assert C.judged_negative_accuracy(e[1:], e, split.qrels, split.judged_negatives) == 0.0
+    assert corpus.judged_negative_accuracy(e[:1], e, split.qrels, split.judged_negatives) == 1.0
+    assert corpus.judged_negative_accuracy(e[1:], e, split.qrels, split.judged_negatives) == 0.0
     # per query, and into the ranks file: which queries lose to their hard negatives
     two = [{0: 2}, {1: 1}]  # the second query has no judged negative
-    wins = C.judged_negative_wins(e[[1, 1]], e, two, [[1], []])
-    assert wins == [(0, 1), (0, 0)] and C.wins_fraction(wins) == 0.0
-    assert C.judged_negative_wins(e, e, two, [[1], []])[0] == (1, 1)
-    m, ranks, top = C.corpus_metrics(e[[1, 1]], e, two)
-    C.write_ranks(tmp_path / "ranks.jsonl", ["a", "b"], ["d0", "d1"], ranks, top, wins)
+    wins = corpus.judged_negative_wins(e[[1, 1]], e, two, [[1], []])
+    assert wins == [(0, 1), (0, 0)] and corpus.wins_fraction(wins) == 0.0
+    assert corpus.judged_negative_wins(e, e, two, [[1], []])[0] == (1, 1)
+    m, ranks, top = corpus.corpus_metrics(e[[1, 1]], e, two)
+    corpus.write_ranks(tmp_path / "ranks.jsonl", ["a", "b"], ["d0", "d1"], ranks, top, wins)
     rows = [json.loads(x) for x in (tmp_path / "ranks.jsonl").read_text().splitlines()]
     assert rows[0]["hardneg"] == [0, 1] and rows[0]["rank"] == 2 and "hardneg" not in rows[1]
     (tmp_path / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\na\tzz\t1\n")
     with pytest.raises(DataError, match="zz"):
-        C.read_split_dir(tmp_path)
+        corpus.read_split_dir(tmp_path)
 
 
 def test_metrics_per_query_group(tmp_path: Path) -> None:
@@ -84,9 +84,9 @@ def test_metrics_per_query_group(tmp_path: Path) -> None:
     )
     rows = "".join(f"{q}\td{i}\t1\n" for i, q in enumerate("abcd"))
     (tmp_path / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\n" + rows)
-    split = C.read_split_dir(tmp_path)
+    split = corpus.read_split_dir(tmp_path)
     assert split.groups == ["title", "body phrase", "title", None]
-    m = C.group_metrics(torch.tensor([1, 3, 12, 1]), split.groups)
+    m = corpus.group_metrics(torch.tensor([1, 3, 12, 1]), split.groups)
     assert m == {
         "R@1_title": 0.5,
         "R@5_title": 0.5,
@@ -97,11 +97,11 @@ def test_metrics_per_query_group(tmp_path: Path) -> None:
         "MRR@10_body_phrase": pytest.approx(1 / 3),
         "n_queries_body_phrase": 1.0,
     }
-    assert C.group_metrics(torch.tensor([1, 2]), [None, None]) == {}
+    assert corpus.group_metrics(torch.tensor([1, 2]), [None, None]) == {}
     with pytest.raises(ValueError, match="both become metric suffix 'a_b'"):
-        C.group_metrics(torch.tensor([1, 2]), ["a b", "a-b"])
+        corpus.group_metrics(torch.tensor([1, 2]), ["a b", "a-b"])
     with pytest.raises(ValueError, match="2 groups for 3 ranks"):
-        C.group_metrics(torch.tensor([1, 2, 3]), ["a", "b"])
+        corpus.group_metrics(torch.tensor([1, 2, 3]), ["a", "b"])
     (tmp_path / "queries.jsonl").write_text('{"_id": "a", "text": "x", "group": 3}\n')
     with pytest.raises(DataError, match="'group' must be a non-empty string"):
-        C.read_split_dir(tmp_path)
+        corpus.read_split_dir(tmp_path)

@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.inference import spec_helpers as H
-from vltrain.inference import speculative as S
+from tests.inference import spec_helpers
+from vltrain.inference import speculative
 from vltrain.inference.spec_targets import CaptionerTarget, HFTarget
 from vltrain.models.captioner import Captioner
 
 transformers = pytest.importorskip("transformers")
 from vltrain.inference.hf_adapter import HFDecodeAdapter  # noqa: E402
 
-V, PAD, BOS, EOS = H.V, H.PAD, H.BOS, H.EOS
+V, PAD, BOS, EOS = spec_helpers.V, spec_helpers.PAD, spec_helpers.BOS, spec_helpers.EOS
 BUDGETS = (0, 4, 12)
 
 
@@ -29,7 +29,7 @@ def _one_thread():
 
 def hf_model(arch: str, tmp_path, scale: float = 1.0):  # noqa: ANN001, ANN201
     torch.manual_seed(0)
-    cfg, cls = H.tiny_causal_lm(arch)
+    cfg, cls = spec_helpers.tiny_causal_lm(arch)
     cls(cfg).save_pretrained(tmp_path)
     model = cls.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
     if scale != 1.0:
@@ -39,7 +39,7 @@ def hf_model(arch: str, tmp_path, scale: float = 1.0):  # noqa: ANN001, ANN201
 
 
 def prompts(b: int = 3) -> dict:
-    return H.left_padded_prompts(b)
+    return spec_helpers.left_padded_prompts(b)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -53,21 +53,21 @@ def hf_target(request, tmp_path_factory):  # noqa: ANN001, ANN201
 )
 def test_hf_greedy_is_lossless(hf_target, budget, shape, monkeypatch) -> None:  # noqa: ANN001
     inputs = prompts()
-    ref = H.greedy_reference(HFDecodeAdapter(hf_target.model), inputs, 24)
-    drafter = H.random_drafter(hf_target)
+    ref = spec_helpers.greedy_reference(HFDecodeAdapter(hf_target.model), inputs, 24)
+    drafter = spec_helpers.random_drafter(hf_target)
     kw = {"tree_budget": budget, "tree_shape": shape}
-    out, _ = S.speculative_generate(hf_target, drafter, inputs, 24, **kw)
+    out, _ = speculative.speculative_generate(hf_target, drafter, inputs, 24, **kw)
     assert out == ref
     first = inputs["attention_mask"].sum(1).tolist()  # position of the first new token
-    monkeypatch.setattr(S, "_draft", H.oracle_draft(ref, first, V, 0.7))
-    out, stats = S.speculative_generate(hf_target, drafter, inputs, 24, **kw)
+    monkeypatch.setattr(speculative, "_draft", spec_helpers.oracle_draft(ref, first, V, 0.7))
+    out, stats = speculative.speculative_generate(hf_target, drafter, inputs, 24, **kw)
     assert out == ref and stats.tau > 1.5  # long accepted paths exercise the compaction
 
 
 def test_an_unknown_tree_shape_is_refused(hf_target) -> None:  # noqa: ANN001
-    drafter = H.random_drafter(hf_target)
+    drafter = spec_helpers.random_drafter(hf_target)
     with pytest.raises(ValueError, match="tree_shape"):
-        S.speculative_generate(hf_target, drafter, prompts(), 4, 8, tree_shape="widest")
+        speculative.speculative_generate(hf_target, drafter, prompts(), 4, 8, tree_shape="widest")
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
@@ -77,9 +77,9 @@ def test_a_reduced_draft_vocabulary_is_lossless_and_drafts_only_its_tokens(
     monkeypatch,  # noqa: ANN001
 ) -> None:
     inputs = prompts()
-    ref = H.greedy_reference(HFDecodeAdapter(hf_target.model), inputs, 24)
+    ref = spec_helpers.greedy_reference(HFDecodeAdapter(hf_target.model), inputs, 24)
     vocab = list(range(1, V, 3))  # a third of the tokens
-    drafter = H.random_drafter(hf_target, vocab=vocab)
+    drafter = spec_helpers.random_drafter(hf_target, vocab=vocab)
     fed, verify = [], hf_target.verify
 
     def spy(tokens, parents, cache, **kw):  # noqa: ANN001, ANN003, ANN202
@@ -87,7 +87,7 @@ def test_a_reduced_draft_vocabulary_is_lossless_and_drafts_only_its_tokens(
         return verify(tokens, parents, cache, **kw)
 
     monkeypatch.setattr(hf_target, "verify", spy)
-    out, _ = S.speculative_generate(hf_target, drafter, inputs, 24, tree_budget=budget)
+    out, _ = speculative.speculative_generate(hf_target, drafter, inputs, 24, tree_budget=budget)
     assert out == ref
     drafted = set(torch.cat([f.flatten() for f in fed]).tolist())
     assert drafted <= set(vocab) and len(drafted) > 2
@@ -110,15 +110,17 @@ def test_captioner_batched_greedy_is_lossless(connector, budget, monkeypatch) ->
     images = torch.rand(4, 3, 64, 64, generator=torch.Generator().manual_seed(0))
     ids = torch.tensor([[PAD, BOS], [BOS, 5], [PAD, BOS], [BOS, 7]])
     inputs = {"images": images, "input_ids": ids, "attention_mask": (ids != PAD).long()}
-    ref = H.greedy_reference(model, inputs, 20)
-    drafter = H.random_drafter(target)
-    assert S.speculative_generate(target, drafter, inputs, 20, tree_budget=budget)[0] == ref
-    half = H.random_drafter(target, vocab=list(range(0, V, 2)))  # the walk's lazy head
-    assert S.speculative_generate(target, half, inputs, 20, tree_budget=budget)[0] == ref
+    ref = spec_helpers.greedy_reference(model, inputs, 20)
+    drafter = spec_helpers.random_drafter(target)
+    assert (
+        speculative.speculative_generate(target, drafter, inputs, 20, tree_budget=budget)[0] == ref
+    )
+    half = spec_helpers.random_drafter(target, vocab=list(range(0, V, 2)))  # the walk's lazy head
+    assert speculative.speculative_generate(target, half, inputs, 20, tree_budget=budget)[0] == ref
     prefix = model.connector.num_prefix_tokens() if model.connector.uses_prefix else 0
     first = (prefix + inputs["attention_mask"].sum(1)).tolist()
-    monkeypatch.setattr(S, "_draft", H.oracle_draft(ref, first, V, 0.7))
-    out, stats = S.speculative_generate(target, drafter, inputs, 20, tree_budget=budget)
+    monkeypatch.setattr(speculative, "_draft", spec_helpers.oracle_draft(ref, first, V, 0.7))
+    out, stats = speculative.speculative_generate(target, drafter, inputs, 20, tree_budget=budget)
     assert out == ref and stats.tau > 1.5
 
 
@@ -132,11 +134,11 @@ def test_a_finished_row_stops_growing_while_others_decode(budget, monkeypatch) -
     images = torch.rand(3, 3, 64, 64, generator=torch.Generator().manual_seed(0))
     ids = torch.tensor([[BOS], [BOS], [BOS]])
     inputs = {"images": images, "input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    free = H.greedy_reference(model, inputs, 24)
+    free = spec_helpers.greedy_reference(model, inputs, 24)
     stop = free[0][1]  # row 0 ends after two tokens; the others run on (their text avoids it)
     assert all(stop not in r[:24] for r in free[1:]), "pick another row-0 token"
     model.eos_token_id = target.eos_token_id = stop
-    ref = H.greedy_reference(model, inputs, 24)
+    ref = spec_helpers.greedy_reference(model, inputs, 24)
     assert len(ref[0]) == 2 and min(len(r) for r in ref[1:]) > 10
     seen: list[list[int]] = []
     real = target.verify
@@ -147,8 +149,10 @@ def test_a_finished_row_stops_growing_while_others_decode(budget, monkeypatch) -
 
     monkeypatch.setattr(target, "verify", verify)
     first = (model.connector.num_prefix_tokens() + inputs["attention_mask"].sum(1)).tolist()
-    monkeypatch.setattr(S, "_draft", H.oracle_draft(ref, first, V, 0.7))
-    out, _ = S.speculative_generate(target, H.random_drafter(target), inputs, 24, budget)
+    monkeypatch.setattr(speculative, "_draft", spec_helpers.oracle_draft(ref, first, V, 0.7))
+    out, _ = speculative.speculative_generate(
+        target, spec_helpers.random_drafter(target), inputs, 24, budget
+    )
     assert out == ref
     ended = [pos[0] for pos in seen[1:]]  # row 0 is done after the first verify
     assert len(ended) > 2 and len(set(ended)) == 1  # the fix: no growth (before: +1..K a round)
@@ -169,25 +173,30 @@ def test_a_row_finished_near_the_context_end_is_not_fed_past_it(budget, monkeypa
     ids = torch.tensor([[BOS], [BOS], [BOS]])
     inputs = {"images": images, "input_ids": ids, "attention_mask": torch.ones_like(ids)}
     room = model.max_text_len - 1 - 8
-    ref = H.greedy_reference(model, inputs, room)
+    ref = spec_helpers.greedy_reference(model, inputs, room)
     first = (model.connector.num_prefix_tokens() + 1,) * 3
     wrong = [[(t + 1) % V for t in r] for r in ref[1:]]  # rows 1, 2 accept about one a round
-    monkeypatch.setattr(S, "_draft", H.oracle_draft([ref[0], *wrong], list(first), V, 1.0))
-    out, stats = S.speculative_generate(
-        target, H.random_drafter(target, block_size=8), inputs, room, budget
+    monkeypatch.setattr(
+        speculative, "_draft", spec_helpers.oracle_draft([ref[0], *wrong], list(first), V, 1.0)
+    )
+    out, stats = speculative.speculative_generate(
+        target, spec_helpers.random_drafter(target, block_size=8), inputs, room, budget
     )
     assert out == ref and stats.accepted[0][0] >= 7 and len(stats.accepted[1]) > 2
 
 
 def test_tree_accepts_at_least_the_chain_on_every_prompt(hf_target, monkeypatch) -> None:  # noqa: ANN001
     inputs = prompts(4)
-    ref = H.greedy_reference(HFDecodeAdapter(hf_target.model), inputs, 40)
+    ref = spec_helpers.greedy_reference(HFDecodeAdapter(hf_target.model), inputs, 40)
     first = inputs["attention_mask"].sum(1).tolist()
-    drafter = H.random_drafter(hf_target, block_size=6)
+    drafter = spec_helpers.random_drafter(hf_target, block_size=6)
     taus = {}
     for budget in (0, 16):
-        monkeypatch.setattr(S, "_draft", H.oracle_draft(ref, first, V, 0.6, seed=1))
-        out, stats = S.speculative_generate(hf_target, drafter, inputs, 40, tree_budget=budget)
+        oracle = spec_helpers.oracle_draft(ref, first, V, 0.6, seed=1)
+        monkeypatch.setattr(speculative, "_draft", oracle)
+        out, stats = speculative.speculative_generate(
+            hf_target, drafter, inputs, 40, tree_budget=budget
+        )
         assert out == ref
         taus[budget] = stats.row_tau()
     assert all(t >= c for t, c in zip(taus[16], taus[0], strict=True)), taus
@@ -215,7 +224,7 @@ def test_tree_walk_matches_a_reference_walk_on_random_trees() -> None:
         parents = [int(torch.randint(-1, i, (), generator=g)) if i else -1 for i in range(n)]
         tokens = torch.randint(0, 4, (n,), generator=g).tolist()
         choice = torch.randint(0, 4, (n + 1,), generator=g).tolist()
-        got = S.accept_walk(
+        got = speculative.accept_walk(
             torch.tensor(tokens), torch.tensor(parents), lambda x, c=choice: c[x + 1]
         )
         assert got == _reference_walk(tokens, parents, lambda x, c=choice: c[x + 1])
@@ -265,7 +274,7 @@ def test_greedy_walks_score_the_visited_nodes_and_equal_full_vocabulary_walks() 
             toks[i, k + 1] = choice[i, int(par[i, k + 1])]
         drafter = _SubHead(head, torch.randperm(vocab, generator=g)[: vocab // 2])
         done = [trial % 7 == 0, False, False]
-        got = S._greedy_walks(drafter, toks, par, hidden, done)
+        got = speculative._greedy_walks(drafter, toks, par, hidden, done)
         passes_over_one += len(drafter.scored) > 1
         rows = torch.cat(drafter.scored)  # which (row, fed index) each scored state is
         which = [
@@ -293,7 +302,7 @@ def test_a_best_first_ddtree_holds_the_best_scored_paths() -> None:
     node outside it scores at most the tree's lowest (DDTree's own construction)."""
     g = torch.Generator().manual_seed(3)
     logq = torch.log_softmax(3 * torch.randn(6, 25, generator=g), -1)
-    tokens, parents = S.ddtree(logq, 20, chain_first=False)
+    tokens, parents = speculative.ddtree(logq, 20, chain_first=False)
     assert all(p < i for i, p in enumerate(parents.tolist()))
     score: list[float] = []
     depth: list[int] = []
@@ -307,15 +316,17 @@ def test_a_best_first_ddtree_holds_the_best_scored_paths() -> None:
             kids = {t for t, p in zip(tokens.tolist(), parents.tolist(), strict=True) if p == k}
             best_out = max(float(logq[d, v]) for v in range(25) if v not in kids)
             assert (score[k] if k >= 0 else 0.0) + best_out <= lowest + 1e-6
-    chain, _ = S.chain_tree(logq)
-    assert S.ddtree(logq, 20)[0][:6].tolist() == chain.tolist()  # the default places it first
+    chain, _ = speculative.chain_tree(logq)
+    assert (
+        speculative.ddtree(logq, 20)[0][:6].tolist() == chain.tolist()
+    )  # the default places it first
 
 
 def test_ddtree_is_prefix_closed_and_holds_the_chain() -> None:
     logq = torch.log_softmax(torch.randn(5, 30, generator=torch.Generator().manual_seed(0)), -1)
-    tokens, parents = S.ddtree(logq, 16)
+    tokens, parents = speculative.ddtree(logq, 16)
     assert len(tokens) == 16 and all(p < i for i, p in enumerate(parents.tolist()))
-    chain, _ = S.chain_tree(logq)
+    chain, _ = speculative.chain_tree(logq)
     assert tokens[:5].tolist() == chain.tolist() and parents[:5].tolist() == [-1, 0, 1, 2, 3]
     seen = {(int(p), int(t)) for p, t in zip(parents, tokens, strict=True)}
     assert len(seen) == 16  # no duplicate child
@@ -326,18 +337,18 @@ def test_every_prefix_of_a_ddtree_is_the_ddtree_of_that_size() -> None:
     g = torch.Generator().manual_seed(1)
     for _ in range(20):
         logq = torch.log_softmax(3 * torch.randn(7, 40, generator=g), -1)
-        big_t, big_p = S.ddtree(logq, 64)
+        big_t, big_p = speculative.ddtree(logq, 64)
         for n in (7, 8, 11, 16, 24, 32, 48):
-            t, p = S.ddtree(logq, n)
+            t, p = speculative.ddtree(logq, n)
             assert big_t[:n].tolist() == t.tolist() and big_p[:n].tolist() == p.tolist(), n
 
 
 def _spec_sample_counts(target, drafter, n: int, accept_all: bool, monkeypatch) -> torch.Tensor:  # noqa: ANN001
     if accept_all:  # the bug: drafts kept whatever the target thinks
-        monkeypatch.setattr(S, "rejection_step", lambda p, q, x, g: x)
+        monkeypatch.setattr(speculative, "rejection_step", lambda p, q, x, g: x)
     ids = torch.tensor([[BOS, 5, 9]]).expand(n, -1)
     gen = torch.Generator().manual_seed(0)
-    out, _ = S.speculative_generate(
+    out, _ = speculative.speculative_generate(
         target, drafter, {"input_ids": ids}, 3, sample=True, generator=gen
     )
     pairs = torch.tensor([r[1] for r in out])  # the second token: a drafted one
@@ -356,7 +367,7 @@ def test_sampling_follows_the_target_distribution(tmp_path, monkeypatch) -> None
     n = 3000
     # the full vocabulary, and a reduced draft vocabulary (half the tokens: q = 0 elsewhere)
     for vocab in (None, list(range(0, V, 2))):
-        drafter = H.random_drafter(target, block_size=3, vocab=vocab)
+        drafter = spec_helpers.random_drafter(target, block_size=3, vocab=vocab)
         tv = {}
         for bug in (False, True):
             counts = _spec_sample_counts(target, drafter, n, bug, monkeypatch)

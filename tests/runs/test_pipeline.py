@@ -113,7 +113,7 @@ def test_pipeline_chains_skips_and_resumes(
         seen.append(action)
         return "skip"
 
-    monkeypatch.setattr("vltrain.engine.distributed.broadcast_object", rank0_says_skip)
+    monkeypatch.setattr("vltrain.core.distributed.broadcast_object", rank0_says_skip)
     rows = run_pipeline(path)
     assert seen == ["skip", "resume"]  # what this rank alone would have done
     assert [r["action"] for r in rows] == ["skip", "skip"]

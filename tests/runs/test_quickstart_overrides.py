@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from vltrain.config import load_config
-from vltrain.runs import quickstart as Q
+from vltrain.runs import quickstart
 
 
 def _clip_config(size: str):
-    over = Q.stage_overrides(size, 30, 16, 0, 0, [], [])["clip"]
-    return load_config(Q.PRESET, over)
+    over = quickstart.stage_overrides(size, 30, 16, 0, 0, [], [])["clip"]
+    return load_config(quickstart.PRESET, over)
 
 
 def test_the_tiny_recipe_keeps_one_text_block_and_the_other_sizes_their_presets() -> None:
@@ -26,6 +26,8 @@ def test_the_tiny_recipe_keeps_one_text_block_and_the_other_sizes_their_presets(
 
 @pytest.mark.parametrize("cores, workers", [(1, 0), (2, 0), (4, 1), (64, 1)])
 def test_default_workers_follow_the_cores(monkeypatch, cores: int, workers: int) -> None:
-    monkeypatch.setattr(Q.os, "sched_getaffinity", lambda _pid: set(range(cores)), raising=False)
-    monkeypatch.setattr(Q.os, "cpu_count", lambda: cores)
-    assert Q.default_workers() == workers
+    monkeypatch.setattr(
+        quickstart.os, "sched_getaffinity", lambda _pid: set(range(cores)), raising=False
+    )
+    monkeypatch.setattr(quickstart.os, "cpu_count", lambda: cores)
+    assert quickstart.default_workers() == workers

@@ -10,20 +10,24 @@ import sys
 
 import torch
 
-from vltrain.engine import distributed as D
+from vltrain.core import distributed
 from vltrain.engine.runtime import RunContext
 from vltrain.tools.loading import load_trained
 
 if __name__ == "__main__":
     ckpt, split, out = sys.argv[1:4]
-    D.init_from_env("cpu")
+    distributed.init_from_env("cpu")
     _, stage, model = load_trained(ckpt)
     stage.corpus.ctx = RunContext(
-        torch.device("cpu"), rank=D.rank(), world_size=D.world_size(), precision="fp32", seed=0
+        torch.device("cpu"),
+        rank=distributed.rank(),
+        world_size=distributed.world_size(),
+        precision="fp32",
+        seed=0,
     )
     with torch.no_grad():
         metrics = stage.corpus.evaluate(model, split)
-    if D.is_main():
+    if distributed.is_main():
         with open(out, "w") as f:
             json.dump(metrics, f)
-    D.shutdown()
+    distributed.shutdown()

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from vltrain.config import load_config
-from vltrain.engine import distributed as D
+from vltrain.core import distributed
 from vltrain.engine.runtime import to_device
 from vltrain.runs import Trainer
 from vltrain.stages import get_stage
@@ -88,8 +88,8 @@ def main(argv: list[str]) -> None:
     )
     summary = trainer.run()
     record = {
-        "rank": D.rank(),
-        "world_size": D.world_size(),
+        "rank": distributed.rank(),
+        "world_size": distributed.world_size(),
         "steps": steps,
         "probe": seen["probe"],
         "rollouts": stage.rollouts,
@@ -98,9 +98,9 @@ def main(argv: list[str]) -> None:
         "reference_dtypes": sorted({str(p.dtype) for p in stage.reference.parameters()}),
         "summary_steps": summary["steps"],
     }
-    out = Path(cfg.run.out_dir) / f"rank{D.rank()}.json"
+    out = Path(cfg.run.out_dir) / f"rank{distributed.rank()}.json"
     out.write_text(json.dumps(record))
-    D.shutdown()
+    distributed.shutdown()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from tests.conftest import REPO, hardlink_tree, torchrun_vltrain
 from vltrain.cli import main
 from vltrain.config import load_config
 from vltrain.data.chat import IGNORE_INDEX
-from vltrain.data.records import read_jsonl
+from vltrain.data.readers import read_jsonl
 from vltrain.data.tokenizer import TextTokenizer
 from vltrain.engine import loop
 from vltrain.engine.optim import param_groups

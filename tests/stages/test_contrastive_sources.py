@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import REPO, tiny_overrides
 from vltrain.cli import main
-from vltrain.data.records import read_jsonl
+from vltrain.data.readers import read_jsonl
 
 
 def test_train_on_a_captions_csv_folder_and_evaluate_on_parquet(

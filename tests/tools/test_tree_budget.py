@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.bench_scripts import load_bench
-from vltrain.inference import speculative as S
+from vltrain.inference import speculative
 
 pytest.importorskip("transformers")
 
@@ -33,7 +33,7 @@ def test_expected_acceptance_is_the_sum_of_path_probabilities_when_q_is_calibrat
     m = _module()
     g = torch.Generator().manual_seed(0)
     logq = torch.log_softmax(2 * torch.randn(5, 12, generator=g), -1)
-    tokens, parents = S.ddtree(logq, 16)
+    tokens, parents = speculative.ddtree(logq, 16)
     predicted = 1 + sum(math.exp(s) for s in m.path_scores(logq, tokens, parents))
     depth = {-1: -1}
     for i, p in enumerate(parents.tolist()):
@@ -41,7 +41,7 @@ def test_expected_acceptance_is_the_sum_of_path_probabilities_when_q_is_calibrat
     n, total = 4000, 0
     for _ in range(n):
         draws = torch.multinomial(logq.exp(), 1, generator=g)[:, 0].tolist() + [-1]  # per depth
-        path, _ = S.accept_walk(tokens, parents, lambda node, d=draws: d[depth[node] + 1])
+        path, _ = speculative.accept_walk(tokens, parents, lambda node, d=draws: d[depth[node] + 1])
         total += 1 + len(path)
     assert total / n == pytest.approx(predicted, abs=0.05)
     # a drafter that is not calibrated (q sharpened) predicts more than it gets
@@ -80,12 +80,12 @@ def test_best_first_trees_are_read_off_a_chain_first_tree_by_path_score() -> Non
     differs = 0
     for _ in range(20):
         logq = torch.log_softmax(3 * torch.randn(7, 40, generator=g), -1)
-        big_t, big_p = S.ddtree(logq, 64)
+        big_t, big_p = speculative.ddtree(logq, 64)
         rank = m.best_first_ranks(m.path_scores(logq, big_t, big_p), big_p.tolist())
         assert sorted(rank) == list(range(64))
         for n in (7, 11, 16, 32, 57):
-            t, p = S.ddtree(logq, n, chain_first=False)
+            t, p = speculative.ddtree(logq, n, chain_first=False)
             want = paths(t, p, lambda k: True)
             assert paths(big_t, big_p, lambda k, n=n, rank=rank: rank[k] < n) == want, n
-            differs += want != paths(*S.ddtree(logq, n), lambda k: True)
+            differs += want != paths(*speculative.ddtree(logq, n), lambda k: True)
     assert differs  # the two shapes are different trees at some sizes

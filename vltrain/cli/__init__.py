@@ -108,11 +108,12 @@ OPTIONAL_EXTRAS = {
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `vltrain` console script."""
     from vltrain.config.core import ConfigError
-    from vltrain.data.records import DataError, DataQualityError
+    from vltrain.core.checkpoint import CheckpointError
+    from vltrain.core.files import OutputError
+    from vltrain.data.readers import DataError
+    from vltrain.data.records import DataQualityError
     from vltrain.diagnostics.doctor import DoctorAbort
-    from vltrain.engine.checkpoint import CheckpointError
     from vltrain.engine.loop import TrainingAborted, TrainingStopped
-    from vltrain.files import OutputError
 
     args = build_parser().parse_args(argv)
     try:

@@ -16,7 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from vltrain.config.core import describe
     from vltrain.config.schema import Config
-    from vltrain.files import atomic_write_text, check_output_path
+    from vltrain.core.files import atomic_write_text, check_output_path
 
     if args.out is not None:
         check_output_path(args.out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from vltrain.data.curation.filters import CaptionRules, ImageRules
+from vltrain.curation.filters import CaptionRules, ImageRules
 
 #: subcommand -> (steps it runs, help)
 _COMMANDS = {
@@ -30,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_args(p: argparse.ArgumentParser, steps: tuple[str, ...]) -> None:
-    from vltrain.data.curation.pipeline import CurateOptions
+    from vltrain.curation.pipeline import CurateOptions
 
     d = CurateOptions()
     p.add_argument("input", help="input JSONL")
@@ -75,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
     from pathlib import Path
 
-    from vltrain.data.curation.curate import curate, removed_path
-    from vltrain.data.curation.pipeline import CurateOptions
+    from vltrain.curation.curate import curate, removed_path
+    from vltrain.curation.pipeline import CurateOptions
 
     opts = CurateOptions(steps=args.steps, seed=args.seed, workers=args.workers)
     for key in (
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
         embedder = CheckpointEmbedder(args.checkpoint, args.batch_size)
     elif needs_model:
-        from vltrain.data.records import DataError
+        from vltrain.data.readers import DataError
 
         raise DataError("CLIP-score filtering needs --checkpoint (a trained contrastive run)")
     s = curate(args.input, args.out, getattr(args, "against", []), opts, embedder, args.report)

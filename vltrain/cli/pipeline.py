@@ -23,13 +23,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vltrain.engine import distributed as D
+    from vltrain.core import distributed
     from vltrain.runs.pipeline import run_pipeline
 
     try:
         run_pipeline(args.pipeline, args.overrides)
     except BaseException:
-        D.shutdown()
+        distributed.shutdown()
         raise
-    D.shutdown(finished=True)
+    distributed.shutdown(finished=True)
     return 0

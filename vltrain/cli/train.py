@@ -21,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vltrain.engine import distributed as D
+    from vltrain.core import distributed
     from vltrain.runs import train
     from vltrain.stages import load_run_config
 
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         train(cfg)
     except BaseException:
-        D.shutdown()
+        distributed.shutdown()
         raise
-    D.shutdown(finished=True)
+    distributed.shutdown(finished=True)
     return 0

@@ -19,9 +19,10 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from vltrain.data import chat as C
+from vltrain.data import chat
 from vltrain.data.images import BadSample, check_text
-from vltrain.data.records import DataError, as_key, caption_index, normalise_record, read_jsonl
+from vltrain.data.readers import DataError, normalise_record, read_jsonl
+from vltrain.data.records import as_key, caption_index
 from vltrain.data.sources import Source, load_source_image, read_source
 from vltrain.data.tokenizer import TextTokenizer
 
@@ -46,7 +47,7 @@ def _chat_record(obj: dict[str, Any], where: str, default_id: str) -> dict[str, 
     if not isinstance(obj.get("image"), str):
         raise DataError(f"{where}: a chat record needs an 'image' path string, got {obj!r}")
     try:
-        messages = C.check_messages(obj["messages"], where)
+        messages = chat.check_messages(obj["messages"], where)
     except ValueError as e:
         raise DataError(str(e)) from None
     rid = str(obj["id"]) if obj.get("id") is not None else default_id
@@ -126,29 +127,29 @@ class CaptionDataset(Dataset):
     def _label(self, rec: dict[str, Any]) -> str:
         return f"{self.source.path}:id={rec['id']}"
 
-    def segments(self, rec: dict[str, Any], caption: str | None = None) -> list[C.Segment]:
+    def segments(self, rec: dict[str, Any], caption: str | None = None) -> list[chat.Segment]:
         """Training segments of a record (``caption``: which caption; default the first)."""
         label = self._label(rec)
         if "messages" in rec:
-            return C.chat_segments(rec["messages"], label)
+            return chat.chat_segments(rec["messages"], label)
         if not rec["text"]:
             raise BadSample("bad_text", label, "record has no captions")
         caption = check_text(rec["text"][0] if caption is None else caption, label)
         if self.mode == "sft":
-            return C.instruction_segments(caption, self.instruction)
-        return C.caption_segments(caption, self.prompt)
+            return chat.instruction_segments(caption, self.instruction)
+        return chat.caption_segments(caption, self.prompt)
 
-    def prompt_and_refs(self, rec: dict[str, Any]) -> tuple[list[C.Segment], list[str]]:
+    def prompt_and_refs(self, rec: dict[str, Any]) -> tuple[list[chat.Segment], list[str]]:
         """What decoding starts from, and the references its output is scored against."""
         label = self._label(rec)
         if "messages" in rec:
-            prompt, ref = C.chat_prompt_and_reference(rec["messages"], label)
+            prompt, ref = chat.chat_prompt_and_reference(rec["messages"], label)
             return prompt, [ref]
         refs = [check_text(t, label) for t in rec["text"]]
         if not refs:
             raise BadSample("bad_text", label, "record has no captions")
         if self.mode == "sft":
-            return [(f"{C.USER} {self.instruction}", False), (C.ASSISTANT, False)], refs
+            return [(f"{chat.USER} {self.instruction}", False), (chat.ASSISTANT, False)], refs
         return ([(self.prompt, False)] if self.prompt else []), refs
 
     def token_length(self, index: int, caption: str | None = None, tokenizer: Any = None) -> int:
@@ -158,7 +159,7 @@ class CaptionDataset(Dataset):
             segs = self.segments(self.source.records[index], caption)
         except BadSample:
             return 1
-        return len(C.encode_segments(tokenizer or self.tokenizer, segs, self.max_len)[0])
+        return len(chat.encode_segments(tokenizer or self.tokenizer, segs, self.max_len)[0])
 
     def label_ids(self, index: int) -> list[int]:
         """The supervised token ids of every caption (or the chat) of record ``index``."""
@@ -167,12 +168,12 @@ class CaptionDataset(Dataset):
         out: list[int] = []
         for caption in rec["text"] if many else [None]:
             try:
-                labels = C.encode_segments(
+                labels = chat.encode_segments(
                     self.tokenizer, self.segments(rec, caption), self.max_len
                 )[1]
             except BadSample:
                 continue
-            out += [t for t in labels if t != C.IGNORE_INDEX]
+            out += [t for t in labels if t != chat.IGNORE_INDEX]
         return out
 
     def caption_choice(self, rec: dict[str, Any], epoch: int, index: int) -> int | None:
@@ -222,8 +223,8 @@ class CaptionDataset(Dataset):
         out: dict[str, Any] = {"index": index, "key": key}
         if not self.train:
             prompt, out["refs"] = self.prompt_and_refs(rec)
-            out["prompt_ids"] = C.encode_prompt(self.tokenizer, prompt)
-        out["input_ids"], out["labels"] = C.encode_segments(self.tokenizer, segs, self.max_len)
+            out["prompt_ids"] = chat.encode_prompt(self.tokenizer, prompt)
+        out["input_ids"], out["labels"] = chat.encode_segments(self.tokenizer, segs, self.max_len)
         label = self._label(rec)
         out["image"] = load_source_image(self.source, rec["image"], self.image_size, label)
         return out
@@ -237,7 +238,7 @@ def training_texts(source: Source, prompt: str, instruction: str) -> list[str]:
     """
     texts: list[str] = []
     extra = [prompt] if prompt else []
-    extra += [f"{C.USER} {instruction}", C.ASSISTANT]
+    extra += [f"{chat.USER} {instruction}", chat.ASSISTANT]
     for rec in source.records:
         if "messages" in rec:
             texts += [str(m["content"]) for m in rec["messages"] if isinstance(m["content"], str)]

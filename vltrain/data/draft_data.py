@@ -21,9 +21,22 @@ import torch
 from torch import Tensor
 
 from vltrain.data.chat import IGNORE_INDEX
-from vltrain.data.records import DataError, as_key
+from vltrain.data.readers import DataError
+from vltrain.data.records import as_key
 from vltrain.data.rng import sample_generator
-from vltrain.objectives.drafter import sample_anchors
+
+
+def sample_anchors(loss_mask: Tensor, n: int, generator: torch.Generator | None) -> Tensor:
+    """Up to ``n`` sorted anchor positions (J,) of one row with ``loss_mask`` (T,) bool.
+
+    A position t is a candidate iff t and t + 1 are both supervised; ``n <= 0`` takes all.
+    """
+    ok = loss_mask[:-1] & loss_mask[1:]  # (T - 1,)
+    cand = torch.nonzero(ok).flatten()
+    if n > 0 and len(cand) > n:
+        pick = torch.randperm(len(cand), generator=generator)[:n]
+        cand = cand[pick]
+    return cand.sort().values
 
 
 def chat_prompt_ids(tokenizer: Any, prompt: str) -> list[int]:

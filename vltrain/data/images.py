@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from PIL import ExifTags, Image, ImageFile, ImageOps
 
-from vltrain.files import file_version
+from vltrain.core.files import file_version
 
 # Fixed, ordered list of bad-sample reasons; ranks all-reduce counts in this order.
 REASONS: tuple[str, ...] = (

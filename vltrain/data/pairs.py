@@ -37,8 +37,9 @@ from vltrain.data.images import (
     load_image,
     load_image_native,
 )
+from vltrain.data.readers import DataError, normalise_record, read_jsonl, resolve_image_path
 from vltrain.data.reading import ReadingTargets, parse_words
-from vltrain.data.records import DataError, as_key, normalise_record, read_jsonl, resolve_image_path
+from vltrain.data.records import as_key
 from vltrain.data.rng import sample_generator
 
 ROLES = ("query", "positive", "negatives")

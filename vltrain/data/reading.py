@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from vltrain.data.records import DataError
+from vltrain.data.readers import DataError
 
 #: the target of a cell that takes no part in the loss (an image whose record lists no words)
 IGNORE = -100

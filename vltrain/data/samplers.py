@@ -52,7 +52,7 @@ def _check_common(batch_size: int, rank: int, world_size: int) -> None:
 
 
 def _too_few_samples(n: int, batch_size: int, world_size: int) -> ValueError:
-    from vltrain.data.records import DataError  # a user mistake: the CLI prints it plainly
+    from vltrain.data.readers import DataError  # a user mistake: the CLI prints it plainly
 
     g = batch_size * world_size
     return DataError(

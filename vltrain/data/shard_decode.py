@@ -16,7 +16,8 @@ from vltrain.data.images import (
     load_image,
     load_image_native,
 )
-from vltrain.data.records import caption_negatives_fit, training_texts
+from vltrain.data.readers import caption_negatives_fit
+from vltrain.data.records import training_texts
 from vltrain.data.rng import sample_seed
 from vltrain.data.shards import IMAGE_EXTS, RawSample, parse_meta
 from vltrain.data.streaming import Entry

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from vltrain.data.images import BadSample
-from vltrain.data.records import DataError, read_records, resolve_image_path
+from vltrain.data.readers import DataError, resolve_image_path
+from vltrain.data.records import read_records
 
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp", "bmp", "gif", "tif", "tiff")
 _BLOCK = 512

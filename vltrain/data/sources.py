@@ -37,7 +37,7 @@ from vltrain.data.images import (
     image_tensor,
     load_image_native,
 )
-from vltrain.data.records import DataError, read_coco_captions, read_jsonl, resolve_image_path
+from vltrain.data.readers import DataError, read_coco_captions, read_jsonl, resolve_image_path
 
 #: file names that make a folder of images a data source, in lookup order
 CAPTION_FILES = ("captions.jsonl", "captions.csv", "captions.json")
@@ -168,7 +168,7 @@ def read_source(
     parse: Parse | None = None,
 ) -> Source:
     """Read any supported source (module docstring). `parse` turns one JSONL object into a
-    record (default `records.normalise_record`; the caption stage also accepts chat records)."""
+    record (default `readers.normalise_record`; the caption stage also accepts chat records)."""
     if not str(path).strip():
         raise DataError("a data path is empty; set data.train / data.eval to a file or folder")
     p = Path(path)

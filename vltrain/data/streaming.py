@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from vltrain.data.loaders import Batch, BatchCollate, worker_init
-from vltrain.data.records import DataError
+from vltrain.data.readers import DataError
 from vltrain.data.rng import sample_seed
 from vltrain.data.shards import RawSample, iter_samples, open_shard, read_sample_at, shard_counts
 

@@ -45,9 +45,9 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
-from vltrain.data.curation import planted
+from vltrain.core.files import OutputError
+from vltrain.data import planted
 from vltrain.data.rng import sample_seed
-from vltrain.files import OutputError
 
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),

@@ -9,8 +9,8 @@ from collections import deque
 from pathlib import Path
 
 from vltrain.config.schema import Config
+from vltrain.core.files import file_version
 from vltrain.diagnostics.record import Finding, StepRecord
-from vltrain.files import file_version
 
 
 class BatchComposition:
@@ -182,7 +182,7 @@ def record_fingerprints(path: str, limit: int = 50_000) -> frozenset[str]:
 
 def _fingerprints(p: Path, limit: int) -> set[str]:
     from vltrain.data.images import BadSample
-    from vltrain.data.records import resolve_image_path
+    from vltrain.data.readers import resolve_image_path
 
     out = set()
     with p.open(encoding="utf-8", errors="replace") as f:  # bad lines are the loader's to count

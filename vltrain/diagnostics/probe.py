@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from vltrain.diagnostics.record import StepRecord
-from vltrain.models.connectors import TanhGate
 
 #: sampled elements per parameter
 SAMPLE = 8
@@ -64,7 +63,9 @@ class Probe:
         self.frozen_trainable = [n for n, p in params if p.requires_grad and n.split(".")[0] in top]
         self.groups = [list(g["params"]) for g in optimizer.param_groups]
         self.index = [[_sample_index(_local(p)) for p in g] for g in self.groups]
-        self.gates = {n: m for n, m in module.named_modules() if isinstance(m, TanhGate)}
+        self.gates = {
+            n: m for n, m in module.named_modules() if getattr(m, "zero_init_gate", False) is True
+        }
         self.temps = {
             n: m
             for n, m in module.named_modules()

@@ -15,12 +15,12 @@ from typing import Any
 import torch
 
 from vltrain.config.schema import Config, dump_config
+from vltrain.core import checkpoint, distributed
 from vltrain.data.loaders import Batch
 from vltrain.data.records import BadSampleTracker
 from vltrain.diagnostics.doctor import Doctor
 from vltrain.diagnostics.record import StepRecord, severity_rank
-from vltrain.engine import checkpoint, run_dir
-from vltrain.engine import distributed as D
+from vltrain.engine import run_dir
 from vltrain.engine import state as trainer_state
 from vltrain.engine.logging import RunLogger
 from vltrain.engine.optim import build_optimizer, set_lr
@@ -54,7 +54,7 @@ def _vote(batches: list[Batch], tracker: BadSampleTracker, signal: int) -> tuple
     bad = [pair for b in batches for pair in b.bad]
     vec = BadSampleTracker.step_vector(sum(b.n_seen for b in batches), bad)
     vec += [sum(1 for b in batches if b.n_good == 0), int(signal != 0)]
-    total = D.all_reduce_sum(torch.tensor(vec, dtype=torch.int64)).tolist()
+    total = distributed.all_reduce_sum(torch.tensor(vec, dtype=torch.int64)).tolist()
     tracker.merge_counts(total[:-2], examples=bad)
     tracker.check()
     return int(total[-2]), int(total[-1])
@@ -91,12 +91,12 @@ class Trainer:
         self.plan = run_dir.plan_run(cfg, self.ctx.world_size)  # every rank; nothing written yet
         # every rank has read the run folder before rank 0 changes it: a rank that read
         # config.yaml after rank 0 rewrote it saw the new batch size and refused a resume
-        D.barrier()
+        distributed.barrier()
         if self.ctx.is_main:
             run_dir.apply_plan(self.plan)
             self.out_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.out_dir / "config.yaml")
-        D.barrier()
+        distributed.barrier()
         self.stage: Stage = stage(cfg, self.out_dir, self.ctx)
         self._signal, self._saved_step = 0, -1  # a stop request; the step last checkpointed
 
@@ -129,7 +129,7 @@ class Trainer:
                 ctx.is_main,
                 module,
                 self.optimizer,
-                D.all_gather_object,
+                distributed.all_gather_object,
                 start_step=self.state.step if ckpt is not None else 0,
             )
         logger = RunLogger(cfg, self.out_dir, ctx.is_main, self.state.step)
@@ -142,7 +142,7 @@ class Trainer:
                 )
                 if fixed:
                     logger.message(fixed)
-            D.barrier()
+            distributed.barrier()
             logger.message(f"resumed from {ckpt} at step {self.state.step}")
         t_start = time.time()
         try:
@@ -244,7 +244,7 @@ class Trainer:
                 metrics[k] = metrics.get(k, 0.0) + float(v) / accum
         grad_norm = model.clip_grad_norm_(self.cfg.optim.grad_clip or float("inf"))
         bad = (~torch.isfinite(loss_sum)) | (~torch.isfinite(grad_norm.double().cpu()))
-        finite = not bool(D.all_reduce_max(bad.double()).item() > 0)
+        finite = not bool(distributed.all_reduce_max(bad.double()).item() > 0)
         return loss_sum, metrics, grad_norm, finite
 
     def _apply_step(self, n_empty: int, finite: bool, loss, grad_norm, logger) -> None:
@@ -361,7 +361,7 @@ class Trainer:
                     self.ckpt_root, path, self.best_metric, self.state.best_value, self.state.step
                 )
             checkpoint.prune(self.ckpt_root, self.cfg.train.keep_last)
-        D.barrier()
+        distributed.barrier()
 
     def evaluate(self, model: ParallelModel | torch.nn.Module, split: str) -> dict[str, float]:
         """Run the stage's (sharded) evaluation with training RNG untouched (`model`: the

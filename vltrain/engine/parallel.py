@@ -33,8 +33,8 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from vltrain.config.core import ConfigError
-from vltrain.engine import checkpoint, sharding
-from vltrain.engine import distributed as D
+from vltrain.core import checkpoint, distributed
+from vltrain.engine import sharding
 
 MODES = ("auto", "none", "ddp", "fsdp")
 
@@ -91,7 +91,7 @@ class ParallelModel:
         self.replicated: list[nn.Parameter] = []  # fsdp: unsharded params, averaged here
         if mode == "fsdp":
             self.replicated = sharding.apply_fsdp(
-                module, D.world_size(), options.param_dtype, options.fsdp_cpu_offload
+                module, distributed.world_size(), options.param_dtype, options.fsdp_cpu_offload
             )
         elif mode == "ddp":
             device = next(module.parameters()).device
@@ -182,11 +182,11 @@ class ParallelModel:
             return checkpoint.write_sharded_checkpoint(
                 ckpt_root,
                 step,
-                lambda folder: sharding.save_shards(self.module, optimizer, folder),
+                lambda folder: checkpoint.save_shards(self.module, optimizer, folder),
                 trainer_state,
                 extra_files,
             )
-        if not D.is_main():
+        if not distributed.is_main():
             return None
         module = self.checkpoint_module()
         return checkpoint.write_checkpoint(
@@ -208,7 +208,7 @@ class ParallelModel:
                 "with the run's own train.parallel, or start a new run with model.init_from"
             )
         if self.sharded_checkpoints:
-            sharding.load_shards(self.module, optimizer, checkpoint.shards_of(ckpt))
+            checkpoint.load_shards(self.module, optimizer, checkpoint.shards_of(ckpt))
         else:
             checkpoint.load_weights(self.module, ckpt)
 
@@ -237,7 +237,7 @@ def average_gradients(params: Iterable[nn.Parameter], bucket_elems: int = 1 << 2
     Every rank must hold gradients for the same parameters (true for a model whose every
     parameter is used in each step, which DDP without find_unused_parameters demands too).
     """
-    if not D.is_distributed():
+    if not distributed.is_distributed():
         return
     buckets: dict[tuple[torch.dtype, torch.device], list[list[Tensor]]] = {}
     filled: dict[tuple[torch.dtype, torch.device], int] = {}
@@ -253,7 +253,7 @@ def average_gradients(params: Iterable[nn.Parameter], bucket_elems: int = 1 << 2
         filled[key] = filled.get(key, 0) + p.grad.numel()
     for _, lists in sorted(buckets.items(), key=lambda kv: str(kv[0])):
         for grads in lists:
-            flat = D.all_reduce_mean(torch.cat([g.reshape(-1) for g in grads]))
+            flat = distributed.all_reduce_mean(torch.cat([g.reshape(-1) for g in grads]))
             for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
                 g.copy_(part.view_as(g))
 

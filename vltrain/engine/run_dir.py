@@ -21,7 +21,7 @@ import yaml
 
 from vltrain.config.core import ConfigError, to_dict
 from vltrain.config.schema import Config
-from vltrain.engine import checkpoint
+from vltrain.core import checkpoint
 
 #: keys that may differ on resume without permission: they change neither the model, nor the
 #: data order, nor the schedule (prefix match on the dotted key)

@@ -14,7 +14,7 @@ import torch
 
 from vltrain.config.core import ConfigError
 from vltrain.config.schema import Config
-from vltrain.engine import distributed as D
+from vltrain.core import distributed
 
 
 @dataclass
@@ -79,21 +79,21 @@ def resolve_device(want: str, name: str = "run.device") -> torch.device:
             f"{name}={want} but no CUDA device is visible to this process; use "
             f"{name}=cpu (or auto), or check CUDA_VISIBLE_DEVICES and the torch build"
         )
-    return torch.device("cuda", D.local_rank()) if want == "cuda" else torch.device(want)
+    return torch.device("cuda", distributed.local_rank()) if want == "cuda" else torch.device(want)
 
 
 def setup(cfg: Config) -> RunContext:
     """Pick the device, join the process group, seed and configure this process."""
     device = resolve_device(cfg.run.device)
-    D.init_from_env(device.type)
+    distributed.init_from_env(device.type)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     seed_everything(cfg.run.seed)
     set_deterministic(cfg.run.deterministic)
     return RunContext(
         device=device,
-        rank=D.rank(),
-        world_size=D.world_size(),
+        rank=distributed.rank(),
+        world_size=distributed.world_size(),
         precision=cfg.run.precision,
         seed=cfg.run.seed,
     )

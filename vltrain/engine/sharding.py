@@ -17,7 +17,6 @@ import contextlib
 import functools
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -147,50 +146,3 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     which FSDP2 and DCP do: importing it costs ~1.5 s of every command's start."""
     mod = sys.modules.get("torch.distributed.tensor")
     return mod is not None and isinstance(t, mod.DTensor)
-
-
-# ---------------------------------------------------------------- DCP checkpoints
-# torch.distributed.checkpoint is imported where it is used (see _is_dtensor)
-
-
-def save_shards(module: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-    """Every rank writes its shards of the weights and the optimizer state (FQN keys)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(module, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
-
-
-def load_shards(module: nn.Module, optimizer: torch.optim.Optimizer | None, folder: Path) -> None:
-    """Load weights (and the optimizer state, when given) from `folder`, resharding to this
-    run's layout (any world size, sharded or plain)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_state_dict,
-        set_model_state_dict,
-        set_state_dict,
-    )
-
-    if optimizer is None:
-        state = {"model": get_model_state_dict(module)}
-        dcp.load(state, checkpoint_id=str(folder))
-        set_model_state_dict(module, state["model"])
-        return
-    model_sd, optim_sd = get_state_dict(module, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(folder))
-    set_state_dict(
-        module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
-
-
-def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The full (gathered, CPU) weights of a sharded module on rank 0 ({} elsewhere); every
-    rank must call."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(
-        module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
-from vltrain.engine import checkpoint
+from vltrain.core import checkpoint
 
 
 class Stateful(Protocol):

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from vltrain.data.pairs import Side, read_corpus
-from vltrain.data.records import DataError
+from vltrain.data.readers import DataError
 from vltrain.eval.topk import (
     TOP_LIST,
     check_embeddings,

@@ -341,8 +341,8 @@ def load_captioner(path: str | Path) -> tuple[Captioner, Any, Any]:
     """(captioner in eval mode, its tokenizer, its run config) of a caption/rl run or checkpoint."""
     from vltrain.config.core import ConfigError
     from vltrain.config.schema import load_config
+    from vltrain.core.checkpoint import load_weights, resolve_checkpoint
     from vltrain.data.tokenizer import TextTokenizer
-    from vltrain.engine.checkpoint import load_weights, resolve_checkpoint
     from vltrain.models.backbones import build_captioner
 
     ckpt = resolve_checkpoint(path)

@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 from vltrain.config.core import ConfigError
 from vltrain.config.schema import Config, ObjectiveConfig
+from vltrain.core.checkpoint import load_weights, resolve_checkpoint
 from vltrain.data.tokenizer import SPECIAL_TOKENS, TextTokenizer
-from vltrain.engine.checkpoint import load_weights, resolve_checkpoint
 from vltrain.models.captioner import Captioner
 from vltrain.models.dual_encoder import DualEncoder
 from vltrain.models.presets import text_config, vision_config

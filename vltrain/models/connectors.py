@@ -240,7 +240,12 @@ class CrossAttention(nn.Module):
 
 
 class TanhGate(nn.Module):
-    """Multiply by ``tanh(scale)``; ``scale`` starts at 0, so the gated branch starts closed."""
+    """Multiply by ``tanh(scale)``; ``scale`` starts at 0, so the gated branch starts closed.
+
+    ``zero_init_gate`` is the marker the diagnostics recognise gates by (they never import
+    models): any module carrying it and a ``scale`` parameter is watched as a gate."""
+
+    zero_init_gate: ClassVar[bool] = True
 
     def __init__(self) -> None:
         super().__init__()

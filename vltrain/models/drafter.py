@@ -435,7 +435,7 @@ def load_drafter(path: str | Path) -> tuple[Drafter, dict]:
     """
     from safetensors.torch import load_file
 
-    from vltrain.engine.checkpoint import resolve_checkpoint
+    from vltrain.core.checkpoint import resolve_checkpoint
 
     ckpt = resolve_checkpoint(path)
     meta_path = ckpt / DRAFTER_FILE

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vltrain.engine import distributed as D
+from vltrain.core import distributed
 from vltrain.objectives.chance import infonce_chance, siglip_chance
 
 
@@ -38,21 +38,31 @@ def gather_features(
     negatives: Tensor | None,
     gather: bool,
     pairs: Tensor | None = None,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> Features:
-    """The one place losses get features from other ranks (with gradient).
+    """The one place losses get features from other ranks (with gradient), as open_clip's
+    ``gather_features``: `rank` and `world_size` are explicit; with one process, or `gather`
+    off, the local features come back as they are.
 
     Every rank takes part in every gather, also a rank without hard negatives this step (it
     contributes zero rows, taken from `image` so the gather's backward all-reduce runs on every
     rank alike); `negatives` comes back None only when no rank has any. `pairs` (second
     captions) is gathered when given; every rank gives it or none does (a config option).
     """
-    if not gather or not D.is_distributed():
+    if not gather or world_size == 1:
         return Features(image, text, negatives, pairs)
-    image_all, _ = D.all_gather_with_grad(image)
-    text_all, _ = D.all_gather_with_grad(text)
+    if world_size != distributed.world_size() or rank != distributed.rank():
+        raise ValueError(
+            f"gather_features: rank {rank} of {world_size} is not this process "
+            f"(rank {distributed.rank()} of {distributed.world_size()})"
+        )
+    image_all, _ = distributed.all_gather_with_grad(image)
+    text_all, _ = distributed.all_gather_with_grad(text)
     local_neg = image[:0] if negatives is None else negatives  # (0, E) keeps the graph
-    neg_all, _ = D.all_gather_with_grad(local_neg)
-    pairs_all = None if pairs is None else D.all_gather_with_grad(pairs)[0]
+    neg_all, _ = distributed.all_gather_with_grad(local_neg)
+    pairs_all = None if pairs is None else distributed.all_gather_with_grad(pairs)[0]
     return Features(image_all, text_all, neg_all if neg_all.shape[0] else None, pairs_all)
 
 
@@ -99,7 +109,11 @@ class InfoNCELoss(nn.Module):
         label_smoothing: float = 0.0,
         gather: bool = True,
         caption_contrast: float = 0.0,
+        rank: int | None = None,
+        world_size: int | None = None,
     ) -> None:
+        """`rank`/`world_size`: the process group the features are gathered over (default:
+        this process's, read at construction)."""
         super().__init__()
         if caption_contrast < 0:
             raise ValueError(f"caption_contrast must be >= 0, got {caption_contrast}")
@@ -113,6 +127,8 @@ class InfoNCELoss(nn.Module):
         self.label_smoothing = label_smoothing
         self.gather = gather
         self.caption_contrast = caption_contrast
+        self.rank = distributed.rank() if rank is None else rank
+        self.world_size = distributed.world_size() if world_size is None else world_size
 
     @classmethod
     def from_config(cls, o: Any) -> InfoNCELoss:
@@ -144,7 +160,9 @@ class InfoNCELoss(nn.Module):
         `pairs` (B, E): second captions, for the caption-caption term (training batches)."""
         if not self.caption_contrast:
             pairs = None
-        f = gather_features(image, text, negatives, self.gather, pairs)
+        f = gather_features(
+            image, text, negatives, self.gather, pairs, rank=self.rank, world_size=self.world_size
+        )
         return self.loss_from_features(f)
 
     def loss_from_features(self, f: Features) -> tuple[Tensor, dict[str, Tensor]]:
@@ -191,7 +209,10 @@ class SigLIPLoss(nn.Module):
         learn_temperature: bool = True,
         max_logit_scale: float = 100.0,
         gather: bool = True,
+        rank: int | None = None,
+        world_size: int | None = None,
     ) -> None:
+        """`rank`/`world_size`: as for `InfoNCELoss`."""
         super().__init__()
         if init_scale <= 0:
             raise ValueError(f"SigLIP init_scale must be > 0, got {init_scale}")
@@ -203,6 +224,8 @@ class SigLIPLoss(nn.Module):
         self.logit_bias = nn.Parameter(torch.tensor(float(init_bias)))
         self.max_log_scale = math.log(max_logit_scale)
         self.gather = gather
+        self.rank = distributed.rank() if rank is None else rank
+        self.world_size = distributed.world_size() if world_size is None else world_size
 
     @classmethod
     def from_config(cls, o: Any) -> SigLIPLoss:
@@ -225,7 +248,10 @@ class SigLIPLoss(nn.Module):
         self, image: Tensor, text: Tensor, negatives: Tensor | None = None
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Unit-norm embeddings (B, E) per rank -> (loss, metrics) of the global batch."""
-        return self.loss_from_features(gather_features(image, text, negatives, self.gather))
+        f = gather_features(
+            image, text, negatives, self.gather, rank=self.rank, world_size=self.world_size
+        )
+        return self.loss_from_features(f)
 
     def loss_from_features(self, f: Features) -> tuple[Tensor, dict[str, Tensor]]:
         """The loss of already-gathered features (also used by GradCache)."""

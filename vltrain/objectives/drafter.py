@@ -2,7 +2,8 @@
 
 Shapes: B rows, T tokens, J anchors per row, K = block size, V vocabulary.
 
-- Anchors: positions t where token t and token t + 1 are both supervised (``sample_anchors``).
+- Anchors: positions t where token t and token t + 1 are both supervised
+  (``vltrain.data.draft_data.sample_anchors``).
 - Labels: slot k of the block anchored at a predicts token ``a + k``; slot 0 carries no loss
   (``block_labels``).
 - Weights: ``w_k = exp(-max(k - 1, 0) / gamma)`` for k >= 1 (``position_weights``), gamma
@@ -63,19 +64,6 @@ def dpace_weights(ce: Tensor, valid: Tensor, alpha: float = 0.5) -> Tensor:
     prefix = torch.cumprod(q, dim=-1) * valid
     suffix = prefix.flip(-1).cumsum(-1).flip(-1)
     return suffix * valid
-
-
-def sample_anchors(loss_mask: Tensor, n: int, generator: torch.Generator | None) -> Tensor:
-    """Up to ``n`` sorted anchor positions (J,) of one row with ``loss_mask`` (T,) bool.
-
-    A position t is a candidate iff t and t + 1 are both supervised; ``n <= 0`` takes all.
-    """
-    ok = loss_mask[:-1] & loss_mask[1:]  # (T - 1,)
-    cand = torch.nonzero(ok).flatten()
-    if n > 0 and len(cand) > n:
-        pick = torch.randperm(len(cand), generator=generator)[:n]
-        cand = cand[pick]
-    return cand.sort().values
 
 
 def block_labels(
@@ -223,7 +211,6 @@ __all__ = [
     "dpace_weights",
     "finite_mean",
     "position_weights",
-    "sample_anchors",
     "slot_loss",
     "summarize_metrics",
     "weighted_loss",

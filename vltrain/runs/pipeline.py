@@ -33,7 +33,7 @@ import yaml
 
 from vltrain.config.core import ConfigError, config_path, load_yaml, to_dict
 from vltrain.config.schema import Config
-from vltrain.engine import checkpoint
+from vltrain.core import checkpoint
 from vltrain.runs.report import cell, markdown_table
 from vltrain.stages import load_run_config
 
@@ -170,7 +170,7 @@ def run_pipeline(
     `announce(stage)` runs on rank 0 before each stage; `report=False` leaves the table and
     report.md to the caller (the quickstart writes its own).
     """
-    from vltrain.engine import distributed as D
+    from vltrain.core import distributed
     from vltrain.engine.runtime import setup
     from vltrain.runs import train
     from vltrain.runs.run_report import write_report
@@ -183,12 +183,12 @@ def run_pipeline(
         plan([st])  # decided just before the stage: an earlier stage may have just finished
         # Rank 0's reading of the run folder decides for all ranks: a rank that sees the files
         # differently (a shared file system's lag) must not train while the others skip.
-        st.action = D.broadcast_object(st.action)
+        st.action = distributed.broadcast_object(st.action)
         # a stage folder holding an older run of another config (or an unfinished one without
         # a checkpoint) is the pipeline's own: a fresh stage starts it over on purpose
         st.cfg.train.resume = st.action == "resume"
         st.cfg.train.overwrite = st.action == "train"
-        if D.is_main():
+        if distributed.is_main():
             print(f"vltrain pipeline: stage '{st.name}': {st.action} -> {st.cfg.run.out_dir}")
             if announce is not None:
                 announce(st)
@@ -197,7 +197,7 @@ def run_pipeline(
         summary = (_summary(run) or {}) if st.action == "skip" else train(st.cfg)
         row = {"name": st.name, "action": st.action, "summary": summary}
         rows.append({**row, "seconds": time.time() - t})
-    if D.is_main() and report:
+    if distributed.is_main() and report:
         table = report_table(rows)
         print(table)
         (root / "report.md").write_text(f"# Pipeline report: {path}\n\n{table}\n")

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from vltrain.config.core import ConfigError
-from vltrain.engine import checkpoint
+from vltrain.core import checkpoint
 from vltrain.scaling.budget import config_flops, resolve_budget, samples_per_step
 from vltrain.scaling.sizes import Size
 from vltrain.stages import load_run_config

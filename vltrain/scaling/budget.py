@@ -17,8 +17,8 @@ import torch
 
 from vltrain.config.core import ConfigError
 from vltrain.config.schema import Config
+from vltrain.core.files import file_version
 from vltrain.data.tokenizer import TextTokenizer, prepare_tokenizer
-from vltrain.files import file_version
 from vltrain.scaling.flops import ModelFlops, captioner_flops, dual_encoder_flops
 
 #: model kinds with a FLOP formula for a train.max_flops budget
@@ -63,7 +63,7 @@ def _text_key(cfg: Config) -> tuple:
 
 def run_tokenizer(cfg: Config) -> TextTokenizer:
     """The tokenizer the run will use, without writing into its folder."""
-    from vltrain.engine.checkpoint import resolve_init
+    from vltrain.core.checkpoint import resolve_init
 
     own = Path(cfg.run.out_dir) / "tokenizer"
     if (own / "tokenizer.json").is_file() and (cfg.train.resume or not cfg.train.overwrite):

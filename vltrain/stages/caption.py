@@ -25,6 +25,8 @@ from torch import Tensor, nn
 
 from vltrain.config.core import ConfigError, check_choice, reject_unused
 from vltrain.config.schema import Config
+from vltrain.core import distributed
+from vltrain.core.checkpoint import resolve_init
 from vltrain.data.caption_data import CaptionDataset, read_caption_source, training_texts
 from vltrain.data.chat import IGNORE_INDEX
 from vltrain.data.images import DecodedImages
@@ -33,8 +35,6 @@ from vltrain.data.records import split_bad
 from vltrain.data.samplers import EvalShardSampler, LengthBucketBatchSampler, ShardedBatchSampler
 from vltrain.data.shards import is_shard_source
 from vltrain.data.tokenizer import TextTokenizer, prepare_tokenizer
-from vltrain.engine import distributed as D
-from vltrain.engine.checkpoint import resolve_init
 from vltrain.engine.parallel import ParallelModel
 from vltrain.engine.runtime import RunContext
 from vltrain.engine.task import StepOutput
@@ -168,7 +168,7 @@ class CaptionCore:
             self.cfg.data.tokenizer_vocab,
             self.ctx.is_main,
         )
-        D.barrier()
+        distributed.barrier()
         self.tokenizer = TextTokenizer.load(tok_dir)
 
     def build_model(self) -> nn.Module:
@@ -278,10 +278,10 @@ class CaptionCore:
         sums, hyps, refs = self._eval_shard(
             model, self._eval_set(split), tuple(sorted(set(strategies.values())))
         )
-        total = D.all_reduce_sum(sums.to(self.ctx.device)).cpu()
+        total = distributed.all_reduce_sum(sums.to(self.ctx.device)).cpu()
         all_hyps: dict[str, dict[int, str]] = {s: {} for s in hyps}
         all_refs: dict[int, list[str]] = {}
-        for h, r in D.all_gather_object((hyps, refs)):
+        for h, r in distributed.all_gather_object((hyps, refs)):
             for strategy, rows in h.items():
                 all_hyps[strategy].update(rows)
             all_refs.update(r)
@@ -355,7 +355,7 @@ class CaptionStage:
         out = model(batch["images"], batch["input_ids"], batch["attention_mask"], batch["labels"])
         n = out["n_tokens"].double()
         local = torch.stack([out["loss"].detach().double() * n, out["token_acc"].double() * n, n])
-        total = D.all_reduce_sum(local)  # (3,) CE sum, correct tokens, labelled tokens
+        total = distributed.all_reduce_sum(local)  # (3,) CE sum, correct tokens, labelled tokens
         n_all = total[2].clamp(min=1.0)
         weight = (self.ctx.world_size * n / n_all).to(out["loss"].dtype)
         (out["loss"] * weight * scale).backward()

@@ -11,28 +11,29 @@ from torch import Tensor, nn
 
 from vltrain.config.core import ConfigError, check_choice, reject_unused
 from vltrain.config.schema import Config
+from vltrain.core import distributed
+from vltrain.core.checkpoint import (
+    complete_checkpoints,
+    has_weights,
+    load_weights,
+    resolve_init,
+)
 from vltrain.data.images import BadSample, DecodedImages, check_text
 from vltrain.data.loaders import MapLoader
+from vltrain.data.readers import DataError
 from vltrain.data.reading import (
     ReadingTargets,
     load_reading_tokens,
     reading_tokens,
     save_reading_tokens,
 )
-from vltrain.data.records import DataError, ImageTextDataset, read_records, split_bad
+from vltrain.data.records import ImageTextDataset, read_records, split_bad
 from vltrain.data.samplers import EvalShardSampler, ShardedBatchSampler
 from vltrain.data.shard_decode import SampleDecoder
 from vltrain.data.shards import is_shard_source, read_texts, resolve_shards
 from vltrain.data.streaming import StreamLoader, check_stream_layout
 from vltrain.data.synth import scene_key
 from vltrain.data.tokenizer import TextTokenizer, prepare_tokenizer
-from vltrain.engine import distributed as D
-from vltrain.engine.checkpoint import (
-    complete_checkpoints,
-    has_weights,
-    load_weights,
-    resolve_init,
-)
 from vltrain.engine.parallel import ParallelModel
 from vltrain.engine.runtime import RunContext, to_device
 from vltrain.engine.task import StepOutput
@@ -294,7 +295,7 @@ class ContrastiveStage:
                 self.cfg.data.tokenizer_vocab,
                 self.ctx.is_main,
             )
-            D.barrier()
+            distributed.barrier()
             self.tokenizer = TextTokenizer.load(tok_dir)
             if self.cfg.objective.reading:
                 self.reading_tokens = self._prepare_reading_tokens(tok_dir)
@@ -314,7 +315,7 @@ class ContrastiveStage:
             tokens = reading_tokens(self.tokenizer, pairs.training_words(self.cfg))
             if tokens:  # none: every rank refuses below
                 save_reading_tokens(tok_dir, tokens)
-        D.barrier()
+        distributed.barrier()
         tokens = load_reading_tokens(tok_dir)
         if tokens is None and not trained:
             raise ConfigError(
@@ -427,7 +428,7 @@ class ContrastiveStage:
             decode=decode,
             collate=self.batcher,
             num_workers=d.num_workers,
-            gather=D.all_gather_object,
+            gather=distributed.all_gather_object,
             pin_memory=self.ctx.device.type == "cuda",
         )
 
@@ -583,13 +584,13 @@ class ContrastiveStage:
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
         """Sharded embedding, gathered once; every rank then computes the same metrics."""
         path = self.cfg.data.eval if split == "val" else self.cfg.data.test
-        if pairs.C.is_corpus_dir(path):  # queries x corpus with qrels
+        if pairs.corpus.is_corpus_dir(path):  # queries x corpus with qrels
             ranks = self.out_dir / f"eval_ranks_{split}.jsonl"
             return self.corpus.evaluate(model, path, ranks_path=ranks)
         shard, shard_kind_hits, _ = self.embed_shard(
             model, self._eval_set(split), self.ctx.rank, self.ctx.world_size
         )
-        g = {k: D.all_gather_no_grad(v) for k, v in shard.items()}
+        g = {k: distributed.all_gather_no_grad(v) for k, v in shard.items()}
         img, idx, txt, owner = g["img"], g["idx"], g["txt"], g["owner"]
         pos = torch.searchsorted(idx, owner)  # text -> row of its image in `img`
         metrics = image_text_retrieval(img, txt, pos)
@@ -600,13 +601,13 @@ class ContrastiveStage:
         if total:
             metrics["hardneg_acc"] = float(g["hn_correct"].sum()) / total
         kind_hits: dict[str, list[int]] = {}
-        for part in D.all_gather_object(shard_kind_hits):  # every rank, same order
+        for part in distributed.all_gather_object(shard_kind_hits):  # every rank, same order
             for kind, (c, t) in part.items():
                 acc = kind_hits.setdefault(kind, [0, 0])
                 acc[0], acc[1] = acc[0] + c, acc[1] + t
         for kind in sorted(kind_hits):  # accuracy per kind of negative (`negative_kinds`)
             c, t = kind_hits[kind]
-            metrics[f"hardneg_acc_{pairs.C.metric_suffix(kind)}"] = c / t
+            metrics[f"hardneg_acc_{pairs.corpus.metric_suffix(kind)}"] = c / t
         for dim in self.cfg.model.matryoshka_dims:  # truncated embeddings, evaluated separately
             small = image_text_retrieval(
                 model.encoder.truncate(img, dim), model.encoder.truncate(txt, dim), pos

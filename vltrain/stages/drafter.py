@@ -27,13 +27,13 @@ from torch import Tensor, nn
 
 from vltrain.config.core import ConfigError, check_choice
 from vltrain.config.schema import Config
+from vltrain.core import distributed
 from vltrain.data.caption_data import CaptionDataset, read_caption_source
 from vltrain.data.chat import IGNORE_INDEX
 from vltrain.data.draft_data import ChatRecords, DraftCollate, DraftDataset, chat_prompt_ids
 from vltrain.data.loaders import Loader, MapLoader
 from vltrain.data.records import split_bad
 from vltrain.data.samplers import EvalShardSampler, LengthBucketBatchSampler, ShardedBatchSampler
-from vltrain.engine import distributed as D
 from vltrain.engine.parallel import ParallelModel
 from vltrain.engine.runtime import RunContext
 from vltrain.engine.task import StepOutput
@@ -328,7 +328,7 @@ class DrafterStage:
         )
         agree = self._agreement(batch["labels"], greedy)
         local = torch.stack([loss.detach().double(), weight.double(), *agree])
-        total = D.all_reduce_sum(local)
+        total = distributed.all_reduce_sum(local)
         w_all = total[1].clamp(min=1e-12)
         (loss * (self.ctx.world_size / w_all).float() * scale).backward()
         m = summarize_metrics({k: v.cpu() for k, v in sums.items()})
@@ -397,7 +397,7 @@ class DrafterStage:
     def _summarize(self, model, sums, loss_w, base) -> dict[str, float]:  # noqa: ANN001
         keys = sorted(sums)
         flat = torch.cat([sums[k].reshape(-1).double() for k in keys] + [loss_w])
-        flat = D.all_reduce_sum(flat.to(self.ctx.device)).cpu()
+        flat = distributed.all_reduce_sum(flat.to(self.ctx.device)).cpu()
         out, i = {}, 0
         for k in keys:
             n = sums[k].numel()
@@ -458,7 +458,7 @@ class DrafterStage:
                     tree_budget=budget,
                 )
                 acc += torch.tensor([sum(map(sum, stats.accepted)), stats.rounds])
-            acc = D.all_reduce_sum(acc.to(self.ctx.device)).cpu()
+            acc = distributed.all_reduce_sum(acc.to(self.ctx.device)).cpu()
             out[f"tau_decode{name}"] = float(acc[0] / acc[1].clamp(min=1))
         if isinstance(self.decode_target, NativeTarget):
             self.decode_target.release()  # ~2 copies of the target's weights until next eval

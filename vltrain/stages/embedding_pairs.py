@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from vltrain.config.core import ConfigError
 from vltrain.config.schema import Config
+from vltrain.core import distributed
 from vltrain.data.images import DEFAULT_MAX_PIXELS, BadSample
 from vltrain.data.pairs import (
     PairCollate,
@@ -38,9 +39,8 @@ from vltrain.data.pairs import (
 )
 from vltrain.data.reading import ReadingTargets
 from vltrain.data.samplers import EvalShardSampler
-from vltrain.engine import distributed as D
 from vltrain.engine.runtime import RunContext, to_device
-from vltrain.eval import corpus as C
+from vltrain.eval import corpus
 from vltrain.models.backbones import HF_KINDS, check_side_modality, encode_side
 from vltrain.models.word_pairs import Reading
 from vltrain.objectives.grad_cache import grad_cache, length_sorted_chunks, split_rows
@@ -78,16 +78,16 @@ def check_config(cfg: Config) -> None:
         )
     for key in ("eval", "test"):
         path = getattr(cfg.data, key)
-        if path and Path(path).is_dir() and not C.is_corpus_dir(path):
+        if path and Path(path).is_dir() and not corpus.is_corpus_dir(path):
             raise ConfigError(
-                f"data.{key}={path} is a folder but lacks {', '.join(C.FILES)} (a BEIR split)"
+                f"data.{key}={path} is a folder but lacks {', '.join(corpus.FILES)} (a BEIR split)"
             )
         if path and is_pair_file(path):
             raise ConfigError(
                 f"data.{key}={path} holds query/positive records; evaluate pair data on a "
-                f"corpus: point data.{key} at a folder with {', '.join(C.FILES)}"
+                f"corpus: point data.{key} at a folder with {', '.join(corpus.FILES)}"
             )
-    corpus_eval = any(C.is_corpus_dir(p) for p in (cfg.data.eval, cfg.data.test) if p)
+    corpus_eval = any(corpus.is_corpus_dir(p) for p in (cfg.data.eval, cfg.data.test) if p)
     if corpus_eval and cfg.train.best_metric in ("", "eval_R@1_mean"):
         raise ConfigError(
             "data.eval is a corpus folder: its metrics are eval_R@1, eval_R@5, eval_nDCG@10, ... "
@@ -226,12 +226,12 @@ class CorpusEvaluator:
 
     def __init__(self, cfg: Config, ctx: RunContext, batcher: Any) -> None:
         self.cfg, self.ctx, self.batcher = cfg, ctx, batcher
-        self._splits: dict[str, C.CorpusSplit] = {}
+        self._splits: dict[str, corpus.CorpusSplit] = {}
 
-    def split(self, folder: str | Path) -> C.CorpusSplit:
+    def split(self, folder: str | Path) -> corpus.CorpusSplit:
         key = str(folder)
         if key not in self._splits:
-            self._splits[key] = C.read_split_dir(folder)
+            self._splits[key] = corpus.read_split_dir(folder)
         return self._splits[key]
 
     def embed(
@@ -274,15 +274,15 @@ class CorpusEvaluator:
             rows.append(torch.tensor(idx))
         local = torch.cat(emb) if emb else torch.zeros(0, 1)
         width = torch.tensor([local.shape[1] if emb else 0])
-        dim = int(D.all_reduce_max(width)) if D.is_distributed() else int(width)
+        dim = int(distributed.all_reduce_max(width)) if distributed.is_distributed() else int(width)
         if not emb:
             local = torch.zeros(0, dim)
-        all_emb = D.all_gather_no_grad(local)
-        all_rows = D.all_gather_no_grad(
+        all_emb = distributed.all_gather_no_grad(local)
+        all_rows = distributed.all_gather_no_grad(
             torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
         )
         bad = torch.tensor([float(n_bad)])
-        bad = D.all_reduce_sum(bad) if D.is_distributed() else bad
+        bad = distributed.all_reduce_sum(bad) if distributed.is_distributed() else bad
         return all_emb, all_rows.long(), int(bad)
 
     def evaluate(
@@ -293,7 +293,7 @@ class CorpusEvaluator:
         return self.evaluate_split(model, self.split(folder), ranks_path)
 
     def evaluate_split(
-        self, model: nn.Module, split: C.CorpusSplit, ranks_path: str | Path | None = None
+        self, model: nn.Module, split: corpus.CorpusSplit, ranks_path: str | Path | None = None
     ) -> dict[str, float]:
         """`evaluate` of an already-read split."""
         t0 = time.perf_counter()
@@ -308,17 +308,17 @@ class CorpusEvaluator:
                 qrels.append(rel)
                 judged.append([doc_pos[d] for d in split.judged_negatives[r] if d in doc_pos])
                 keep.append(i)
-        metrics, ranks, top = C.corpus_metrics(q_emb[keep], d_emb, qrels)
-        wins = C.judged_negative_wins(q_emb[keep], d_emb, qrels, judged)
-        acc = C.wins_fraction(wins)
+        metrics, ranks, top = corpus.corpus_metrics(q_emb[keep], d_emb, qrels)
+        wins = corpus.judged_negative_wins(q_emb[keep], d_emb, qrels, judged)
+        acc = corpus.wins_fraction(wins)
         if acc is not None:
             metrics["hardneg_acc"] = acc
-        metrics["chance_R@1"] = C.chance_recall(qrels, d_emb.shape[0], 1)
-        metrics.update(C.group_metrics(ranks, [split.groups[int(q_rows[i])] for i in keep]))
+        metrics["chance_R@1"] = corpus.chance_recall(qrels, d_emb.shape[0], 1)
+        metrics.update(corpus.group_metrics(ranks, [split.groups[int(q_rows[i])] for i in keep]))
         metrics["bad_samples"] = float(q_bad + d_bad)
         metrics["encode_s"] = encode_s
         if ranks_path is not None and self.ctx.is_main:
             query_ids = [split.query_ids[int(q_rows[i])] for i in keep]
             doc_ids = [split.doc_ids[int(r)] for r in d_rows.tolist()]
-            C.write_ranks(ranks_path, query_ids, doc_ids, ranks, top, wins)
+            corpus.write_ranks(ranks_path, query_ids, doc_ids, ranks, top, wins)
         return metrics

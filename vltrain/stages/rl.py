@@ -30,11 +30,11 @@ from torch import Tensor, nn
 
 from vltrain.config.core import ConfigError
 from vltrain.config.schema import Config
+from vltrain.core import distributed
 from vltrain.data.caption_data import CaptionDataset
 from vltrain.data.images import BadSample
 from vltrain.data.loaders import Loader
 from vltrain.data.samplers import ShardedBatchSampler
-from vltrain.engine import distributed as D
 from vltrain.engine.parallel import ParallelModel
 from vltrain.engine.runtime import RunContext
 from vltrain.engine.task import StepOutput
@@ -231,7 +231,7 @@ class RLStage:
         seq, lengths = s["seq"], s["len"]  # (B*K, L), (B*K,)
         rewards = self._rewards(seq, lengths, batch["refs"], k).to(seq.device)  # (B*K,)
         adv = advantages(rewards, k, self.baseline, s.get("greedy"))
-        self.baseline.update(D.all_reduce_mean(rewards.mean().double()))
+        self.baseline.update(distributed.all_reduce_mean(rewards.mean().double()))
         images = batch["images"].repeat_interleave(k, 0)  # (B*K, 3, S, S)
         ids, pmask = s["ids"].repeat_interleave(k, 0), s["pmask"].repeat_interleave(k, 0)
         logits = sequence_logits(model, images, ids, pmask, seq, lengths)  # (B*K, L, V)
@@ -243,7 +243,9 @@ class RLStage:
             terms, adv, r.kl_coeff, r.entropy_coeff, r.normalize, rewards, lengths, eos
         )
         local = torch.stack([m[name].detach().double().cpu() for name in RL_METRICS])
-        glob = D.all_reduce_mean(local.to(seq.device)).cpu()  # one collective for all metrics
+        glob = distributed.all_reduce_mean(
+            local.to(seq.device)
+        ).cpu()  # one collective for all metrics
         metrics = {name: float(v) for name, v in zip(RL_METRICS, glob, strict=True)}
         if r.baseline == "ema":
             metrics["baseline"] = float(self.baseline.value)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from vltrain.data.records import DataError
+from vltrain.data.readers import DataError
 from vltrain.tools.loading import load_trained
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from vltrain.config.core import ConfigError
-from vltrain.eval import corpus as C
+from vltrain.eval.corpus import read_split
 from vltrain.tools.loading import load_trained
 
 
@@ -42,7 +42,7 @@ def eval_command(
         )
     if batch_size:
         evaluator.cfg.data.eval_batch_size = batch_size
-    split = C.read_split(queries, corpus, qrels)
+    split = read_split(queries, corpus, qrels)
     t0 = time.perf_counter()
     with torch.no_grad():
         metrics = evaluator.evaluate_split(model, split, ranks_path=ranks)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from safetensors.torch import save_model
 
-from vltrain.engine.checkpoint import resolve_checkpoint
+from vltrain.core.checkpoint import resolve_checkpoint
 from vltrain.tools.loading import load_trained, run_config_for
 
 

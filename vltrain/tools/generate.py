@@ -12,12 +12,12 @@ import torch
 
 from vltrain.config.core import ConfigError
 from vltrain.config.schema import Config, load_config
+from vltrain.core.checkpoint import load_weights, resolve_checkpoint
+from vltrain.core.files import atomic_write_text, check_not_input, check_output_path
 from vltrain.data import chat
 from vltrain.data.images import BadSample, load_image
 from vltrain.data.tokenizer import TextTokenizer, require_tokenizer
-from vltrain.engine.checkpoint import load_weights, resolve_checkpoint
 from vltrain.eval.caption_metrics import caption_scores
-from vltrain.files import atomic_write_text, check_not_input, check_output_path
 from vltrain.inference.captioning import decode_captions
 from vltrain.models.backbones import build_captioner
 from vltrain.models.captioner import Captioner

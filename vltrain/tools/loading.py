@@ -10,8 +10,8 @@ from torch import nn
 
 from vltrain.config import Config
 from vltrain.config.schema import load_config
+from vltrain.core.checkpoint import load_weights, resolve_loadable
 from vltrain.data.tokenizer import require_tokenizer
-from vltrain.engine.checkpoint import load_weights, resolve_loadable
 from vltrain.engine.runtime import RunContext
 from vltrain.engine.task import Stage
 from vltrain.stages import get_stage

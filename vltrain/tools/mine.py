@@ -21,12 +21,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from vltrain.core.files import atomic_write_lines, check_not_input, check_output_path
 from vltrain.data.pairs import read_corpus, read_pair_records
-from vltrain.data.records import DataError
+from vltrain.data.readers import DataError
 from vltrain.data.sources import read_source
 from vltrain.eval.corpus import read_qrels
 from vltrain.eval.topk import topk_similarity
-from vltrain.files import atomic_write_lines, check_not_input, check_output_path
 from vltrain.tools.loading import load_trained
 
 

@@ -6,15 +6,26 @@ import csv
 import json
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import yaml
 
 from vltrain.config.core import to_dict
 from vltrain.runs.report import cell, markdown_table
 
-if TYPE_CHECKING:
-    from vltrain.runs.tune.search import Search
+
+class Search(Protocol):
+    """What the results read of a search (`vltrain.runs.tune.search.Search` is one)."""
+
+    config_path: str
+    tune: Any  # the config's tune section
+    metric: str
+    direction: str
+    name: str
+    study_dir: Path
+    storage_spec: Any  # storage.StorageSpec
+    plan: Any  # trial.TrialPlan
+    study: Any  # the optuna study
 
 
 def trial_rows(study: Any) -> list[dict[str, Any]]:

@@ -21,7 +21,8 @@ from typing import Any
 
 from vltrain.config.core import ConfigError, deep_merge, load_yaml, parse_overrides
 from vltrain.config.schema import Config
-from vltrain.engine import distributed as D
+from vltrain.core import distributed
+from vltrain.runs.tune.results import write_results
 from vltrain.runs.tune.space import ParamSpec, check_enqueued, parse_space
 from vltrain.runs.tune.storage import (
     StorageSpec,
@@ -122,7 +123,7 @@ class Search:
 
     def _study_name(self) -> str:
         name = self.tune.study or f"{Path(self.config_path).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        name = D.broadcast_object(name)  # every rank uses rank 0's (timestamped) name
+        name = distributed.broadcast_object(name)  # every rank uses rank 0's (timestamped) name
         if not _NAME.match(name):
             raise ConfigError(
                 f"study name {name!r} must be letters, digits, '.', '_' or '-' (it names a folder)"
@@ -248,7 +249,7 @@ class Search:
                 seen.append(value)
                 if not final and trial.should_prune():
                     verdict = ("pruned", self._prune_reason(step, best(seen)))
-            return D.broadcast_object(verdict)
+            return distributed.broadcast_object(verdict)
 
         return decide
 
@@ -272,7 +273,7 @@ class Search:
         trial.set_user_attr("run_dir", str(self.study_dir / f"trial_{trial.number:04d}"))
         trial.set_user_attr("worker", worker_identity())
         params = {s.key: s.suggest(trial) for s in self.specs}
-        D.broadcast_object((trial.number, params))
+        distributed.broadcast_object((trial.number, params))
         try:
             out = self._train(trial.number, params, self._decide_main(trial))
         except TuneError as e:
@@ -329,17 +330,17 @@ class Search:
                         f"--study {self.name}"
                     )
         finally:
-            D.broadcast_object(None)  # release the other ranks
+            distributed.broadcast_object(None)  # release the other ranks
 
     def _run_follower(self) -> None:
         """Ranks > 0 under torchrun: train whatever trial rank 0 announces."""
         while True:
-            msg = D.broadcast_object(None)
+            msg = distributed.broadcast_object(None)
             if msg is None:
                 return
             number, params = msg
             try:
-                self._train(number, params, lambda *a: D.broadcast_object(None))
+                self._train(number, params, lambda *a: distributed.broadcast_object(None))
             except TuneError:
                 continue  # rank 0 reports it and ends the search
 
@@ -352,8 +353,6 @@ class Search:
             self._open_study()
             self._print_header()
             self._run_main()
-            from vltrain.runs.tune.results import write_results
-
             summary = write_results(self, time.time() - t0)
         else:
             self._run_follower()
@@ -403,9 +402,9 @@ def run_search(
     try:
         result = Search(config_path, overrides, trials, storage, study).run()
     except BaseException:
-        D.shutdown()
+        distributed.shutdown()
         raise
-    D.shutdown(finished=True)
+    distributed.shutdown(finished=True)
     return result
 
 

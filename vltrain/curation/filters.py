@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vltrain.data.curation.text import words
+from vltrain.curation.text import words
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
-from vltrain.data.curation.bloom import BloomFilter
-from vltrain.data.curation.decode import decode_rgb
-from vltrain.data.curation.hashing import ImageHashes, image_hashes
-from vltrain.data.curation.minhash import MinHasher, band_keys
-from vltrain.data.curation.text import NgramHasher, normalized_key, words_batch
+from vltrain.curation.bloom import BloomFilter
+from vltrain.curation.decode import decode_rgb
+from vltrain.curation.hashing import ImageHashes, image_hashes
+from vltrain.curation.minhash import MinHasher, band_keys
+from vltrain.curation.text import NgramHasher, normalized_key, words_batch
 from vltrain.data.images import BadSample
-from vltrain.data.records import resolve_image_path
+from vltrain.data.readers import resolve_image_path
 
 _CHUNK = 64
 

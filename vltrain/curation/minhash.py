@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from vltrain.data.curation.text import fmix64
+from vltrain.curation.text import fmix64
 
 _MAX = np.uint64(0xFFFFFFFFFFFFFFFF)
 

@@ -13,21 +13,20 @@ import pytest
 import torch
 from torch import nn
 
-from vltrain.engine import checkpoint as C
+from vltrain.core import checkpoint
 
 CHILD = textwrap.dedent(
     """
     import sys, time, torch
     from pathlib import Path
     from torch import nn
-    from vltrain.engine import checkpoint as C
-
+    from vltrain.core import checkpoint
     root, stall = Path(sys.argv[1]), sys.argv[2]
     torch.manual_seed(0)
     model = nn.Linear(64, 64)
-    C.write_checkpoint(root, 1, model, {"step": 1})
-    real = {"save_model": C.save_model, "torch_save": torch.save, "fsync": C._fsync_tree,
-            "rename": Path.rename}
+    checkpoint.write_checkpoint(root, 1, model, {"step": 1})
+    real = {"save_model": checkpoint.save_model, "torch_save": torch.save,
+            "fsync": checkpoint._fsync_tree, "rename": Path.rename}
 
     def stall_forever(*a, **k):
         print("STALLED", flush=True)
@@ -40,14 +39,14 @@ CHILD = textwrap.dedent(
         stall_forever()
 
     if stall == "weights":
-        C.save_model = half_then_stall
+        checkpoint.save_model = half_then_stall
     elif stall == "state":
         torch.save = lambda *a, **k: stall_forever()
     elif stall == "fsync":
-        C._fsync_tree = lambda *a, **k: stall_forever()
+        checkpoint._fsync_tree = lambda *a, **k: stall_forever()
     with torch.no_grad():
         model.weight.add_(1.0)
-    C.write_checkpoint(root, 2, model, {"step": 2})
+    checkpoint.write_checkpoint(root, 2, model, {"step": 2})
     print("DONE", flush=True)
     """
 )
@@ -64,29 +63,29 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path: Path, st
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert any(p.name.startswith(".tmp_step_2") for p in root.iterdir())  # the kill hit a save
-    latest = C.latest_checkpoint(root)
+    latest = checkpoint.latest_checkpoint(root)
     assert latest is not None and latest.name == "step_1"
     torch.manual_seed(0)
     expected = nn.Linear(64, 64)
     loaded = nn.Linear(64, 64)
-    C.load_weights(loaded, latest)
+    checkpoint.load_weights(loaded, latest)
     assert torch.equal(loaded.weight, expected.weight)
-    assert C.load_trainer_state(latest) == {"step": 1}
-    C.prune(root, keep_last=3)  # stale temp folders of dead processes are cleaned
+    assert checkpoint.load_trainer_state(latest) == {"step": 1}
+    checkpoint.prune(root, keep_last=3)  # stale temp folders of dead processes are cleaned
     assert not any(p.name.startswith(".tmp_") for p in root.iterdir())
 
 
 def test_uninterrupted_save_is_found_and_pruned(tmp_path: Path) -> None:
     model = nn.Linear(4, 4)
     for step in (2, 4, 6, 8):
-        C.write_checkpoint(tmp_path, step, model, {"step": step})
-    assert C.latest_checkpoint(tmp_path).name == "step_8"
-    C.prune(tmp_path, keep_last=2)
-    assert [s for s, _ in C.complete_checkpoints(tmp_path)] == [6, 8]
+        checkpoint.write_checkpoint(tmp_path, step, model, {"step": step})
+    assert checkpoint.latest_checkpoint(tmp_path).name == "step_8"
+    checkpoint.prune(tmp_path, keep_last=2)
+    assert [s for s, _ in checkpoint.complete_checkpoints(tmp_path)] == [6, 8]
     # a folder without the COMPLETE marker is never picked (negative control on the marker)
     (tmp_path / "step_10").mkdir()
     (tmp_path / "step_10" / "model.safetensors").write_bytes(b"garbage")
-    assert C.latest_checkpoint(tmp_path).name == "step_8"
+    assert checkpoint.latest_checkpoint(tmp_path).name == "step_8"
 
 
 def test_trainer_state_refuses_arbitrary_pickle(tmp_path: Path) -> None:
@@ -98,9 +97,9 @@ def test_trainer_state_refuses_arbitrary_pickle(tmp_path: Path) -> None:
     ckpt.mkdir()
     torch.save({"x": Evil()}, ckpt / "trainer_state.pt")
     with pytest.raises(
-        C.CheckpointError, match="non-tensor Python objects and is refused for safety"
+        checkpoint.CheckpointError, match="non-tensor Python objects and is refused for safety"
     ):
-        C.load_trainer_state(ckpt)
+        checkpoint.load_trainer_state(ckpt)
 
 
 def test_rng_state_round_trips_through_weights_only_load(tmp_path: Path) -> None:
@@ -108,8 +107,8 @@ def test_rng_state_round_trips_through_weights_only_load(tmp_path: Path) -> None
 
     import numpy as np
 
-    state = C.rng_state()
+    state = checkpoint.rng_state()
     torch.save(state, tmp_path / "rng.pt")
     expected = (random.random(), float(np.random.rand()), float(torch.rand(())))
-    C.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    checkpoint.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == expected

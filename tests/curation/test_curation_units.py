@@ -12,11 +12,11 @@ import pytest
 import torch
 from PIL import Image
 
-from vltrain.data.curation import minhash, semantic
-from vltrain.data.curation.bloom import BloomFilter
-from vltrain.data.curation.hamming import HammingIndex
-from vltrain.data.curation.hashing import image_hashes
-from vltrain.data.curation.text import (
+from vltrain.curation import minhash, semantic
+from vltrain.curation.bloom import BloomFilter
+from vltrain.curation.hamming import HammingIndex
+from vltrain.curation.hashing import image_hashes
+from vltrain.curation.text import (
     NgramHasher,
     fmix64,
     jaccard,
@@ -138,7 +138,7 @@ def test_key_pairs_of_large_runs_and_sort_within_equal_the_brute_force() -> None
 
 
 def test_word_hash_cache_reset_gives_the_same_hashes(monkeypatch) -> None:
-    from vltrain.data.curation import text
+    from vltrain.curation import text
 
     toks = [f"w{i % 37}" for i in range(300)]
     want = NgramHasher(2, seed=3).word_hashes(toks)
@@ -178,7 +178,7 @@ def test_bloom_filter_fp_rate_and_reload_in_a_new_process(tmp_path) -> None:
     assert fp <= 3e-3
     f.save(tmp_path / "f.bloom")
     code = (
-        "import sys; from vltrain.data.curation.bloom import BloomFilter;"
+        "import sys; from vltrain.curation.bloom import BloomFilter;"
         f"f = BloomFilter.load({str(tmp_path / 'f.bloom')!r});"
         "print(sum(f'item {i}' in f for i in range(5000)),"
         " sum(f'other {i}' in f for i in range(20000)))"
@@ -254,8 +254,8 @@ def _blobs(seed: int, size: int = 240) -> Image.Image:
 
 
 def test_crop_windows_find_a_90_percent_crop_either_way_round_but_not_another_picture() -> None:
-    from vltrain.data.curation.features import Features
-    from vltrain.data.curation.pipeline import CurateOptions, Decider
+    from vltrain.curation.features import Features
+    from vltrain.curation.pipeline import CurateOptions, Decider
 
     def feat(i: int, img: Image.Image) -> Features:
         z = np.zeros(0, np.uint64)
@@ -277,8 +277,8 @@ def test_crop_windows_find_a_90_percent_crop_either_way_round_but_not_another_pi
 
 
 def test_a_hamming_radius_outside_64_bits_is_a_clean_error() -> None:
-    from vltrain.data.curation.pipeline import CurateOptions
-    from vltrain.data.records import DataError
+    from vltrain.curation.pipeline import CurateOptions
+    from vltrain.data.readers import DataError
 
     CurateOptions(crop_radius=0).check()  # 0: the crop check is off
     with pytest.raises(DataError, match="--crop-radius is a Hamming radius"):

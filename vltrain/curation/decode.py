@@ -9,7 +9,7 @@ changes what `load_image_native` returns (transparency, palette, EXIF or XMP ori
 animation, compressed text Pillow would size-check, an unknown chunk). A bad CRC, a missing
 IEND, a too-large picture, a decoder error or an unexpected shape all fall back to the Pillow
 path, which gives its usual result or `BadSample`; the file is read once either way.
-`tests/data/curation/test_decode.py` checks both paths give the same pixels, and
+`tests/curation/test_decode.py` checks both paths give the same pixels, and
 `test_image_features_pinned.py` that the hashes did not change.
 """
 

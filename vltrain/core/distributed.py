@@ -204,7 +204,7 @@ def _check(where: str, tensors: list[torch.Tensor]) -> None:
             raise CollectiveDeviceError(
                 f"{where}: a {tuple(t.shape)} {t.dtype} tensor on {t.device} reached a "
                 f"collective, but the process group communicates on {declared} (NCCL accepts "
-                "only CUDA tensors); pass it through a vltrain.engine.distributed helper, "
+                "only CUDA tensors); pass it through a vltrain.core.distributed helper, "
                 "which moves it to comm_device() and back"
             )
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vltrain.data.curation.text import key_bytes
+from vltrain.curation.text import key_bytes
 
 _MAGIC = b"VLTBLOOM1\n"
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from vltrain.data.curation.text import key_bytes
+from vltrain.curation.text import key_bytes
 
 
 def _dct_matrix(n: int) -> np.ndarray:

@@ -16,8 +16,8 @@ import numpy as np
 from PIL import Image
 
 from vltrain.cli import main
-from vltrain.data.curation.features import FeatureSettings, iter_features
-from vltrain.data.curation.hashing import ImageHashes
+from vltrain.curation.features import FeatureSettings, iter_features
+from vltrain.curation.hashing import ImageHashes
 from vltrain.data.synth import write_shapes_dataset
 
 

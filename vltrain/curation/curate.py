@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from vltrain.data.curation import report, semantic
-from vltrain.data.curation.features import iter_features
-from vltrain.data.curation.filters import caption_problem, clip_score_keep, image_problem
-from vltrain.data.curation.minhash import optimal_params, s_curve
-from vltrain.data.curation.pipeline import (
+from vltrain.curation import report, semantic
+from vltrain.curation.features import iter_features
+from vltrain.curation.filters import caption_problem, clip_score_keep, image_problem
+from vltrain.curation.minhash import optimal_params, s_curve
+from vltrain.curation.pipeline import (
     CurateOptions,
     Decider,
     Decision,
@@ -26,7 +26,7 @@ from vltrain.data.curation.pipeline import (
     iter_lines,
     settings,
 )
-from vltrain.data.records import DataError
+from vltrain.data.readers import DataError
 
 
 def removed_path(out: Path) -> Path:

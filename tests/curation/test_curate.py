@@ -83,8 +83,8 @@ def test_caption_dups_drop_and_missing_input_is_a_clean_error(planted: Path, cap
 def test_semantic_dedup_and_clip_filter_with_a_trained_checkpoint(
     shapes_dir: Path, tmp_path: Path
 ) -> None:
-    from vltrain.data.curation.curate import curate
-    from vltrain.data.curation.pipeline import CurateOptions
+    from vltrain.curation.curate import curate
+    from vltrain.curation.pipeline import CurateOptions
     from vltrain.tools.curation import CheckpointEmbedder
 
     run = tmp_path / "run"

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image, PngImagePlugin
 
-from tests.data.curation.test_image_features_pinned import write_pinned_images
-from vltrain.data.curation import decode
+from tests.curation.test_image_features_pinned import write_pinned_images
+from vltrain.curation import decode
 from vltrain.data.images import BadSample, load_image_native
 
 

@@ -24,17 +24,17 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from vltrain.data.curation.bloom import BloomFilter
-from vltrain.data.curation.features import Features, FeatureSettings, iter_features
-from vltrain.data.curation.filters import (
+from vltrain.curation.bloom import BloomFilter
+from vltrain.curation.features import Features, FeatureSettings, iter_features
+from vltrain.curation.filters import (
     CaptionRules,
     ImageRules,
 )
-from vltrain.data.curation.hamming import HammingIndex
-from vltrain.data.curation.hashing import ImageHashes, crop_similarity, thumb_similarity
-from vltrain.data.curation.minhash import LSHIndex, optimal_params
-from vltrain.data.curation.text import jaccard, words
-from vltrain.data.records import DataError, normalise_record
+from vltrain.curation.hamming import HammingIndex
+from vltrain.curation.hashing import ImageHashes, crop_similarity, thumb_similarity
+from vltrain.curation.minhash import LSHIndex, optimal_params
+from vltrain.curation.text import jaccard, words
+from vltrain.data.readers import DataError, normalise_record
 
 #: the curate steps; `vltrain data dedup|decontam|filter` run subsets
 STEPS = ("filter", "decontam", "dedup")
