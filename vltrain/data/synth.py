@@ -32,7 +32,6 @@ about a second per thousand images.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -582,21 +581,3 @@ def synth_command(
         f"held-out combos: {', '.join(result['held_out'])}"
     )
     return result
-
-
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """``python -m vltrain.data.synth --out DIR [--n-train N ...]``."""
-    p = argparse.ArgumentParser(prog="vltrain data synth", description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--n-train", type=int, default=2000)
-    p.add_argument("--n-val", type=int, default=300)
-    p.add_argument("--n-test", type=int, default=300)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--image-size", type=int, default=64)
-    p.add_argument("--force", action="store_true", help="replace a shapes data set in --out")
-    a = p.parse_args(argv)
-    return synth_command(a.out, a.n_train, a.n_val, a.n_test, a.seed, a.image_size, a.force)
-
-
-if __name__ == "__main__":
-    main()
