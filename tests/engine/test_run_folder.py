@@ -80,6 +80,10 @@ def test_resume_refuses_another_run_and_allows_named_changes(
     summary = json.loads((run / "summary.json").read_text())
     again = train(load_config(saved, ["train.resume=true"]))
     assert again == summary and "val" in again
+    # a summary written before it had "step" (the final step) reads with one
+    old = {k: v for k, v in summary.items() if k != "step"}
+    (run / "summary.json").write_text(json.dumps(old))
+    assert train(load_config(saved, ["train.resume=true"]))["step"] == 2 == summary["step"]
     # an explicitly allowed change proceeds (and is logged)
     grown = train(
         load_config(

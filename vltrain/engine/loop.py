@@ -105,6 +105,7 @@ class Trainer:
         cfg, ctx, stage, plan = self.cfg, self.ctx, self.stage, self.plan
         if plan.finished:
             summary = json.loads((self.out_dir / "summary.json").read_text())
+            summary.setdefault("step", summary["steps"])  # written before "step" existed
             if ctx.is_main:
                 done = summary["steps"]
                 print(f"vltrain: {self.out_dir} already finished its {done} steps; nothing to do")
@@ -375,7 +376,8 @@ class Trainer:
         state = self.state
         summary: dict[str, Any] = {
             "out_dir": str(self.out_dir),
-            "steps": state.step,
+            "step": state.step,  # the final optimizer step
+            "steps": state.step,  # the same number, under the name older readers use
             "skipped_steps": state.skipped_steps,
             "bad_samples": self.tracker.counts(),
             "best_metric": self.best_metric,
