@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import transformers  # noqa: E402
 
 from vltrain.inference.decoding import generate  # noqa: E402
-from vltrain.inference.hf_adapter import HFDecodeAdapter  # noqa: E402
+from vltrain.inference.hf_target import HFTarget  # noqa: E402
 
 PAD, BOS, EOS = 0, 1, 2
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results_decoding.md")
@@ -101,7 +101,7 @@ def new_tokens_hf(model: Any, inputs: dict, beams: int, max_new: int) -> torch.T
     return new.masked_fill(after_eos, PAD)
 
 
-def one_at_a_time(adapter: HFDecodeAdapter, inputs: dict, beams: int, max_new: int) -> list:
+def one_at_a_time(target: HFTarget, inputs: dict, beams: int, max_new: int) -> list:
     """vltrain beam search called once per image (the loop users write without batching)."""
     outs = []
     for b in range(inputs["input_ids"].shape[0]):
@@ -111,7 +111,7 @@ def one_at_a_time(adapter: HFDecodeAdapter, inputs: dict, beams: int, max_new: i
             one["input_ids"][:, mask],
             one["attention_mask"][:, mask],
         )
-        outs.append(generate(adapter, one, "beam", max_new_tokens=max_new, num_beams=beams))
+        outs.append(generate(target, one, "beam", max_new_tokens=max_new, num_beams=beams))
     return outs
 
 
@@ -154,16 +154,16 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model = build_llava(args.vocab, args.width, args.layers, args.eos_norm)
     inputs = make_inputs(args.images, args.vocab)
-    adapter = HFDecodeAdapter(model)
+    target = HFTarget(model)
     k, m = args.beams, args.max_new
     fns = {
         "HF generate (batched)": lambda: new_tokens_hf(model, inputs, k, m),
         "vltrain (batched)": lambda: generate(
-            adapter, inputs, "beam", max_new_tokens=m, num_beams=k
+            target, inputs, "beam", max_new_tokens=m, num_beams=k
         ),
-        "vltrain (one image at a time)": lambda: one_at_a_time(adapter, inputs, k, m),
+        "vltrain (one image at a time)": lambda: one_at_a_time(target, inputs, k, m),
     }
-    generate(adapter, make_inputs(2, args.vocab), "beam", max_new_tokens=2, num_beams=k)  # warm
+    generate(target, make_inputs(2, args.vocab), "beam", max_new_tokens=2, num_beams=k)  # warm
     med, outs = timed(fns, args.repeats)
     names = list(fns)
     check_identical(outs[names[0]], outs[names[1]], outs[names[2]])

@@ -371,7 +371,7 @@ class Timer:
     accepted path)."""
 
     def __init__(self) -> None:
-        self.draft = self.verify = self.walk = self.keep = 0.0
+        self.draft = self.verify = self.walk = self.select = 0.0
 
     def wrap(self, fn, name: str):  # noqa: ANN001, ANN202
         def timed(*a, **k):  # noqa: ANN002, ANN003, ANN202
@@ -390,11 +390,11 @@ def native_generate(target, tok, prompts: list[str], max_new: int) -> dict:  # n
     from vltrain.data.draft_data import chat_prompt_ids
     from vltrain.inference.decoding import generate
 
-    dec, ids_out = target.decoder(), []
+    ids_out = []
     t = time.perf_counter()
     for q in prompts:
         ids = torch.tensor([chat_prompt_ids(tok, q)])
-        out = generate(dec, {"input_ids": ids}, "greedy", max_new_tokens=max_new)
+        out = generate(target, {"input_ids": ids}, "greedy", max_new_tokens=max_new)
         ids_out.append(out.sequences[0, : int(out.lengths[0])].tolist())
     sec = time.perf_counter() - t
     n = sum(len(x) for x in ids_out)
@@ -420,8 +420,8 @@ def spec_generate(  # noqa: ANN201
     ``tree_shape`` the DDTree's (``speculative_generate``)."""
     from vltrain.data.draft_data import chat_prompt_ids
     from vltrain.inference import speculative
+    from vltrain.inference.hf_target import HFTarget
     from vltrain.inference.native_llama import NativeTarget
-    from vltrain.inference.spec_targets import HFTarget
     from vltrain.models.drafter import load_drafter
     from vltrain.tools.speculate import attach
 
@@ -437,7 +437,7 @@ def spec_generate(  # noqa: ANN201
     speculative._draft = timer.wrap(orig_draft, "draft")
     speculative._greedy_walks = timer.wrap(orig_walks, "walk")
     target.verify = timer.wrap(target.verify, "verify")
-    target.keep = timer.wrap(target.keep, "keep")
+    target.select = timer.wrap(target.select, "select")
     rows, accepted = [], []
     _sync(dev)
     t = time.perf_counter()
@@ -456,7 +456,7 @@ def spec_generate(  # noqa: ANN201
             accepted.append(st.accepted[0])
     finally:
         speculative._draft, speculative._greedy_walks = orig_draft, orig_walks
-        del target.verify, target.keep  # the class's methods again (the target is reused)
+        del target.verify, target.select  # the class's methods again (the target is reused)
     _sync(dev)
     sec = time.perf_counter() - t
     rounds = sum(len(a) for a in accepted)
@@ -474,7 +474,7 @@ def spec_generate(  # noqa: ANN201
         "draft_ms_per_round": 1000 * timer.draft / max(rounds, 1),
         "verify_ms_per_round": 1000 * timer.verify / max(rounds, 1),
         "walk_ms_per_round": 1000 * timer.walk / max(rounds, 1),
-        "keep_ms_per_round": 1000 * timer.keep / max(rounds, 1),
+        "select_ms_per_round": 1000 * timer.select / max(rounds, 1),
         "ids": rows,
     }
 
@@ -714,7 +714,7 @@ def main() -> None:
         "--forwards", default="hf,native", help="target forwards to time: hf, native (comma list)"
     )
     args = p.parse_args()
-    from vltrain.inference.spec_targets import load_hf_causal_lm
+    from vltrain.inference.hf_target import load_hf_causal_lm
 
     t0 = time.perf_counter()
     g = str(gguf_path())
@@ -868,7 +868,7 @@ def summarize(
                 "draft_ms_per_round": first["draft_ms_per_round"],
                 "verify_ms_per_round": first["verify_ms_per_round"],
                 "walk_ms_per_round": first["walk_ms_per_round"],
-                "keep_ms_per_round": first["keep_ms_per_round"],
+                "select_ms_per_round": first["select_ms_per_round"],
                 "lossless": all(x["lossless"] for x in rs),
                 "seconds_median": sec,
                 "speedup_vs_hf_greedy": greedy_s / sec,

@@ -4,7 +4,7 @@ regenerate` runs) against HF `generate`, same prompts, same batches, identical t
     python bench/bench_regenerate.py [--prompts 64] [--batch-size 16] [--max-new 128] [--repeats 2]
 
 HF keeps a finished row in the batch until the batch's longest answer ends; vltrain drops a row
-once it has emitted EOS (`reorder_cache`) and runs the native Llama forward. The script prints,
+once it has emitted EOS (`reorder`) and runs the native Llama forward. The script prints,
 per method, the median wall-clock time over alternating repeats, answer tokens/s, and the
 row-steps each scheme computes (HF: batch rows x the batch's longest answer; vltrain: the sum of
 the answers' lengths), and exits non-zero unless both wrote the same tokens.
@@ -28,7 +28,8 @@ from bench_drafter import PROMPTS, gguf_path, machine  # noqa: E402
 from vltrain.data.draft_data import chat_prompt_ids  # noqa: E402
 from vltrain.inference.captioning import left_pad  # noqa: E402
 from vltrain.inference.decoding import generate  # noqa: E402
-from vltrain.inference.spec_targets import causal_lm_target, load_hf_causal_lm  # noqa: E402
+from vltrain.inference.hf_target import load_hf_causal_lm  # noqa: E402
+from vltrain.inference.native_llama import causal_lm_target  # noqa: E402
 
 
 def _cut(row: list[int], eos: int) -> list[int]:
@@ -47,7 +48,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model, tok = load_hf_causal_lm(gguf_path())
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    dec = causal_lm_target(model, [], "auto", pad).decoder()
+    dec = causal_lm_target(model, [], "auto", pad)
     eos = dec.eos_token_id
     step = max(1, len(PROMPTS) // args.prompts)  # spread over the topics and templates
     prompts = PROMPTS[::step][: args.prompts]

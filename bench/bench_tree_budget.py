@@ -45,7 +45,8 @@ from bench_drafter_heldout import prompt_set  # noqa: E402
 from vltrain.data.draft_data import chat_prompt_ids
 from vltrain.inference import speculative
 from vltrain.inference.captioning import left_pad
-from vltrain.inference.spec_targets import causal_lm_target, load_hf_causal_lm
+from vltrain.inference.hf_target import load_hf_causal_lm
+from vltrain.inference.native_llama import causal_lm_target
 from vltrain.models.drafter import load_drafter
 from vltrain.tools.speculate import attach
 

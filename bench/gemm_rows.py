@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_drafter import gguf_path, machine  # noqa: E402
-from vltrain.inference.spec_targets import load_hf_causal_lm  # noqa: E402
+from vltrain.inference.hf_target import load_hf_causal_lm  # noqa: E402
 from vltrain.models.packed import PackedLinears  # noqa: E402
 
 

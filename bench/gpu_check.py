@@ -453,7 +453,7 @@ def check_drafter_smollm2(args: argparse.Namespace) -> tuple[str, str]:
         return "FAILED", "train: " + _tail(res)
     summary = json.loads((run / "summary.json").read_text())
     val = summary.get("val", {})
-    from vltrain.inference.spec_targets import load_hf_causal_lm
+    from vltrain.inference.hf_target import load_hf_causal_lm
 
     model, tok = load_hf_causal_lm(g)
     model = model.to(dev)

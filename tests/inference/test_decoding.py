@@ -8,7 +8,7 @@ import torch
 from vltrain.inference.decoding import GenerationOutput, generate, top_k_filter, top_p_filter
 
 transformers = pytest.importorskip("transformers")
-from vltrain.inference.hf_adapter import HFDecodeAdapter  # noqa: E402
+from vltrain.inference.hf_target import HFTarget  # noqa: E402
 
 V, PAD, BOS, EOS, IMG = 96, 0, 1, 2, 95
 MAX_NEW = 10
@@ -175,7 +175,7 @@ GREEDY_CASES = [
 @pytest.mark.parametrize("which", ["llama", "llava"])
 def test_greedy_matches_hf(which: str, kw: dict, request: pytest.FixtureRequest) -> None:
     model, inputs = request.getfixturevalue(which)
-    out = generate(HFDecodeAdapter(model), inputs, "greedy", max_new_tokens=MAX_NEW, **kw)
+    out = generate(HFTarget(model), inputs, "greedy", max_new_tokens=MAX_NEW, **kw)
     _check_against_hf(model, inputs, out, **kw)
     if not kw:
         _assert_some_finished_early(out)
@@ -204,7 +204,7 @@ BEAM_IDS = ["nb4", "lp2-early", "lp0.5-never-min", "ngram-nret2", "lp-neg-min-ng
 @pytest.mark.parametrize("which", ["llama", "llava"])
 def test_beam_matches_hf(which: str, kw: dict, request: pytest.FixtureRequest) -> None:
     model, inputs = request.getfixturevalue(which)
-    out = generate(HFDecodeAdapter(model), inputs, "beam", max_new_tokens=MAX_NEW, **kw)
+    out = generate(HFTarget(model), inputs, "beam", max_new_tokens=MAX_NEW, **kw)
     _check_against_hf(model, inputs, out, **kw)
     n = kw.get("num_return_sequences", 1)
     assert out.sequences.shape[0] == inputs["input_ids"].shape[0] * n
@@ -217,11 +217,11 @@ def test_beam_matches_hf(which: str, kw: dict, request: pytest.FixtureRequest) -
 def test_beam_cases_exercise_early_eos_and_length_penalty(llava) -> None:
     """Negative controls: EOS really ends beams early here, and length_penalty changes results."""
     model, inputs = llava
-    adapter = HFDecodeAdapter(model)
-    base = generate(adapter, inputs, "beam", max_new_tokens=MAX_NEW, num_beams=4)
+    target = HFTarget(model)
+    base = generate(target, inputs, "beam", max_new_tokens=MAX_NEW, num_beams=4)
     _assert_some_finished_early(base)
     longer = generate(
-        adapter, inputs, "beam", max_new_tokens=MAX_NEW, num_beams=4, length_penalty=2.0
+        target, inputs, "beam", max_new_tokens=MAX_NEW, num_beams=4, length_penalty=2.0
     )
     assert not torch.equal(base.lengths, longer.lengths)
 
@@ -229,16 +229,16 @@ def test_beam_cases_exercise_early_eos_and_length_penalty(llava) -> None:
 def test_beam_drops_frozen_inputs_without_changing_results(llava) -> None:
     """Inputs whose finished hypotheses can no longer change leave the batch (HF keeps them)."""
     model, inputs = llava
-    adapter = HFDecodeAdapter(model)
+    target = HFTarget(model)
     rows: list[int] = []
-    reorder = adapter.reorder_cache
+    reorder = target.reorder
 
     def spy(cache, index):
         rows.append(index.numel())
         return reorder(cache, index)
 
-    adapter.reorder_cache = spy  # type: ignore[method-assign]
-    out = generate(adapter, inputs, "beam", max_new_tokens=MAX_NEW, num_beams=3)
+    target.reorder = spy  # type: ignore[method-assign]
+    out = generate(target, inputs, "beam", max_new_tokens=MAX_NEW, num_beams=3)
     _check_against_hf(model, inputs, out, num_beams=3)
     full = inputs["input_ids"].shape[0] * 3
     assert rows[0] == full and min(rows) < full, rows  # the pruning path really ran
@@ -251,16 +251,16 @@ def test_greedy_drops_finished_rows_without_changing_results(
     """A row that has emitted EOS leaves the batch (HF keeps computing it): each step feeds
     exactly the rows still running, and the tokens stay HF's."""
     model, inputs = request.getfixturevalue(which)
-    adapter = HFDecodeAdapter(model)
+    target = HFTarget(model)
     fed: list[int] = []
-    step = adapter.step
+    step = target.step
 
     def spy(tokens, cache):
         fed.append(tokens.shape[0])
         return step(tokens, cache)
 
-    adapter.step = spy  # type: ignore[method-assign]
-    out = generate(adapter, inputs, "greedy", max_new_tokens=MAX_NEW)
+    target.step = spy  # type: ignore[method-assign]
+    out = generate(target, inputs, "greedy", max_new_tokens=MAX_NEW)
     _check_against_hf(model, inputs, out)
     _assert_some_finished_early(out)
     running = [int((out.lengths > t).sum()) for t in range(1, out.sequences.shape[1])]
@@ -269,7 +269,7 @@ def test_greedy_drops_finished_rows_without_changing_results(
     # sampling keeps the whole batch to the end (its draws must be HF's)
     fed.clear()
     torch.manual_seed(0)
-    generate(adapter, inputs, "sample", max_new_tokens=MAX_NEW)
+    generate(target, inputs, "sample", max_new_tokens=MAX_NEW)
     assert set(fed) == {inputs["input_ids"].shape[0]}, fed
 
 
@@ -278,7 +278,7 @@ def test_qwen2vl_matches_hf(qwen2vl, strategy: str) -> None:
     """Qwen2-VL: 3-D M-RoPE positions come from the model's own generation helper."""
     model, inputs = qwen2vl
     kw = {"num_beams": 3} if strategy == "beam" else {}
-    out = generate(HFDecodeAdapter(model), inputs, strategy, max_new_tokens=MAX_NEW, **kw)
+    out = generate(HFTarget(model), inputs, strategy, max_new_tokens=MAX_NEW, **kw)
     _check_against_hf(model, inputs, out, **kw)
 
 
@@ -291,7 +291,7 @@ def test_sampling_matches_hf_under_same_global_seed(llava) -> None:
     kw = dict(temperature=0.7, top_k=20, top_p=0.9)
     torch.manual_seed(123)
     out = generate(
-        HFDecodeAdapter(model),
+        HFTarget(model),
         inputs,
         "sample",
         max_new_tokens=MAX_NEW,
@@ -311,7 +311,7 @@ def test_sampling_matches_hf_under_same_global_seed(llava) -> None:
     assert torch.equal(out.sequences, _hf_new_tokens(ref, inputs["input_ids"].shape[1]))
     torch.manual_seed(124)  # negative control: another seed gives other samples
     other = generate(
-        HFDecodeAdapter(model),
+        HFTarget(model),
         inputs,
         "sample",
         max_new_tokens=MAX_NEW,
@@ -326,7 +326,7 @@ def test_sample_logprobs_are_raw_policy(llama) -> None:
     model, inputs = llama
     g = torch.Generator().manual_seed(0)
     out = generate(
-        HFDecodeAdapter(model),
+        HFTarget(model),
         inputs,
         "sample",
         max_new_tokens=MAX_NEW,
@@ -354,11 +354,11 @@ def test_sample_logprobs_are_raw_policy(llama) -> None:
 
 def test_top_k_1_equals_greedy(llava) -> None:
     model, inputs = llava
-    adapter = HFDecodeAdapter(model)
-    greedy = generate(adapter, inputs, "greedy", max_new_tokens=MAX_NEW)
+    target = HFTarget(model)
+    greedy = generate(target, inputs, "greedy", max_new_tokens=MAX_NEW)
     g = torch.Generator().manual_seed(7)
     sampled = generate(
-        adapter, inputs, "sample", max_new_tokens=MAX_NEW, top_k=1, generator=g, temperature=1.3
+        target, inputs, "sample", max_new_tokens=MAX_NEW, top_k=1, generator=g, temperature=1.3
     )
     assert torch.equal(sampled.sequences, greedy.sequences)
     torch.testing.assert_close(sampled.token_logprobs, greedy.token_logprobs)
@@ -387,22 +387,23 @@ def test_top_p_filter_matches_manual_reference() -> None:
 
 
 class _MarkovModel:
-    """A DecodeModel whose next-token logits depend only on the last token: table[last]."""
+    """The part of a DecodeTarget that `generate` drives, with next-token logits that depend
+    only on the last token: table[last]. The cache is the last token; there is no context."""
 
     eos_token_id, pad_token_id, bos_token_id = 0, 7, 1
 
     def __init__(self, table: torch.Tensor) -> None:
         self.table = table  # (V, V)
 
-    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         last = input_ids[:, -1]
-        return self.table[last], last
+        return self.table[last], last, None
 
     def step(self, tokens: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.table[tokens], tokens
 
-    def reorder_cache(self, cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        return cache[index]
+    def reorder(self, cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return cache[rows]
 
 
 P = [0.04, 0.40, 0.25, 0.15, 0.10, 0.06]  # next-token probabilities after token 1; EOS is 0
@@ -479,12 +480,12 @@ def test_seeded_sampling_is_reproducible_and_pads_after_eos() -> None:
 
 def test_invalid_arguments_name_the_problem(llama) -> None:
     model, inputs = llama
-    adapter = HFDecodeAdapter(model)
+    target = HFTarget(model)
     with pytest.raises(ValueError, match="strategy='topk'"):
-        generate(adapter, inputs, "topk")  # type: ignore[arg-type]
+        generate(target, inputs, "topk")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_return_sequences=6"):
-        generate(adapter, inputs, "beam", num_beams=5, num_return_sequences=6)
+        generate(target, inputs, "beam", num_beams=5, num_return_sequences=6)
     with pytest.raises(ValueError, match="early_stopping"):
-        generate(adapter, inputs, "beam", early_stopping="sometimes")
+        generate(target, inputs, "beam", early_stopping="sometimes")
     with pytest.raises(ValueError, match="top_p"):
-        generate(adapter, inputs, "sample", top_p=0.0)
+        generate(target, inputs, "sample", top_p=0.0)

@@ -23,13 +23,12 @@ from tests.inference.spec_helpers import (
     tiny_causal_lm,
 )
 from vltrain.inference.decoding import generate
-from vltrain.inference.hf_adapter import HFDecodeAdapter
 from vltrain.inference.speculative import speculative_generate
 from vltrain.models.packed import PackedLinears, can_pack
 
 transformers = pytest.importorskip("transformers")
-from vltrain.inference.native_llama import NativeLlama, NativeTarget  # noqa: E402
-from vltrain.inference.spec_targets import HFTarget  # noqa: E402
+from vltrain.inference.hf_target import HFTarget  # noqa: E402
+from vltrain.inference.native_llama import NativeLlama, NativeTarget, causal_lm_target  # noqa: E402
 
 ATOL = 1e-5
 PARENTS = [-1, 0, 0, 1, 1, 2, 3]
@@ -71,7 +70,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     assert (a - b).abs().max().item() <= ATOL
 
 
-def test_prefill_verify_keep_step_equal_hf(saved):
+def test_prefill_verify_select_step_equal_hf(saved):
     """Logits, drafter features and positions of every call equal HF's (HFTarget)."""
     hf, nat = HFTarget(_load(saved), LAYERS), NativeTarget(_load(saved), LAYERS)
     ids, mask = _prompt()
@@ -92,12 +91,37 @@ def test_prefill_verify_keep_step_equal_hf(saved):
     keep = torch.tensor([[*range(n), n + 0, n + 1, n + 3], [*range(n), n + 0, n + 2, n + 5]] * 2)
     keep, valid = keep[:3], torch.ones(3, n + 3, dtype=torch.bool)
     valid[2, -1] = False  # row 2 keeps a shorter path
-    ch, cn = hf.keep(ch, keep, valid), nat.keep(cn, keep, valid)
+    ch, cn = hf.select(ch, keep, valid), nat.select(cn, keep, valid)
     assert torch.equal(hf.next_positions(ch), nat.next_positions(cn))
     nxt = torch.tensor([7, 8, 9])
-    sh, _ = hf.adapter.step(nxt, ch)
+    sh, _ = hf.step(nxt, ch)
     sn, _ = nat.step(nxt, cn)
     _close(sh, sn)
+
+
+def test_crop_after_a_chain_verify_continues_like_hf(saved):
+    """``crop`` keeps the first n positions: the accepted prefix of a verified chain."""
+    hf, nat = HFTarget(_load(saved)), NativeTarget(_load(saved))
+    ids, mask = _prompt()
+    chain = torch.arange(-1, 3).expand(3, -1)
+    toks = torch.randint(3, V, (3, 4), generator=torch.Generator().manual_seed(6))
+    _, ch, _ = hf.prefill(ids, mask)
+    _, cn, _ = nat.prefill(ids, mask)
+    _, ch, _ = hf.verify(toks, chain, ch)
+    _, cn, _ = nat.verify(toks, chain, cn)
+    n = ids.shape[1] + 2  # the prompt and 2 of the 4 chain tokens
+    ch, cn = hf.crop(ch, n), nat.crop(cn, n)
+    assert torch.equal(hf.next_positions(ch), nat.next_positions(cn))
+    nxt = torch.tensor([7, 8, 9])
+    sn, _ = nat.step(nxt, cn)
+    _close(hf.step(nxt, ch)[0], sn)
+    more = toks[:, :2]  # a fresh prefill of the prompt and the accepted tokens
+    fresh = nat.prefill(torch.cat([ids, more], 1), torch.cat([mask, torch.ones_like(more)], 1))[1]
+    _close(nat.step(nxt, fresh)[0], sn)
+    _, cn, _ = nat.prefill(ids, mask)
+    _, cn, _ = nat.verify(toks, chain, cn)
+    stale, _ = nat.step(nxt, nat.crop(cn, n + 1))
+    assert (stale - sn).abs().max() > 10 * ATOL  # negative control: a rejected token left in
 
 
 def test_greedy_equals_hf_generate_on_padded_batch(saved):
@@ -106,8 +130,9 @@ def test_greedy_equals_hf_generate_on_padded_batch(saved):
     ref = _load(saved).generate(
         ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD
     )[:, ids.shape[1] :]
-    dec = NativeTarget(_load(saved)).decoder()
-    ours = greedy_reference(dec, {"input_ids": ids, "attention_mask": mask}, 12)
+    ours = greedy_reference(
+        NativeTarget(_load(saved)), {"input_ids": ids, "attention_mask": mask}, 12
+    )
     for row, want in zip(ours, ref.tolist(), strict=True):
         assert row == want[: len(row)]
         assert len(row) == 12 or row[-1] == EOS
@@ -116,8 +141,8 @@ def test_greedy_equals_hf_generate_on_padded_batch(saved):
 def test_beam_search_reorders_the_native_cache_like_hf(saved):
     ids, mask = _prompt()
     inputs = {"input_ids": ids, "attention_mask": mask}
-    ref = generate(HFDecodeAdapter(_load(saved)), inputs, "beam", max_new_tokens=6, num_beams=3)
-    ours = generate(NativeTarget(_load(saved)).decoder(), inputs, "beam", 6, num_beams=3)
+    ref = generate(HFTarget(_load(saved)), inputs, "beam", max_new_tokens=6, num_beams=3)
+    ours = generate(NativeTarget(_load(saved)), inputs, "beam", 6, num_beams=3)
     assert torch.equal(ref.sequences, ours.sequences)
 
 
@@ -128,7 +153,7 @@ def test_speculative_decoding_through_the_native_forward_is_lossless(saved, budg
     with a reduced draft vocabulary the walk scores its visited nodes over the whole head."""
     ids, mask = _prompt()
     inputs = {"input_ids": ids, "attention_mask": mask}
-    want = greedy_reference(HFDecodeAdapter(_load(saved)), inputs, 20)
+    want = greedy_reference(HFTarget(_load(saved)), inputs, 20)
     hf = HFTarget(_load(saved), LAYERS)
     nat = NativeTarget(_load(saved), LAYERS)
     got_hf, st_hf = speculative_generate(hf, random_drafter(hf, 4, vocab=vocab), inputs, 20, budget)
@@ -142,9 +167,9 @@ def test_the_native_cache_grows_past_its_first_capacity(saved):
     """Decoding far past the prefill's spare room: the buffers double and keep their keys."""
     ids, mask = _prompt()
     inputs = {"input_ids": ids, "attention_mask": mask}
-    want = greedy_reference(HFDecodeAdapter(_load(saved)), inputs, 150)
+    want = greedy_reference(HFTarget(_load(saved)), inputs, 150)
     nat = NativeTarget(_load(saved))
-    assert greedy_reference(nat.decoder(), inputs, 150) == want
+    assert greedy_reference(nat, inputs, 150) == want
     _, cache, _ = nat.prefill(ids, mask)
     assert cache.keys[0].shape[2] == ids.shape[1] + 128  # so 150 tokens did grow it
 
@@ -202,7 +227,6 @@ def test_packed_linear_is_plain_under_autograd():
 
 def test_auto_falls_back_to_hf_where_the_native_forward_cannot_go():
     from vltrain.config.core import ConfigError
-    from vltrain.inference.spec_targets import causal_lm_target
 
     dims = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
     dims |= dict(num_attention_heads=4, num_key_value_heads=2)
@@ -248,12 +272,12 @@ def test_packed_linear_repacks_a_weight_updated_in_place():
 
 
 def test_greedy_drops_finished_rows_from_the_native_cache(saved):
-    """Rows leave the batch once they emit EOS (``reorder_cache`` on the native buffers) and
+    """Rows leave the batch once they emit EOS (``reorder`` on the native buffers) and
     the others still decode HF's tokens. EOS is a token some row really emits before the others
     end, so rows finish at different steps whatever the random weights."""
     ids, mask = _prompt()
     inputs = {"input_ids": ids, "attention_mask": mask}
-    dec = NativeTarget(_load(saved)).decoder()
+    dec = NativeTarget(_load(saved))
     free = generate(dec, inputs, "greedy", max_new_tokens=12)
     eos = _early_stop_token(free.sequences, free.lengths)
     ref = _load(saved).generate(

@@ -9,11 +9,11 @@ import torch
 
 from tests.inference import spec_helpers
 from vltrain.inference import speculative
-from vltrain.inference.spec_targets import CaptionerTarget, HFTarget
+from vltrain.inference.captioner_target import CaptionerTarget
+from vltrain.inference.hf_target import HFTarget
 from vltrain.models.captioner import Captioner
 
 transformers = pytest.importorskip("transformers")
-from vltrain.inference.hf_adapter import HFDecodeAdapter  # noqa: E402
 
 V, PAD, BOS, EOS = spec_helpers.V, spec_helpers.PAD, spec_helpers.BOS, spec_helpers.EOS
 BUDGETS = (0, 4, 12)
@@ -53,7 +53,7 @@ def hf_target(request, tmp_path_factory):  # noqa: ANN001, ANN201
 )
 def test_hf_greedy_is_lossless(hf_target, budget, shape, monkeypatch) -> None:  # noqa: ANN001
     inputs = prompts()
-    ref = spec_helpers.greedy_reference(HFDecodeAdapter(hf_target.model), inputs, 24)
+    ref = spec_helpers.greedy_reference(HFTarget(hf_target.model), inputs, 24)
     drafter = spec_helpers.random_drafter(hf_target)
     kw = {"tree_budget": budget, "tree_shape": shape}
     out, _ = speculative.speculative_generate(hf_target, drafter, inputs, 24, **kw)
@@ -77,7 +77,7 @@ def test_a_reduced_draft_vocabulary_is_lossless_and_drafts_only_its_tokens(
     monkeypatch,  # noqa: ANN001
 ) -> None:
     inputs = prompts()
-    ref = spec_helpers.greedy_reference(HFDecodeAdapter(hf_target.model), inputs, 24)
+    ref = spec_helpers.greedy_reference(HFTarget(hf_target.model), inputs, 24)
     vocab = list(range(1, V, 3))  # a third of the tokens
     drafter = spec_helpers.random_drafter(hf_target, vocab=vocab)
     fed, verify = [], hf_target.verify
@@ -110,7 +110,7 @@ def test_captioner_batched_greedy_is_lossless(connector, budget, monkeypatch) ->
     images = torch.rand(4, 3, 64, 64, generator=torch.Generator().manual_seed(0))
     ids = torch.tensor([[PAD, BOS], [BOS, 5], [PAD, BOS], [BOS, 7]])
     inputs = {"images": images, "input_ids": ids, "attention_mask": (ids != PAD).long()}
-    ref = spec_helpers.greedy_reference(model, inputs, 20)
+    ref = spec_helpers.greedy_reference(target, inputs, 20)
     drafter = spec_helpers.random_drafter(target)
     assert (
         speculative.speculative_generate(target, drafter, inputs, 20, tree_budget=budget)[0] == ref
@@ -134,11 +134,11 @@ def test_a_finished_row_stops_growing_while_others_decode(budget, monkeypatch) -
     images = torch.rand(3, 3, 64, 64, generator=torch.Generator().manual_seed(0))
     ids = torch.tensor([[BOS], [BOS], [BOS]])
     inputs = {"images": images, "input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    free = spec_helpers.greedy_reference(model, inputs, 24)
+    free = spec_helpers.greedy_reference(target, inputs, 24)
     stop = free[0][1]  # row 0 ends after two tokens; the others run on (their text avoids it)
     assert all(stop not in r[:24] for r in free[1:]), "pick another row-0 token"
-    model.eos_token_id = target.eos_token_id = stop
-    ref = spec_helpers.greedy_reference(model, inputs, 24)
+    target.eos_token_id = stop
+    ref = spec_helpers.greedy_reference(target, inputs, 24)
     assert len(ref[0]) == 2 and min(len(r) for r in ref[1:]) > 10
     seen: list[list[int]] = []
     real = target.verify
@@ -173,7 +173,7 @@ def test_a_row_finished_near_the_context_end_is_not_fed_past_it(budget, monkeypa
     ids = torch.tensor([[BOS], [BOS], [BOS]])
     inputs = {"images": images, "input_ids": ids, "attention_mask": torch.ones_like(ids)}
     room = model.max_text_len - 1 - 8
-    ref = spec_helpers.greedy_reference(model, inputs, room)
+    ref = spec_helpers.greedy_reference(target, inputs, room)
     first = (model.connector.num_prefix_tokens() + 1,) * 3
     wrong = [[(t + 1) % V for t in r] for r in ref[1:]]  # rows 1, 2 accept about one a round
     monkeypatch.setattr(
@@ -187,7 +187,7 @@ def test_a_row_finished_near_the_context_end_is_not_fed_past_it(budget, monkeypa
 
 def test_tree_accepts_at_least_the_chain_on_every_prompt(hf_target, monkeypatch) -> None:  # noqa: ANN001
     inputs = prompts(4)
-    ref = spec_helpers.greedy_reference(HFDecodeAdapter(hf_target.model), inputs, 40)
+    ref = spec_helpers.greedy_reference(HFTarget(hf_target.model), inputs, 40)
     first = inputs["attention_mask"].sum(1).tolist()
     drafter = spec_helpers.random_drafter(hf_target, block_size=6)
     taus = {}

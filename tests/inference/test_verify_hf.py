@@ -1,4 +1,4 @@
-"""HF causal LMs through `HFDecodeAdapter.verify`, `crop_cache`, `select_cache`.
+"""HF causal LMs through `HFTarget.verify`, `crop`, `select`.
 
 Tiny random Llama / Qwen2 built from config objects, saved to a tmp dir and loaded back (no
 downloads). Left-padded prompts. Tolerance 1e-5 (fp32; the computations differ in batching).
@@ -9,10 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vltrain.models.layers import tree_depths, tree_mask
-
 transformers = pytest.importorskip("transformers")
-from vltrain.inference.hf_adapter import HFDecodeAdapter  # noqa: E402
+from vltrain.inference.hf_target import HFTarget  # noqa: E402
 
 V, PAD, BOS, EOS = 96, 0, 1, 2
 ATOL = 1e-5
@@ -55,9 +53,9 @@ def saved(request, tmp_path_factory):
     return cls, path
 
 
-def _load(saved, attn: str = "sdpa") -> HFDecodeAdapter:
+def _load(saved, attn: str = "sdpa") -> HFTarget:
     cls, path = saved
-    return HFDecodeAdapter(cls.from_pretrained(path, attn_implementation=attn).eval())
+    return HFTarget(cls.from_pretrained(path, attn_implementation=attn).eval())
 
 
 def _prompt() -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,46 +70,53 @@ def _tokens(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randint(3, V, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _fresh(adapter: HFDecodeAdapter, ids, mask, more):
+def _fresh(target: HFTarget, ids, mask, more):
+    """(logits, cache) of a prefill of the prompt followed by the tokens ``more`` (B, n)."""
     full = torch.cat([ids, more], 1)
-    return adapter.prefill(
+    logits, cache, _ = target.prefill(
         input_ids=full, attention_mask=torch.cat([mask, torch.ones_like(more)], 1)
     )
+    return logits, cache
+
+
+def _chain(b: int, n: int) -> torch.Tensor:
+    """Parents (B, N) of a chain: each node's parent is the node before it."""
+    return torch.arange(-1, n - 1).expand(b, -1)
 
 
 def test_verify_equals_step_by_step(saved) -> None:
-    adapter = _load(saved)
+    target = _load(saved)
     ids, mask = _prompt()
     draft = _tokens((3, 4), 1)
-    _, cache = adapter.prefill(input_ids=ids, attention_mask=mask)
-    got, vcache = adapter.verify(draft, cache)
+    _, cache, _ = target.prefill(input_ids=ids, attention_mask=mask)
+    got, vcache, _ = target.verify(draft, _chain(3, 4), cache)
     assert got.shape == (3, 4, V) and got.dtype == torch.float32
-    _, scache = adapter.prefill(input_ids=ids, attention_mask=mask)
+    _, scache, _ = target.prefill(input_ids=ids, attention_mask=mask)
     steps = []
     for j in range(4):
-        logits, scache = adapter.step(draft[:, j], scache)
+        logits, scache = target.step(draft[:, j], scache)
         steps.append(logits)
     torch.testing.assert_close(got, torch.stack(steps, 1), atol=ATOL, rtol=0)
     nxt = _tokens((3,), 2)
     torch.testing.assert_close(
-        adapter.step(nxt, vcache)[0], adapter.step(nxt, scache)[0], atol=ATOL, rtol=0
+        target.step(nxt, vcache)[0], target.step(nxt, scache)[0], atol=ATOL, rtol=0
     )
 
 
 def test_cropped_cache_continues_like_a_fresh_prefill(saved) -> None:
-    adapter = _load(saved)
+    target = _load(saved)
     ids, mask = _prompt()
     draft, nxt = _tokens((3, 4), 3), _tokens((3,), 4)
-    _, cache = adapter.prefill(input_ids=ids, attention_mask=mask)
-    _, cache = adapter.verify(draft, cache)
-    kept = adapter.crop_cache(cache, ids.shape[1] + 2)  # accept 2 of the 4 draft tokens
-    got, _ = adapter.step(nxt, kept)
-    _, fresh = _fresh(adapter, ids, mask, draft[:, :2])
-    ref, _ = adapter.step(nxt, fresh)
+    _, cache, _ = target.prefill(input_ids=ids, attention_mask=mask)
+    _, cache, _ = target.verify(draft, _chain(3, 4), cache)
+    kept = target.crop(cache, ids.shape[1] + 2)  # accept 2 of the 4 draft tokens
+    got, _ = target.step(nxt, kept)
+    _, fresh = _fresh(target, ids, mask, draft[:, :2])
+    ref, _ = target.step(nxt, fresh)
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
-    _, cache = adapter.prefill(input_ids=ids, attention_mask=mask)
-    _, cache = adapter.verify(draft, cache)
-    stale, _ = adapter.step(nxt, adapter.crop_cache(cache, ids.shape[1] + 3))
+    _, cache, _ = target.prefill(input_ids=ids, attention_mask=mask)
+    _, cache, _ = target.verify(draft, _chain(3, 4), cache)
+    stale, _ = target.step(nxt, target.crop(cache, ids.shape[1] + 3))
     assert (stale - ref).abs().max() > 1e-3  # negative control: a rejected token left in
 
 
@@ -122,47 +127,44 @@ def _path(node: int) -> list[int]:
     return out[::-1]
 
 
-def _tree_inputs(cache, mask: torch.Tensor):
-    par = torch.tensor(PARENTS)
-    pos = cache.position_ids + 1 + tree_depths(par)  # (B, N): last prompt position + 1 + depth
-    return pos, tree_mask(par, mask.shape[1], key_mask=mask)  # (B, 1, N, S + N)
+def _tree(b: int) -> torch.Tensor:
+    return torch.tensor(PARENTS).expand(b, -1)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_tree_verify_gives_every_node_its_chain_logits(saved, attn: str) -> None:
-    adapter = _load(saved, attn)
+    target = _load(saved, attn)
     ids, mask = _prompt()
     nodes = _tokens((3, len(PARENTS)), 5)
-    _, cache = adapter.prefill(input_ids=ids, attention_mask=mask)
-    pos, tmask = _tree_inputs(cache, mask)
-    got, _ = adapter.verify(nodes, cache, position_ids=pos, attention_mask=tmask)
-    _, cache = adapter.prefill(input_ids=ids, attention_mask=mask)
-    chain, _ = adapter.verify(nodes, cache)  # negative control: a causal chain over the nodes
+    _, cache, _ = target.prefill(input_ids=ids, attention_mask=mask)
+    got, _, _ = target.verify(nodes, _tree(3), cache)
+    _, cache, _ = target.prefill(input_ids=ids, attention_mask=mask)
+    # negative control: a chain over the nodes
+    chain, _, _ = target.verify(nodes, _chain(3, len(PARENTS)), cache)
     off_chain = 0.0
     for i in range(len(PARENTS)):
-        ref, _ = _fresh(adapter, ids, mask, nodes[:, _path(i)])
+        ref, _ = _fresh(target, ids, mask, nodes[:, _path(i)])
         torch.testing.assert_close(got[:, i], ref, atol=ATOL, rtol=0)
         off_chain = max(off_chain, float((chain[:, i] - ref).abs().max()))
-    assert off_chain > 1e-3, "a causal mask must not reproduce the tree's logits"
+    assert off_chain > 1e-3, "a chain must not reproduce the tree's logits"
 
 
 def test_select_tree_path_equals_fresh_prefill_of_the_path(saved) -> None:
-    adapter = _load(saved)
+    target = _load(saved)
     ids, mask = _prompt()
     nodes, nxt = _tokens((3, len(PARENTS)), 6), _tokens((3,), 7)
-    _, cache = adapter.prefill(input_ids=ids, attention_mask=mask)
-    pos, tmask = _tree_inputs(cache, mask)
-    _, cache = adapter.verify(nodes, cache, position_ids=pos, attention_mask=tmask)
+    _, cache, _ = target.prefill(input_ids=ids, attention_mask=mask)
+    _, cache, _ = target.verify(nodes, _tree(3), cache)
     path = _path(6)  # (0, 1, 3, 6), the same for every row
     index = torch.cat([torch.arange(ids.shape[1]), torch.tensor(path) + ids.shape[1]])
-    got, _ = adapter.step(nxt, adapter.select_cache(cache, index))
-    _, fresh = _fresh(adapter, ids, mask, nodes[:, path])
-    ref, _ = adapter.step(nxt, fresh)
+    got, _ = target.step(nxt, target.select(cache, index))
+    _, fresh = _fresh(target, ids, mask, nodes[:, path])
+    ref, _ = target.step(nxt, fresh)
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
-    _, cache = adapter.prefill(input_ids=ids, attention_mask=mask)
-    _, cache = adapter.verify(nodes, cache, position_ids=pos, attention_mask=tmask)
+    _, cache, _ = target.prefill(input_ids=ids, attention_mask=mask)
+    _, cache, _ = target.verify(nodes, _tree(3), cache)
     wrong = torch.cat([torch.arange(ids.shape[1]), torch.tensor([0, 2, 5]) + ids.shape[1]])
-    bad, _ = adapter.step(nxt, adapter.select_cache(cache, wrong))
+    bad, _ = target.step(nxt, target.select(cache, wrong))
     assert (bad - ref).abs().max() > 1e-3  # negative control: another path of the tree
 
 
@@ -176,13 +178,12 @@ def test_select_tree_path_equals_fresh_prefill_of_the_path(saved) -> None:
         [[]],  # nothing accepted past the old cache
     ],
 )
-def test_select_cache_equals_a_plain_gather(saved, tail) -> None:  # noqa: ANN001
-    adapter = _load(saved)
+def test_select_equals_a_plain_gather(saved, tail) -> None:  # noqa: ANN001
+    target = _load(saved)
     ids, mask = _prompt()
     nodes = _tokens((3, len(PARENTS)), 8)
-    _, cache = adapter.prefill(input_ids=ids, attention_mask=mask)
-    pos, tmask = _tree_inputs(cache, mask)
-    _, cache = adapter.verify(nodes, cache, position_ids=pos, attention_mask=tmask)
+    _, cache, _ = target.prefill(input_ids=ids, attention_mask=mask)
+    _, cache, _ = target.verify(nodes, _tree(3), cache)
     old = ids.shape[1]
     rows = torch.tensor(tail, dtype=torch.long).reshape(len(tail), -1).expand(3, -1)
     index = torch.cat([torch.arange(old).expand(3, -1), old + rows], 1)
@@ -193,20 +194,20 @@ def test_select_cache_equals_a_plain_gather(saved, tail) -> None:  # noqa: ANN00
         )
         for layer in cache.kv.layers
     ]
-    kept = adapter.select_cache(cache, index)
+    kept = target.select(cache, index)
     for layer, (k, v) in zip(kept.kv.layers, want, strict=True):
         assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
     assert kept.kv.get_seq_length() == index.shape[1]
 
 
-def test_select_cache_may_repeat_positions(saved) -> None:  # noqa: ANN001
-    adapter = _load(saved)
+def test_select_may_repeat_positions(saved) -> None:  # noqa: ANN001
+    target = _load(saved)
     ids, mask = _prompt()
-    _, cache = adapter.prefill(input_ids=ids, attention_mask=mask)
+    _, cache, _ = target.prefill(input_ids=ids, attention_mask=mask)
     n = ids.shape[1]
     index = torch.cat([torch.arange(n), torch.arange(n)])[None].expand(3, -1)  # 2n > n cached
     want = [layer.keys.gather(2, _ix(index, layer.keys)) for layer in cache.kv.layers]
-    kept = adapter.select_cache(cache, index)
+    kept = target.select(cache, index)
     for layer, k in zip(kept.kv.layers, want, strict=True):
         assert torch.equal(layer.keys, k)
 

@@ -1,4 +1,5 @@
-"""Captioner: connectors, masked caption loss, fusion keys, decoding adapter, overfit (CPU)."""
+"""Captioner: connectors, masked caption loss, fusion keys, decoding (`CaptionerTarget`),
+overfit (CPU)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 
 from vltrain.engine.optim import no_decay_names
-from vltrain.models.captioner import IGNORE_INDEX, Captioner, CaptionerCache
+from vltrain.inference.captioner_target import CaptionerCache, CaptionerTarget
+from vltrain.models.captioner import IGNORE_INDEX, Captioner
 from vltrain.models.connectors import CONNECTORS, ConnectorDims, build_connector
 from vltrain.models.text import CausalDecoder, TextTowerConfig
 from vltrain.models.vit import VisionTower, VisionTowerConfig
@@ -108,7 +110,9 @@ def test_registry_and_readable_errors() -> None:
     with pytest.raises(ValueError, match="outside the vocabulary"):
         Captioner(model.vision, model.connector, model.decoder, 1, VOCAB, 0)
     with pytest.raises(ValueError, match="left-padded"):
-        model.prefill(_images(1), torch.tensor([[1, 5, 0]]), torch.tensor([[1, 1, 0]]))
+        CaptionerTarget(model).prefill(
+            _images(1), torch.tensor([[1, 5, 0]]), torch.tensor([[1, 1, 0]])
+        )
 
 
 # --------------------------------------------------------------------------- loss
@@ -199,7 +203,7 @@ def test_xattn_every_places_blocks() -> None:
     assert "resampler.latents" in names and "xattn.0.attn_gate.scale" in names
 
 
-# --------------------------------------------------------------------------- decoding adapter
+# --------------------------------------------------------------------------- decoding
 
 
 def _left_pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,12 +224,13 @@ def test_prefill_step_equal_full_forward(kind: str) -> None:
     prompts = [torch.tensor([BOS]), torch.tensor([BOS, 7, 9, 11]), torch.tensor([BOS, 5])]
     ids, mask = _left_pad(prompts)
     cont = _tokens((3, 4), 7)
-    logits, cache = model.prefill(images, ids, mask)
+    target = CaptionerTarget(model)
+    logits, cache, _ = target.prefill(images, ids, mask)
     assert isinstance(cache, CaptionerCache) and logits.dtype == torch.float32
     assert logits.shape == (3, VOCAB)
     steps = [logits]
     for j in range(cont.shape[1]):
-        logits, cache = model.step(cont[:, j], cache)
+        logits, cache = target.step(cont[:, j], cache)
         steps.append(logits)
     inc = torch.stack(steps, 1)  # (B, 1 + 4, V)
     for row in range(3):
@@ -238,31 +243,32 @@ def test_prefill_step_equal_full_forward(kind: str) -> None:
     full = model(images, full_ids, torch.cat([mask, torch.ones_like(cont)], 1))["logits"]
     torch.testing.assert_close(inc, full[:, ids.shape[1] - 1 :], atol=1e-5, rtol=0)
     # Negative control: the images really condition the decoding.
-    other, _ = model.prefill(images.flip(0), ids, mask)
+    other, _, _ = target.prefill(images.flip(0), ids, mask)
     assert (other - inc[:, 0]).abs().max() > 1e-4  # 10x the tolerance above
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_reorder_cache_expands_and_reorders_rows(kind: str) -> None:
+def test_reorder_expands_and_reorders_rows(kind: str) -> None:
     model = _small(kind)
     _open_gates(model)
+    target = CaptionerTarget(model)
     images = _images(2, 8)
     ids, mask = _left_pad([torch.tensor([BOS, 6]), torch.tensor([BOS, 8, 10])])
-    _, cache = model.prefill(images, ids, mask)
+    _, cache, _ = target.prefill(images, ids, mask)
     beams = torch.tensor([1, 0, 0, 1, 1])
     nxt = _tokens((5,), 9)
-    got, _ = model.step(nxt, model.reorder_cache(cache, beams))
-    _, ref_cache = model.prefill(images[beams], ids[beams], mask[beams])
-    ref, _ = model.step(nxt, ref_cache)
+    got, _ = target.step(nxt, target.reorder(cache, beams))
+    _, ref_cache, _ = target.prefill(images[beams], ids[beams], mask[beams])
+    ref, _ = target.step(nxt, ref_cache)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     # Negative control: the wrong rows give different logits.
-    bad, _ = model.step(nxt, model.reorder_cache(cache, torch.tensor([0, 1, 1, 0, 0])))
+    bad, _ = target.step(nxt, target.reorder(cache, torch.tensor([0, 1, 1, 0, 0])))
     assert (bad - ref).abs().max() > 1e-3
     if kind == "gated_xattn":  # the latents must move with the rows, not just the KV cache
         half = CaptionerCache(
-            kv=model.reorder_cache(cache, beams).kv, visual=cache.visual[[0, 1, 1, 0, 0]]
+            kv=target.reorder(cache, beams).kv, visual=cache.visual[[0, 1, 1, 0, 0]]
         )
-        stale, _ = model.step(nxt, half)
+        stale, _ = target.step(nxt, half)
         assert (stale - ref).abs().max() > 1e-4  # 10x the tolerance above
 
 
@@ -270,13 +276,14 @@ def test_reorder_cache_expands_and_reorders_rows(kind: str) -> None:
 
 
 def _greedy(model: Captioner, images: torch.Tensor, steps: int) -> torch.Tensor:
-    """Greedy captions (B, steps) through the decoding adapter."""
+    """Greedy captions (B, steps) through the decode target."""
+    target = CaptionerTarget(model)
     prompt = torch.full((images.shape[0], 1), BOS)
-    logits, cache = model.prefill(images, prompt, torch.ones_like(prompt))
+    logits, cache, _ = target.prefill(images, prompt, torch.ones_like(prompt))
     out = []
     for _ in range(steps):
         out.append(logits.argmax(-1))
-        logits, cache = model.step(out[-1], cache)
+        logits, cache = target.step(out[-1], cache)
     return torch.stack(out, 1)
 
 
@@ -330,8 +337,9 @@ def test_bf16_autocast_forward_and_decoding(kind: str) -> None:
     ref = model(_images(2), ids, mask)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(_images(2), ids, mask)
-        logits, cache = model.prefill(_images(2), ids, mask)
-        step, _ = model.step(ids[:, 0], cache)
+        target = CaptionerTarget(model)
+        logits, cache, _ = target.prefill(_images(2), ids, mask)
+        step, _ = target.step(ids[:, 0], cache)
     assert out["logits"].dtype == torch.bfloat16 and out["loss"].dtype == torch.float32
     assert torch.isfinite(out["loss"]) and abs(out["loss"].item() - ref["loss"].item()) < 0.05
     assert logits.dtype == step.dtype == torch.float32 and torch.isfinite(step).all()

@@ -1,4 +1,5 @@
-"""Captioner multi-token verification: chains, trees, cache crop/select, gated fusion at init.
+"""Captioner multi-token verification (`CaptionerTarget`): chains, trees, cache crop/select,
+gated fusion at init.
 
 Both connectors (a visual prefix in the cache; cross-attention as a layer hook), gates opened so
 the images matter. Tolerance 1e-5 (fp32; the computations differ only in batching).
@@ -9,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vltrain.inference.captioner_target import CaptionerTarget
 from vltrain.models.captioner import Captioner
 from vltrain.models.connectors import ConnectorDims, build_connector
-from vltrain.models.layers import tree_depths, tree_mask
 from vltrain.models.text import CausalDecoder, TextTowerConfig
 from vltrain.models.vit import VisionTower, VisionTowerConfig
 
@@ -61,57 +62,61 @@ def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _fresh(model: Captioner, images: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, more):
-    """Prefill of the prompt followed by the tokens ``more`` (B, n), from scratch."""
+def _fresh(
+    target: CaptionerTarget, images: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, more
+):
+    """(logits, cache) of a prefill of the prompt followed by the tokens ``more`` (B, n)."""
     full_ids = torch.cat([ids, more], 1)
-    return model.prefill(images, full_ids, torch.cat([mask, torch.ones_like(more)], 1))
+    logits, cache, _ = target.prefill(images, full_ids, torch.cat([mask, torch.ones_like(more)], 1))
+    return logits, cache
+
+
+def _chain(b: int, n: int) -> torch.Tensor:
+    """Parents (B, N) of a chain: each node's parent is the node before it."""
+    return torch.arange(-1, n - 1).expand(b, -1)
+
+
+def _tree(b: int) -> torch.Tensor:
+    return torch.tensor(PARENTS).expand(b, -1)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_verify_equals_step_by_step(kind: str) -> None:
-    model = _model(kind)
+    target = CaptionerTarget(_model(kind))
     images, (ids, mask) = _images(2), _prompts()
     draft = _tokens((2, 4), 1)
-    _, cache = model.prefill(images, ids, mask)
-    got, vcache = model.verify(draft, cache)
+    _, cache, _ = target.prefill(images, ids, mask)
+    got, vcache, _ = target.verify(draft, _chain(2, 4), cache)
     assert got.shape == (2, 4, VOCAB) and got.dtype == torch.float32
     steps, scache = [], cache
     for j in range(4):
-        logits, scache = model.step(draft[:, j], scache)
+        logits, scache = target.step(draft[:, j], scache)
         steps.append(logits)
     torch.testing.assert_close(got, torch.stack(steps, 1), atol=ATOL, rtol=0)
     nxt = _tokens((2,), 2)  # the verified cache continues like the stepped one
     torch.testing.assert_close(
-        model.step(nxt, vcache)[0], model.step(nxt, scache)[0], atol=ATOL, rtol=0
+        target.step(nxt, vcache)[0], target.step(nxt, scache)[0], atol=ATOL, rtol=0
     )
-    # Negative control: with every cached and new key visible the draft sees its future.
-    s = cache.kv.length + 4
-    leaky, _ = model.verify(draft, cache, attention_mask=torch.ones(2, 1, 4, s, dtype=torch.bool))
-    assert (leaky[:, :-1] - got[:, :-1]).abs().max() > 1e-3
+    # Negative control: every node a root (it sees the cache, not the draft before it).
+    roots, _, _ = target.verify(draft, torch.full((2, 4), -1), cache)
+    assert (roots[:, 1:] - got[:, 1:]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_cropped_cache_continues_like_a_fresh_prefill(kind: str) -> None:
-    model = _model(kind)
+    target = CaptionerTarget(_model(kind))
     images, (ids, mask) = _images(2), _prompts()
     draft = _tokens((2, 4), 3)
-    _, cache = model.prefill(images, ids, mask)
-    _, cache = model.verify(draft, cache)
-    kept = model.crop_cache(cache, cache.kv.length - 2)  # accept 2 of the 4 draft tokens
+    _, cache, _ = target.prefill(images, ids, mask)
+    _, cache, _ = target.verify(draft, _chain(2, 4), cache)
+    kept = target.crop(cache, cache.kv.length - 2)  # accept 2 of the 4 draft tokens
     nxt = _tokens((2,), 4)
-    got, _ = model.step(nxt, kept)
-    _, fresh = _fresh(model, images, ids, mask, draft[:, :2])
-    ref, _ = model.step(nxt, fresh)
+    got, _ = target.step(nxt, kept)
+    _, fresh = _fresh(target, images, ids, mask, draft[:, :2])
+    ref, _ = target.step(nxt, fresh)
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
-    stale, _ = model.step(nxt, model.crop_cache(cache, cache.kv.length - 1))
+    stale, _ = target.step(nxt, target.crop(cache, cache.kv.length - 1))
     assert (stale - ref).abs().max() > 1e-3  # negative control: a rejected token left in
-
-
-def _tree_inputs(cache, parents: list[int]):
-    """Position ids (B, N) and ancestor mask (B, 1, N, S + N) for a tree after ``cache``."""
-    par = torch.tensor(parents)
-    pos = cache.kv.next_positions()[:, None] + tree_depths(par)  # (B, N); prefix counted
-    return pos, tree_mask(par, cache.kv.length, key_mask=cache.kv.mask)
 
 
 def _path(node: int) -> list[int]:
@@ -123,49 +128,48 @@ def _path(node: int) -> list[int]:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_tree_verify_gives_every_node_its_chain_logits(kind: str) -> None:
-    model = _model(kind)
+    target = CaptionerTarget(_model(kind))
     images, (ids, mask) = _images(2), _prompts()
     nodes = _tokens((2, len(PARENTS)), 5)  # (B, N) a different tree per row
-    _, cache = model.prefill(images, ids, mask)
-    pos, tmask = _tree_inputs(cache, PARENTS)
-    got, _ = model.verify(nodes, cache, position_ids=pos, attention_mask=tmask)  # (B, N, V)
-    chain, _ = model.verify(nodes, cache)  # negative control: a causal chain over the nodes
+    _, cache, _ = target.prefill(images, ids, mask)
+    got, _, _ = target.verify(nodes, _tree(2), cache)  # (B, N, V)
+    # negative control: a chain over the nodes
+    chain, _, _ = target.verify(nodes, _chain(2, len(PARENTS)), cache)
     off_chain = 0.0
     for i in range(len(PARENTS)):
-        ref, _ = _fresh(model, images, ids, mask, nodes[:, _path(i)])  # (B, V)
+        ref, _ = _fresh(target, images, ids, mask, nodes[:, _path(i)])  # (B, V)
         torch.testing.assert_close(got[:, i], ref, atol=ATOL, rtol=0)
         off_chain = max(off_chain, float((chain[:, i] - ref).abs().max()))
-    assert off_chain > 1e-3, "a causal mask must not reproduce the tree's logits"
+    assert off_chain > 1e-3, "a chain must not reproduce the tree's logits"
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_select_tree_path_equals_fresh_prefill_of_the_path(kind: str) -> None:
-    model = _model(kind)
+    target = CaptionerTarget(_model(kind))
     images, (ids, mask) = _images(2), _prompts()
     nodes = _tokens((2, len(PARENTS)), 6)
-    _, cache = model.prefill(images, ids, mask)
+    _, cache, _ = target.prefill(images, ids, mask)
     past = cache.kv.length
-    pos, tmask = _tree_inputs(cache, PARENTS)
-    _, tree_cache = model.verify(nodes, cache, position_ids=pos, attention_mask=tmask)
+    _, tree_cache, _ = target.verify(nodes, _tree(2), cache)
     # Row 0 accepts the path to node 6 (0, 1, 3, 6); row 1 the path to node 5 (0, 2, 5).
     paths = [_path(6), _path(5)]
     width = max(map(len, paths))
     index = torch.arange(past).repeat(2, 1)
     tail = torch.tensor([p + [p[-1]] * (width - len(p)) for p in paths]) + past
     valid = torch.tensor([[True] * len(p) + [False] * (width - len(p)) for p in paths])
-    kept = model.select_cache(
+    kept = target.select(
         tree_cache, torch.cat([index, tail], 1), torch.cat([torch.ones(2, past).bool(), valid], 1)
     )
     nxt = _tokens((2,), 7)
-    got, _ = model.step(nxt, kept)
+    got, _ = target.step(nxt, kept)
     for row, p in enumerate(paths):
         more = nodes[row : row + 1, p]
         _, fresh = _fresh(
-            model, images[row : row + 1], ids[row : row + 1], mask[row : row + 1], more
+            target, images[row : row + 1], ids[row : row + 1], mask[row : row + 1], more
         )
-        ref, _ = model.step(nxt[row : row + 1], fresh)
+        ref, _ = target.step(nxt[row : row + 1], fresh)
         torch.testing.assert_close(got[row : row + 1], ref, atol=ATOL, rtol=0)
-    whole, _ = model.step(nxt, tree_cache)  # negative control: the unselected tree cache
+    whole, _ = target.step(nxt, tree_cache)  # negative control: the unselected tree cache
     assert (whole[0] - got[0]).abs().max() > 1e-3
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from vltrain.eval.caption_metrics import CiderD, sentence_bleu
 from vltrain.eval.ptb_tokenize import ptb_tokenize, ptb_tokenize_caption
+from vltrain.inference.captioner_target import CaptionerTarget
 from vltrain.inference.decoding import generate
 from vltrain.models.captioner import Captioner
 from vltrain.models.connectors import ConnectorDims, build_connector
@@ -350,7 +351,7 @@ def test_sequence_logits_match_sampled_logprobs_of_captioner() -> None:
     pmask = (prompt != pad).long()
     inputs = {"images": images, "input_ids": prompt, "attention_mask": pmask}
     out = generate(
-        model,
+        CaptionerTarget(model),
         inputs,
         "sample",
         max_new_tokens=8,

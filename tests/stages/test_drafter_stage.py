@@ -177,7 +177,7 @@ def test_train_and_generate_with_the_drafter(lm, answers, trained, tmp_path, cap
 
 
 def test_training_tau_equals_decoding_tau_on_the_same_blocks(lm, trained) -> None:  # noqa: ANN001
-    from vltrain.inference.spec_targets import HFTarget, load_hf_causal_lm
+    from vltrain.inference.hf_target import HFTarget, load_hf_causal_lm
     from vltrain.inference.speculative import speculative_generate
     from vltrain.models.drafter import load_drafter
     from vltrain.objectives.drafter import block_labels, block_metrics
@@ -215,8 +215,8 @@ def test_decoding_tau_in_training_runs_native_and_equals_hf_decoding(
     the saved drafter."""
     from vltrain.data.draft_data import chat_prompt_ids
     from vltrain.inference.captioning import left_pad
+    from vltrain.inference.hf_target import HFTarget, load_hf_causal_lm
     from vltrain.inference.native_llama import NativeTarget
-    from vltrain.inference.spec_targets import HFTarget, load_hf_causal_lm
     from vltrain.inference.speculative import speculative_generate
     from vltrain.models.drafter import load_drafter
     from vltrain.tools.speculate import attach
@@ -281,7 +281,7 @@ def test_loss_mask_matches_the_chat_template(lm) -> None:  # noqa: ANN001
 
 
 def test_features_are_block_outputs(lm) -> None:  # noqa: ANN001
-    from vltrain.inference.spec_targets import HFTarget, load_hf_causal_lm
+    from vltrain.inference.hf_target import HFTarget, load_hf_causal_lm
 
     model, _ = load_hf_causal_lm(lm)
     seen = {}
@@ -318,7 +318,7 @@ def test_features_are_block_outputs(lm) -> None:  # noqa: ANN001
     with pytest.raises(AssertionError):
         check(normed)
     buggy = HFTarget(model, [1, 2])
-    import vltrain.inference.spec_targets as T
+    import vltrain.inference.hf_target as T
 
     orig = T._concat
     T._concat = lambda taps, ids_, offset: orig(taps, ids_, 0)  # hidden_states[i]: off by one
@@ -501,7 +501,7 @@ def test_captioner_drafter_end_to_end(
 def _draft_batch(lm, answers, n: int = 4):  # noqa: ANN001, ANN202
     """(target, a right-padded batch of the first n answers, its records' true lengths)."""
     from vltrain.data.draft_data import ChatRecords, DraftCollate, DraftDataset
-    from vltrain.inference.spec_targets import HFTarget, load_hf_causal_lm
+    from vltrain.inference.hf_target import HFTarget, load_hf_causal_lm
 
     model, tok = load_hf_causal_lm(lm)
     target = HFTarget(model, [0, 1])
@@ -546,7 +546,7 @@ def test_cached_target_features_equal_the_online_ones(lm, answers) -> None:  # n
 
 def test_features_on_disk_are_read_back_by_a_later_run(lm, answers, tmp_path) -> None:  # noqa: ANN001
     from vltrain.inference.feature_cache import FeatureCache, target_fingerprint
-    from vltrain.inference.spec_targets import HFTarget
+    from vltrain.inference.hf_target import HFTarget
 
     target, batch = _draft_batch(lm, answers)
     first = FeatureCache(target, tmp_path)

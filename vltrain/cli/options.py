@@ -77,7 +77,7 @@ def image_size(text: str) -> int:
 
 
 def add_forward_option(p: argparse.ArgumentParser) -> None:
-    """``--forward``: how an HF causal LM runs (``inference.spec_targets.causal_lm_target``)."""
+    """``--forward``: how an HF causal LM runs (``inference.native_llama.causal_lm_target``)."""
     p.add_argument(
         "--forward",
         default="auto",

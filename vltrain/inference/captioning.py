@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from vltrain.data.tokenizer import TextTokenizer
+from vltrain.inference.captioner_target import CaptionerTarget
 from vltrain.inference.decoding import generate
 from vltrain.models.captioner import Captioner
 
@@ -46,7 +47,7 @@ def decode_captions(
         )
     dev = images.device
     out = generate(
-        model,
+        CaptionerTarget(model),
         {"images": images, "input_ids": ids.to(dev), "attention_mask": mask.to(dev)},
         strategy=strategy,
         max_new_tokens=min(max_new_tokens, room),

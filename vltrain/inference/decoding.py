@@ -1,18 +1,16 @@
 """Batched greedy, beam and sampling decoding with a KV cache, matching HF `generate`.
 
-Every strategy runs against a small adapter (`DecodeModel`): `prefill` consumes the prompt (and
-images) once and returns the next-token logits plus a cache, `step` feeds one token per row, and
-`reorder_cache` selects/repeats rows of the cache. A `VerifyModel` adds `verify` (K tokens per
-row in one call, as a chain or a tree under an explicit mask) and `crop_cache` / `select_cache`
-to keep the accepted positions: what speculative decoding needs. The built-in captioner
-implements both in `vltrain/models/captioner.py`; HF models are wrapped by
-`vltrain.inference.hf_adapter`.
+Every strategy drives a `DecodeTarget` (`vltrain.inference.target`; the HF, native and
+captioner targets implement it): `prefill` consumes the prompt (and images) once and returns the
+next-token logits plus a cache, `step` feeds one token per row, and `reorder` selects/repeats
+rows of the cache. Speculative decoding (`vltrain.inference.speculative`) drives the same
+protocol's `verify` and `select`.
 
 Semantics follow `transformers` 5.x `GenerationMixin` exactly (tests compare token for token):
 
 - Greedy/sampling: logits -> no-repeat-ngram ban -> min-new-tokens EOS ban -> temperature ->
   top-k -> top-p -> argmax or multinomial. Finished rows emit `pad_token_id`. Greedy stops
-  computing a row once it has emitted EOS (the cache drops it through `reorder_cache`); sampling
+  computing a row once it has emitted EOS (the cache drops it through `reorder`); sampling
   keeps the whole batch so that the random draws are HF's.
 - Beam search: `log_softmax` then the same bans, `2 * num_beams` candidates per input, a finished
   hypothesis scores `sum(logprobs) / (generated_len ** length_penalty)` where `generated_len`
@@ -29,63 +27,15 @@ Log-probabilities returned per token are always under the model's raw policy,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
+from vltrain.inference.target import DecodeTarget
+
 Strategy = Literal["greedy", "beam", "sample"]
 _NEG = -1.0e9  # HF's "impossible" score for beams; kept identical so tie-breaking matches
-
-
-class DecodeModel(Protocol):
-    """What `generate` needs from a model: prefill once, then one token per row per step."""
-
-    eos_token_id: int
-    pad_token_id: int
-    bos_token_id: int
-
-    def prefill(self, **inputs: Any) -> tuple[Tensor, Any]:
-        """Run the prompt; return last-position logits (B, V) float32 and a cache."""
-        ...
-
-    def step(self, tokens: Tensor, cache: Any) -> tuple[Tensor, Any]:
-        """Feed `tokens` (B,); return next logits (B, V) and the updated cache."""
-        ...
-
-    def reorder_cache(self, cache: Any, index: Tensor) -> Any:
-        """Select / repeat cache rows along the batch dimension: row i <- row index[i]."""
-        ...
-
-
-class VerifyModel(DecodeModel, Protocol):
-    """A `DecodeModel` that also scores several tokens per row at once (speculative decoding).
-
-    `verify` feeds `tokens` (B, K) after the cache and returns the logits after each of them
-    (B, K, V) float32 plus the cache holding all K. Without `position_ids` / `attention_mask`
-    the tokens form a causal chain (equal to K `step` calls); with position ids (B, K) and a
-    mask (B or 1, 1, K, S + K) over cached + new positions (True = attend; see
-    `vltrain.models.layers.tree_mask`) they can be a tree. `crop_cache` keeps the first n
-    cached positions; `select_cache` keeps positions `index` (B, N) per row, in that order.
-    """
-
-    def verify(
-        self,
-        tokens: Tensor,
-        cache: Any,
-        position_ids: Tensor | None = None,
-        attention_mask: Tensor | None = None,
-    ) -> tuple[Tensor, Any]:
-        """Feed `tokens` (B, K); return logits (B, K, V) float32 and the updated cache."""
-        ...
-
-    def crop_cache(self, cache: Any, n: int) -> Any:
-        """Keep the first `n` cached positions of every row."""
-        ...
-
-    def select_cache(self, cache: Any, index: Tensor, valid: Tensor | None = None) -> Any:
-        """Keep cached positions `index` (B, N) per row; `valid` False marks padding entries."""
-        ...
 
 
 @dataclass
@@ -162,7 +112,7 @@ def _ban_eos(scores: Tensor, eos: int, step: int, min_new_tokens: int) -> Tensor
 
 
 def generate(
-    model: DecodeModel,
+    target: DecodeTarget,
     inputs: dict[str, Any],
     strategy: Strategy = "greedy",
     max_new_tokens: int = 20,
@@ -177,9 +127,9 @@ def generate(
     generator: torch.Generator | None = None,
     num_return_sequences: int = 1,
 ) -> GenerationOutput:
-    """Decode a batch of inputs with `model` (a `DecodeModel`) by greedy, beam search or sampling.
+    """Decode a batch of inputs with `target` by greedy, beam search or sampling.
 
-    `inputs` are passed to `model.prefill` unchanged; `inputs["input_ids"]` (if present) is the
+    `inputs` are passed to `target.prefill` unchanged; `inputs["input_ids"]` (if present) is the
     prompt history that `no_repeat_ngram_size` sees. Sampling draws from `generator` (the global
     torch RNG when None, which reproduces HF `generate(do_sample=True)` under the same seed).
     `num_return_sequences` = samples per input (sample) or best hypotheses per input (beam).
@@ -200,13 +150,13 @@ def generate(
     cfg.validate()
     with torch.no_grad():
         if strategy == "beam":
-            return _beam_search(model, inputs, cfg)
-        return _greedy_or_sample(model, inputs, cfg, generator)
+            return _beam_search(target, inputs, cfg)
+        return _greedy_or_sample(target, inputs, cfg, generator)
 
 
 @dataclass(frozen=True)
 class DecodeSettings:
-    """The arguments of `generate` (minus model, inputs and generator), validated once."""
+    """The arguments of `generate` (minus target, inputs and generator), validated once."""
 
     strategy: str
     max_new_tokens: int
@@ -256,29 +206,29 @@ def _prompt_history(inputs: dict[str, Any], batch: int, device: torch.device) ->
     return torch.zeros((batch, 0), dtype=torch.long, device=device)
 
 
-def _expand(model: DecodeModel, logits: Tensor, cache: Any, hist: Tensor, n: int):
+def _expand(target: DecodeTarget, logits: Tensor, cache: Any, hist: Tensor, n: int):
     """Repeat each input's prefill state n times (rows b*n .. b*n+n-1 belong to input b)."""
     if n == 1:
         return logits, cache, hist
     index = torch.arange(logits.shape[0], device=logits.device).repeat_interleave(n)
-    return logits[index], model.reorder_cache(cache, index), hist[index]
+    return logits[index], target.reorder(cache, index), hist[index]
 
 
 # ----------------------------------------------------------------------------- greedy / sample
 
 
 def _greedy_or_sample(
-    model: DecodeModel, inputs: dict[str, Any], cfg: DecodeSettings, gen: torch.Generator | None
+    target: DecodeTarget, inputs: dict[str, Any], cfg: DecodeSettings, gen: torch.Generator | None
 ) -> GenerationOutput:
-    """Greedy drops a row from the batch once it emits EOS (``model.reorder_cache`` keeps the
+    """Greedy drops a row from the batch once it emits EOS (``target.reorder`` keeps the
     live rows), so a batch costs the sum of its rows' lengths, not its longest times its size;
     sampling keeps every row to the end so the generator draws what HF's does."""
     max_new, min_new, ngram = cfg.max_new_tokens, cfg.min_new_tokens, cfg.no_repeat_ngram_size
     sample, temperature = cfg.strategy == "sample", cfg.temperature
-    logits, cache = model.prefill(**inputs)  # (B, V)
+    logits, cache, _ = target.prefill(**inputs)  # (B, V)
     hist = _prompt_history(inputs, logits.shape[0], logits.device)
-    logits, cache, hist = _expand(model, logits, cache, hist, cfg.num_return_sequences)  # (N, V)
-    eos, pad = model.eos_token_id, model.pad_token_id
+    logits, cache, hist = _expand(target, logits, cache, hist, cfg.num_return_sequences)  # (N, V)
+    eos, pad = target.eos_token_id, target.pad_token_id
     n = logits.shape[0]
     live = torch.arange(n, device=logits.device)  # the rows the cache holds, in its order
     unfinished = torch.ones(n, dtype=torch.bool, device=logits.device)
@@ -286,7 +236,7 @@ def _greedy_or_sample(
     lps: list[Tensor] = []
     for t in range(max_new):
         if t > 0:
-            logits, cache = model.step(toks[-1][live], cache)  # (L, V): the live rows
+            logits, cache = target.step(toks[-1][live], cache)  # (L, V): the live rows
         logits = logits.float()
         scores = ban_repeated_ngrams(hist[live], logits, ngram) if ngram > 0 else logits
         scores = _ban_eos(scores, eos, t, min_new)
@@ -312,7 +262,7 @@ def _greedy_or_sample(
             break
         keep = unfinished[live]
         if not sample and not bool(keep.all()):
-            cache = model.reorder_cache(cache, keep.nonzero()[:, 0])
+            cache = target.reorder(cache, keep.nonzero()[:, 0])
             live = live[keep]
     seqs = torch.stack(toks, dim=1)  # (N, L)
     token_lp = torch.stack(lps, dim=1)  # (N, L)
@@ -357,29 +307,29 @@ def _gather(x: Tensor, index: Tensor) -> Tensor:
 
 
 def _beam_search(
-    model: DecodeModel, inputs: dict[str, Any], cfg: DecodeSettings
+    target: DecodeTarget, inputs: dict[str, Any], cfg: DecodeSettings
 ) -> GenerationOutput:
     """HF beam search, except that inputs whose finished set can no longer change are dropped
     from the batch (HF keeps computing them); their output is unaffected, the work is saved."""
     max_new, min_new, ngram = cfg.max_new_tokens, cfg.min_new_tokens, cfg.no_repeat_ngram_size
-    logits, cache = model.prefill(**inputs)  # (B, V)
+    logits, cache, _ = target.prefill(**inputs)  # (B, V)
     batch, device, k = logits.shape[0], logits.device, cfg.num_beams
     hist = _prompt_history(inputs, batch, device)
-    logits, cache, hist = _expand(model, logits, cache, hist, k)  # (B*K, V)
+    logits, cache, hist = _expand(target, logits, cache, hist, k)  # (B*K, V)
     plen = hist.shape[1]
-    run, fin = _init_beams(hist.view(batch, k, plen), max_new, model.pad_token_id)
+    run, fin = _init_beams(hist.view(batch, k, plen), max_new, target.pad_token_id)
     final = _Beams(*(x.clone() for x in (fin.seqs, fin.tok_lp, fin.scores, fin.lengths)))
     is_fin = torch.zeros((batch, k), dtype=torch.bool, device=device)
     improvable = torch.ones((batch, 1), dtype=torch.bool, device=device)
     active = torch.arange(batch, device=device)  # inputs still being decoded
     for t in range(max_new):
         if t > 0:
-            logits, cache = model.step(run.seqs[:, :, plen + t - 1].reshape(-1), cache)
+            logits, cache = target.step(run.seqs[:, :, plen + t - 1].reshape(-1), cache)
         lp = torch.log_softmax(logits.float(), dim=-1)  # (A*K, V)
         if ngram > 0:
             lp = ban_repeated_ngrams(run.seqs[:, :, : plen + t].flatten(0, 1), lp, ngram)
-        lp = _ban_eos(lp, model.eos_token_id, t, min_new)
-        cand, src, hits = _top_candidates(run, lp, t, plen, max_new, model.eos_token_id)
+        lp = _ban_eos(lp, target.eos_token_id, t, min_new)
+        cand, src, hits = _top_candidates(run, lp, t, plen, max_new, target.eos_token_id)
         run, rows = _next_running(cand, src, hits, k)  # rows: (A, K) cache rows to keep
         fin, is_fin = _update_finished(fin, is_fin, cand, hits, improvable, t, cfg)
         improvable = _still_improvable(improvable, run.scores, fin.scores, is_fin, t + 1, cfg)
@@ -392,9 +342,9 @@ def _beam_search(
             keep = ~done
             active, run, fin, rows = active[keep], run.take(keep), fin.take(keep), rows[keep]
             is_fin, improvable = is_fin[keep], improvable[keep]
-        cache = model.reorder_cache(cache, rows.reshape(-1))
+        cache = target.reorder(cache, rows.reshape(-1))
     final.put(active, fin)
-    return _beam_output(final, plen, cfg.num_return_sequences, model.pad_token_id)
+    return _beam_output(final, plen, cfg.num_return_sequences, target.pad_token_id)
 
 
 def _init_beams(prompt: Tensor, max_new: int, pad: int) -> tuple[_Beams, _Beams]:

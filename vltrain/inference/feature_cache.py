@@ -49,7 +49,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from vltrain.data.chat import IGNORE_INDEX
-from vltrain.inference.spec_targets import Context
+from vltrain.inference.target import Context
 
 FORMAT = 1  # bump when what a cached row holds, or how it is computed, changes
 Row = dict[str, Tensor]  # FIELDS, plus TOP_FIELDS in a cache with top_k

@@ -9,10 +9,11 @@ RoPE scaling HF implements is honoured), grouped-query SDPA over a pre-allocated
 written in place, SwiGLU. It is an inference kernel, not a second model definition: weights,
 config and RoPE come from the loaded HF model; no training goes through it.
 
-``NativeTarget`` is a ``SpecTarget`` and a ``VerifyModel`` (prefill / step / verify /
-crop_cache / select_cache / reorder_cache), so ``vltrain.inference.decoding.generate`` and
-``speculative_generate`` drive it exactly as they drive ``HFTarget`` / ``HFDecodeAdapter``.
-Positions follow HF's convention for left-padded prompts (``cumsum - 1`` of the mask).
+``NativeTarget`` is a ``DecodeTarget`` (``vltrain.inference.target``), so
+``vltrain.inference.decoding.generate`` and ``speculative_generate`` drive it exactly as they
+drive ``HFTarget``; ``causal_lm_target`` picks the native forward where it covers the model
+and ``HFTarget`` elsewhere. Positions follow HF's convention for left-padded prompts
+(``cumsum - 1`` of the mask).
 
 Numerics: float32 end to end like HF's eager/sdpa path; logits agree with HF's to ~1e-5
 (different kernels, reduction order), the same order as HF's own difference between scoring a
@@ -22,6 +23,7 @@ token alone and inside a 17-token verify. Greedy output is checked token for tok
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vltrain.inference.hf_adapter import HFDecodeAdapter
-from vltrain.inference.spec_targets import Context
+from vltrain.inference.hf_target import HFTarget, special_tokens
+from vltrain.inference.target import Context
 from vltrain.models.layers import kept_prefix, move_kept, tree_depths, tree_mask
 from vltrain.models.packed import PackedLinears
 from vltrain.models.text import mask_positions
@@ -313,18 +315,16 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 class NativeTarget:
-    """An HF Llama-family causal LM through ``NativeLlama``: a ``SpecTarget`` and a decoder.
+    """An HF Llama-family causal LM through ``NativeLlama``: a ``DecodeTarget``.
 
-    As a ``SpecTarget`` (``prefill`` returns logits, cache and the prompt's ``Context``) it
-    replaces ``HFTarget`` in ``speculative_generate``; ``decoder()`` gives the
-    ``DecodeModel`` view (``prefill`` -> logits and cache, ``step``) that ``generate`` drives
-    for plain greedy / sampled / beam decoding with the same forward.
+    It replaces ``HFTarget`` in ``speculative_generate`` and in plain greedy / sampled / beam
+    ``generate`` alike, with the same forward. ``layer_ids``: the blocks a drafter reads.
     """
 
     def __init__(
         self,
         model: Any,
-        layer_ids: list[int] = (),  # type: ignore[assignment]
+        layer_ids: Sequence[int] = (),
         pack: bool | None = None,
         **token_ids: int,
     ) -> None:
@@ -332,9 +332,8 @@ class NativeTarget:
         if pack is None:  # each packed row count copies the weights: small targets only
             pack = sum(p.numel() * p.element_size() for p in model.parameters()) <= PACK_BYTES
         self.pack = pack  # verify through MKL-packed weights (vltrain.models.packed)
-        ids = HFDecodeAdapter(model, **token_ids)  # the special tokens, resolved as HF does
-        self.eos_token_id, self.pad_token_id = ids.eos_token_id, ids.pad_token_id
-        self.bos_token_id = ids.bos_token_id
+        eos, pad, bos = special_tokens(model, **token_ids)  # resolved as HFTarget does
+        self.eos_token_id, self.pad_token_id, self.bos_token_id = eos, pad, bos
         text = model.config.get_text_config(decoder=True)
         self.num_layers, self.width = text.num_hidden_layers, text.hidden_size
         self.vocab_size = self.native.head_weight.shape[0]
@@ -360,7 +359,9 @@ class NativeTarget:
             return hidden[..., :0]
         return torch.cat([taps[i] for i in self.layer_ids], dim=-1)
 
-    def prefill(self, input_ids: Tensor, attention_mask: Tensor | None = None):  # noqa: ANN201
+    def prefill(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None
+    ) -> tuple[Tensor, NativeCache, Context]:
         """Left-padded prompts (B, T): next-token logits (B, V), the cache, the prompt context."""
         if self.native.stale():
             raise RuntimeError(
@@ -391,7 +392,9 @@ class NativeTarget:
         hidden, _ = self.native.forward(tokens[:, None], pos, cache, attn)
         return self.native.logits(hidden[:, -1]).float(), cache
 
-    def verify(self, tokens: Tensor, parents: Tensor, cache: NativeCache, logits: bool = True):  # noqa: ANN201
+    def verify(
+        self, tokens: Tensor, parents: Tensor, cache: NativeCache, logits: bool = True
+    ) -> tuple[Tensor, NativeCache, Context]:
         """Tree nodes (B, N) with parents (B, N) after the cache, in one forward: logits
         (B, N, V), or the final hidden states (B, N, W) with ``logits=False``."""
         pos = cache.next_positions()[:, None] + tree_depths(parents)  # (B, N)
@@ -403,7 +406,7 @@ class NativeTarget:
         feats = self._features(taps, hidden)
         return scores, cache, Context(feats, pos, ones)
 
-    def keep(self, cache: NativeCache, index: Tensor, valid: Tensor | None) -> NativeCache:
+    def select(self, cache: NativeCache, index: Tensor, valid: Tensor | None = None) -> NativeCache:
         """Keep cached positions ``index`` (B, N) per row, in place; ``valid`` False = padding.
 
         Positions that stay where they are (the old cache of a speculative round) are not
@@ -412,7 +415,7 @@ class NativeTarget:
         b, n = cache.mask.shape[0], index.shape[1]
         index = index.to(device=cache.mask.device, dtype=torch.long).expand(b, -1)
         if n > cache.length or (index.numel() and int(index.max()) >= cache.length):
-            raise ValueError(f"keep: positions must lie in [0, {cache.length})")
+            raise ValueError(f"select: positions must lie in [0, {cache.length})")
         p = kept_prefix(index)
         for t in (*cache.keys, *cache.values):
             move_kept(t, index, p)
@@ -422,33 +425,40 @@ class NativeTarget:
         cache.mask = mask
         return cache
 
+    def crop(self, cache: NativeCache, n: int) -> NativeCache:
+        """Keep the first ``n`` cached positions (in place: the buffers keep their room)."""
+        if not 0 <= n <= cache.length:
+            raise ValueError(f"crop({n}): keep between 0 and {cache.length} cached positions")
+        cache.mask = cache.mask[:, :n]
+        return cache
+
+    def reorder(self, cache: NativeCache, rows: Tensor) -> NativeCache:
+        """Rows selected along the batch dim (beam search): row i <- row rows[i]."""
+        keys = [k.index_select(0, rows) for k in cache.keys]
+        values = [v.index_select(0, rows) for v in cache.values]
+        return NativeCache(keys, values, cache.mask.index_select(0, rows))
+
     def next_positions(self, cache: NativeCache) -> Tensor:
         return cache.next_positions()
 
-    def reorder_cache(self, cache: NativeCache, index: Tensor) -> NativeCache:
-        """Rows selected along the batch dim (beam search): row i <- row index[i]."""
-        keys = [k.index_select(0, index) for k in cache.keys]
-        values = [v.index_select(0, index) for v in cache.values]
-        return NativeCache(keys, values, cache.mask.index_select(0, index))
 
-    def decoder(self) -> NativeDecoder:
-        return NativeDecoder(self)
+def causal_lm_target(
+    model: Any, layer_ids: Sequence[int], forward: str, pad: int
+) -> HFTarget | NativeTarget:
+    """An HF causal LM as a ``DecodeTarget``, for plain and speculative decoding alike.
 
+    ``forward``: "native" (``NativeTarget``: vltrain's loop over the HF weights, the same
+    logits with less overhead), "hf" (``HFTarget``: the HF modules) or "auto" (native where
+    the model has it: Llama, Mistral, Qwen2, Qwen3 with full attention; the others, and a
+    sliding window, run on HF's modules).
+    """
+    from vltrain.config.core import ConfigError
 
-class NativeDecoder:
-    """``DecodeModel`` view of a ``NativeTarget``: what ``decoding.generate`` drives."""
-
-    def __init__(self, target: NativeTarget) -> None:
-        self.target = target
-        self.eos_token_id, self.pad_token_id = target.eos_token_id, target.pad_token_id
-        self.bos_token_id = target.bos_token_id
-
-    def prefill(self, **inputs: Any) -> tuple[Tensor, NativeCache]:
-        logits, cache, _ = self.target.prefill(**inputs)
-        return logits, cache
-
-    def step(self, tokens: Tensor, cache: NativeCache) -> tuple[Tensor, NativeCache]:
-        return self.target.step(tokens, cache)
-
-    def reorder_cache(self, cache: NativeCache, index: Tensor) -> NativeCache:
-        return self.target.reorder_cache(cache, index)
+    if forward not in ("auto", "native", "hf"):
+        raise ConfigError(f"--forward must be auto, native or hf, not {forward!r}")
+    reason = unsupported(model.config.get_text_config(decoder=True))
+    if forward == "native" and reason:
+        raise ConfigError(f"--forward native: {reason}")
+    if forward == "hf" or reason:  # auto: HF's modules where the native forward cannot go
+        return HFTarget(model, layer_ids, pad_token_id=pad)
+    return NativeTarget(model, layer_ids, pad_token_id=pad)

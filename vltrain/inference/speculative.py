@@ -5,7 +5,8 @@ proposes a block after the last accepted token (the root, already emitted but no
 target); the proposal is a chain (the drafter's argmax per slot) or a DDTree (arXiv 2604.12989:
 best-first over the per-slot log-probabilities under a node budget; by default seeded with the
 argmax chain so it never holds less than the chain, ``tree_shape="best-first"`` for the paper's
-unseeded tree). The target scores root + nodes in ONE forward
+unseeded tree). The target (a ``DecodeTarget``, ``vltrain.inference.target``) scores root +
+nodes in ONE forward
 under the ancestor-only mask with positions by depth; the walk follows the target's own choice
 from the root while it matches a child; the cache and the drafter context are compacted to the
 accepted path. Emitted tokens are the accepted nodes plus the target's next token, cut at EOS
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vltrain.inference.spec_targets import Context, SpecTarget
+from vltrain.inference.target import Context, DecodeTarget
 from vltrain.models.drafter import DraftContextCache, Drafter
 
 TREE_SHAPES = ("chain-first", "best-first")
@@ -187,7 +188,7 @@ def _proposals(
 
 @torch.no_grad()
 def speculative_generate(
-    target: SpecTarget,
+    target: DecodeTarget,
     drafter: Drafter,
     inputs: dict[str, Any],
     max_new_tokens: int = 32,
@@ -334,7 +335,7 @@ def _emit(rows: _Rows, i: int, new: list[int], eos: int, max_new: int) -> None:
         rows.done[i] = t == eos or len(rows.out[i]) >= max_new
 
 
-def _compact(target, cache, n_old: int, ctx: Context, new_ctx: Context, paths):  # noqa: ANN001, ANN202
+def _compact(target: DecodeTarget, cache, n_old: int, ctx: Context, new_ctx: Context, paths):  # noqa: ANN001, ANN202
     """Keep the ``n_old`` cached positions and each row's accepted path; extend the context."""
     width = max(len(p) for p in paths)
     dev = new_ctx.features.device
@@ -345,7 +346,7 @@ def _compact(target, cache, n_old: int, ctx: Context, new_ctx: Context, paths): 
         valid[i, : len(p)] = True
     keep_idx = torch.cat([torch.arange(n_old, device=dev).expand(len(paths), -1), n_old + idx], 1)
     keep_valid = torch.cat([torch.ones(len(paths), n_old, dtype=torch.bool, device=dev), valid], 1)
-    cache = target.keep(cache, keep_idx, keep_valid)
+    cache = target.select(cache, keep_idx, keep_valid)
     g = idx[:, :, None].expand(-1, -1, new_ctx.features.shape[-1])
     add = Context(new_ctx.features.gather(1, g), new_ctx.positions.gather(1, idx), valid)
     return cache, ctx.extend(add)

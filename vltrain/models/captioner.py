@@ -1,15 +1,11 @@
-"""Generative captioner: vision tower -> connector -> causal decoder, plus a decoding adapter.
+"""Generative captioner: vision tower -> connector -> causal decoder.
 
 Training: ``forward(images, input_ids, attention_mask, labels)`` returns the teacher-forced
 next-token loss over labelled tokens (``-100`` = ignored; the caller marks prompt and padding),
 the text logits and the token accuracy.
 
-Decoding (the protocol ``vltrain.inference.decoding`` drives): ``prefill`` encodes the images
-and runs a left-padded prompt, ``step`` feeds one token per row, ``reorder_cache`` selects /
-repeats rows for beam search. ``verify`` feeds K tokens per row at once (a draft chain, or a
-tree / block under an explicit mask) and ``crop_cache`` / ``select_cache`` keep the accepted
-positions. The cache (``CaptionerCache``) holds the decoder's KV cache with
-its padding mask and, for cross-attention connectors, the visual latents of every row.
+Decoding: ``vltrain.inference.captioner_target.CaptionerTarget`` drives ``encode_images`` and
+``connector.run`` (the decoder loop) as a ``DecodeTarget``.
 
 Context: a prefix connector puts its visual tokens into the decoder context, so
 ``from_config`` sizes ``context_length = prefix tokens + max_text_len`` (the tiny ViT gives
@@ -22,30 +18,17 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vltrain.models.connectors import Connector, ConnectorDims, build_connector
-from vltrain.models.layers import KVCache, reorder_cache
 from vltrain.models.presets import text_config, vision_config
 from vltrain.models.text import CausalDecoder
 from vltrain.models.vit import VisionTower
 
 IGNORE_INDEX = -100
-
-
-@dataclass
-class CaptionerCache:
-    """Everything incremental decoding needs, row-aligned along the batch dim."""
-
-    kv: KVCache
-    """Decoder keys/values and the (B, S) real-token mask of every cached position."""
-    visual: Tensor | None
-    """Visual memory (B, L, Wd) the decoder cross-attends to each step; None for prefixes."""
 
 
 def next_token_loss(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -180,101 +163,6 @@ class Captioner(nn.Module):
         logits = self.decoder.logits(h[:, n_prefix:])  # (B, T, V)
         loss, acc, n = next_token_loss(logits, labels)
         return {"loss": loss, "logits": logits, "token_acc": acc, "n_tokens": n}
-
-    # ----------------------------------------------------------------------- decoding adapter
-
-    @torch.no_grad()
-    def prefill(
-        self, images: Tensor, input_ids: Tensor, attention_mask: Tensor
-    ) -> tuple[Tensor, CaptionerCache]:
-        """Encode images, run the prompt (left-padded; usually just <bos>).
-
-        Returns the logits of the last position (B, V) float32 and the cache.
-        """
-        if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
-            raise ValueError(
-                f"prefill needs input_ids and attention_mask of one (B, T) shape, got "
-                f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}"
-            )
-        if not bool(attention_mask[:, -1].all()):
-            raise ValueError(
-                "prefill expects left-padded prompts (the last position of every row must be "
-                "a real token); pad prompts on the left"
-            )
-        visual = self.encode_images(images)  # (B, N, Wd)
-        h, kv = self.connector.hidden_states(
-            self.decoder, visual, input_ids, attention_mask, use_cache=True
-        )
-        logits = self.decoder.logits(h[:, -1]).float()  # (B, V)
-        keep = None if self.connector.uses_prefix else visual
-        return logits, CaptionerCache(kv=kv, visual=keep)
-
-    @torch.no_grad()
-    def step(self, tokens: Tensor, cache: CaptionerCache) -> tuple[Tensor, CaptionerCache]:
-        """Feed one new token per row (B,); return next-token logits (B, V) float32, cache."""
-        if tokens.ndim != 1 or tokens.shape[0] != cache.kv.mask.shape[0]:
-            raise ValueError(
-                f"step takes one token per cached row: expected shape "
-                f"({cache.kv.mask.shape[0]},), got {tuple(tokens.shape)}"
-            )
-        ids = tokens[:, None]  # (B, 1)
-        mask = torch.ones_like(ids, dtype=torch.bool)
-        h, kv = self.connector.hidden_states(
-            self.decoder, cache.visual, ids, mask, cache.kv, use_cache=True
-        )
-        return self.decoder.logits(h[:, -1]).float(), CaptionerCache(kv=kv, visual=cache.visual)
-
-    @torch.no_grad()
-    def verify(
-        self,
-        tokens: Tensor,
-        cache: CaptionerCache,
-        position_ids: Tensor | None = None,
-        attention_mask: Tensor | None = None,
-    ) -> tuple[Tensor, CaptionerCache]:
-        """Feed K tokens per row (B, K) at once; logits after each (B, K, V) float32, cache.
-
-        Default: a causal chain continuing the cache, equal to K ``step`` calls.
-        ``position_ids`` (B, K) and ``attention_mask`` (B or 1, 1 or H, K, S + K) over the S
-        cached and K new positions (bool, True = attend; ``layers.tree_mask`` /
-        ``block_causal_mask`` build them) verify a tree or a block. Every fed token enters the
-        cache; ``crop_cache`` / ``select_cache`` then keep the accepted ones.
-        """
-        rows = cache.kv.mask.shape[0]
-        if tokens.ndim != 2 or tokens.shape[0] != rows:
-            raise ValueError(
-                f"verify takes (B={rows}, K) tokens per cached row, got {tuple(tokens.shape)}"
-            )
-        out = self.connector.run(
-            self.decoder,
-            cache.visual,
-            tokens,
-            torch.ones_like(tokens, dtype=torch.bool),
-            cache.kv,
-            use_cache=True,
-            position_ids=position_ids,
-            attn_mask=attention_mask,
-        )
-        logits = self.decoder.logits(out.hidden).float()  # (B, K, V)
-        return logits, CaptionerCache(kv=out.cache, visual=cache.visual)
-
-    def crop_cache(self, cache: CaptionerCache, n: int) -> CaptionerCache:
-        """Keep the first ``n`` cached positions (prefix included) of every row."""
-        return CaptionerCache(kv=cache.kv.crop(n), visual=cache.visual)
-
-    def select_cache(
-        self, cache: CaptionerCache, index: Tensor, valid: Tensor | None = None
-    ) -> CaptionerCache:
-        """Keep cached positions ``index`` (B, N) per row (see ``KVCache.select``)."""
-        return CaptionerCache(kv=cache.kv.select(index, valid), visual=cache.visual)
-
-    def reorder_cache(self, cache: CaptionerCache, index: Tensor) -> CaptionerCache:
-        """Select/reorder/repeat rows of the cache along batch (index: LongTensor (B',))."""
-        kv = reorder_cache(cache.kv, index)
-        visual = cache.visual
-        if visual is not None:
-            visual = visual.index_select(0, index.to(device=visual.device, dtype=torch.long))
-        return CaptionerCache(kv=kv, visual=visual)
 
     # ----------------------------------------------------------------------- training helpers
 

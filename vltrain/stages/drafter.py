@@ -37,6 +37,7 @@ from vltrain.data.samplers import EvalShardSampler, LengthBucketBatchSampler, Sh
 from vltrain.engine.parallel import ParallelModel
 from vltrain.engine.runtime import RunContext
 from vltrain.engine.task import StepOutput
+from vltrain.inference.captioner_target import CaptionerTarget, load_captioner
 from vltrain.inference.captioning import left_pad
 from vltrain.inference.feature_cache import (
     FeatureCache,
@@ -44,14 +45,8 @@ from vltrain.inference.feature_cache import (
     greedy_tokens,
     top_logprobs,
 )
-from vltrain.inference.native_llama import NativeTarget
-from vltrain.inference.spec_targets import (
-    CaptionerTarget,
-    HFTarget,
-    causal_lm_target,
-    load_captioner,
-    load_hf_causal_lm,
-)
+from vltrain.inference.hf_target import HFTarget, load_hf_causal_lm
+from vltrain.inference.native_llama import NativeTarget, causal_lm_target
 from vltrain.inference.speculative import speculative_generate
 from vltrain.models.drafter import (
     Drafter,

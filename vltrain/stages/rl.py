@@ -38,6 +38,7 @@ from vltrain.data.samplers import ShardedBatchSampler
 from vltrain.engine.parallel import ParallelModel
 from vltrain.engine.runtime import RunContext
 from vltrain.engine.task import StepOutput
+from vltrain.inference.captioner_target import CaptionerTarget
 from vltrain.inference.captioning import left_pad
 from vltrain.inference.decoding import generate
 from vltrain.models.backbones import build_captioner, load_initial_weights
@@ -193,7 +194,7 @@ class RLStage:
         policy.eval()  # sample from the policy itself: no dropout
         try:
             out = generate(
-                policy,
+                CaptionerTarget(policy),
                 inputs,
                 "sample",
                 max_new_tokens=min(r.max_new_tokens, room),
@@ -205,7 +206,10 @@ class RLStage:
             greedy = None
             if r.baseline == "greedy":
                 greedy = generate(
-                    policy, inputs, "greedy", max_new_tokens=min(r.max_new_tokens, room)
+                    CaptionerTarget(policy),
+                    inputs,
+                    "greedy",
+                    max_new_tokens=min(r.max_new_tokens, room),
                 )
         finally:
             policy.train(was_training)

@@ -30,9 +30,11 @@ import torch
 from vltrain.config.core import ConfigError
 from vltrain.data.draft_data import chat_prompt_ids, read_prompts
 from vltrain.engine.runtime import resolve_device
+from vltrain.inference.captioner_target import load_captioner
 from vltrain.inference.captioning import decode_captions, left_pad
 from vltrain.inference.decoding import generate
-from vltrain.inference.spec_targets import causal_lm_target, load_captioner, load_hf_causal_lm
+from vltrain.inference.hf_target import load_hf_causal_lm
+from vltrain.inference.native_llama import causal_lm_target
 
 
 def _done_ids(out: Path) -> set[str]:
@@ -53,15 +55,15 @@ def _shard(out: Path, rank: int, world: int) -> Path:
 
 def _answer_lm(model: Any, tok: Any, recs: list[dict], args: Any) -> list[dict]:
     pad = tok.pad_token_id or tok.eos_token_id
-    adapter = causal_lm_target(model, [], getattr(args, "forward", "auto"), pad).decoder()
-    ids, mask = left_pad([chat_prompt_ids(tok, r["prompt"]) for r in recs], adapter.pad_token_id)
+    target = causal_lm_target(model, [], getattr(args, "forward", "auto"), pad)
+    ids, mask = left_pad([chat_prompt_ids(tok, r["prompt"]) for r in recs], target.pad_token_id)
     dev = next(model.parameters()).device
     ids, mask = ids.to(dev), mask.to(dev)
     g = torch.Generator(device=dev).manual_seed(
         args.seed * 1_000_003 + zlib.crc32(str(recs[0]["id"]).encode())
     )
     out = generate(
-        adapter,
+        target,
         {"input_ids": ids, "attention_mask": mask},
         args.strategy,
         max_new_tokens=args.max_new_tokens,

@@ -18,18 +18,17 @@ import torch
 
 from vltrain.config.core import ConfigError
 from vltrain.data.draft_data import chat_prompt_ids, read_prompts
+from vltrain.inference.captioner_target import CaptionerTarget
 from vltrain.inference.captioning import left_pad
 from vltrain.inference.decoding import generate
-from vltrain.inference.spec_targets import (
-    CaptionerTarget,
-    causal_lm_target,
-    load_hf_causal_lm,
-)
+from vltrain.inference.hf_target import load_hf_causal_lm
+from vltrain.inference.native_llama import causal_lm_target
 from vltrain.inference.speculative import SpecStats, speculative_generate
+from vltrain.inference.target import DecodeTarget
 from vltrain.models.drafter import Drafter, SharedParts, load_drafter
 
 
-def attach(drafter: Drafter, target: Any) -> Drafter:
+def attach(drafter: Drafter, target: DecodeTarget) -> Drafter:
     """Share the target's embeddings and head; refuse a drafter made for another model."""
     c = drafter.cfg
     if (c.width, c.vocab_size) != (target.width, target.vocab_size) or max(
@@ -102,7 +101,6 @@ def lm_command(args: Any) -> int:
     target = causal_lm_target(model, layer_ids, getattr(args, "forward", "auto"), pad)
     if drafter is not None:
         attach(drafter, target)
-    adapter = target.decoder()
     lines, stats, n_tok, t0 = [], [], 0, time.perf_counter()
     bs = 1 if drafter is not None and args.batch_size <= 0 else max(1, args.batch_size)
     for lo in range(0, len(recs), bs):
@@ -110,7 +108,7 @@ def lm_command(args: Any) -> int:
         ids, mask = left_pad([chat_prompt_ids(tok, r["prompt"]) for r in batch], pad)
         inputs = {"input_ids": ids, "attention_mask": mask}
         if drafter is None:
-            out = generate(adapter, inputs, "greedy", max_new_tokens=args.max_new_tokens)
+            out = generate(target, inputs, "greedy", max_new_tokens=args.max_new_tokens)
             rows = [s[: int(n)].tolist() for s, n in zip(out.sequences, out.lengths, strict=True)]
         else:
             rows, st = speculative_generate(
