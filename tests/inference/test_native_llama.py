@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.fixtures import tiny_causal_lm
 from tests.inference.spec_helpers import (
     EOS,
     PAD,
@@ -20,7 +21,6 @@ from tests.inference.spec_helpers import (
     greedy_reference,
     left_padded_prompts,
     random_drafter,
-    tiny_causal_lm,
 )
 from vltrain.inference.decoding import generate
 from vltrain.inference.hf_adapter import HFDecodeAdapter

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.fixtures import tiny_causal_lm
 from tests.inference import spec_helpers as H
 from vltrain.inference import speculative as S
 from vltrain.inference.spec_targets import CaptionerTarget, HFTarget
@@ -19,17 +20,12 @@ V, PAD, BOS, EOS = H.V, H.PAD, H.BOS, H.EOS
 BUDGETS = (0, 4, 12)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def hf_model(arch: str, tmp_path, scale: float = 1.0):  # noqa: ANN001, ANN201
     torch.manual_seed(0)
-    cfg, cls = H.tiny_causal_lm(arch)
+    cfg, cls = tiny_causal_lm(arch)
     cls(cfg).save_pretrained(tmp_path)
     model = cls.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
     if scale != 1.0:
