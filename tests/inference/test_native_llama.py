@@ -121,6 +121,7 @@ def test_beam_search_reorders_the_native_cache_like_hf(saved):
     assert torch.equal(ref.sequences, ours.sequences)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vocab", [None, list(range(0, V, 2))], ids=["full", "half-vocab"])
 @pytest.mark.parametrize("budget", [0, 6])
 def test_speculative_decoding_through_the_native_forward_is_lossless(saved, budget, vocab):
@@ -138,6 +139,7 @@ def test_speculative_decoding_through_the_native_forward_is_lossless(saved, budg
     assert st.accepted == st_hf.accepted  # same logits, same walk
 
 
+@pytest.mark.slow
 def test_the_native_cache_grows_past_its_first_capacity(saved):
     """Decoding far past the prefill's spare room: the buffers double and keep their keys."""
     ids, mask = _prompt()

@@ -340,6 +340,7 @@ def _spec_sample_counts(target, drafter, n: int, accept_all: bool, monkeypatch) 
     return torch.bincount(pairs, minlength=V).double()
 
 
+@pytest.mark.slow
 def test_sampling_follows_the_target_distribution(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     model = hf_model("llama", tmp_path, scale=25.0)  # a peaked target, far from the drafter
     target = HFTarget(model, [0, 1])
