@@ -1,10 +1,13 @@
-"""Real tiny runs through the loop's doctor hook, `vltrain doctor` exit codes, the report."""
+"""Real tiny runs through the loop's doctor hook, `vltrain doctor` exit codes, the report and
+its ablation verdicts."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import statistics
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,8 +17,8 @@ from vltrain.config import load_config
 from vltrain.config.schema import dump_config
 from vltrain.diagnostics.doctor import DoctorAbort
 from vltrain.engine import loop
-from vltrain.runs import train
-from vltrain.runs.run_report import build_report, write_report
+from vltrain.runs import run_report, train
+from vltrain.runs.run_report import RunData, ablation, build_report, write_report
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +92,45 @@ def test_report_is_self_contained_with_ablation(clean_run, tmp_path):
     html = build_report([str(clean_run), str(twin)])
     assert html.count("<svg") >= 4 and "<polyline" in html
     assert "config diff" in html and "ablation" in html and "run.seed" in html
+    # the twin differs in seed only, with the same metrics: no change beyond seed noise
+    assert "<td>within seed noise (seed std 0)</td>" in html
     stripped = html.replace('xmlns="http://www.w3.org/2000/svg"', "")
     assert "http://" not in stripped and "https://" not in stripped and "<script" not in stripped
     out = write_report([str(clean_run)], tmp_path / "r" / "report.html")
     assert out.read_text().startswith("<!DOCTYPE html>")
+
+
+def _metric_run(path: Path, value: float, **config: object) -> Path:
+    """A finished run as the report reads it: its config and one eval of eval_R@1_mean."""
+    path.mkdir(parents=True)
+    dump_config(load_config(None, [f"{k}={v}" for k, v in config.items()]), path / "config.yaml")
+    (path / "metrics.jsonl").write_text(json.dumps({"step": 8, "eval_R@1_mean": value}) + "\n")
+    (path / "summary.json").write_text(json.dumps({"best_metric": "eval_R@1_mean"}))
+    return path
+
+
+def verdicts(runs: list[Path]) -> dict[str, str]:
+    """{variant: the ablation's verdict, up to its first colon or parenthesis}."""
+    _, rows = ablation([RunData(p) for p in runs])
+    return {row[0]: row[-1].split(":")[0].split(" (")[0] for row in rows}
+
+
+def test_ablation_verdicts_weigh_the_delta_against_the_seed_spread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = _metric_run(tmp_path / "base", 0.50)
+    seed1 = _metric_run(tmp_path / "seed1", 0.52, **{"run.seed": 1})  # seed std 0.0141
+    lr = _metric_run(tmp_path / "lr", 0.60, **{"optim.lr": 0.002})  # delta 0.10 > 2 std
+    wd = _metric_run(tmp_path / "wd", 0.51, **{"optim.weight_decay": 0.2})  # 0.01 < 2 std
+    runs = [base, seed1, lr, wd]
+    want = {"seed1": "within seed noise", "lr": "real", "wd": "within seed noise"}
+    assert verdicts(runs) == want
+    assert verdicts([base, lr]) == {"lr": "no seed spread"}
+    # the verdicts follow the numbers: seeds 0.30 apart make the same +0.10 noise
+    noisy = _metric_run(tmp_path / "noisy", 0.80, **{"run.seed": 1})
+    assert verdicts([base, noisy, lr])["lr"] == "within seed noise"
+    # negative control: an ablation that loses the seed spread calls every change real, and
+    # the comparison above catches it
+    lost = SimpleNamespace(stdev=lambda values: 0.0, fmean=statistics.fmean)
+    monkeypatch.setattr(run_report, "statistics", lost)
+    assert verdicts(runs) == {"seed1": "real", "lr": "real", "wd": "real"} != want
