@@ -1,4 +1,4 @@
-"""Shared fixtures: a small synthetic dataset and a tiny-run config builder."""
+"""Shared fixtures: one torch thread, a small synthetic dataset and a tiny-run config builder."""
 
 from __future__ import annotations
 
@@ -6,15 +6,30 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # strict collectives with NCCL's rule emulated on gloo (vltrain/core/distributed.py): set at
 # import, before vltrain is, so the torchrun and spawned processes the tests start inherit it
 os.environ.setdefault("VLTRAIN_STRICT_COLLECTIVES", "cuda")
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Run the test on one torch thread, restoring the count afterwards: tiny models run fastest
+    single-threaded, and far faster when other jobs share the CPU. A module opts in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,6 @@
-"""Test fixtures written to disk: a corpus of deliberately broken samples.
-
-Used by the tests of image decoding and bad-sample accounting (tests/data, tests/stages); it
-is test material, not part of the package.
+"""Test material shared across test folders: a corpus of deliberately broken samples (the tests
+of image decoding and bad-sample accounting) and tiny random HF causal LMs built from config
+objects (decoding, speculative and drafter tests). Not part of the package.
 """
 
 from __future__ import annotations
@@ -115,3 +114,38 @@ def write_bad_corpus(out_dir: str | os.PathLike[str]) -> Path:
     path = out / "bad.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
     return path
+
+
+def tiny_causal_lm(
+    arch: str,
+    vocab_size: int = 96,
+    layers: int = 3,
+    max_positions: int = 256,
+    special: tuple[int, int, int] = (1, 2, 0),
+) -> tuple[Any, type]:
+    """(config, model class) of a tiny random HF causal LM, width 32, 4 heads over 2 KV heads:
+    llama, llama_bias (attention biases, o_proj's included), qwen2 (q/k/v biases) or qwen3 (q/k
+    norm, head_dim 16). ``special``: the (bos, eos, pad) token ids."""
+    import transformers
+
+    bos, eos, pad = special
+    dims = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        bos_token_id=bos,
+    )
+    if arch in ("llama", "llama_bias"):
+        cfg = transformers.LlamaConfig(attention_bias=arch == "llama_bias", **dims)
+        return cfg, transformers.LlamaForCausalLM
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**dims), transformers.Qwen2ForCausalLM
+    if arch == "qwen3":
+        return transformers.Qwen3Config(head_dim=16, **dims), transformers.Qwen3ForCausalLM
+    raise ValueError(f"tiny_causal_lm: unknown arch {arch!r}; use llama, llama_bias, qwen2, qwen3")

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from vltrain.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,6 +60,7 @@ def test_config_mistakes_exit_2_with_a_hint_and_no_traceback(tmp_path: Path, cap
     assert code == 2 and "config file not found" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_quickstart_end_to_end_at_a_tiny_size(tmp_path: Path, capsys) -> None:
     out = tmp_path / "qs"
     code = main(

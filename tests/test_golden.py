@@ -1,9 +1,11 @@
-"""Golden loss traces: a tiny CLIP run and a tiny caption run reproduce stored per-step losses.
+"""Golden loss traces: tiny CLIP, caption, RL and drafter runs reproduce stored per-step losses.
 
 Guards the numerics of the whole training path (data, tokenizer, model init, loss, optimizer,
 schedule) against silent drift: a refactor that changes any of them changes these numbers.
-Both runs go through the CLI (`python -m vltrain train PRESET overrides...`) in a fresh
-process, CPU fp32, one thread, fixed seed, and the losses are read from metrics.jsonl.
+Every run goes through the CLI (`python -m vltrain train PRESET overrides...`) in a fresh
+process, CPU fp32, one thread, fixed seed, and the losses are read from metrics.jsonl. The RL
+run starts from the caption run's checkpoint; the drafter run drafts for the caption run's
+captioner, trained on its greedy captions (`vltrain data regenerate`), as a user would chain them.
 
 The stored values live in tests/golden/*.json and are only ever written on purpose:
 
@@ -19,11 +21,12 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, hardlink_tree
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 ATOL = 1e-4
@@ -60,6 +63,40 @@ RUNS = {
             "caption.max_new_tokens": 6,
         },
     ),
+    # tests/stages/test_rl_stage.py's run: 4 images x 3 samples, 3 steps (model.init_from is
+    # the caption run, set by golden_losses)
+    "rl": (
+        "rl.yaml",
+        {
+            "train.max_steps": 3,
+            "optim.warmup_steps": 0,
+            "optim.lr": 1e-3,
+            "data.batch_size": 4,
+            "model.freeze": "[]",
+            "caption.max_new_tokens": 6,
+            "caption.num_beams": 2,
+            "rl.k": 3,
+            "rl.max_new_tokens": 8,
+        },
+    ),
+    # tests/stages/test_drafter_stage.py's captioner drafter, 3 steps (model.target and the
+    # regenerated data are the caption run's, set by golden_losses)
+    "drafter": (
+        "drafter.yaml",
+        {
+            "train.max_steps": 3,
+            "optim.warmup_steps": 1,
+            "data.batch_size": 8,
+            "data.length_buckets": 0,
+            "drafter.block_size": 4,
+            "drafter.eval_prompts": 4,
+            "drafter.eval_max_new_tokens": 8,
+        },
+    ),
+}
+STARTS_FROM = {
+    "rl": "from the caption run's checkpoint",
+    "drafter": "for the caption run's captioner, on its regenerated captions",
 }
 
 
@@ -74,16 +111,32 @@ def run_losses(name: str, data: Path, out: Path, **extra: object) -> dict[int, f
         **opts,
         **extra,
     }
-    cmd = [sys.executable, "-m", "vltrain", "train", str(REPO / "configs" / preset)]
-    cmd += [f"{k}={v}" for k, v in over.items()]
+    args = ["train", str(REPO / "configs" / preset), *[f"{k}={v}" for k, v in over.items()]]
+    vltrain_cli(args, out.parent)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def vltrain_cli(args: list[str], cwd: Path) -> None:
+    """`python -m vltrain ARGS` in a fresh process on one thread; must exit 0."""
+    cmd = [sys.executable, "-m", "vltrain", *args]
     # the checkout under test, whatever is installed; one thread so BLAS sums in a fixed order
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     env["TOKENIZERS_PARALLELISM"] = "false"
-    res = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def regenerated_captions(caption_run: Path, data: Path, out: Path) -> Path:
+    """The caption run's greedy captions of 24 training images (the drafter's training data)."""
+    hardlink_tree(data / "images", out / "images")
+    lines = (data / "train.jsonl").read_text().splitlines()[:24]
+    (out / "train.jsonl").write_text("\n".join(lines) + "\n")
+    regen = out / "regen.jsonl"
+    args = ["data", "regenerate", "--checkpoint", str(caption_run), "--max-new-tokens", "12"]
+    vltrain_cli([*args, "--data", str(out / "train.jsonl"), "--out", str(regen)], out)
+    return regen
 
 
 def mismatches(got: dict[int, float], want: dict[int, float], atol: float) -> list[str]:
@@ -111,7 +164,8 @@ def write_golden(name: str, losses: dict[int, float]) -> None:
     preset, opts = RUNS[name]
     doc = {
         "about": f"per-step training loss of tests/test_golden.py::{name} "
-        f"(configs/{preset}, {len(losses)} steps, CPU fp32, seed 0); "
+        f"(configs/{preset}{' ' + STARTS_FROM[name] if name in STARTS_FROM else ''}, "
+        f"{len(losses)} steps, CPU fp32, seed 0); "
         "refresh with VLTRAIN_REFRESH_GOLDEN=1 python -m pytest tests/test_golden.py",
         "atol": ATOL,
         "loss": {str(s): losses[s] for s in sorted(losses)},
@@ -120,9 +174,37 @@ def write_golden(name: str, losses: dict[int, float]) -> None:
     golden_path(name).write_text(json.dumps(doc, indent=2) + "\n")
 
 
-@pytest.mark.parametrize("name, steps", [("clip", 6), ("caption", 4)])
-def test_loss_trace_matches_golden(name: str, steps: int, shapes_dir: Path, tmp_path: Path) -> None:
-    got = run_losses(name, shapes_dir, tmp_path / name)
+@pytest.fixture(scope="module")
+def golden_losses(
+    shapes_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], dict[int, float]]:
+    """Train a golden run by name, each at most once per module (rl and drafter start from the
+    caption run, trained once for the three); returns its losses."""
+    root = tmp_path_factory.mktemp("golden")
+    done: dict[str, dict[int, float]] = {}
+
+    def losses(name: str) -> dict[int, float]:
+        if name not in done:
+            extra: dict[str, object] = {}
+            if name in STARTS_FROM:
+                losses("caption")
+            caption = root / "caption"
+            if name == "rl":
+                extra = {"model.init_from": caption}
+            elif name == "drafter":
+                regen = regenerated_captions(caption, shapes_dir, root / "regen")
+                extra = {"model.target": caption, "data.train": regen, "data.eval": regen}
+            done[name] = run_losses(name, shapes_dir, root / name, **extra)
+        return done[name]
+
+    return losses
+
+
+@pytest.mark.parametrize("name, steps", [("clip", 6), ("caption", 4), ("rl", 3), ("drafter", 3)])
+def test_loss_trace_matches_golden(
+    name: str, steps: int, golden_losses: Callable[[str], dict[int, float]]
+) -> None:
+    got = golden_losses(name)
     assert sorted(got) == list(range(1, steps + 1)), "train.log_every=1 logs every step"
     if REFRESH:
         write_golden(name, got)

@@ -30,6 +30,7 @@ def test_gpu_check_runs_on_cpu_and_skips_gpu_parts_clearly() -> None:
         assert "skipped" in by_name[name] and "no CUDA" in by_name[name], by_name[name]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine runs the real checks")
 def test_every_gpu_row_runs_its_code_on_the_cpu(tmp_path: Path) -> None:
     """`--device cpu` runs each row's real code: the stage presets through the CLI (fp32, the

@@ -1,10 +1,13 @@
-"""Real tiny runs through the loop's doctor hook, `vltrain doctor` exit codes, the report."""
+"""Real tiny runs through the loop's doctor hook (what reaches the console), `vltrain doctor`
+exit codes, the report (ablation verdicts, rounded numbers, grouped findings)."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import statistics
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,10 +15,19 @@ from tests.conftest import tiny_overrides
 from vltrain.cli import main
 from vltrain.config import load_config
 from vltrain.config.schema import dump_config
+from vltrain.diagnostics import checks
 from vltrain.diagnostics.doctor import DoctorAbort
+from vltrain.diagnostics.record import Finding, StepRecord
 from vltrain.engine import loop
-from vltrain.runs import train
-from vltrain.runs.run_report import build_report, write_report
+from vltrain.runs import run_report, train
+from vltrain.runs.run_report import (
+    RunData,
+    ablation,
+    build_report,
+    grouped_findings,
+    rounded,
+    write_report,
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +63,29 @@ def test_lr_not_applied_aborts_with_fail_on_error(shapes_dir, tmp_path, monkeypa
         train(load_config(None, tiny_overrides(shapes_dir, tmp_path / "run", **extra)))
     found = [json.loads(x) for x in (tmp_path / "run" / "doctor.jsonl").read_text().splitlines()]
     assert {(f["check"], f["step"]) for f in found} >= {("lr_mismatch", 0)}
+
+
+def test_console_prints_warnings_and_info_stays_in_the_file(
+    shapes_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """Info findings (a dozen minor blips per short run) go to doctor.jsonl, not the console."""
+
+    def blips(self: checks.Spikes, rec: StepRecord) -> list[Finding]:  # info each step, 1 warn
+        found = [Finding("info", "grad_spike", rec.step, f"grad blip at step {rec.step}")]
+        if rec.step == 2:
+            found.append(Finding("warn", "loss_spike", rec.step, "a loss spike"))
+        return found
+
+    monkeypatch.setattr(checks.Spikes, "observe", blips)
+    out = tmp_path / "run"
+    train(load_config(None, tiny_overrides(shapes_dir, out, **{"train.max_steps": 4})))
+    found = [json.loads(x) for x in (out / "doctor.jsonl").read_text().splitlines()]
+    # negative control: there were info findings to print, and they are all kept in the file
+    assert [(f["severity"], f["step"]) for f in found if f["check"] == "grad_spike"] == [
+        ("info", s) for s in range(4)
+    ]
+    console = [x for x in capsys.readouterr().err.splitlines() if x.startswith("doctor:")]
+    assert console == ["doctor: WARN  step 2 [loss_spike] a loss spike"]
 
 
 def _fake_run(path: Path, losses: list[float]) -> Path:
@@ -89,7 +124,61 @@ def test_report_is_self_contained_with_ablation(clean_run, tmp_path):
     html = build_report([str(clean_run), str(twin)])
     assert html.count("<svg") >= 4 and "<polyline" in html
     assert "config diff" in html and "ablation" in html and "run.seed" in html
+    # the twin differs in seed only, with the same metrics: no change beyond seed noise
+    assert "<td>within seed noise (seed std 0)</td>" in html
     stripped = html.replace('xmlns="http://www.w3.org/2000/svg"', "")
     assert "http://" not in stripped and "https://" not in stripped and "<script" not in stripped
     out = write_report([str(clean_run)], tmp_path / "r" / "report.html")
     assert out.read_text().startswith("<!DOCTYPE html>")
+
+
+def _metric_run(path: Path, value: float, **config: object) -> Path:
+    """A finished run as the report reads it: its config and one eval of eval_R@1_mean."""
+    path.mkdir(parents=True)
+    dump_config(load_config(None, [f"{k}={v}" for k, v in config.items()]), path / "config.yaml")
+    (path / "metrics.jsonl").write_text(json.dumps({"step": 8, "eval_R@1_mean": value}) + "\n")
+    (path / "summary.json").write_text(json.dumps({"best_metric": "eval_R@1_mean"}))
+    return path
+
+
+def verdicts(runs: list[Path]) -> dict[str, str]:
+    """{variant: the ablation's verdict, up to its first colon or parenthesis}."""
+    _, rows = ablation([RunData(p) for p in runs])
+    return {row[0]: row[-1].split(":")[0].split(" (")[0] for row in rows}
+
+
+def test_ablation_verdicts_weigh_the_delta_against_the_seed_spread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = _metric_run(tmp_path / "base", 0.50)
+    seed1 = _metric_run(tmp_path / "seed1", 0.52, **{"run.seed": 1})  # seed std 0.0141
+    lr = _metric_run(tmp_path / "lr", 0.60, **{"optim.lr": 0.002})  # delta 0.10 > 2 std
+    wd = _metric_run(tmp_path / "wd", 0.51, **{"optim.weight_decay": 0.2})  # 0.01 < 2 std
+    runs = [base, seed1, lr, wd]
+    want = {"seed1": "within seed noise", "lr": "real", "wd": "within seed noise"}
+    assert verdicts(runs) == want
+    assert verdicts([base, lr]) == {"lr": "no seed spread"}
+    # the verdicts follow the numbers: seeds 0.30 apart make the same +0.10 noise
+    noisy = _metric_run(tmp_path / "noisy", 0.80, **{"run.seed": 1})
+    assert verdicts([base, noisy, lr])["lr"] == "within seed noise"
+    # negative control: an ablation that loses the seed spread calls every change real, and
+    # the comparison above catches it
+    lost = SimpleNamespace(stdev=lambda values: 0.0, fmean=statistics.fmean)
+    monkeypatch.setattr(run_report, "statistics", lost)
+    assert verdicts(runs) == {"seed1": "real", "lr": "real", "wd": "real"} != want
+
+
+def test_report_numbers_are_rounded_and_repeated_findings_grouped() -> None:
+    assert rounded(0.123456789) == "0.1235" and rounded(2.0) == "2"
+    assert rounded(12345.678) == "12346" and rounded("0.000123456") == "0.0001235"
+    assert rounded(3) == 3 and rounded("007") == "007" and rounded("lr=1e-3") == "lr=1e-3"
+    assert rounded(float("nan")) != rounded(float("nan"))  # non-finite: left as they are
+    found = [
+        Finding("info", "grad_spike", s, f"grad norm {1.5 + s / 10:.4g} is {s} MADs up", "fix")
+        for s in range(10, 22)
+    ]
+    found.insert(3, Finding("warn", "loss_spike", 13, "loss 9.1 is 12 MADs up", "look"))
+    rows = grouped_findings(found)
+    assert [r[:2] for r in rows] == [["warn", 1], ["info", 12]]  # the most severe first
+    assert rows[1][2] == "10, 11, 12, 13, 14, 15, 16, 17, ... 21"
+    assert rows[1][4] == "grad norm 2.5 is 10 MADs up"  # the first one's message

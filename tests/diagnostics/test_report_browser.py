@@ -1,4 +1,5 @@
-"""The HTML report in headless Chromium: no console errors, plots not blank in a screenshot.
+"""The HTML report in headless Chromium: no console errors, plots not blank in a screenshot,
+the page fits a 1,280-px window however wide its tables are.
 
 Debian's `chromium` (installed by .ci/run when missing); skipped where it is not installed.
 """
@@ -24,8 +25,9 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed
 FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--enable-logging=stderr", "--v=0", "--window-size=1300,1400",
+    "--enable-logging=stderr", "--v=0", "--window-size=1280,1400",
 ]  # fmt: skip
+WINDOW = 1280  # px: a laptop browser window
 
 
 def _chromium(page: Path, tmp: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -61,6 +63,54 @@ def _run_dir(path: Path, n: int) -> Path:
     ]  # fmt: skip
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def scroll_width(page: Path, tmp: Path) -> int:
+    """The page's scrollWidth in a 1,280-px window (a copy that writes it into its title)."""
+    probe = tmp / f"probe-{page.name}"
+    script = "<script>document.title = 'W' + document.documentElement.scrollWidth</script>"
+    probe.write_text(page.read_text().replace("</body>", script + "</body>"))
+    dom = _chromium(probe, tmp, "--dump-dom").stdout
+    return int(dom.split("<title>W", 1)[1].split("<", 1)[0])
+
+
+def _wide_run(path: Path, seed: int) -> Path:
+    """A run whose tables are wide: 24 eval metrics, 14 tuned parameters, long paths, and the
+    same minor doctor finding at 30 steps."""
+    _run_dir(path, 60)
+    cfg = load_config(None, [f"run.seed={seed}", f"data.train={path}/{'long_folder_' * 8}.jsonl"])
+    dump_config(cfg, path / "config.yaml")
+    names = [f"eval_{split}_{m}@{k}" for split in ("i2t", "t2i") for m in ("R", "MRR", "nDCG")
+             for k in (1, 5, 10, 50)]  # fmt: skip
+    evals = [{"step": s, **{n: 1 / (s + i + 3) for i, n in enumerate(names)}} for s in (20, 40, 60)]
+    with (path / "metrics.jsonl").open("a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in evals))
+    (path / "summary.json").write_text(json.dumps({"best_metric": names[0], "best_step": 60}))
+    blips = [
+        {"severity": "info", "check": "grad_spike", "step": s, "fix": "check the batch",
+         "message": f"grad norm {1 + s / 7:.4g} is {s % 9 + 6} MADs above the recent median"}
+        for s in range(10, 40)
+    ]  # fmt: skip
+    (path / "doctor.jsonl").write_text("".join(json.dumps(r) + "\n" for r in blips))
+    params = [f"params_optim.option_{i}" for i in range(14)]
+    trials = [",".join(["number", "value", *params])]
+    trials += [",".join([str(t), str(1 / (t + 7)), *[str(t / (i + 3)) for i in range(14)]])
+               for t in range(5)]  # fmt: skip
+    (path / "trials.csv").write_text("\n".join(trials) + "\n")
+    return path
+
+
+def test_report_fits_a_1280_px_window(tmp_path):
+    runs = [str(_wide_run(tmp_path / f"seed{s}", s)) for s in (0, 1)]
+    page = write_report(runs, tmp_path / "report.html")
+    html = page.read_text()
+    assert scroll_width(page, tmp_path) <= WINDOW
+    assert html.count("<td>info</td><td>30</td>") == 2  # the 30 blips: one row per run, counted
+    assert "0.3333333" not in html and "<td>0.04348</td>" in html  # rounded to 4 digits
+    # negative control: without the tables' scrolling boxes the same page is far too wide
+    unboxed = tmp_path / "unboxed.html"
+    unboxed.write_text(html.replace('<div class="scroll">', "<div>"))
+    assert scroll_width(unboxed, tmp_path) > 1.5 * WINDOW
 
 
 def test_report_renders_without_console_errors_and_plots_are_inked(tmp_path):

@@ -61,6 +61,7 @@ def single(shapes_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     return _train(tmp_path_factory.mktemp("ddp") / "one", shapes_dir, 1, 16)
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_process_with_same_global_batch(
     single: dict, shapes_dir: Path, tmp_path: Path
 ) -> None:
@@ -76,6 +77,7 @@ def test_two_processes_equal_one_process_with_same_global_batch(
     assert _max_diff(single, two) < 1e-5
 
 
+@pytest.mark.slow
 def test_negative_control_without_gather_differs(
     single: dict, shapes_dir: Path, tmp_path: Path
 ) -> None:

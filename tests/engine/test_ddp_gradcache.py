@@ -112,6 +112,7 @@ def _worker(rank: int, store: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_spawned_ranks_grad_cache_equals_global_batch(tmp_path: Path) -> None:
     # spawn, not fork: by now the pytest process has threads (BLAS, thread pools), and a child
     # forked while one of them held a lock can hang forever (seen under load)

@@ -31,6 +31,7 @@ from vltrain.tools.export import export_checkpoint
 
 CONFIG = Path(__file__).resolve().parents[2] / "vltrain" / "configs" / "clip.yaml"
 TOL = 1e-5  # fp32, 5 AdamW steps
+pytestmark = pytest.mark.slow  # every test trains under torchrun
 
 
 def _env() -> dict[str, str]:

@@ -229,6 +229,7 @@ def _run_cli(args: list[str], **kw) -> subprocess.Popen:  # noqa: ANN003
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_at_a_step_boundary_saves_and_resumes_exactly(
     shapes_dir: Path, tmp_path: Path
 ) -> None:

@@ -86,6 +86,7 @@ def _fsdp_hf_run(model_dir: str, out: Path, modes: str = "") -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_fsdp_per_layer_on_tiny_hf_vlm_equals_one_process(
     qwen2vl_dir: str,  # noqa: F811
     tmp_path: Path,
@@ -97,6 +98,7 @@ def test_fsdp_per_layer_on_tiny_hf_vlm_equals_one_process(
     assert got["diff"] < 1e-5
 
 
+@pytest.mark.slow
 def test_fsdp_with_lora_equals_one_process(
     qwen2vl_dir: str,  # noqa: F811
     tmp_path: Path,

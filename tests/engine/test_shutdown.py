@@ -12,6 +12,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -47,12 +48,14 @@ def _run(tmp_path: Path, scenario: str) -> list[dict]:
     return [json.loads((tmp_path / f"{scenario}_rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.slow
 def test_finished_ranks_wait_for_each_other_then_leave(tmp_path: Path) -> None:
     ranks = _run(tmp_path, "late_peer")
     assert all(not r["initialized"] for r in ranks)
     assert ranks[0]["peer_arrived"]  # rank 0 left only after rank 1 finished its work
 
 
+@pytest.mark.slow
 def test_a_missing_peer_bounds_the_wait(tmp_path: Path) -> None:
     # rank 1 arrives 8 s late (as if it failed); rank 0 waits FINISH_TIMEOUT_S = 3 s, then
     # leaves with a message instead of hanging for the group's 30-minute timeout
@@ -61,6 +64,7 @@ def test_a_missing_peer_bounds_the_wait(tmp_path: Path) -> None:
     assert not ranks[0]["peer_arrived"]
 
 
+@pytest.mark.slow
 def test_after_an_error_nobody_waits(tmp_path: Path) -> None:
     ranks = _run(tmp_path, "error")
     assert all(not r["initialized"] for r in ranks)

@@ -20,6 +20,7 @@ def test_hand_computed_groups():
     assert retrieval_ceiling([None, None], [1, 1])["t2i_R@1"] == 1.0
 
 
+@pytest.mark.slow
 def test_oracle_model_meets_the_ceiling_on_average():
     """A model that embeds each description exactly (ties everywhere they must be) measures,
     averaged over random orders of the eval set, the ceiling's expected R@1."""

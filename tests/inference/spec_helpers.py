@@ -10,31 +10,6 @@ from vltrain.models.drafter import Drafter, DrafterConfig, SharedParts
 V, PAD, BOS, EOS = 96, 0, 1, 2  # the tiny HF causal LMs' vocabulary and special tokens
 
 
-def tiny_causal_lm(arch: str):  # noqa: ANN201
-    """(config, model class) of a tiny random HF causal LM: llama, llama_bias (attention
-    biases, o_proj's included), qwen2 (q/k/v biases) or qwen3 (q/k norm, head_dim 16)."""
-    import transformers
-
-    dims = dict(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
-        bos_token_id=BOS,
-    )
-    if arch in ("llama", "llama_bias"):
-        cfg = transformers.LlamaConfig(attention_bias=arch == "llama_bias", **dims)
-        return cfg, transformers.LlamaForCausalLM
-    if arch == "qwen2":
-        return transformers.Qwen2Config(**dims), transformers.Qwen2ForCausalLM
-    return transformers.Qwen3Config(head_dim=16, **dims), transformers.Qwen3ForCausalLM
-
-
 def left_padded_prompts(b: int = 3) -> dict:
     """BOS + 6 random tokens per row; row 1 left-padded by two."""
     g = torch.Generator().manual_seed(3)

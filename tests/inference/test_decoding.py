@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.fixtures import tiny_causal_lm
 from vltrain.inference.decoding import GenerationOutput, generate, top_k_filter, top_p_filter
 
 transformers = pytest.importorskip("transformers")
@@ -15,18 +16,7 @@ MAX_NEW = 10
 
 
 def _text_config() -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
-        bos_token_id=BOS,
-    )
+    return tiny_causal_lm("llama", V, layers=2, max_positions=128, special=(BOS, EOS, PAD))[0]
 
 
 def _boost_eos(model: torch.nn.Module, norm: float) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.fixtures import tiny_causal_lm
 from tests.inference.spec_helpers import (
     EOS,
     PAD,
@@ -20,7 +21,6 @@ from tests.inference.spec_helpers import (
     greedy_reference,
     left_padded_prompts,
     random_drafter,
-    tiny_causal_lm,
 )
 from vltrain.inference.decoding import generate
 from vltrain.inference.speculative import speculative_generate
@@ -146,6 +146,7 @@ def test_beam_search_reorders_the_native_cache_like_hf(saved):
     assert torch.equal(ref.sequences, ours.sequences)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vocab", [None, list(range(0, V, 2))], ids=["full", "half-vocab"])
 @pytest.mark.parametrize("budget", [0, 6])
 def test_speculative_decoding_through_the_native_forward_is_lossless(saved, budget, vocab):
@@ -163,6 +164,7 @@ def test_speculative_decoding_through_the_native_forward_is_lossless(saved, budg
     assert st.accepted == st_hf.accepted  # same logits, same walk
 
 
+@pytest.mark.slow
 def test_the_native_cache_grows_past_its_first_capacity(saved):
     """Decoding far past the prefill's spare room: the buffers double and keep their keys."""
     ids, mask = _prompt()

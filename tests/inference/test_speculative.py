@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.fixtures import tiny_causal_lm
 from tests.inference import spec_helpers
 from vltrain.inference import speculative
 from vltrain.inference.captioner_target import CaptionerTarget
@@ -19,17 +20,12 @@ V, PAD, BOS, EOS = spec_helpers.V, spec_helpers.PAD, spec_helpers.BOS, spec_help
 BUDGETS = (0, 4, 12)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def hf_model(arch: str, tmp_path, scale: float = 1.0):  # noqa: ANN001, ANN201
     torch.manual_seed(0)
-    cfg, cls = spec_helpers.tiny_causal_lm(arch)
+    cfg, cls = tiny_causal_lm(arch)
     cls(cfg).save_pretrained(tmp_path)
     model = cls.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
     if scale != 1.0:
@@ -355,6 +351,7 @@ def _spec_sample_counts(target, drafter, n: int, accept_all: bool, monkeypatch) 
     return torch.bincount(pairs, minlength=V).double()
 
 
+@pytest.mark.slow
 def test_sampling_follows_the_target_distribution(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     model = hf_model("llama", tmp_path, scale=25.0)  # a peaked target, far from the drafter
     target = HFTarget(model, [0, 1])

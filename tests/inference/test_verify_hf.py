@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.fixtures import tiny_causal_lm
+
 transformers = pytest.importorskip("transformers")
 from vltrain.inference.hf_target import HFTarget  # noqa: E402
 
@@ -17,37 +19,19 @@ ATOL = 1e-5
 PARENTS = [-1, 0, 0, 1, 1, 2, 3]  # 7 draft nodes; node 6 is a leaf at depth 3
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
 @pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _no_grad():
     with torch.no_grad():  # as under `generate`
         yield
-    torch.set_num_threads(before)
-
-
-def _config(arch: str):
-    dims = dict(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
-        bos_token_id=BOS,
-    )
-    if arch == "llama":
-        return transformers.LlamaConfig(**dims), transformers.LlamaForCausalLM
-    return transformers.Qwen2Config(**dims), transformers.Qwen2ForCausalLM
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def saved(request, tmp_path_factory):
     torch.manual_seed(0)
-    cfg, cls = _config(request.param)
+    cfg, cls = tiny_causal_lm(request.param, V, layers=2, max_positions=128)
     path = tmp_path_factory.mktemp(request.param)
     cls(cfg).save_pretrained(path)
     return cls, path

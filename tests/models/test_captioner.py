@@ -19,13 +19,7 @@ KINDS = ["projector", "gated_xattn"]
 MAX_TEXT = 16
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest single-threaded, and far faster when other jobs share the CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _gen(seed: int) -> torch.Generator:

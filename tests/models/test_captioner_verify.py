@@ -23,12 +23,7 @@ ATOL = 1e-5
 PARENTS = [-1, 0, 0, 1, 1, 2, 3]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _model(kind: str, gate: float | None = 0.7) -> Captioner:

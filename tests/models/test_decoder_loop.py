@@ -28,12 +28,7 @@ VOCAB = 41
 ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _decoder(layers: int = 3, seed: int = 0) -> CausalDecoder:

@@ -15,13 +15,7 @@ from vltrain.models.vit import VisionTower, VisionTowerConfig
 VOCAB = 97
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest single-threaded, and far faster when other jobs share the CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _block_keys(prefix: str, n: int) -> list[str]:

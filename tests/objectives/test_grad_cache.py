@@ -19,12 +19,7 @@ from vltrain.stages.contrastive import ContrastiveModel
 B, M, T, VOCAB = 10, 4, 12, 60
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _model(loss: str = "infonce", dropout: float = 0.2) -> ContrastiveModel:

@@ -36,13 +36,7 @@ from vltrain.objectives.reinforce import (
     sequence_mask,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _gen(seed: int) -> torch.Generator:

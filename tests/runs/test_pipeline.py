@@ -192,6 +192,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_torchrun_pipeline_chains_three_stages_from_best(ddp_pipeline) -> None:
     _, root, out = ddp_pipeline
     names = ("pre", "ft", "rl")
@@ -226,6 +227,7 @@ def test_torchrun_pipeline_chains_three_stages_from_best(ddp_pipeline) -> None:
     assert "eval_beam_CIDEr-D" in report  # the rl stage's beam eval made it into the table
 
 
+@pytest.mark.slow
 def test_torchrun_pipeline_restart_skips_finished_stages(ddp_pipeline) -> None:
     path, root, _ = ddp_pipeline
     names = ("pre", "ft", "rl")

@@ -181,6 +181,7 @@ def _wait_for_running_trial(
     pytest.fail("no trial was running within the timeout")
 
 
+@pytest.mark.slow
 def test_killed_search_resumes_keeping_completed_trials(shapes_dir: Path, tmp_path: Path) -> None:
     cfg = _write_config(
         tmp_path / "tune.yaml",

@@ -140,6 +140,7 @@ def test_prediction_uses_the_approach_with_the_narrower_interval():
         fit.choose_prediction(res, "approach_2")
 
 
+@pytest.mark.slow
 def test_auto_huber_delta_follows_the_noise_and_stays_robust():
     """`huber_delta="auto"` sizes delta to the residuals (1.345 x their robust std: ~0.013 for
     1% log-noise, where the fixed 1e-3 makes the fit an absolute-error fit); a planted broken
@@ -183,6 +184,7 @@ def test_huber_delta_flag_rejects_a_typo_before_fitting(tmp_path, capsys):
     assert "--huber-delta 'atuo': expected a number like 1e-3, or auto" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_fit_whose_floor_underflows_still_bootstraps():
     """A measured sweep (tests/scaling/data/facts_width_sweep.csv: the scaling demo's captioner
     on fact captions, 3 budgets x 5 widths) has no visible loss floor: approach 3's log E

@@ -25,6 +25,7 @@ def test_vendored_data_is_the_published_file():
     assert runs.budget is None  # not isoFLOP groups: approach 3 only
 
 
+@pytest.mark.slow
 def test_refit_of_epoch_ai_matches_their_published_parameters(tmp_path):
     """Their protocol (5 highest losses dropped, Huber 1e-3 on log L, L-BFGS from a grid):
     the same optimum as their notebook. Tolerances: alpha, beta, E within 0.002 and A, B

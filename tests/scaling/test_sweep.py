@@ -80,6 +80,7 @@ def test_micro_sweep_resumes_a_killed_run(shapes_dir, tmp_path):
     assert {"params", "tokens", "flops", "loss"} <= set(table[0])
 
 
+@pytest.mark.slow
 def test_jobs_and_seeds_train_in_processes(shapes_dir, tmp_path, monkeypatch):
     sizes = parse_sizes(["1x32,1x48"])
     budgets = [1.2e9]

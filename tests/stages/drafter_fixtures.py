@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from tests.fixtures import tiny_causal_lm
+
 CHAT = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -48,22 +50,8 @@ def tiny_lm(path: Path, arch: str = "llama", layers: int = 4) -> Path:
         chat_template=CHAT,
     )
     torch.manual_seed(0)
-    dims = dict(
-        vocab_size=len(fast),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id,
-        bos_token_id=fast.bos_token_id,
-    )
-    if arch == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**dims))
-    else:
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**dims))
-    model.save_pretrained(path)
+    special = (fast.bos_token_id, fast.eos_token_id, fast.pad_token_id)
+    cfg, cls = tiny_causal_lm(arch, len(fast), layers, max_positions=512, special=special)
+    cls(cfg).save_pretrained(path)
     fast.save_pretrained(path)
     return path

@@ -79,6 +79,7 @@ def test_too_many_bad_samples_abort_with_a_clear_error(mixed, tmp_path: Path, ca
     assert any(reason in err for reason in expected)
 
 
+@pytest.mark.slow
 def test_a_small_bad_fraction_below_the_threshold_trains_on(mixed, tmp_path: Path) -> None:
     path, expected = mixed
     cfg = load_config(
@@ -106,6 +107,7 @@ def _half_missing(shapes_dir: Path, tmp_path: Path, n_good: int) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_micro_batch_with_no_valid_sample_skips_the_step(shapes_dir: Path, tmp_path: Path):
     # batch 1: every bad record is a whole micro-batch with nothing to forward
     path = _half_missing(shapes_dir, tmp_path, 4)
@@ -121,6 +123,7 @@ def test_a_micro_batch_with_no_valid_sample_skips_the_step(shapes_dir: Path, tmp
     assert len(losses) == 8 and losses.count("nan") == 4  # a skipped step logs no loss
 
 
+@pytest.mark.slow
 def test_two_ranks_skip_together_when_one_rank_has_only_bad_samples(
     shapes_dir: Path, tmp_path: Path
 ) -> None:

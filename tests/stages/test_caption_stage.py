@@ -121,6 +121,7 @@ def test_pretrain_preset_trains_only_the_connector(pretrain_run) -> None:
     assert not _same(init, final, "connector.")  # negative control: the trained part moved
 
 
+@pytest.mark.slow
 def test_finetune_preset_init_from_and_lr_scale(pretrain_run, cap_data: Path, tmp_path: Path):
     pre_cfg, pre_summary = pretrain_run
     cfg = _cfg("finetune", cap_data, tmp_path / "ft", **{"model.init_from": pre_cfg.run.out_dir})
@@ -209,6 +210,7 @@ def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+@pytest.mark.slow
 def test_exact_mid_epoch_resume_with_length_buckets(cap_data, tmp_path, monkeypatch) -> None:
     # 64 samples / batch 16 = 4 batches per epoch: step 2 is mid-epoch, resume crosses epochs
     opts = {
@@ -241,6 +243,7 @@ def test_exact_mid_epoch_resume_with_length_buckets(cap_data, tmp_path, monkeypa
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_equal_one(cap_data: Path, tmp_path: Path) -> None:
     opts = {"data.length_buckets": 2, "model.freeze": "[]", "train.max_steps": 3}
     one = _cfg("finetune", cap_data, tmp_path / "one", **opts)

@@ -173,6 +173,7 @@ def _init_weights(caption_ckpt: Path) -> dict[str, torch.Tensor]:
     return load_file(caption_ckpt / "checkpoints" / "best" / "model.safetensors")
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_own_shards_one_baseline_same_weights(
     rl_data: Path, caption_ckpt: Path, tmp_path: Path
 ) -> None:

@@ -60,17 +60,40 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     return [start + i * step for i in range(int((hi - start) / step) + 1)]
 
 
-def _fmt(v: float, step: float = 0.0) -> str:
-    """A tick label with as many decimals as the tick spacing needs."""
-    if abs(v) >= 1e4 or (0 < abs(v) < 1e-3):
+def _fmt(v: float, step: float = 0.0, scale: float | None = None) -> str:
+    """A tick label with as many decimals as the tick spacing needs; `scale` (the axis's
+    largest |tick|) picks one notation for the whole axis, not 0.00100 beside 8.00e-04."""
+    scale = abs(v) if scale is None else scale
+    if scale >= 1e4 or (0 < scale < 1e-3):
         return f"{v:.2e}"
     if step > 0:
         return f"{v:.{max(0, 1 - math.floor(math.log10(step)))}f}"
     return f"{v:.3g}"
 
 
-def render(plot: Plot, width: int = 620, height: int = 240) -> str:
-    """The plot as an `<svg>` element (class "plot"), or a note when it has no finite data."""
+LEGEND_ROW = 14  # px per legend row, below the plot area
+CHAR_W = 6.0  # rough width of one 10-px sans-serif character, to lay legend entries out
+
+
+def legend_rows(labels: Sequence[str], width: float) -> list[list[tuple[int, float]]]:
+    """Legend entries laid out left to right in rows of at most `width` px: per row, (series
+    index, x offset) pairs. Each entry is a 14-px swatch, a gap and its label."""
+    rows: list[list[tuple[int, float]]] = [[]]
+    x = 0.0
+    for i, label in enumerate(labels):
+        w = 18 + CHAR_W * len(label) + 14
+        if rows[-1] and x + w > width:
+            rows.append([])
+            x = 0.0
+        rows[-1].append((i, x))
+        x += w
+    return rows if rows[0] else []
+
+
+def render(plot: Plot, width: int = 590, height: int = 240) -> str:
+    """The plot as an `<svg>` element (class "plot"), or a note when it has no finite data.
+    The legend sits below the x axis, never on the curves; `height` is the plot's own,
+    legend rows add to it."""
     tf = (lambda y: math.log10(y) if y > 0 else float("nan")) if plot.log_y else (lambda y: y)
     pts = [
         (x, tf(y))
@@ -91,6 +114,8 @@ def render(plot: Plot, width: int = 620, height: int = 240) -> str:
     y0, y1 = y0 - pad, y1 + pad
     left, right, top, bottom = 56, 12, 24, 34
     pw, ph = width - left - right, height - top - bottom
+    legend = legend_rows([s.label for s in plot.series], pw)
+    total = height + LEGEND_ROW * len(legend)
 
     def sx(x: float) -> float:
         return left + (x - x0) / (x1 - x0) * pw
@@ -99,16 +124,17 @@ def render(plot: Plot, width: int = 620, height: int = 240) -> str:
         return top + (1 - (y - y0) / (y1 - y0)) * ph
 
     out = [
-        f'<svg class="plot" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" role="img" aria-label="{escape(plot.title)}">',
-        f'<rect x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
+        f'<svg class="plot" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{total}" '
+        f'viewBox="0 0 {width} {total}" role="img" aria-label="{escape(plot.title)}">',
+        f'<rect x="0" y="0" width="{width}" height="{total}" fill="#ffffff"/>',
         f'<text x="{left}" y="15" font-size="13" font-weight="bold">{escape(plot.title)}</text>',
         f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>',
     ]
     yt = _ticks(y0, y1)
     ystep = yt[1] - yt[0] if len(yt) > 1 else 0.0
+    yscale = max(abs(t) for t in yt)
     for t in yt:
-        label = _fmt(10**t) if plot.log_y else _fmt(t, ystep)
+        label = _fmt(10**t) if plot.log_y else _fmt(t, ystep, yscale)
         out.append(
             f'<line x1="{left}" x2="{left + pw}" y1="{sy(t):.1f}" y2="{sy(t):.1f}" stroke="#eee"/>'
             f'<text x="{left - 4}" y="{sy(t) + 4:.1f}" font-size="10" text-anchor="end">'
@@ -129,8 +155,8 @@ def render(plot: Plot, width: int = 620, height: int = 240) -> str:
                 f'<line x1="{sx(m.x):.1f}" x2="{sx(m.x):.1f}" y1="{top}" y2="{top + ph}" '
                 f'stroke="{m.color}" stroke-dasharray="3,2"><title>{escape(m.label)}</title></line>'
             )
-    for i, s in enumerate(plot.series):
-        color = s.color or PALETTE[i % len(PALETTE)]
+    colors = [s.color or PALETTE[i % len(PALETTE)] for i, s in enumerate(plot.series)]
+    for s, color in zip(plot.series, colors, strict=True):
         xy = [
             (sx(x), sy(tf(y)))
             for x, y in zip(s.xs, s.ys, strict=True)
@@ -148,9 +174,19 @@ def render(plot: Plot, width: int = 620, height: int = 240) -> str:
                 f'<polyline points="{path}" fill="none" stroke="{color}" '
                 f'stroke-width="{s.width}" stroke-opacity="{s.opacity}"/>'
             )
-        out.append(
-            f'<text x="{left + pw - 4}" y="{top + 14 + 13 * i}" font-size="10" '
-            f'text-anchor="end" fill="{color}">{escape(s.label)}</text>'
-        )
+    for row, entries in enumerate(legend):
+        y = height + 10 + LEGEND_ROW * row  # baselines below the x-axis label
+        for i, x in entries:
+            s, color, x = plot.series[i], colors[i], left + x
+            swatch = (
+                f'<circle cx="{x + 7}" cy="{y - 3}" r="2.5" fill="{color}"/>'
+                if s.kind == "points"
+                else f'<line x1="{x}" x2="{x + 14}" y1="{y - 3}" y2="{y - 3}" stroke="{color}" '
+                f'stroke-width="2"/>'
+            )
+            out.append(
+                swatch + f'<text x="{x + 18}" y="{y}" font-size="10" fill="#333">'
+                f"{escape(s.label)}</text>"
+            )
     out.append("</svg>")
     return "".join(out)

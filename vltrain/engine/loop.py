@@ -274,7 +274,8 @@ class Trainer:
 
     def _doctor_step(self, micro, loss, grad_norm, lr, finite, t_step, logger, metrics) -> None:
         """One StepRecord to the doctor (before zero_grad: gradients are still there for
-        non-finite provenance); its findings go to the log and to metrics.jsonl."""
+        non-finite provenance); its warnings and errors go to the console, its finding counts
+        to metrics.jsonl."""
         if self.doctor is None:
             return
         keys = [k for b in micro for k in b.keys]
@@ -292,8 +293,11 @@ class Trainer:
             chance_loss=metrics.get("chance_loss"),  # a contrastive loss's no-information level
         )
         found = self.doctor.observe(rec)  # gathers over ranks inside: every rank calls it
+        # info findings (minor grad blips, a dozen per short run) stay in doctor.jsonl and the
+        # report: on the console they would bury the warnings
         for f in found:
-            logger.message(f"doctor: {f.line()}")
+            if severity_rank(f.severity) > severity_rank("info"):
+                logger.message(f"doctor: {f.line()}")
         if found:
             worst = max(severity_rank(f.severity) for f in found)
             logger.log(self.state.step + 1, {"doctor_findings": len(found), "doctor_worst": worst})

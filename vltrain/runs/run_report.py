@@ -12,7 +12,9 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import statistics
+from collections.abc import Iterable, Sequence
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -21,14 +23,38 @@ import yaml
 
 from vltrain.diagnostics import svg
 from vltrain.diagnostics.doctor import analyse_run, load_records
-from vltrain.diagnostics.record import Finding
+from vltrain.diagnostics.record import Finding, severity_rank
 from vltrain.runs.report import html_table
 
-CSS = """body{font-family:sans-serif;margin:24px;max-width:1260px;color:#222}
-table{border-collapse:collapse;margin:8px 0 16px}td,th{border:1px solid #ccc;padding:3px 8px;
+# 1,200 px of content plus margins fits a 1,280-px window; a table wider than that scrolls
+# inside its own box (.scroll) instead of widening the page, and two 590-px plots fit a row
+CSS = """body{font-family:sans-serif;margin:24px;max-width:1200px;color:#222}
+p{overflow-wrap:anywhere}.scroll{overflow-x:auto;max-width:100%;margin:8px 0 16px}
+table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;
 font-size:13px;text-align:left}th{background:#f3f3f3}
 tr.best td{background:#e6f4ea;font-weight:bold}.plots{display:flex;flex-wrap:wrap;gap:8px}
 .card td:first-child{color:#666}h2{border-bottom:1px solid #ddd}"""
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+
+
+def rounded(value: Any) -> Any:
+    """A float (or a string holding one, as CSV cells do) to 4 significant digits, whole from
+    10,000 up; anything else unchanged."""
+    if isinstance(value, str):
+        if not NUMBER.fullmatch(value.strip().lower()) or value.strip().isdigit():
+            return value
+        value = float(value)
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{value:.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
+    return value
+
+
+def table(
+    header: Sequence[str], rows: Iterable[Sequence[Any]], highlight: Iterable[int] = ()
+) -> str:
+    """An HTML table of rounded numbers in a box that scrolls sideways when it is too wide."""
+    body = [[rounded(c) for c in row] for row in rows]
+    return f'<div class="scroll">{html_table(header, body, highlight)}</div>'
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -115,6 +141,7 @@ def _card(run: RunData) -> str:
     secs = s.get("train_seconds")
     hours = (secs or 0) * c.get("world_size", 1) / 3600
     dev = c.get("gpu") or c.get("cpu", "?")
+    best = rounded(s.get("best_value"))
     rows = [
         ("commit", f"{c.get('commit', '?')}{' (dirty tree)' if c.get('dirty') else ''}"),
         ("machine", f"{c.get('host', '?')}: {dev} x{c.get('world_size', 1)}"),
@@ -123,12 +150,12 @@ def _card(run: RunData) -> str:
         ("started", c.get("started", "?")),
         ("stage", str(run.config.get("stage", "?"))),
         ("steps", f"{s.get('steps', '?')} ({s.get('skipped_steps', 0)} skipped)"),
-        ("time", f"{secs} s; cost {hours:.4f} device-hours" if secs is not None else "?"),
-        ("best", f"{s.get('best_metric')} = {s.get('best_value')} at step {s.get('best_step')}"),
+        ("time", f"{rounded(secs)} s; cost {hours:.3g} device-hours" if secs is not None else "?"),
+        ("best", f"{s.get('best_metric')} = {best} at step {s.get('best_step')}"),
     ]  # fmt: skip
-    return '<table class="card">' + "".join(
+    return '<div class="scroll"><table class="card">' + "".join(
         f"<tr><td>{escape(k)}</td><td>{escape(str(v))}</td></tr>" for k, v in rows
-    ) + "</table>"  # fmt: skip
+    ) + "</table></div>"  # fmt: skip
 
 
 def _markers(run: RunData) -> list[svg.Marker]:
@@ -204,16 +231,35 @@ def _eval_table(run: RunData) -> str:
         for r in rows
     ]
     marked = [i for i, r in enumerate(rows) if r["step"] == best]
-    return html_table(["step", "checkpoint kept", *keys], body, marked) + (
+    return table(["step", "checkpoint kept", *keys], body, marked) + (
         f"<p>best ({escape(str(run.summary.get('best_metric')))}) highlighted</p>" if marked else ""
     )
+
+
+def _steps(steps: list[int], shown: int = 8) -> str:
+    head = ", ".join(map(str, steps[:shown]))
+    return head + (f", ... {steps[-1]}" if len(steps) > shown else "")
+
+
+def grouped_findings(findings: list[Finding]) -> list[list[Any]]:
+    """Findings that repeat (one check, one message but for its numbers, one fix) as one row:
+    severity, count, steps, check, the first one's message, fix; the most severe first."""
+    groups: dict[tuple[str, str, str, str], list[Finding]] = {}
+    for f in findings:
+        key = (f.severity, f.check, NUMBER.sub("#", f.message), f.fix)
+        groups.setdefault(key, []).append(f)
+    rows = [
+        [g[0].severity, len(g), _steps([f.step for f in g]), g[0].check, g[0].message, g[0].fix]
+        for g in groups.values()
+    ]
+    return sorted(rows, key=lambda r: -severity_rank(r[0]))
 
 
 def _findings_table(run: RunData) -> str:
     if not run.findings:
         return "<p>the doctor found nothing</p>"
-    body = [[f.severity, f.step, f.check, f.message, f.fix] for f in run.findings]
-    return html_table(["severity", "step", "check", "finding", "what to change"], body)
+    header = ["severity", "count", "steps", "check", "finding (the first)", "what to change"]
+    return table(header, grouped_findings(run.findings))
 
 
 def _extras(run: RunData) -> str:
@@ -221,10 +267,10 @@ def _extras(run: RunData) -> str:
     test = run.summary.get("test") or {}
     if test:
         parts.append("<h4>test metrics (retrieval / caption / drafter)</h4>")
-        parts.append(html_table(["metric", "value"], sorted(test.items())))
+        parts.append(table(["metric", "value"], sorted(test.items())))
     bad = {k: v for k, v in (run.summary.get("bad_samples") or {}).items() if v}
     parts.append(
-        html_table(["bad-sample reason", "count"], sorted(bad.items()))
+        table(["bad-sample reason", "count"], sorted(bad.items()))
         if bad
         else "<p>bad samples: none</p>"
     )
@@ -232,7 +278,7 @@ def _extras(run: RunData) -> str:
     if trials.is_file():
         rows = list(csv.reader(trials.read_text().splitlines()))
         if rows:
-            parts.append("<h4>tune trials</h4>" + html_table(rows[0], rows[1:]))
+            parts.append("<h4>tune trials</h4>" + table(rows[0], rows[1:]))
     return "".join(parts)
 
 
@@ -299,11 +345,11 @@ def build_report(paths: list[str], title: str = "vltrain report") -> str:
     body = [f"<h1>{escape(title)}</h1>"]
     if len(runs) > 1:
         header, rows = config_diff(runs)
-        body += ["<h2>config diff</h2>", html_table(header, rows) if rows else "<p>identical</p>"]
+        body += ["<h2>config diff</h2>", table(header, rows) if rows else "<p>identical</p>"]
     same = [r for r in runs if r.config.get("stage") == runs[0].config.get("stage")]
     if len(same) > 1:  # an ablation compares runs of one stage (a pipeline's stages are not)
         header, rows = ablation(same)
-        body += ["<h2>ablation (baseline: first run)</h2>", html_table(header, rows)]
+        body += ["<h2>ablation (baseline: first run)</h2>", table(header, rows)]
     for run in runs:
         body += [
             f"<h2>{escape(run.name)}</h2>", f"<p>{escape(str(run.path))}</p>",
