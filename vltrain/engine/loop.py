@@ -16,6 +16,7 @@ import torch
 
 from vltrain.config.schema import Config, dump_config
 from vltrain.core import checkpoint, distributed
+from vltrain.data.batches import to_device
 from vltrain.data.loaders import Batch
 from vltrain.data.records import BadSampleTracker
 from vltrain.diagnostics.doctor import Doctor
@@ -25,7 +26,7 @@ from vltrain.engine import state as trainer_state
 from vltrain.engine.logging import RunLogger
 from vltrain.engine.optim import build_optimizer, set_lr
 from vltrain.engine.parallel import ParallelModel, build_parallel, options_from
-from vltrain.engine.runtime import eval_mode, setup, to_device
+from vltrain.engine.runtime import eval_mode, setup
 from vltrain.engine.state import RngState, TrainState
 from vltrain.engine.task import Stage, check_stage
 

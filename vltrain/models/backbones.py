@@ -77,23 +77,6 @@ class ImageTextCollate:
 ENCODER_KINDS = ("dual_encoder", *HF_KINDS)
 
 
-def check_side_modality(kind: str, role: str, modality: str | None, where: str) -> None:
-    """Dual encoders (built-in, hf_clip, hf_siglip) encode one modality per side."""
-    if modality == "image_text" and kind != "vlm":
-        raise ConfigError(
-            f"{where}: the {role} sides hold image+text, but model.kind={kind} encodes an image "
-            "or a text per side; use model.kind=vlm, or drop one of the two from those sides"
-        )
-
-
-def encode_side(encoder: nn.Module, modality: str, inputs: Any) -> Tensor:
-    """Unit-norm embeddings (B, E) of one batch side: texts through `encode_text`, images and
-    interleaved image+text prompts (VLMs) through `encode_image`."""
-    if modality == "text":
-        return encoder.encode_text(*inputs)
-    return encoder.encode_image(inputs)
-
-
 def uses_tokenizer(cfg: Config) -> bool:
     """True when the stage trains its own BPE tokenizer (the built-in dual encoder)."""
     return cfg.model.kind == "dual_encoder"
