@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from vltrain.config.core import ConfigError
+from vltrain.data.batches import PairBatch
 from vltrain.data.images import (
     DEFAULT_MAX_PIXELS,
     BadSample,
@@ -317,7 +318,7 @@ class PairCollate:
     ) -> None:
         self.batcher, self.modalities, self.reading = batcher, modalities, reading
 
-    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    def __call__(self, samples: list[dict[str, Any]]) -> PairBatch:
         instr = [s["instruction"] for s in samples]
         q, q_tok = side_inputs(
             self.batcher, "query", self.modalities["query"], [s["query"] for s in samples], instr
@@ -325,7 +326,7 @@ class PairCollate:
         p, p_tok = side_inputs(
             self.batcher, "doc", self.modalities["positive"], [s["positives"][0] for s in samples]
         )
-        batch: dict[str, Any] = {
+        batch: PairBatch = {
             "query": {"modality": self.modalities["query"], "inputs": q},
             "positive": {"modality": self.modalities["positive"], "inputs": p},
             "index": torch.tensor([s["index"] for s in samples]),

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from vltrain.config.core import ConfigError
 from vltrain.config.schema import Config, ObjectiveConfig
 from vltrain.core.checkpoint import load_weights, resolve_checkpoint
+from vltrain.data.batches import ImageTextBatch
 from vltrain.data.tokenizer import SPECIAL_TOKENS, TextTokenizer
 from vltrain.models.captioner import Captioner
 from vltrain.models.dual_encoder import DualEncoder
@@ -57,9 +58,9 @@ class ImageTextCollate:
     ) -> tuple[Tensor, Tensor]:
         return self.tokenizer.encode_batch(texts, self.max_len)  # (B, T), (B, T)
 
-    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    def __call__(self, samples: list[dict[str, Any]]) -> ImageTextBatch:
         ids, mask = self.text_batch([s["text"] for s in samples])
-        batch: dict[str, Any] = {
+        batch: ImageTextBatch = {
             "images": self.image_batch([s["image"] for s in samples])[0],
             "input_ids": ids,
             "attention_mask": mask,
