@@ -11,8 +11,8 @@ of contrastive batch (`vltrain.data.batches`):
   one encoder call; the loss sees them as (query, positive, negatives), so an image hard
   negative is one more column of the doc side, gathered across ranks like the positives.
 
-GradCache (`vltrain.objectives.grad_cache`) encodes the same sides (`TEXT_SIDES`, `PAIR_SIDES`)
-in chunks instead.
+GradCache (`vltrain.objectives.grad_cache`) encodes the same sides (`TEXT_SIDES`, and a pair
+batch's `vltrain.data.pairs.ROLES`) in chunks instead.
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ TEXT_SIDES = (
     ("neg_ids", "neg_mask"),
     ("pair_ids", "pair_mask"),
 )
-#: a pair batch's sides, in the order the loss takes them
-PAIR_SIDES = ("query", "positive", "negatives")
 
 
 class ContrastiveModel(nn.Module):

@@ -18,6 +18,10 @@ tower "unused" in DDP's eyes, and the loss's parameters get their gradient outsi
 forward); the caller then asks the parallel layer to reduce the accumulated gradients once
 (``ParallelModel.reduce_gradients``, a no-op on accumulation micro-steps). That is exactly
 DDP's arithmetic: local gradients summed over micro-steps, averaged over ranks once.
+
+The contrastive model's two GradCache steps close the module: `dual_encoder_grad_cache` for
+image-caption batches and `pair_grad_cache` for query/positive batches; their chunks come from
+`vltrain.data.batches` (`split_rows`, `length_sorted_chunks`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ import torch
 from torch import Tensor, nn
 
 from vltrain.data.batches import ImageTextBatch, PairBatch, length_sorted_chunks, split_rows
-from vltrain.models.contrastive import PAIR_SIDES, TEXT_SIDES
+from vltrain.data.pairs import ROLES
+from vltrain.models.contrastive import TEXT_SIDES
 
 LossFn = Callable[[list[Tensor]], tuple[Tensor, dict[str, Any]]]
 
@@ -191,7 +196,7 @@ def pair_grad_cache(
     encoders: list[Callable[..., Tensor]] = []
     chunks: list[list[Any]] = []
     orders: list[Tensor | None] = []
-    for name in PAIR_SIDES:
+    for name in ROLES:  # query, positive, negatives: the order the loss takes them
         side = batch.get(name)
         if side is None:
             continue
