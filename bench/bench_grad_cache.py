@@ -38,8 +38,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from vltrain.data.batches import length_sorted_chunks  # noqa: E402
 from vltrain.objectives.contrastive import InfoNCELoss  # noqa: E402
-from vltrain.objectives.grad_cache import grad_cache, length_sorted_chunks  # noqa: E402
+from vltrain.objectives.grad_cache import grad_cache  # noqa: E402
 
 WORDS = (
     "red green blue small large old new fast slow river city forest mountain house car "
@@ -241,9 +242,9 @@ def bench_a(runs: int, batch: int, mini: int) -> str:
 
 
 def _build_b(batch: int, chunk: int, seed: int = 0) -> dict[str, Callable[[], Any]]:
+    from vltrain.models.contrastive import ContrastiveModel
     from vltrain.models.dual_encoder import DualEncoder
     from vltrain.objectives.grad_cache import dual_encoder_grad_cache
-    from vltrain.stages.contrastive import ContrastiveModel
 
     torch.manual_seed(seed)
     enc = DualEncoder.from_preset("tiny", "tiny", 128, vocab_size=2000, context_length=32)

@@ -57,10 +57,10 @@ def main() -> None:
     split = corpus.read_split_dir(pages)
     n = min(a.encode_docs, len(split.docs))
     t = time.perf_counter()
-    d_emb, _, _ = stage.corpus.embed(model, split.docs[:n], "doc")
+    d_emb, _, _ = stage.corpus.embed(model.encoder, split.docs[:n], "doc")
     doc_rate = n / (time.perf_counter() - t)
     t = time.perf_counter()
-    q_emb, _, _ = stage.corpus.embed(model, split.queries, "query")
+    q_emb, _, _ = stage.corpus.embed(model.encoder, split.queries, "query")
     q_rate = len(split.queries) / (time.perf_counter() - t)
     dim = d_emb.shape[1]
     g = torch.Generator().manual_seed(0)

@@ -27,9 +27,8 @@ from vltrain.data.images import DecodedImages
 from vltrain.data.records import ImageTextDataset
 from vltrain.data.tokenizer import TextTokenizer
 from vltrain.models.backbones import ImageTextCollate, build_encoder
+from vltrain.models.contrastive import TEXT_SIDES, ContrastiveModel, encode_text_sets
 from vltrain.objectives.contrastive import build_loss_from_config
-from vltrain.objectives.grad_cache import TEXT_SIDES, encode_text_sets
-from vltrain.stages.contrastive import ContrastiveModel
 
 
 class NoMemo(TextTokenizer):

@@ -26,13 +26,13 @@ from safetensors.torch import load_file
 from tests.conftest import hardlink_tree, tiny_overrides
 from vltrain.config.schema import load_config
 from vltrain.engine.parallel import ParallelModel, average_gradients
+from vltrain.models.contrastive import ContrastiveModel
 from vltrain.models.dual_encoder import DualEncoder
 from vltrain.models.presets import text_config, vision_config
 from vltrain.objectives.chance import infonce_chance
 from vltrain.objectives.contrastive import build_loss
 from vltrain.objectives.grad_cache import dual_encoder_grad_cache
 from vltrain.runs import train
-from vltrain.stages.contrastive import ContrastiveModel
 
 REPO = Path(__file__).resolve().parents[2]
 B, T, VOCAB, NEG = 6, 10, 50, 3  # per-rank batch; rank 1 alone brings NEG hard negatives

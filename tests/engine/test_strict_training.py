@@ -70,7 +70,7 @@ def test_training_collectives_are_placed_under_strict_cuda(
         assert _count(calls, "all_gather_with_grad", "vltrain.objectives.contrastive") >= STEPS
         assert _count(calls, "all_gather_with_grad (backward)", "vltrain.stages") >= STEPS
         # the sharded evaluation at the last step
-        evaluate = "vltrain.stages.contrastive.ContrastiveStage.evaluate"
+        evaluate = "vltrain.eval.image_text.ImageTextEvaluator.evaluate"
         assert _count(calls, "all_gather_no_grad", evaluate) >= 4
         assert _count(calls, "all_gather_object", evaluate) >= 1
 

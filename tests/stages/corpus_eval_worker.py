@@ -18,7 +18,7 @@ if __name__ == "__main__":
     ckpt, split, out = sys.argv[1:4]
     distributed.init_from_env("cpu")
     _, stage, model = load_trained(ckpt)
-    stage.corpus.ctx = RunContext(
+    stage.corpus.where = RunContext(
         torch.device("cpu"),
         rank=distributed.rank(),
         world_size=distributed.world_size(),
@@ -26,7 +26,7 @@ if __name__ == "__main__":
         seed=0,
     )
     with torch.no_grad():
-        metrics = stage.corpus.evaluate(model, split)
+        metrics = stage.corpus.evaluate(model.encoder, split)
     if distributed.is_main():
         with open(out, "w") as f:
             json.dump(metrics, f)

@@ -23,10 +23,10 @@ from torch import nn
 
 from vltrain.config import load_config
 from vltrain.core import distributed
-from vltrain.engine.runtime import to_device
+from vltrain.data.batches import to_device
+from vltrain.data.caption_data import CaptionCollate
 from vltrain.runs import Trainer
 from vltrain.stages import get_stage
-from vltrain.stages.caption import CaptionCollate
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from tests.conftest import REPO, hardlink_tree, torchrun_vltrain
 from vltrain.cli import main
 from vltrain.config import load_config
+from vltrain.data.caption_data import CaptionCollate
 from vltrain.data.chat import IGNORE_INDEX
 from vltrain.data.readers import read_jsonl
 from vltrain.data.tokenizer import TextTokenizer
@@ -22,7 +23,6 @@ from vltrain.engine.runtime import seed_everything
 from vltrain.models.backbones import build_captioner
 from vltrain.runs import Trainer, train
 from vltrain.stages import get_stage
-from vltrain.stages.caption import CaptionCollate
 
 PRESETS = {m: REPO / "configs" / f"caption_{m}.yaml" for m in ("pretrain", "finetune", "sft")}
 

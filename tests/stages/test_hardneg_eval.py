@@ -31,7 +31,7 @@ def test_hard_negative_accuracy_per_kind_equals_brute_force(shapes_dir: Path, tm
         for r in recs:
             img = load_image(shapes_dir / r["image"], cfg.data.image_size)[None]
             im = model.encoder.encode_image(img)[0]
-            sc = stage.encode_texts(model.encoder, [r["text"][0], *r["negatives"]]) @ im
+            sc = stage.retrieval.encode_texts(model.encoder, [r["text"][0], *r["negatives"]]) @ im
             for kind, s in zip(r["negative_kinds"], sc[1:].tolist(), strict=True):
                 hits[kind][0] += int(float(sc[0]) > s)
                 hits[kind][1] += 1

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from tests.conftest import tiny_overrides
 from vltrain.config import load_config
+from vltrain.models.contrastive import ContrastiveModel
 from vltrain.runs import TrainingAborted, train
-from vltrain.stages.contrastive import ContrastiveModel
 
 
 def _poison(monkeypatch: pytest.MonkeyPatch, bad_calls: set[int] | None) -> None:

@@ -14,11 +14,13 @@ from tests.conftest import tiny_overrides
 from vltrain.cli import main
 from vltrain.config import load_config
 from vltrain.config.core import ConfigError
+from vltrain.data.contrastive_data import ContrastiveData
 from vltrain.data.reading import load_reading_tokens
 from vltrain.data.synth_pages import held_out_title, pages_command
 from vltrain.engine.runtime import RunContext
+from vltrain.models.contrastive import embed_pairs
+from vltrain.objectives.grad_cache import pair_grad_cache
 from vltrain.stages import check_config
-from vltrain.stages import embedding_pairs as pairs
 
 PRESET = Path(__file__).resolve().parents[2] / "vltrain" / "configs" / "pages.yaml"
 
@@ -97,7 +99,7 @@ def test_image_hard_negatives_through_grad_cache_match_the_plain_step(
     loss.backward()
     plain = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    cached, _ = pairs.pair_grad_cache(model, batch, 3, 1.0)
+    cached, _ = pair_grad_cache(model, batch, 3, 1.0)
     assert float(cached) == pytest.approx(float(loss.detach()), abs=1e-6)
     for n, p in model.named_parameters():
         if n in plain:
@@ -195,7 +197,7 @@ def test_image_text_sides_need_a_vlm(pages: Path, tmp_path: Path) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = load_config(PRESET, _overrides(pages, tmp_path / "r", **{"data.train": path}))
     with pytest.raises(ConfigError, match="image\\+text.*model.kind=vlm"):
-        pairs.pair_dataset(cfg, path, True, 0)
+        ContrastiveData(cfg, native=False).pair_dataset(path, True, 0)
     with pytest.raises(ConfigError, match="best_metric"):
         check_config(
             load_config(PRESET, _overrides(pages, tmp_path / "r", **{"train.best_metric": ""}))
@@ -273,7 +275,7 @@ def test_reading_loss_trains_the_preset_towers(pages: Path, tmp_path: Path) -> N
     for rows in (targets[:8], targets[8:]):  # the hard-negative pages are read too
         assert ((rows >= 0) & (rows < background)).any(1).all()
     loss, metrics = model(batch)
-    plain, _ = model.loss(*pairs.embed_pairs(model.encoder, batch))
+    plain, _ = model.loss(*embed_pairs(model.encoder, batch))
     want = float((plain + metrics["reading_loss"]).detach())
     assert float(loss.detach()) == pytest.approx(want, rel=1e-5)
     # the cell under the centre of the page's last word (drawn last: nothing covers it) holds
@@ -330,7 +332,7 @@ def test_reading_loss_is_refused_where_it_cannot_read(pages: Path, tmp_path: Pat
     texts.write_text(json.dumps({"query": "q", "positive": "a text", "id": "1"}) + "\n")
     cfg = load_config(PRESET, _reading_overrides(pages, tmp_path / "r", **{"data.train": texts}))
     with pytest.raises(ConfigError, match="positives of .* are text sides"):
-        pairs.pair_dataset(cfg, texts, True, 0)
+        ContrastiveData(cfg, native=False).pair_dataset(texts, True, 0)
     with pytest.raises(ConfigError, match="objective.reading"):  # not an HF backbone's key
         check_config(
             load_config(

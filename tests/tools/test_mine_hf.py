@@ -46,7 +46,7 @@ def test_mined_embeddings_equal_training_path_embeddings(
     records, img, owners, txt, texts, txt_owner = _embed(stage, model, data, batch_size=5)
     assert len(records) == len(owners) == img.shape[0] and txt.shape[0] == len(texts)
 
-    ds = stage.eval_dataset(data, hard_negatives=0)
+    ds = stage.data.eval_dataset(data, hard_negatives=0)
     good, _ = split_bad([ds[i] for i in range(8)])
     with torch.no_grad():  # the training collate: processor-normalised pixels, chat template
         ref_img, ref_txt, _ = model.embed(stage.batcher(good))

@@ -101,8 +101,8 @@ def split(shapes_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_embeddings_equal_what_eval_embeds(clip_run: Path, split: Path) -> None:
     sp = read_split_dir(split)
     _, stage, model = load_trained(clip_run)
-    q_emb, q_rows, _ = stage.corpus.embed(model, sp.queries, "query")
-    d_emb, d_rows, _ = stage.corpus.embed(model, sp.docs, "doc")
+    q_emb, q_rows, _ = stage.corpus.embed(model.encoder, sp.queries, "query")
+    d_emb, d_rows, _ = stage.corpus.embed(model.encoder, sp.docs, "doc")
     assert q_rows.tolist() == list(range(len(sp.queries))) == d_rows.tolist()
     run = load_run(clip_run)
     queries = run.embed_texts([q["text"] for q in sp.queries], role="query")
@@ -201,13 +201,13 @@ def test_hf_backbones_embed_as_eval_does_with_roles_and_instructions(
     run = load_run(run_dir)
     for role in ("query", "doc"):
         sides = [{"text": t, "image": None, "base": base} for t in texts]
-        want, _, _ = stage.corpus.embed(model, sides, role)
+        want, _, _ = stage.corpus.embed(model.encoder, sides, role)
         torch.testing.assert_close(run.embed_texts(texts, role=role), want, atol=1e-6, rtol=0)
-        want, _, _ = stage.corpus.embed(model, images, role)
+        want, _, _ = stage.corpus.embed(model.encoder, images, role)
         paths = [shapes_dir / r["image"] for r in recs]
         torch.testing.assert_close(run.embed_images(paths, role=role), want, atol=1e-6, rtol=0)
     asked = [{"text": t, "image": None, "base": base, "instruction": "Odd one."} for t in texts]
-    want, _, _ = stage.corpus.embed(model, asked, "query")
+    want, _, _ = stage.corpus.embed(model.encoder, asked, "query")
     got = run.embed_texts(texts, instruction="Odd one.")
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     if kind == "vlm":  # control: the instruction is in the prompt, so it changes the embedding

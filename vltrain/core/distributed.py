@@ -96,6 +96,12 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def launched_world_size() -> int:
+    """The world size the launcher (torchrun) set: readable before the process group exists,
+    e.g. to check a config at load."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def is_main() -> bool:
     return rank() == 0
 
@@ -104,7 +110,7 @@ def init_from_env(device_type: str) -> None:
     """Join the process group torchrun describes in the environment (no-op without torchrun)."""
     if strict_device() is not None:
         _install_guards()
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+    if launched_world_size() <= 1 or dist.is_initialized():
         return
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":

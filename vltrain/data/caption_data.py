@@ -6,10 +6,11 @@ record is either a caption record ``{"image": "rel.png", "text": str or [str, ..
 or a chat record ``{"image": ..., "messages": [{"role": "user", "content": ...},
 {"role": "assistant", "content": ...}, ...]}`` (both may mix in one file).
 
-`CaptionDataset` turns a record into token ids and loss labels (see `vltrain.data.chat`). A
-training sample draws one caption from ``sample_generator(seed, epoch, index)``; an eval sample
-keeps every reference. Bad content (undecodable image, empty caption) never raises: it becomes
-the marker dict ``{"bad": reason, ...}`` that the engine drops and counts.
+`CaptionDataset` turns a record into token ids and loss labels (see `vltrain.data.chat`), and
+`CaptionCollate` pads a batch of them. A training sample draws one caption from
+``sample_generator(seed, epoch, index)``; an eval sample keeps every reference. Bad content
+(undecodable image, empty caption) never raises: it becomes the marker dict
+``{"bad": reason, ...}`` that the engine drops and counts.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
 from torch.utils.data import Dataset
 
 from vltrain.data import chat
+from vltrain.data.batches import CaptionBatch
 from vltrain.data.images import BadSample, check_text
 from vltrain.data.readers import DataError, normalise_record, read_jsonl
 from vltrain.data.records import as_key, caption_index
@@ -245,3 +248,32 @@ def training_texts(source: Source, prompt: str, instruction: str) -> list[str]:
         else:
             texts += [t for t in rec["text"] if isinstance(t, str)]
     return texts + extra * len(source.records)  # as frequent as in training
+
+
+class CaptionCollate:
+    """Pad token ids (right; pad id), labels (right; -100) and eval prompts (left); picklable."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, samples: list[dict[str, Any]]) -> CaptionBatch:
+        t = max(len(s["input_ids"]) for s in samples)
+        ids = torch.full((len(samples), t), self.pad_id, dtype=torch.long)  # (B, T)
+        labels = torch.full((len(samples), t), chat.IGNORE_INDEX, dtype=torch.long)  # (B, T)
+        mask = torch.zeros((len(samples), t), dtype=torch.long)  # (B, T)
+        for i, s in enumerate(samples):
+            n = len(s["input_ids"])
+            ids[i, :n] = torch.tensor(s["input_ids"])
+            labels[i, :n] = torch.tensor(s["labels"])
+            mask[i, :n] = 1
+        batch: CaptionBatch = {
+            "images": torch.stack([s["image"] for s in samples]),  # (B, 3, S, S)
+            "input_ids": ids,
+            "attention_mask": mask,
+            "labels": labels,
+            "index": torch.tensor([s["index"] for s in samples]),
+        }
+        if "prompt_ids" in samples[0]:
+            batch["prompt_ids"] = [s["prompt_ids"] for s in samples]
+            batch["refs"] = [s["refs"] for s in samples]
+        return batch

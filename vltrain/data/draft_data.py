@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from vltrain.data.batches import DraftBatch
 from vltrain.data.chat import IGNORE_INDEX
 from vltrain.data.readers import DataError
 from vltrain.data.records import as_key
@@ -137,7 +138,7 @@ class DraftCollate:
     def __init__(self, pad_id: int) -> None:
         self.pad_id = pad_id
 
-    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Tensor]:
+    def __call__(self, samples: list[dict[str, Any]]) -> DraftBatch:
         b = len(samples)
         t = max(len(s["input_ids"]) for s in samples)
         j = max(1, max(len(s["anchors"]) for s in samples))
@@ -155,7 +156,7 @@ class DraftCollate:
             )
             if a:
                 anchors[i, :a], valid[i, :a] = torch.tensor(s["anchors"]), True
-        out = {
+        out: DraftBatch = {
             "input_ids": ids,
             "labels": labels,
             "attention_mask": mask,

@@ -7,7 +7,7 @@ so it pickles cheaply into DataLoader workers. Image processors always use the P
 Qwen-VL processors need torchvision for their video half); this module does its one job for
 images instead: chat-template prompt, image-token expansion, ``mm_token_type_ids``.
 
-Batch keys (same names the contrastive stage's `ContrastiveModel.embed` reads):
+Batch keys (`vltrain.data.batches.ImageTextBatch`, which `ContrastiveModel.embed` reads):
 
 - ``images``: CLIP/SigLIP: pixel values (B, 3, S, S). VLM: a dict of image-side inputs
   (``input_ids``, ``attention_mask``, ``pixel_values``, and for Qwen-VL ``image_grid_thw`` and
@@ -32,6 +32,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from vltrain.data.batches import ImageTextBatch
 from vltrain.data.images import load_image_native
 from vltrain.data.visual_tokens import PatchGrid, read_patch_grid, resize_for_budget
 
@@ -144,11 +145,11 @@ class HFCollate:
 
     # ---- batches -----------------------------------------------------------------------
 
-    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    def __call__(self, samples: list[dict[str, Any]]) -> ImageTextBatch:
         """Samples ``{"image", "text", "negatives"?, "index"?}`` -> batch (see module doc)."""
         images, tokens = self.image_batch([s["image"] for s in samples])
         ids, mask = self.text_batch([s["text"] for s in samples])
-        batch: dict[str, Any] = {
+        batch: ImageTextBatch = {
             "images": images,
             "input_ids": ids,
             "attention_mask": mask,

@@ -28,8 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.utils.data import Dataset
 
+from vltrain.config.core import ConfigError
+from vltrain.data.batches import PairBatch
 from vltrain.data.images import (
     DEFAULT_MAX_PIXELS,
     BadSample,
@@ -46,6 +49,16 @@ ROLES = ("query", "positive", "negatives")
 #: what one side holds; `image_text` is one interleaved input (VLM embedders only)
 MODALITIES = ("text", "image", "image_text")
 Side = dict[str, Any]  # {"text": str | None, "image": str | None, "base": data file path, "words"?}
+
+
+def check_side_modality(kind: str, role: str, modality: str | None, where: str) -> None:
+    """Dual encoders (built-in, hf_clip, hf_siglip: `model.kind`) encode one modality per side;
+    only a VLM embedder encodes an image+text side."""
+    if modality == "image_text" and kind != "vlm":
+        raise ConfigError(
+            f"{where}: the {role} sides hold image+text, but model.kind={kind} encodes an image "
+            "or a text per side; use model.kind=vlm, or drop one of the two from those sides"
+        )
 
 
 def modality(side: Side) -> str:
@@ -305,7 +318,7 @@ class PairCollate:
     ) -> None:
         self.batcher, self.modalities, self.reading = batcher, modalities, reading
 
-    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    def __call__(self, samples: list[dict[str, Any]]) -> PairBatch:
         instr = [s["instruction"] for s in samples]
         q, q_tok = side_inputs(
             self.batcher, "query", self.modalities["query"], [s["query"] for s in samples], instr
@@ -313,7 +326,7 @@ class PairCollate:
         p, p_tok = side_inputs(
             self.batcher, "doc", self.modalities["positive"], [s["positives"][0] for s in samples]
         )
-        batch: dict[str, Any] = {
+        batch: PairBatch = {
             "query": {"modality": self.modalities["query"], "inputs": q},
             "positive": {"modality": self.modalities["positive"], "inputs": p},
             "index": torch.tensor([s["index"] for s in samples]),
@@ -354,3 +367,11 @@ def side_inputs(
         texts = [s["text"] for s in sides]
         return batcher.image_batch([s["image"] for s in sides], texts, instructions, role)
     raise ValueError(f"unknown side modality {kind!r}; known: {MODALITIES}")
+
+
+def encode_side(encoder: Any, modality: str, inputs: Any) -> Tensor:
+    """Unit-norm embeddings (B, E) of one side's `side_inputs`: texts through the encoder's
+    `encode_text`, images and interleaved image+text prompts (VLMs) through `encode_image`."""
+    if modality == "text":
+        return encoder.encode_text(*inputs)
+    return encoder.encode_image(inputs)

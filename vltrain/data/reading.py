@@ -1,5 +1,13 @@
 """Reading targets: which token a vision grid cell shows, from the words' boxes on the image.
 
+Part of the synthetic-page reading model, the CPU demonstration model of the page-retrieval
+workload (docs/retrieval.md): the built-in towers learn to read the words drawn on the
+synthetic pages (`vltrain.data.synth_pages`), so the workload (pair records, image hard
+negatives, corpus evaluation, mining) trains and is tested on a CPU. Its parts: the targets
+(`vltrain.data.reading`), the readers and the word-pair head (`vltrain.models.word_pairs`) and
+the reading loss (`vltrain.objectives.reading`). The reference workload itself fine-tunes a VLM
+embedder (``model.kind: vlm``), which needs none of them.
+
 An image side may list the words drawn on it, ``"words": [[text, x0, y0, x1, y1], ...]`` with the
 box in fractions of the image (0-1, so any resize keeps them; the synthetic pages write them,
 a real screenshot's come from its PDF text layer or an OCR pass). `ReadingTargets` turns a

@@ -16,6 +16,7 @@ import torch
 
 from vltrain.config.schema import Config, dump_config
 from vltrain.core import checkpoint, distributed
+from vltrain.data.batches import to_device
 from vltrain.data.loaders import Batch
 from vltrain.data.records import BadSampleTracker
 from vltrain.diagnostics.doctor import Doctor
@@ -25,7 +26,7 @@ from vltrain.engine import state as trainer_state
 from vltrain.engine.logging import RunLogger
 from vltrain.engine.optim import build_optimizer, set_lr
 from vltrain.engine.parallel import ParallelModel, build_parallel, options_from
-from vltrain.engine.runtime import eval_mode, setup, to_device
+from vltrain.engine.runtime import eval_mode, setup
 from vltrain.engine.state import RngState, TrainState
 from vltrain.engine.task import Stage, check_stage
 
@@ -71,18 +72,24 @@ class Trainer:
 
     ``Trainer(cfg, stage=StageClass).run()`` trains any object that implements
     :class:`vltrain.engine.task.Stage` (``vltrain.runs.train(cfg)`` picks the built-in stage
-    that ``cfg.stage`` names).
+    that ``cfg.stage`` names, and resolves budgets).
     """
 
     def __init__(
         self,
         cfg: Config,
-        stage: type,
+        stage: type[Stage],
         on_eval: Callable[[int, dict], None] | None = None,
+        budget: Callable[[Config, int], Config] | None = None,
     ) -> None:
         """`on_eval(step, metrics)` runs on every rank after each evaluation; it may raise to
-        stop training (e.g. a pruned hyperparameter trial), identically on all ranks."""
+        stop training (e.g. a pruned hyperparameter trial), identically on all ranks.
+        `budget(cfg, world_size)` turns a budget (``train.max_samples`` / ``train.max_flops``)
+        into ``train.max_steps`` (`vltrain.scaling.budget.resolve_budget`), once, before the
+        run folder is planned, so the schedule ends at the budget."""
         self.best_metric, self.best_mode = check_stage(cfg, stage)  # before any compute
+        if budget is not None:  # torchrun's world size, before the process group exists
+            cfg = budget(cfg, distributed.launched_world_size())
         self.cfg = cfg
         self.on_eval = on_eval
         self.ctx = setup(cfg)

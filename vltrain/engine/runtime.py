@@ -7,7 +7,6 @@ import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -36,17 +35,6 @@ class RunContext:
         if self.precision == "bf16":
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
-
-
-def to_device(obj: Any, device: torch.device) -> Any:
-    """Move tensors (also inside dicts, lists and tuples) to `device`."""
-    if torch.is_tensor(obj):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(v, device) for v in obj)
-    return obj
 
 
 def seed_everything(seed: int) -> None:

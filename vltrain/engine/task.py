@@ -6,7 +6,9 @@ implement :class:`Stage`; the built-in ones are listed in ``vltrain.stages.STAGE
 stage plugs in the same way: ``Trainer(cfg, stage=MyStage).run()`` (docs/internals.md).
 
 What crosses the seam is typed: the loader yields :class:`Batch` (the stage's tensors plus the
-engine's bookkeeping beside them, never inside them), a step returns :class:`StepOutput`.
+engine's bookkeeping beside them, never inside them); the stage's part of it is the stage's own
+batch type (a `TypedDict` of `vltrain.data.batches`, the parameter of :class:`Stage`), moved to
+the device; a step returns :class:`StepOutput`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from torch import Tensor, nn
 
@@ -35,8 +37,12 @@ class StepOutput:
     metrics: dict[str, float | Tensor] = field(default_factory=dict)
 
 
+#: what a stage's collate builds and its forward_backward reads (e.g. `ImageTextBatch`)
+BatchT = TypeVar("BatchT", contravariant=True)
+
+
 @runtime_checkable
-class Stage(Protocol):
+class Stage(Protocol[BatchT]):
     """What the engine drives. Construct as ``StageClass(cfg, out_dir, ctx)``.
 
     Class attributes: ``best_metric`` / ``best_mode`` pick ``checkpoints/best`` unless
@@ -63,11 +69,9 @@ class Stage(Protocol):
     def build_loader(self) -> Loader:
         """This rank's training loader (the engine restores its state on resume)."""
 
-    def forward_backward(
-        self, model: ParallelModel, batch: dict[str, Any], scale: float
-    ) -> StepOutput:
-        """Forward one micro-batch and backpropagate ``loss * scale`` (through `model`, which
-        syncs gradients as the parallel mode requires)."""
+    def forward_backward(self, model: ParallelModel, batch: BatchT, scale: float) -> StepOutput:
+        """Forward one micro-batch (on the device) and backpropagate ``loss * scale`` (through
+        `model`, which syncs gradients as the parallel mode requires)."""
 
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
         """Metrics on `split` ('val' or 'test'); called on every rank, sharded internally."""
@@ -85,7 +89,7 @@ class Stage(Protocol):
         """Inverse of state_dict."""
 
 
-def best_metric_of(cfg: Config, stage: type) -> tuple[str, str]:
+def best_metric_of(cfg: Config, stage: type[Stage]) -> tuple[str, str]:
     """(metric, mode) that picks ``checkpoints/best``; checked against the stage's metrics."""
     metric = cfg.train.best_metric or stage.best_metric
     mode = cfg.train.best_mode or stage.best_mode
@@ -104,7 +108,7 @@ def best_metric_of(cfg: Config, stage: type) -> tuple[str, str]:
     return metric, mode
 
 
-def check_stage(cfg: Config, stage: type) -> tuple[str, str]:
+def check_stage(cfg: Config, stage: type[Stage]) -> tuple[str, str]:
     """Every load-time check of a stage for this config; returns its best (metric, mode)."""
     stage.check_config(cfg)
     return best_metric_of(cfg, stage)

@@ -29,14 +29,29 @@ import json
 import math
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from vltrain.data.pairs import Side, read_corpus
+from vltrain.config.core import ConfigError
+from vltrain.core import distributed
+from vltrain.data.batches import to_device
+from vltrain.data.images import DEFAULT_MAX_PIXELS, BadSample
+from vltrain.data.pairs import (
+    Side,
+    check_side_modality,
+    encode_side,
+    load_side,
+    modality,
+    read_corpus,
+    side_inputs,
+)
 from vltrain.data.readers import DataError
+from vltrain.data.samplers import EvalShardSampler
+from vltrain.eval.protocols import Batcher, Encoder, Placement
 from vltrain.eval.topk import (
     TOP_LIST,
     check_embeddings,
@@ -48,6 +63,18 @@ from vltrain.eval.topk import (
 
 KS = (1, 5, 10, 100)
 FILES = ("queries.jsonl", "corpus.jsonl", "qrels.tsv")
+#: metrics `CorpusEvaluator.evaluate` returns, besides the per-group and hard-negative ones
+METRICS = (
+    "eval_R@*",
+    "eval_MRR@10",
+    "eval_nDCG@10",
+    "eval_mean_rank",
+    "eval_median_rank",
+    "eval_n_queries",
+    "eval_n_docs",
+    "eval_chance_R@*",
+    "eval_encode_s",
+)
 
 
 @dataclass
@@ -263,3 +290,122 @@ def write_ranks(
             if judged:
                 row["hardneg"] = [won, judged]
             f.write(json.dumps(row) + "\n")
+
+
+class CorpusEvaluator:
+    """Sharded corpus evaluation through a backbone's batcher (in training and `vltrain eval`).
+
+    Each rank embeds its contiguous shard of the queries and of the documents, the shards are
+    gathered once, and every rank runs the same exact search, so no rank waits at a barrier on
+    work only one rank does. `batch_size` per rank; sides decode at `image_size` (`native`:
+    PIL images at their own size, for HF backbones); `model_kind` says which side modalities
+    the encoder takes (`check_side_modality`).
+    """
+
+    def __init__(
+        self,
+        batcher: Batcher,
+        where: Placement,
+        batch_size: int,
+        image_size: int,
+        native: bool,
+        model_kind: str,
+    ) -> None:
+        self.batcher, self.where, self.batch_size = batcher, where, batch_size
+        self.image_size, self.native, self.model_kind = image_size, native, model_kind
+        self._splits: dict[str, CorpusSplit] = {}
+
+    def split(self, folder: str | os.PathLike[str]) -> CorpusSplit:
+        key = str(folder)
+        if key not in self._splits:
+            self._splits[key] = read_split_dir(folder)
+        return self._splits[key]
+
+    def embed(
+        self, encoder: Encoder, sides: list[Side], role: str, batch_size: int = 0
+    ) -> tuple[Tensor, Tensor, int]:
+        """This rank's shard of `sides` embedded, gathered over ranks: (n, E) in file order,
+        their rows (n,), and the number of bad sides (left out) over all ranks."""
+        kinds = {modality(s) for s in sides}
+        if len(kinds) != 1:
+            raise ConfigError(f"the {role} side of the corpus mixes modalities {sorted(kinds)}")
+        kind = kinds.pop()
+        check_side_modality(self.model_kind, role, kind, "corpus evaluation")
+        bs = batch_size or self.batch_size
+        where = self.where
+        emb, rows, n_bad = [], [], 0
+        for keys in EvalShardSampler(len(sides), bs, where.rank, where.world_size):
+            good, idx = [], []
+            for _, _, i in keys:
+                try:
+                    label = f"{role} {i}"
+                    good.append(
+                        load_side(sides[i], self.image_size, self.native, DEFAULT_MAX_PIXELS, label)
+                    )
+                    idx.append(i)
+                except BadSample:
+                    n_bad += 1
+            if not good:
+                continue
+            instr = [s.get("instruction", "") for s in (sides[i] for i in idx)]
+            inputs, _ = side_inputs(self.batcher, role, kind, good, instr)
+            with torch.no_grad():
+                e = encode_side(encoder, kind, to_device(inputs, where.device))  # (b, E)
+            emb.append(e.float().cpu())
+            rows.append(torch.tensor(idx))
+        local = torch.cat(emb) if emb else torch.zeros(0, 1)
+        width = torch.tensor([local.shape[1] if emb else 0])
+        dim = int(distributed.all_reduce_max(width)) if distributed.is_distributed() else int(width)
+        if not emb:
+            local = torch.zeros(0, dim)
+        all_emb = distributed.all_gather_no_grad(local)
+        all_rows = distributed.all_gather_no_grad(
+            torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+        )
+        bad = torch.tensor([float(n_bad)])
+        bad = distributed.all_reduce_sum(bad) if distributed.is_distributed() else bad
+        return all_emb, all_rows.long(), int(bad)
+
+    def evaluate(
+        self,
+        encoder: Encoder,
+        folder: str | os.PathLike[str],
+        ranks_path: str | os.PathLike[str] | None = None,
+    ) -> dict[str, float]:
+        """Metrics of this module over the split in `folder`; every rank returns the same
+        numbers. `ranks_path`: per-query ranks and top ids (rank 0 writes)."""
+        return self.evaluate_split(encoder, self.split(folder), ranks_path)
+
+    def evaluate_split(
+        self,
+        encoder: Encoder,
+        split: CorpusSplit,
+        ranks_path: str | os.PathLike[str] | None = None,
+    ) -> dict[str, float]:
+        """`evaluate` of an already-read split."""
+        t0 = time.perf_counter()
+        q_emb, q_rows, q_bad = self.embed(encoder, split.queries, "query")
+        d_emb, d_rows, d_bad = self.embed(encoder, split.docs, "doc")
+        encode_s = time.perf_counter() - t0
+        doc_pos = {int(r): i for i, r in enumerate(d_rows.tolist())}  # corpus row -> emb row
+        qrels, judged, keep = [], [], []
+        for i, r in enumerate(q_rows.tolist()):
+            rel = {doc_pos[d]: g for d, g in split.qrels[r].items() if d in doc_pos}
+            if rel:  # a query whose relevant docs are all undecodable cannot be scored
+                qrels.append(rel)
+                judged.append([doc_pos[d] for d in split.judged_negatives[r] if d in doc_pos])
+                keep.append(i)
+        metrics, ranks, top = corpus_metrics(q_emb[keep], d_emb, qrels)
+        wins = judged_negative_wins(q_emb[keep], d_emb, qrels, judged)
+        acc = wins_fraction(wins)
+        if acc is not None:
+            metrics["hardneg_acc"] = acc
+        metrics["chance_R@1"] = chance_recall(qrels, d_emb.shape[0], 1)
+        metrics.update(group_metrics(ranks, [split.groups[int(q_rows[i])] for i in keep]))
+        metrics["bad_samples"] = float(q_bad + d_bad)
+        metrics["encode_s"] = encode_s
+        if ranks_path is not None and self.where.is_main:
+            query_ids = [split.query_ids[int(q_rows[i])] for i in keep]
+            doc_ids = [split.doc_ids[int(r)] for r in d_rows.tolist()]
+            write_ranks(ranks_path, query_ids, doc_ids, ranks, top, wins)
+        return metrics

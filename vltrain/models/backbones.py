@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from vltrain.config.core import ConfigError
 from vltrain.config.schema import Config, ObjectiveConfig
 from vltrain.core.checkpoint import load_weights, resolve_checkpoint
+from vltrain.data.batches import ImageTextBatch
 from vltrain.data.tokenizer import SPECIAL_TOKENS, TextTokenizer
 from vltrain.models.captioner import Captioner
 from vltrain.models.dual_encoder import DualEncoder
@@ -57,9 +58,9 @@ class ImageTextCollate:
     ) -> tuple[Tensor, Tensor]:
         return self.tokenizer.encode_batch(texts, self.max_len)  # (B, T), (B, T)
 
-    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    def __call__(self, samples: list[dict[str, Any]]) -> ImageTextBatch:
         ids, mask = self.text_batch([s["text"] for s in samples])
-        batch: dict[str, Any] = {
+        batch: ImageTextBatch = {
             "images": self.image_batch([s["image"] for s in samples])[0],
             "input_ids": ids,
             "attention_mask": mask,
@@ -75,23 +76,6 @@ class ImageTextCollate:
 
 #: model.kind -> the encoder builder; the contrastive stage trains these kinds
 ENCODER_KINDS = ("dual_encoder", *HF_KINDS)
-
-
-def check_side_modality(kind: str, role: str, modality: str | None, where: str) -> None:
-    """Dual encoders (built-in, hf_clip, hf_siglip) encode one modality per side."""
-    if modality == "image_text" and kind != "vlm":
-        raise ConfigError(
-            f"{where}: the {role} sides hold image+text, but model.kind={kind} encodes an image "
-            "or a text per side; use model.kind=vlm, or drop one of the two from those sides"
-        )
-
-
-def encode_side(encoder: nn.Module, modality: str, inputs: Any) -> Tensor:
-    """Unit-norm embeddings (B, E) of one batch side: texts through `encode_text`, images and
-    interleaved image+text prompts (VLMs) through `encode_image`."""
-    if modality == "text":
-        return encoder.encode_text(*inputs)
-    return encoder.encode_image(inputs)
 
 
 def uses_tokenizer(cfg: Config) -> bool:

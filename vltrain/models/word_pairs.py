@@ -1,5 +1,13 @@
 """What a page tower reads, and a word-pair code both towers share (`model.head: word_pairs`).
 
+Part of the synthetic-page reading model, the CPU demonstration model of the page-retrieval
+workload (docs/retrieval.md): the built-in towers learn to read the words drawn on the
+synthetic pages (`vltrain.data.synth_pages`), so the workload (pair records, image hard
+negatives, corpus evaluation, mining) trains and is tested on a CPU. Its parts: the targets
+(`vltrain.data.reading`), the readers and the word-pair head (`vltrain.models.word_pairs`) and
+the reading loss (`vltrain.objectives.reading`). The reference workload itself fine-tunes a VLM
+embedder (``model.kind: vlm``), which needs none of them.
+
 `Reading` is the image tower's reading of its grid: a token per cell (`objective.reading` trains
 it from the records' word boxes) and, with the word-pair head, the token that follows on the
 cell's line. The page embedding of a max head is a bag of words: it keeps which words a page

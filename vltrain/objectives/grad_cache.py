@@ -18,6 +18,10 @@ tower "unused" in DDP's eyes, and the loss's parameters get their gradient outsi
 forward); the caller then asks the parallel layer to reduce the accumulated gradients once
 (``ParallelModel.reduce_gradients``, a no-op on accumulation micro-steps). That is exactly
 DDP's arithmetic: local gradients summed over micro-steps, averaged over ranks once.
+
+The contrastive model's two GradCache steps close the module: `dual_encoder_grad_cache` for
+image-caption batches and `pair_grad_cache` for query/positive batches; their chunks come from
+`vltrain.data.batches` (`split_rows`, `length_sorted_chunks`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from vltrain.data.batches import ImageTextBatch, PairBatch, length_sorted_chunks, split_rows
+from vltrain.data.pairs import ROLES
+from vltrain.models.contrastive import TEXT_SIDES
 
 LossFn = Callable[[list[Tensor]], tuple[Tensor, dict[str, Any]]]
 
@@ -55,143 +63,6 @@ def _cuda_devices(x: Any) -> list[int]:
         return [x.device.index or 0] if x.is_cuda else []
     items = x.values() if isinstance(x, Mapping) else x if isinstance(x, (list, tuple)) else []
     return sorted({d for item in items for d in _cuda_devices(item)})
-
-
-def _rows(x: Any) -> set[int]:
-    """Leading sizes of the tensors in a (nested) input."""
-    if torch.is_tensor(x):
-        return {x.shape[0]}
-    items = x.values() if isinstance(x, Mapping) else x if isinstance(x, (list, tuple)) else []
-    return {n for item in items for n in _rows(item)}
-
-
-def _split_patch_grid(x: Mapping[str, Any], chunk: int) -> list[dict[str, Any]]:
-    """Qwen-VL style inputs: `pixel_values` holds every image's patches back to back
-    (sum of t*h*w over images, D); split it by the images' patch counts, the rest by row."""
-    counts = x["image_grid_thw"].prod(-1)  # (B,) patches per image
-    rest = {k: v for k, v in x.items() if k != "pixel_values"}
-    sizes = [int(c.sum()) for c in counts.split(chunk)]
-    pixels = x["pixel_values"].split(sizes)
-    return [
-        {**part, "pixel_values": px}
-        for part, px in zip(split_rows(rest, chunk), pixels, strict=True)
-    ]
-
-
-def split_rows(x: Any, chunk: int) -> list[Any]:
-    """Split a tensor, or a tuple/dict of tensors with the same rows, into row chunks.
-
-    Dict entries that are not tensors (nor containers of them) are copied into every chunk.
-    Tensors whose first dimension is not the batch (e.g. Qwen-VL's flattened patches) cannot
-    be chunked by row: that raises instead of silently mis-splitting.
-    """
-    if chunk < 1:
-        raise ValueError(f"GradCache chunk size must be >= 1, got {chunk}")
-    if isinstance(x, Mapping) and "image_grid_thw" in x and "pixel_values" in x:
-        return _split_patch_grid(x, chunk)
-    if len(_rows(x)) > 1:
-        raise ValueError(
-            f"GradCache: the inputs to chunk have different leading sizes {sorted(_rows(x))}, "
-            "so they cannot be split by row (inputs with flattened per-image patches are not "
-            "supported); set objective.grad_cache_chunk=0 for this model"
-        )
-    if torch.is_tensor(x):
-        return list(x.split(chunk))
-    if isinstance(x, Mapping):  # non-tensor entries (e.g. a "modality" string) go to every chunk
-        parts = {
-            k: split_rows(v, chunk)
-            for k, v in x.items()
-            if torch.is_tensor(v) or isinstance(v, (Mapping, tuple, list))
-        }
-        n = len(next(iter(parts.values())))
-        return [{k: parts[k][i] if k in parts else v for k, v in x.items()} for i in range(n)]
-    if isinstance(x, (tuple, list)):
-        return list(zip(*(split_rows(v, chunk) for v in x), strict=True))
-    raise TypeError(
-        f"split_rows: cannot split a {type(x).__name__}; pass tensors, tuples or dicts of tensors"
-    )
-
-
-def length_sorted_chunks(
-    x: Mapping[str, Tensor] | tuple[Tensor, ...], chunk: int, mask_key: str | int = 1
-) -> tuple[list[Any], Tensor]:
-    """Right-padded token inputs in chunks of `chunk` rows, longest rows first, each chunk cut
-    to its own longest row; also the row order (pass it to `grad_cache` as ``orders[s]``).
-
-    GradCache may group the batch's rows into chunks any way it likes (the loss sees the whole
-    batch), so grouping rows of similar length drops most of the padding work: with lengths
-    spread like 8-20 words, about a quarter of the token positions. `x` is a dict (mask under
-    "attention_mask") or a tuple (mask at index `mask_key`); every 2-D tensor as wide as the mask
-    is cut. Only for encoders that ignore trailing padding (not ones that pool the last
-    position of a fixed-length input, like SigLIP's text tower).
-    """
-    mask = x["attention_mask"] if isinstance(x, Mapping) else x[mask_key]  # (B, T)
-    if mask.dim() != 2 or bool((mask[:, 1:] > mask[:, :-1]).any()):
-        raise ValueError("length_sorted_chunks needs a right-padded (B, T) attention mask")
-    lengths = mask.sum(1)  # (B,)
-    # One chunk: keep the batch order (then it is exactly the uncached forward, dropout too).
-    if mask.shape[0] <= chunk:
-        order = torch.arange(mask.shape[0], device=mask.device)  # (B,)
-    else:
-        order = lengths.argsort(descending=True, stable=True)  # (B,)
-    width = mask.shape[1]
-
-    def rows(v: Any) -> Any:
-        return v[order] if torch.is_tensor(v) else v
-
-    sorted_x = (
-        {k: rows(v) for k, v in x.items()}
-        if isinstance(x, Mapping)
-        else x.__class__(rows(v) for v in x)
-    )
-    out = []
-    for c, n in zip(split_rows(sorted_x, chunk), lengths[order].split(chunk), strict=True):
-        keep = max(int(n.max()), 1)
-
-        def cut(v: Any, keep: int = keep) -> Any:
-            return v[:, :keep] if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == width else v
-
-        out.append(
-            {k: cut(v) for k, v in c.items()} if isinstance(c, Mapping) else tuple(map(cut, c))
-        )
-    return out, order
-
-
-#: a contrastive batch's text sides, (ids key, mask key): captions, hard negatives, and second
-#: captions (objective.caption_contrast)
-TEXT_SIDES = (
-    ("input_ids", "attention_mask"),
-    ("neg_ids", "neg_mask"),
-    ("pair_ids", "pair_mask"),
-)
-
-
-def encode_text_sets(encoder: nn.Module, sets: Sequence[tuple[Tensor, Tensor]]) -> list[Tensor]:
-    """``encoder.encode_text(ids, mask)`` of each right-padded (ids, mask) set, e.g. a batch's
-    captions, second captions and hard negatives, in that order.
-
-    An encoder that ignores trailing padding (``ignores_trailing_padding``) gets all rows in
-    one length-sorted pass, in chunks as large as the first set and each cut to its longest
-    row (`length_sorted_chunks`): with captions of 8-20 tokens that drops about a third of the
-    token positions padding each set to its own longest row computes (the quickstart's three
-    sets of 128: text forward + backward 0.17 -> 0.14 s, AMD EPYC). The embeddings are the
-    per-set ones up to float rounding. Other encoders, and any while text dropout draws masks
-    (``text_dropout_active``: the draws would follow the sorted rows), get one call per set.
-    """
-    grouped = getattr(encoder, "ignores_trailing_padding", False)
-    if len(sets) < 2 or not grouped or getattr(encoder, "text_dropout_active", True):
-        return [encoder.encode_text(ids, mask) for ids, mask in sets]
-    width = max(ids.shape[1] for ids, _ in sets)
-
-    def widen(t: Tensor) -> Tensor:
-        return torch.nn.functional.pad(t, (0, width - t.shape[1]))  # (B, width), zeros after
-
-    ids = torch.cat([widen(i) for i, _ in sets])  # (N, width)
-    mask = torch.cat([widen(m) for _, m in sets])  # (N, width)
-    chunks, order = length_sorted_chunks((ids, mask), sets[0][0].shape[0])
-    emb = torch.cat([encoder.encode_text(*c) for c in chunks])  # (N, E), sorted rows
-    emb = emb[order.argsort()]  # (N, E), the input order
-    return list(emb.split([i.shape[0] for i, _ in sets]))
 
 
 def _call(encode: Callable[..., Tensor], chunk: Any) -> Tensor:
@@ -276,7 +147,7 @@ def grad_cache(
 
 
 def dual_encoder_grad_cache(
-    model: nn.Module, batch: dict[str, Any], chunk: int, scale: float
+    model: nn.Module, batch: ImageTextBatch, chunk: int, scale: float
 ) -> tuple[Tensor, dict[str, Any]]:
     """GradCache step of a contrastive model (``.encoder`` dual encoder + ``.loss``).
 
@@ -310,5 +181,40 @@ def dual_encoder_grad_cache(
         if "pair_ids" in got:
             return loss(got["images"], got["input_ids"], got.get("neg_ids"), pairs=got["pair_ids"])
         return loss(got["images"], got["input_ids"], got.get("neg_ids"))
+
+    return grad_cache(encoders, chunks, loss_fn, scale, orders=orders)
+
+
+def pair_grad_cache(
+    model: nn.Module, batch: PairBatch, chunk: int, scale: float
+) -> tuple[Tensor, dict[str, Any]]:
+    """GradCache over the query, positive and negative sides of a pair batch (each chunked by
+    `chunk` rows, negatives too: memory is one chunk's graph, not batch x K; text sides
+    length-sorted for towers that ignore trailing padding). `model` is plain, as above."""
+    enc, loss = model.encoder, model.loss
+    by_length = getattr(enc, "ignores_trailing_padding", False)
+    encoders: list[Callable[..., Tensor]] = []
+    chunks: list[list[Any]] = []
+    orders: list[Tensor | None] = []
+    for name in ROLES:  # query, positive, negatives: the order the loss takes them
+        side = batch.get(name)
+        if side is None:
+            continue
+        kind, inputs = side["modality"], side["inputs"]
+        order = None
+        if kind == "text":  # (ids (B, T), mask (B, T)), passed as two arguments per chunk
+            encoders.append(enc.encode_text)
+            if by_length:
+                parts, order = length_sorted_chunks(tuple(inputs), chunk)
+            else:
+                parts = split_rows(tuple(inputs), chunk)
+        else:  # pixels, or a VLM prompt dict (flattened patches split by image)
+            encoders.append(enc.encode_image)
+            parts = split_rows(inputs, chunk)
+        chunks.append(parts)
+        orders.append(order)
+
+    def loss_fn(e: list[Tensor]) -> tuple[Tensor, dict[str, Any]]:
+        return loss(e[0], e[1], e[2] if len(e) > 2 else None)
 
     return grad_cache(encoders, chunks, loss_fn, scale, orders=orders)

@@ -1,5 +1,13 @@
 """A dense reading loss: each cell of the image tower's grid classifies the token drawn there.
 
+Part of the synthetic-page reading model, the CPU demonstration model of the page-retrieval
+workload (docs/retrieval.md): the built-in towers learn to read the words drawn on the
+synthetic pages (`vltrain.data.synth_pages`), so the workload (pair records, image hard
+negatives, corpus evaluation, mining) trains and is tested on a CPU. Its parts: the targets
+(`vltrain.data.reading`), the readers and the word-pair head (`vltrain.models.word_pairs`) and
+the reading loss (`vltrain.objectives.reading`). The reference workload itself fine-tunes a VLM
+embedder (``model.kind: vlm``), which needs none of them.
+
 Contrastive training alone does not teach a small tower to read the words of a page: on the
 synthetic pages every full-page run sat at ln(batch) for hundreds of steps (bench/RESULTS.md,
 "Page retrieval", rounds 2-3), while the same tower with this loss reads 8-13 px words within a

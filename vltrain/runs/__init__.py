@@ -12,20 +12,16 @@ from typing import Any
 
 from vltrain.config.schema import Config
 from vltrain.engine.loop import Trainer, TrainingAborted
-from vltrain.stages import check_config
+from vltrain.scaling.budget import resolve_budget
+from vltrain.stages import get_stage
 
 
 def train(cfg: Config, on_eval: Callable[[int, dict], None] | None = None) -> dict[str, Any]:
     """Train `cfg` end to end (one process, or one rank of torchrun); the run's summary.
 
-    A budget (`train.max_samples` / `train.max_flops`) is resolved into `train.max_steps` here,
-    once, before the run, so the schedule ends at the budget."""
-    import os
-
-    from vltrain.scaling.budget import resolve_budget
-
-    cfg = resolve_budget(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # torchrun sets it
-    return Trainer(cfg, stage=check_config(cfg), on_eval=on_eval).run()
+    A budget (`train.max_samples` / `train.max_flops`) becomes `train.max_steps` in the
+    Trainer's setup, once, before the run, so the schedule ends at the budget."""
+    return Trainer(cfg, get_stage(cfg.stage), on_eval=on_eval, budget=resolve_budget).run()
 
 
 __all__ = ["Trainer", "TrainingAborted", "train"]

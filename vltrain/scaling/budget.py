@@ -33,17 +33,10 @@ def _texts(cfg: Config) -> list[str]:
         d, c = cfg.data, cfg.caption
         source = read_caption_source(d.train, d.image_column, d.text_column)
         return training_texts(source, c.prompt, c.instruction)
-    from vltrain.data.images import BadSample, check_text
+    from vltrain.data.contrastive_data import is_valid_text
     from vltrain.data.records import read_records
 
-    def valid(text: object) -> bool:  # the contrastive stage's is_valid_text
-        try:
-            check_text(text)
-        except BadSample:
-            return False
-        return True
-
-    return [t for r in read_records(cfg.data.train) for t in r["text"] if valid(t)]
+    return [t for r in read_records(cfg.data.train) for t in r["text"] if is_valid_text(t)]
 
 
 #: per process: (inputs of the tokenizer training) -> tokenizer, (..., tokenizer, max length)

@@ -11,13 +11,13 @@ from pathlib import Path
 
 from vltrain.config.core import ConfigError, check_choice
 from vltrain.config.schema import Config, load_config
-from vltrain.engine.task import check_stage
+from vltrain.engine.task import Stage, check_stage
 from vltrain.stages.caption import CaptionStage
 from vltrain.stages.contrastive import ContrastiveStage
 from vltrain.stages.drafter import DrafterStage
 from vltrain.stages.rl import RLStage
 
-STAGES: dict[str, type] = {
+STAGES: dict[str, type[Stage]] = {
     "contrastive": ContrastiveStage,
     "caption": CaptionStage,
     "rl": RLStage,
@@ -25,13 +25,13 @@ STAGES: dict[str, type] = {
 }
 
 
-def get_stage(name: str) -> type:
+def get_stage(name: str) -> type[Stage]:
     """The stage class for a registry key; a ConfigError (with did-you-mean) otherwise."""
     check_choice("stage", name, STAGES)
     return STAGES[name]
 
 
-def check_config(cfg: Config) -> type:
+def check_config(cfg: Config) -> type[Stage]:
     """Every registry-backed and stage-specific check of `cfg`; returns its stage class."""
     stage = get_stage(cfg.stage)
     check_stage(cfg, stage)

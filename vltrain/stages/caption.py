@@ -27,83 +27,37 @@ from vltrain.config.core import ConfigError, check_choice, reject_unused
 from vltrain.config.schema import Config
 from vltrain.core import distributed
 from vltrain.core.checkpoint import resolve_init
-from vltrain.data.caption_data import CaptionDataset, read_caption_source, training_texts
-from vltrain.data.chat import IGNORE_INDEX
+from vltrain.data.batches import CaptionBatch
+from vltrain.data.caption_data import (
+    CaptionCollate,
+    CaptionDataset,
+    read_caption_source,
+    training_texts,
+)
 from vltrain.data.images import DecodedImages
 from vltrain.data.loaders import Loader, MapLoader
-from vltrain.data.records import split_bad
-from vltrain.data.samplers import EvalShardSampler, LengthBucketBatchSampler, ShardedBatchSampler
+from vltrain.data.samplers import LengthBucketBatchSampler, ShardedBatchSampler
 from vltrain.data.shards import is_shard_source
 from vltrain.data.tokenizer import TextTokenizer, prepare_tokenizer
 from vltrain.engine.parallel import ParallelModel
 from vltrain.engine.runtime import RunContext
 from vltrain.engine.task import StepOutput
-from vltrain.eval.caption_metrics import caption_scores
+from vltrain.eval.captions import CaptionEvaluator, metric_names
 from vltrain.inference.captioning import decode_captions
 from vltrain.models.backbones import build_captioner, load_initial_weights, load_vision_tower
 from vltrain.models.connectors import CONNECTORS
 
 #: the captioner's parts, as model.freeze names them
 PARTS = ("vision", "connector", "decoder")
-#: metrics the caption evaluation returns (decoding scores per strategy prefix)
-EVAL_METRICS = ("eval_loss", "eval_token_acc", "eval_bad_samples", "eval_n_images")
-SCORES = ("BLEU-1", "BLEU-4", "CIDEr-D")
-
-
-class CaptionCollate:
-    """Pad token ids (right; pad id), labels (right; -100) and eval prompts (left); picklable."""
-
-    def __init__(self, pad_id: int) -> None:
-        self.pad_id = pad_id
-
-    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
-        t = max(len(s["input_ids"]) for s in samples)
-        ids = torch.full((len(samples), t), self.pad_id, dtype=torch.long)  # (B, T)
-        labels = torch.full((len(samples), t), IGNORE_INDEX, dtype=torch.long)  # (B, T)
-        mask = torch.zeros((len(samples), t), dtype=torch.long)  # (B, T)
-        for i, s in enumerate(samples):
-            n = len(s["input_ids"])
-            ids[i, :n] = torch.tensor(s["input_ids"])
-            labels[i, :n] = torch.tensor(s["labels"])
-            mask[i, :n] = 1
-        batch: dict[str, Any] = {
-            "images": torch.stack([s["image"] for s in samples]),  # (B, 3, S, S)
-            "input_ids": ids,
-            "attention_mask": mask,
-            "labels": labels,
-            "index": torch.tensor([s["index"] for s in samples]),
-        }
-        if "prompt_ids" in samples[0]:
-            batch["prompt_ids"] = [s["prompt_ids"] for s in samples]
-            batch["refs"] = [s["refs"] for s in samples]
-        return batch
 
 
 #: keys the captioner stages read (the rl stage adds rl.* and drops the length buckets)
 CAPTION_KEYS = (
-    "stage",
-    "run.*",
-    "optim.*",
-    "train.*",
-    "log.*",
-    "tune.*",
-    "doctor.*",
-    "data.*",
-    "caption.*",
-    "model.kind",
-    "model.vision",
-    "model.text",
-    "model.vision_layers",
-    "model.vision_width",
-    "model.vision_options",
-    "model.text_layers",
-    "model.text_width",
-    "model.dropout",
-    "model.connector",
-    "model.connector_options",
-    "model.vision_init_from",
-    "model.freeze",
-    "model.init_from",
+    *("stage", "run.*", "optim.*", "train.*", "log.*", "tune.*", "doctor.*", "data.*"),
+    *("caption.*", "model.kind", "model.vision", "model.text", "model.vision_layers"),
+    *("model.vision_width", "model.vision_options", "model.text_layers", "model.text_width"),
+    *("model.dropout", "model.connector", "model.connector_options", "model.vision_init_from"),
+    *("model.freeze", "model.init_from"),
 )
 WHY = {
     "objective.*": "the contrastive stage's",
@@ -139,11 +93,6 @@ def check_captioner_config(cfg: Config, stage: str, used: tuple[str, ...] = CAPT
         )
 
 
-def caption_eval_metrics(prefixes: tuple[str, ...]) -> tuple[str, ...]:
-    """Metric names of `CaptionCore.evaluate_decoding` with these strategy prefixes."""
-    return EVAL_METRICS + tuple(f"eval_{p}{s}" for p in prefixes for s in SCORES)
-
-
 class CaptionCore:
     """What the caption and rl stages share, held by both (composition): the tokenizer,
     datasets, the model built from config and ``model.init_from``, and sharded evaluation."""
@@ -170,6 +119,13 @@ class CaptionCore:
         )
         distributed.barrier()
         self.tokenizer = TextTokenizer.load(tok_dir)
+        d = self.cfg.data
+        self.evaluator = CaptionEvaluator(
+            CaptionCollate(self.tokenizer.pad_id),
+            self.ctx,
+            d.eval_batch_size or d.batch_size,
+            self._decode,
+        )
 
     def build_model(self) -> nn.Module:
         model = build_captioner(self.cfg, self.tokenizer)
@@ -221,78 +177,31 @@ class CaptionCore:
 
     # ---- evaluation ---------------------------------------------------------------------
 
-    def _eval_set(self, split: str) -> CaptionDataset:
-        if split not in self._eval_sets:
-            path = self.cfg.data.eval if split == "val" else self.cfg.data.test
-            self._eval_sets[split] = self.dataset(path, train=False)
-        return self._eval_sets[split]
-
-    def _eval_shard(
-        self, model: nn.Module, ds: CaptionDataset, strategies: tuple[str, ...]
-    ) -> tuple[Tensor, dict, dict]:
-        """Loss sums, and captions decoded by each strategy, of this rank's shard of `ds`."""
-        c, dev = self.cfg.caption, self.ctx.device
-        bs = self.cfg.data.eval_batch_size or self.cfg.data.batch_size
-        sums = torch.zeros(4, dtype=torch.float64)  # CE sum, correct, labelled tokens, bad
-        hyps: dict[str, dict[int, str]] = {s: {} for s in strategies}
-        refs: dict[int, list[str]] = {}
-        collate = CaptionCollate(self.tokenizer.pad_id)
-        for keys in EvalShardSampler(len(ds), bs, self.ctx.rank, self.ctx.world_size):
-            good, bad = split_bad([ds[k] for k in keys])
-            sums[3] += len(bad)
-            if not good:
-                continue
-            b = collate(good)
-            images = b["images"].to(dev)
-            out = model(
-                images, b["input_ids"].to(dev), b["attention_mask"].to(dev), b["labels"].to(dev)
-            )
-            n = float(out["n_tokens"])
-            sums[:3] += torch.tensor([float(out["loss"]) * n, float(out["token_acc"]) * n, n])
-            for strategy, shard_hyps in hyps.items():
-                caps = decode_captions(
-                    model,
-                    self.tokenizer,
-                    images,
-                    b["prompt_ids"],
-                    strategy=strategy,
-                    num_beams=c.num_beams,
-                    max_new_tokens=c.max_new_tokens,
-                    length_penalty=c.length_penalty,
-                )
-                for s, cap in zip(good, caps, strict=True):
-                    shard_hyps[s["index"]] = cap
-            for s in good:
-                refs[s["index"]] = s["refs"]
-        return sums, hyps, refs
-
-    def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
-        """Sharded loss + decoding; strings gathered once, every rank scores the same set."""
-        return self.evaluate_decoding(model, split, {"": self.cfg.caption.strategy})
-
     def evaluate_decoding(
         self, model: nn.Module, split: str, strategies: dict[str, str]
     ) -> dict[str, float]:
-        """Loss plus BLEU/CIDEr-D per decoding strategy; ``strategies`` maps a metric-name
-        prefix ('' = none) to a strategy, e.g. ``{"": "greedy", "beam_": "beam"}``."""
-        sums, hyps, refs = self._eval_shard(
-            model, self._eval_set(split), tuple(sorted(set(strategies.values())))
+        """Sharded loss plus BLEU/CIDEr-D per decoding strategy (`CaptionEvaluator`);
+        ``strategies`` maps a metric-name prefix ('' = none) to a strategy."""
+        if split not in self._eval_sets:
+            path = self.cfg.data.eval if split == "val" else self.cfg.data.test
+            self._eval_sets[split] = self.dataset(path, train=False)
+        return self.evaluator.evaluate(model, self._eval_sets[split], strategies)
+
+    def _decode(
+        self, model: nn.Module, images: Tensor, prompt_ids: list[list[int]], strategy: str
+    ) -> list[str]:
+        """Captions of `images` decoded with `strategy` and the caption.* decoding settings."""
+        c = self.cfg.caption
+        return decode_captions(
+            model,
+            self.tokenizer,
+            images,
+            prompt_ids,
+            strategy=strategy,
+            num_beams=c.num_beams,
+            max_new_tokens=c.max_new_tokens,
+            length_penalty=c.length_penalty,
         )
-        total = distributed.all_reduce_sum(sums.to(self.ctx.device)).cpu()
-        all_hyps: dict[str, dict[int, str]] = {s: {} for s in hyps}
-        all_refs: dict[int, list[str]] = {}
-        for h, r in distributed.all_gather_object((hyps, refs)):
-            for strategy, rows in h.items():
-                all_hyps[strategy].update(rows)
-            all_refs.update(r)
-        n = max(float(total[2]), 1.0)
-        metrics = {"loss": float(total[0]) / n, "token_acc": float(total[1]) / n}
-        for prefix, strategy in strategies.items():
-            scores = caption_scores(all_hyps[strategy], all_refs)
-            metrics.update({f"{prefix}{k}": v for k, v in scores.items()})
-        metrics["bad_samples"] = float(total[3])
-        metrics["n_images"] = float(len(all_refs))
-        return metrics
 
 
 class CaptionStage:
@@ -315,7 +224,7 @@ class CaptionStage:
 
     @classmethod
     def eval_metrics(cls, cfg: Config) -> tuple[str, ...]:
-        return caption_eval_metrics(("", "beam_") if cfg.caption.eval_beam else ("",))
+        return metric_names(("", "beam_") if cfg.caption.eval_beam else ("",))
 
     def prepare(self) -> None:
         self.core.prepare()
@@ -345,7 +254,7 @@ class CaptionStage:
         return self.core.loader(dataset, sampler)
 
     def forward_backward(
-        self, model: ParallelModel, batch: dict[str, Any], scale: float
+        self, model: ParallelModel, batch: CaptionBatch, scale: float
     ) -> StepOutput:
         """Mean CE over the labelled tokens of the *global* batch, whatever the world size.
 

@@ -1,14 +1,11 @@
 """The drafter stage: train a DFlash-style block drafter against a frozen target.
 
-Targets (``model.kind``): ``hf_lm`` (a local HF causal LM directory or ``.gguf`` file:
-Llama, Qwen2, Qwen3 families) or ``captioner`` (a vltrain caption/rl run; the image prefix is
-in the context, text is drafted). ``model.target`` names it. The target's features are computed
-online under ``no_grad`` in every step, or once per sequence with ``drafter.cache_target`` (kept
-in memory, 3 x 576 x 4 B = 7 KB per token for SmolLM2; anchors are still drawn per epoch, over
-the cached features; vltrain.inference.feature_cache), and also on disk for later runs of the
-same target with ``drafter.cache_dir``. Data should be the target's own
-answers (``vltrain data regenerate``): the drafter must predict the target, and evaluation
-flags data whose labels are not the target's greedy tokens.
+The target, its records, its features (online, or cached per sequence: ``drafter.cache_target``
+/ ``drafter.cache_dir``) and real decoding with it are the stage's `DraftTarget`
+(`vltrain.inference.draft_target`); the drafter and its loss are `vltrain.models.drafter` and
+`vltrain.objectives.drafter`. Data should be the target's own answers (``vltrain data
+regenerate``): the drafter must predict the target, and evaluation flags data whose labels are
+not the target's greedy tokens.
 
 Evaluation (docs/drafters.md): per-slot and top-4/top-8 accuracy, the exact per-block
 acceptance length against the data labels (``tau``) and against the target's greedy tokens
@@ -28,60 +25,30 @@ from torch import Tensor, nn
 from vltrain.config.core import ConfigError, check_choice
 from vltrain.config.schema import Config
 from vltrain.core import distributed
-from vltrain.data.caption_data import CaptionDataset, read_caption_source
+from vltrain.data.batches import DraftBatch
 from vltrain.data.chat import IGNORE_INDEX
-from vltrain.data.draft_data import ChatRecords, DraftCollate, DraftDataset, chat_prompt_ids
+from vltrain.data.draft_data import DraftCollate, DraftDataset
 from vltrain.data.loaders import Loader, MapLoader
 from vltrain.data.records import split_bad
 from vltrain.data.samplers import EvalShardSampler, LengthBucketBatchSampler, ShardedBatchSampler
 from vltrain.engine.parallel import ParallelModel
 from vltrain.engine.runtime import RunContext
 from vltrain.engine.task import StepOutput
-from vltrain.inference.captioner_target import CaptionerTarget, load_captioner
-from vltrain.inference.captioning import left_pad
-from vltrain.inference.feature_cache import (
-    FeatureCache,
-    TopK,
-    greedy_tokens,
-    top_logprobs,
-)
-from vltrain.inference.hf_target import HFTarget, load_hf_causal_lm
-from vltrain.inference.native_llama import NativeTarget, causal_lm_target
-from vltrain.inference.speculative import speculative_generate
+from vltrain.inference.draft_target import TARGET_KINDS, DraftTarget
 from vltrain.models.drafter import (
     Drafter,
     DrafterConfig,
     SharedParts,
     draft_vocab_ids,
     save_drafter_meta,
-    target_layer_ids,
 )
-from vltrain.objectives.drafter import (
-    BlockDraftLoss,
-    block_labels,
-    block_soft_labels,
-    default_gamma,
-    summarize_metrics,
-)
+from vltrain.objectives.drafter import BlockDraftLoss, default_gamma, summarize_metrics
 
-TARGET_KINDS = ("hf_lm", "captioner")
 MAX_CACHED_TOP_K = 1024  # soft labels kept per position in a feature store
 EVAL_METRICS = (
-    "eval_loss",
-    "eval_tau",
-    "eval_tau_target",
-    "eval_tau_marginal",
-    "eval_tau_decode",
-    "eval_tau_gap",
-    "eval_acc",
-    "eval_acc_*",
-    "eval_top4",
-    "eval_top8",
-    "eval_streak4",
-    "eval_streak8",
-    "eval_label_agreement",
-    "eval_vocab_coverage",
-    "eval_labels_not_target",
+    *("eval_loss", "eval_tau", "eval_tau_target", "eval_tau_marginal", "eval_tau_decode"),
+    *("eval_tau_gap", "eval_acc", "eval_acc_*", "eval_top4", "eval_top8", "eval_streak4"),
+    *("eval_streak8", "eval_label_agreement", "eval_vocab_coverage", "eval_labels_not_target"),
     "eval_*",
 )
 
@@ -130,53 +97,15 @@ class DrafterStage:
     def eval_metrics(cls, cfg: Config) -> tuple[str, ...]:
         return EVAL_METRICS
 
-    # ---- target and data -------------------------------------------------------------------
+    # ---- target, model and data ------------------------------------------------------------
 
     def prepare(self) -> None:
-        m, d = self.cfg.model, self.cfg.drafter
-        if m.kind == "hf_lm":
-            model, self.tokenizer = load_hf_causal_lm(m.target)
-            model.requires_grad_(False)
-            n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-            ids = list(d.layer_ids) or target_layer_ids(n_layers, d.target_layers)
-            self.target: Any = HFTarget(model.to(self.ctx.device), ids)
-            self.pad_id = self.target.pad_token_id
-            # tau_decode runs the speculative loop the way `vltrain generate` does: through
-            # the native forward where the model has one (same logits, fewer ms a round)
-            self.decode_target: Any = causal_lm_target(self.target.model, ids, "auto", self.pad_id)
-        else:
-            model, self.tokenizer, self.target_cfg = load_captioner(m.target)
-            n_layers = len(model.decoder.blocks)
-            ids = list(d.layer_ids) or target_layer_ids(n_layers, d.target_layers)
-            self.target = CaptionerTarget(model.to(self.ctx.device), ids)
-            self.decode_target = self.target
-            self.pad_id = self.tokenizer.pad_id
-        self.caches: dict[str, FeatureCache] = {}
-        bad = [i for i in ids if not 0 <= i < n_layers]
-        if bad:
-            raise ConfigError(
-                f"'drafter.layer_ids' {bad} are not layers of a {n_layers}-layer target"
-            )
-
-    def _base(self, path: str, train: bool) -> Any:
-        d = self.cfg.data
-        if self.cfg.model.kind == "hf_lm":
-            return ChatRecords(path, self.tokenizer, d.max_text_len)
-        tc = self.target_cfg
-        return CaptionDataset(
-            read_caption_source(path, d.image_column, d.text_column),
-            self.tokenizer,
-            image_size=tc.data.image_size,
-            max_len=min(d.max_text_len, tc.data.max_text_len),
-            seed=self.cfg.run.seed,
-            mode="pretrain" if tc.caption.mode == "sft" else tc.caption.mode,
-            prompt=tc.caption.prompt,
-            instruction=tc.caption.instruction,
-            train=train,
-        )
+        """Load the frozen target (and its tokenizer) onto this rank's device."""
+        self.target = DraftTarget(self.cfg, self.ctx.device, self.ctx.is_main)
+        self.tokenizer = self.target.tokenizer
 
     def build_model(self) -> nn.Module:
-        d, t = self.cfg.drafter, self.target
+        d, t = self.cfg.drafter, self.target.model
         heads = d.heads or max(2, t.width // 64)
         dcfg = DrafterConfig(
             width=t.width,
@@ -198,7 +127,7 @@ class DrafterStage:
     def _vocab_size(self) -> int:
         """``drafter.draft_vocab``, or 0 (the whole vocabulary, said once) when it is not
         below the target's vocabulary (a preset's 8192 on a small test target)."""
-        n, v = self.cfg.drafter.draft_vocab, self.target.vocab_size
+        n, v = self.cfg.drafter.draft_vocab, self.target.model.vocab_size
         if n < v:
             return n
         if self.ctx.is_main:
@@ -214,7 +143,7 @@ class DrafterStage:
         every rank counts the same records, so every rank picks the same ids. Chosen when the
         training data is built (not in build_model: export and loading need no data, and a
         resumed run takes the checkpoint's ids, loaded after this)."""
-        t = self.target
+        t = self.target.model
         labels = [tok for i in range(len(base)) for tok in base.label_ids(i)]
         counts = torch.bincount(torch.tensor(labels, dtype=torch.long), minlength=t.vocab_size)
         ids = draft_vocab_ids(counts, n, always=(t.eos_token_id,))
@@ -229,7 +158,7 @@ class DrafterStage:
 
     def build_loader(self) -> Loader:
         c, d, ctx = self.cfg, self.cfg.data, self.ctx
-        base = self._base(d.train, train=True)
+        base = self.target.records(d.train, train=True)
         if d.max_train_samples:
             base.records = base.records[: d.max_train_samples]
         if self._drafter.cfg.draft_vocab:
@@ -251,44 +180,14 @@ class DrafterStage:
                 len(data), d.batch_size, ctx.rank, ctx.world_size, c.run.seed
             )
         return MapLoader(
-            data, sampler, DraftCollate(self.pad_id), num_workers=d.num_workers, seed=c.run.seed
+            data,
+            sampler,
+            DraftCollate(self.target.pad_id),
+            num_workers=d.num_workers,
+            seed=c.run.seed,
         )
 
     # ---- one step --------------------------------------------------------------------------
-
-    def _target(self, batch: dict[str, Any], split: str) -> tuple:
-        """(Context, the target's logits (B, T, V) or its top-k tokens (``soft_top_k``; None
-        when cached without soft labels), greedy tokens (B, T), prefix length)."""
-        d = self.cfg.drafter
-        k = d.soft_top_k if d.soft_labels else 0
-        if d.cache_target or d.cache_dir:
-            if split not in self.caches:
-                known = next((c.store.name for c in self.caches.values() if c.store), None)
-                self.caches[split] = FeatureCache(self.target, d.cache_dir or None, known, k)
-                if d.cache_dir and self.ctx.is_main and split == "train":
-                    print(
-                        f"vltrain: drafter: target features cached in {self.caches[split].store}",
-                        file=sys.stderr,
-                    )
-            ctx, greedy, p, top = self.caches[split].features(batch)
-            return ctx, top, greedy, p
-        mask = batch["attention_mask"]
-        if "images" in batch:
-            ctx, tlogits, p = self.target.features(batch["images"], batch["input_ids"], mask)
-        else:
-            ctx, tlogits, p = self.target.features(batch["input_ids"], mask)
-        soft = top_logprobs(tlogits, mask, k) if k else tlogits
-        return ctx, soft, greedy_tokens(tlogits, mask), p
-
-    def _inputs(self, batch: dict[str, Any], split: str = "train") -> tuple:
-        """Target features and the drafter's inputs of one batch (target under no_grad)."""
-        ctx, tlogits, greedy, p = self._target(batch, split)
-        labels = batch["labels"]
-        full = torch.cat([labels.new_full((labels.shape[0], p), IGNORE_INDEX), labels], 1)
-        anchors, valid = batch["anchors"], batch["anchor_valid"]
-        a_ids = batch["input_ids"].gather(1, anchors)
-        lab, lab_valid = block_labels(full, anchors + p, valid, self.cfg.drafter.block_size)
-        return ctx, tlogits, greedy, p, a_ids, anchors + p, lab, lab_valid
 
     @staticmethod
     def _agreement(labels: Tensor, greedy: Tensor) -> Tensor:
@@ -297,31 +196,12 @@ class DrafterStage:
         same = (labels[:, 1:] == greedy[:, :-1]) & sup
         return torch.stack([same.sum(), sup.sum()]).double()
 
-    def _soft(self, target: Tensor | TopK | None, a_pos: Tensor, p: int) -> Any:
-        """Soft labels, dense (B, A, K, V) from logits or sparse from the target's top-k; None
-        without ``drafter.soft_labels``."""
-        if not self.cfg.drafter.soft_labels:
-            return None
-        if target is None:  # check_config keeps this from happening: never fall back silently
-            raise RuntimeError("drafter.soft_labels is on but the target gave no distribution")
-        return block_soft_labels(target, a_pos - p, self.cfg.drafter.block_size)
-
-    def forward_backward(
-        self, model: ParallelModel, batch: dict[str, Any], scale: float
-    ) -> StepOutput:
+    def forward_backward(self, model: ParallelModel, batch: DraftBatch, scale: float) -> StepOutput:
         """sum(CE * w) / sum(w) over the global batch, whatever the world size."""
-        ctx, tlogits, greedy, p, a_ids, a_pos, lab, valid = self._inputs(batch)
-        loss, weight, sums = model(
-            ctx.features,
-            ctx.positions,
-            ctx.valid,
-            a_ids,
-            a_pos,
-            lab,
-            valid,
-            self._soft(tlogits, a_pos, p),
-        )
-        agree = self._agreement(batch["labels"], greedy)
+        inp = self.target.inputs(batch)
+        soft = self.target.soft_labels(inp)
+        loss, weight, sums = model(*inp.drafter_args(), inp.labels, inp.valid, soft)
+        agree = self._agreement(batch["labels"], inp.greedy)
         local = torch.stack([loss.detach().double(), weight.double(), *agree])
         total = distributed.all_reduce_sum(local)
         w_all = total[1].clamp(min=1e-12)
@@ -339,9 +219,9 @@ class DrafterStage:
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
         """Block metrics over every anchor of this rank's shard, then real decoding."""
         path = self.cfg.data.eval if split == "val" else self.cfg.data.test
-        base = self._base(path, train=True)
+        base = self.target.records(path, train=True)
         data = DraftDataset(base, 0, self.cfg.run.seed)
-        collate = DraftCollate(self.pad_id)
+        collate = DraftCollate(self.target.pad_id)
         sums: dict[str, Tensor] = {}
         loss_w = torch.zeros(4, dtype=torch.float64)  # loss sum, weight, agree, supervised
         bs = self.cfg.data.eval_batch_size or self.cfg.data.batch_size
@@ -351,45 +231,22 @@ class DrafterStage:
             if not good:
                 continue
             batch = {k: v.to(dev) for k, v in collate(good).items()}
-            ctx, tlogits, greedy, p, a_ids, a_pos, lab, valid = self._inputs(batch, split)
-            loss, weight, s = model(
-                ctx.features,
-                ctx.positions,
-                ctx.valid,
-                a_ids,
-                a_pos,
-                lab,
-                valid,
-                self._soft(tlogits, a_pos, p),
-            )
-            _, _, st = model(
-                ctx.features,
-                ctx.positions,
-                ctx.valid,
-                a_ids,
-                a_pos,
-                *self._greedy_labels(greedy, a_pos, p, valid),
-            )
-            loss_w += torch.stack(
-                [
-                    loss.double().cpu(),
-                    weight.double().cpu(),
-                    *self._agreement(batch["labels"], greedy).cpu(),
-                ]
-            )
+            inp = self.target.inputs(batch, split)
+            soft = self.target.soft_labels(inp)
+            loss, weight, s = model(*inp.drafter_args(), inp.labels, inp.valid, soft)
+            _, _, st = model(*inp.drafter_args(), *self.target.greedy_labels(inp))
+            agree = self._agreement(batch["labels"], inp.greedy).cpu()
+            loss_w += torch.stack([loss.double().cpu(), weight.double().cpu(), *agree])
             for k, v in s.items():
                 sums[k] = sums.get(k, 0) + v.cpu()
             for k, v in st.items():
                 sums[f"t_{k}"] = sums.get(f"t_{k}", 0) + v.cpu()
         return self._summarize(model, sums, loss_w, base)
 
-    def _greedy_labels(self, greedy: Tensor, a_pos: Tensor, p: int, valid: Tensor):  # noqa: ANN202
-        """Block labels from the target's greedy tokens (token at t = argmax after t - 1)."""
-        g = torch.cat([greedy.new_full((greedy.shape[0], p + 1), IGNORE_INDEX), greedy[:, :-1]], 1)
-        lab, ok = block_labels(g, a_pos, valid.any(-1), self.cfg.drafter.block_size)
-        return lab, ok & valid
-
-    def _summarize(self, model, sums, loss_w, base) -> dict[str, float]:  # noqa: ANN001
+    def _summarize(
+        self, model: nn.Module, sums: dict[str, Tensor], loss_w: Tensor, base: Any
+    ) -> dict[str, float]:
+        """Every rank's sums reduced in one all-reduce, then the metrics and real decoding."""
         keys = sorted(sums)
         flat = torch.cat([sums[k].reshape(-1).double() for k in keys] + [loss_w])
         flat = distributed.all_reduce_sum(flat.to(self.ctx.device)).cpu()
@@ -406,7 +263,7 @@ class DrafterStage:
         m["label_agreement"] = float(loss_w[2] / loss_w[3].clamp(min=1))
         flagged = m["label_agreement"] < self.cfg.drafter.min_label_agreement
         m["labels_not_target"] = float(flagged)
-        m.update(self._decode_tau(model, base))
+        m.update(self.target.decode_tau(model.drafter, base, self.ctx.rank, self.ctx.world_size))
         m["tau_gap"] = m["tau"] - m["tau_decode"]
         if flagged and self.ctx.is_main:
             print(
@@ -417,53 +274,6 @@ class DrafterStage:
                 file=sys.stderr,
             )
         return m
-
-    def _prompts(self, base: Any, idx: list[int]) -> dict[str, Tensor]:
-        dev = self.ctx.device
-        if self.cfg.model.kind == "hf_lm":
-            rows = [chat_prompt_ids(self.tokenizer, base.records[i]["prompt"]) for i in idx]
-            ids, mask = left_pad(rows, self.pad_id)
-            return {"input_ids": ids.to(dev), "attention_mask": mask.to(dev)}
-        samples = [base[(0, 0, i)] for i in idx]
-        samples = [s for s in samples if "bad" not in s]
-        prompt = [self.tokenizer.bos_id] + (
-            self.tokenizer.encode(base.prompt) if getattr(base, "prompt", "") else []
-        )
-        ids, mask = left_pad([prompt] * len(samples), self.pad_id)
-        images = torch.stack([s["image"] for s in samples])
-        return {"images": images.to(dev), "input_ids": ids.to(dev), "attention_mask": mask.to(dev)}
-
-    def _decode_tau(self, model: nn.Module, base: Any) -> dict[str, float]:
-        """tau of real speculative decoding of this rank's share of the first eval prompts."""
-        d = self.cfg.drafter
-        n = min(d.eval_prompts, len(base))
-        mine = list(range(n))[self.ctx.rank :: self.ctx.world_size]
-        drafter = model.drafter
-        out = {}
-        for name, budget in (("", 0), ("_tree", d.eval_tree_budget)):
-            if name and not budget:
-                continue
-            acc = torch.zeros(2, dtype=torch.float64)
-            if mine:
-                _, stats = speculative_generate(
-                    self.decode_target,
-                    drafter,
-                    self._prompts(base, mine),
-                    max_new_tokens=self._room(d.eval_max_new_tokens),
-                    tree_budget=budget,
-                )
-                acc += torch.tensor([sum(map(sum, stats.accepted)), stats.rounds])
-            acc = distributed.all_reduce_sum(acc.to(self.ctx.device)).cpu()
-            out[f"tau_decode{name}"] = float(acc[0] / acc[1].clamp(min=1))
-        if isinstance(self.decode_target, NativeTarget):
-            self.decode_target.release()  # ~2 copies of the target's weights until next eval
-        return out
-
-    def _room(self, want: int) -> int:
-        if self.cfg.model.kind == "hf_lm":
-            return want
-        m = self.target.model
-        return max(1, min(want, m.max_text_len - 2 - self.cfg.drafter.block_size))
 
     # ---- checkpoints -----------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from vltrain.config.core import ConfigError
 from vltrain.config.schema import Config
 from vltrain.core import distributed
+from vltrain.data.batches import CaptionBatch
 from vltrain.data.caption_data import CaptionDataset
 from vltrain.data.images import BadSample
 from vltrain.data.loaders import Loader
@@ -38,6 +39,7 @@ from vltrain.data.samplers import ShardedBatchSampler
 from vltrain.engine.parallel import ParallelModel
 from vltrain.engine.runtime import RunContext
 from vltrain.engine.task import StepOutput
+from vltrain.eval.captions import metric_names
 from vltrain.inference.captioner_target import CaptionerTarget
 from vltrain.inference.captioning import left_pad
 from vltrain.inference.decoding import generate
@@ -54,12 +56,7 @@ from vltrain.objectives.reinforce import (
     sequence_logits,
     sequence_mask,
 )
-from vltrain.stages.caption import (
-    CAPTION_KEYS,
-    CaptionCore,
-    caption_eval_metrics,
-    check_captioner_config,
-)
+from vltrain.stages.caption import CAPTION_KEYS, CaptionCore, check_captioner_config
 
 #: metrics logged every step (all-reduced means over ranks), in this order
 RL_METRICS = (
@@ -114,7 +111,7 @@ class RLStage:
 
     @classmethod
     def eval_metrics(cls, cfg: Config) -> tuple[str, ...]:
-        return caption_eval_metrics(("", "beam_") if cfg.caption.eval_beam else ("",))
+        return metric_names(("", "beam_") if cfg.caption.eval_beam else ("",))
 
     @property
     def tokenizer(self):
@@ -176,7 +173,7 @@ class RLStage:
     # ---- one step -----------------------------------------------------------------------
 
     def _sample(
-        self, policy: nn.Module, batch: dict[str, Any], gen: torch.Generator
+        self, policy: nn.Module, batch: CaptionBatch, gen: torch.Generator
     ) -> dict[str, Tensor]:
         """K samples per image drawn with `gen` (+ greedy captions for the greedy baseline)."""
         r, k = self.cfg.rl, self.cfg.rl.k
@@ -225,7 +222,7 @@ class RLStage:
         return self.reward(texts, [rs for rs in refs for _ in range(k)])
 
     def forward_backward(
-        self, model: ParallelModel, batch: dict[str, Any], scale: float
+        self, model: ParallelModel, batch: CaptionBatch, scale: float
     ) -> StepOutput:
         """REINFORCE on one batch: sample on the plain policy, score, then the teacher-forced
         policy forward through `model` (its backward syncs gradients) and ``loss * scale``."""

@@ -1,7 +1,8 @@
 """Embeddings for curation (semantic dedup, CLIP score) from a trained contrastive checkpoint.
 
-Records are embedded through the stage's evaluation path (`eval_dataset` + `embed_shard`, the
-path `vltrain mine` and evaluation use), so a curation embedding is an evaluation embedding.
+Records are embedded through the stage's evaluation path (its data's `eval_dataset` + its
+evaluator's `embed_shard`, the path `vltrain mine` and evaluation use), so a curation embedding
+is an evaluation embedding.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class CheckpointEmbedder:
 
     def __init__(self, checkpoint: str | Path, batch_size: int = 128, device: str = "cpu") -> None:
         cfg, self.stage, self.model = load_trained(checkpoint, device=device)
-        if not hasattr(self.stage, "embed_shard"):
+        if not hasattr(self.stage, "retrieval"):
             raise DataError(
                 f"checkpoint {checkpoint} is a '{cfg.stage}' run; curation embeddings need a "
                 "contrastive (CLIP/SigLIP) checkpoint"
@@ -28,9 +29,11 @@ class CheckpointEmbedder:
         self.batch_size = batch_size
 
     def embed(self, path: Path) -> tuple[Tensor, Tensor, Tensor]:
-        ds = self.stage.eval_dataset(path, hard_negatives=0)
+        ds = self.stage.data.eval_dataset(path, hard_negatives=0)
         with torch.no_grad():
-            shard, _, _ = self.stage.embed_shard(self.model, ds, batch_size=self.batch_size)
+            shard, _, _ = self.stage.retrieval.embed_shard(
+                self.model.encoder, ds, batch_size=self.batch_size
+            )
         n, dim = len(ds), shard["img"].shape[1] if shard["img"].numel() else 1
         img, txt = torch.zeros(n, dim), torch.zeros(n, dim)
         valid = torch.zeros(n, dtype=torch.bool)

@@ -41,11 +41,11 @@ def eval_command(
             f"{checkpoint} is a '{cfg.stage}' run; vltrain eval needs a contrastive one"
         )
     if batch_size:
-        evaluator.cfg.data.eval_batch_size = batch_size
+        evaluator.batch_size = batch_size
     split = read_split(queries, corpus, qrels)
     t0 = time.perf_counter()
     with torch.no_grad():
-        metrics = evaluator.evaluate_split(model, split, ranks_path=ranks)
+        metrics = evaluator.evaluate_split(model.encoder, split, ranks_path=ranks)
     metrics["total_s"] = time.perf_counter() - t0
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -55,9 +55,9 @@ def _embed(
 ) -> tuple[list[dict], Tensor, list[int], Tensor, list[str], Tensor]:
     """Image embeddings of good records, and embeddings of every caption (with its owner),
     through the stage's evaluation path (the backbone's own batcher and image decoding)."""
-    ds = stage.eval_dataset(data, hard_negatives=0)
+    ds = stage.data.eval_dataset(data, hard_negatives=0)
     with torch.no_grad():
-        shard, _, texts = stage.embed_shard(model, ds, batch_size=batch_size)
+        shard, _, texts = stage.retrieval.embed_shard(model.encoder, ds, batch_size=batch_size)
     owners = [int(i) for i in shard["idx"]]
     return ds.records, shard["img"], owners, shard["txt"], texts, shard["owner"]
 
@@ -207,13 +207,13 @@ def mine_pairs_command(
         if grade > 0 and did in row_of:
             judged.setdefault(qid, set()).add(row_of[did])
     _, stage, model = load_trained(checkpoint)
-    ev = stage.corpus
+    ev, enc = stage.corpus, model.encoder
     with torch.no_grad():
-        q_emb, q_rows, _ = ev.embed(model, [r["query"] for r in records], "query", opts.batch_size)
+        q_emb, q_rows, _ = ev.embed(enc, [r["query"] for r in records], "query", opts.batch_size)
         p_emb, p_rows, _ = ev.embed(
-            model, [r["positives"][0] for r in records], "doc", opts.batch_size
+            enc, [r["positives"][0] for r in records], "doc", opts.batch_size
         )
-        d_emb, d_rows, _ = ev.embed(model, list(docs.values()), "doc", opts.batch_size)
+        d_emb, d_rows, _ = ev.embed(enc, list(docs.values()), "doc", opts.batch_size)
     good = sorted(set(q_rows.tolist()) & set(p_rows.tolist()))  # records whose sides decode
     q_at = {int(r): i for i, r in enumerate(q_rows.tolist())}
     p_at = {int(r): i for i, r in enumerate(p_rows.tolist())}

@@ -33,6 +33,7 @@ from vltrain.config.core import ConfigError
 from vltrain.config.schema import Config, load_config
 from vltrain.core.checkpoint import resolve_loadable
 from vltrain.data import chat
+from vltrain.data.batches import to_device
 from vltrain.data.images import (
     DEFAULT_MAX_PIXELS,
     BadSample,
@@ -40,11 +41,10 @@ from vltrain.data.images import (
     load_image,
     load_image_native,
 )
-from vltrain.data.pairs import side_inputs
-from vltrain.engine.runtime import to_device
+from vltrain.data.pairs import encode_side, side_inputs
 from vltrain.engine.task import Stage
 from vltrain.inference.captioning import decode_captions
-from vltrain.models.backbones import HF_KINDS, encode_side
+from vltrain.models.backbones import HF_KINDS
 from vltrain.tools.generate import generation_prompt
 from vltrain.tools.loading import load_trained, run_config_for
 
