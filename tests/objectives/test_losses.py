@@ -209,7 +209,7 @@ def test_registry_and_config() -> None:
     assert set(LOSSES) >= {"infonce", "siglip"}
     assert isinstance(build_loss_from_config(ObjectiveConfig()), InfoNCELoss)
     assert isinstance(build_loss("siglip", init_scale=10.0), SigLIPLoss)
-    with pytest.raises(KeyError, match="known: \\['infonce', 'siglip'\\]"):
+    with pytest.raises(KeyError, match="known: \\['infonce', 'qwen3vl', 'siglip'\\]"):
         build_loss("clip")
     cfg = load_config(
         None,

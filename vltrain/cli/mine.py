@@ -13,7 +13,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="mine hard-negative captions with a trained contrastive model",
         description="Encode every image (query) and caption (corpus) of --data, take the "
         "top-ranked captions that are not the image's own inside the rank window, drop likely "
-        "false negatives (score > margin x the best positive's score), and write --out with "
+        "false negatives (score above margin x the best positive's, i.e. not below it by "
+        "(1 - margin) x |positive|), and write --out with "
         "`negatives` filled in (train on it with objective.hard_negatives=K).",
     )
     m.add_argument(
@@ -32,7 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--margin",
         type=finite_float,
         default=0.95,
-        help="skip candidates scoring above margin x the positive's score",
+        help="skip candidates scoring above margin x the positive's score (for a positive "
+        "<= 0: above it minus (1 - margin) x its magnitude)",
     )
     m.add_argument("--batch-size", type=positive_int, default=128, help="images encoded together")
     m.add_argument("--append", action="store_true", help="keep the records' own negatives")

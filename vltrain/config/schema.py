@@ -229,8 +229,32 @@ class ModelConfig:
 class ObjectiveConfig:
     loss: str = option(
         "infonce",
-        "Loss registry key (vltrain.objectives.contrastive.LOSSES): infonce (CLIP) or siglip "
-        "(sigmoid).",
+        "Loss registry key (vltrain.objectives.contrastive.LOSSES): infonce (CLIP), siglip "
+        "(sigmoid) or qwen3vl (Qwen3-VL-Embedding's masked multi-term InfoNCE, "
+        "docs/retrieval.md).",
+    )
+    terms: str = option(
+        "five",
+        "objective.loss=qwen3vl: the terms each query's softmax runs over besides its positive. "
+        "five (stage 1): its hard negatives and the in-batch query-query, doc-doc and "
+        "query-doc terms; two (stage 2): its hard negatives and the query-doc terms.",
+        choices=("five", "two"),
+    )
+    false_negative_margin: float = option(
+        0.1,
+        "objective.loss=qwen3vl: mask (leave out) a term scoring above the positive's score "
+        "plus this margin; copies of the positive are masked too.",
+        ge=0.0,
+    )
+    false_negative_mask: bool = option(
+        True, "objective.loss=qwen3vl: apply the false-negative mask (false: every term counts)."
+    )
+    false_negative_duplicate_cosine: float = option(
+        0.9999,
+        "objective.loss=qwen3vl: a document at least this close (cosine) to the positive is a "
+        "copy of it and masked (copies of one page differ by rounding only); above 1: off, "
+        "for a model that still embeds distinct documents alike (train_masked_fraction near 1).",
+        gt=0.0,
     )
     temperature: float = option(0.07, "Initial softmax temperature.", gt=0.0)
     learn_temperature: bool = option(True, "Learn the temperature (as a log logit scale).")
@@ -246,7 +270,8 @@ class ObjectiveConfig:
         0,
         "Hard-negative texts per training record and epoch, drawn "
         "from its 'negatives' (fewer if it has fewer); they join the "
-        "text side of the logits.",
+        "text side of the logits. objective.loss=qwen3vl gives each query its own and needs "
+        "every training record to have at least this many.",
         ge=0,
     )
     caption_contrast: float = option(
@@ -721,6 +746,12 @@ def validate_cross_fields(cfg: Config) -> None:
         raise ConfigError("'data.max_visual_tokens' applies to model.kind=vlm (patch-grid VLMs)")
     if cfg.model.matryoshka_dims and cfg.model.kind != "vlm":
         raise ConfigError("'model.matryoshka_dims' applies to model.kind=vlm")
+    dims = cfg.model.matryoshka_dims
+    if any(d < 1 for d in dims) or any(a >= b for a, b in zip(dims, dims[1:], strict=False)):
+        raise ConfigError(
+            f"'model.matryoshka_dims' must be prefix sizes >= 1 in increasing order, got {dims}; "
+            f"e.g. {sorted({max(d, 1) for d in dims})}"
+        )
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:

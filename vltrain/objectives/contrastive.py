@@ -4,8 +4,9 @@ Every rank gathers all ranks' features (with gradient) and computes the loss of 
 global batch; `all_gather_with_grad` makes the resulting DDP-averaged gradient equal to the
 single-process gradient of that loss. Hard-negative texts join the text side as extra columns.
 
-Losses are picked by registry key (`LOSSES`): ``infonce`` (CLIP) and ``siglip`` (sigmoid).
-Both compute their logits in fp32 with autocast off: a bf16 logit at scale 100 is off by ~0.5.
+Losses are picked by registry key (`LOSSES`): ``infonce`` (CLIP), ``siglip`` (sigmoid) and
+``qwen3vl`` (Qwen3-VL-Embedding's masked multi-term InfoNCE, vltrain.objectives.qwen3vl). All
+compute their logits in fp32 with autocast off: a bf16 logit at scale 100 is off by ~0.5.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 
 from vltrain.core import distributed
 from vltrain.objectives.chance import infonce_chance, siglip_chance
+from vltrain.objectives.qwen3vl import DUPLICATE_COSINE, TERMS, qwen3vl_loss
 
 
 @dataclass
@@ -273,7 +275,103 @@ class SigLIPLoss(nn.Module):
         return loss, metrics
 
 
-LOSSES: dict[str, type[nn.Module]] = {"infonce": InfoNCELoss, "siglip": SigLIPLoss}
+class Qwen3VLLoss(nn.Module):
+    """Qwen3-VL-Embedding's loss (`vltrain.objectives.qwen3vl`): query i (``image``, the first
+    side) against its positive (``text``), its own hard negatives and, with ``terms="five"``,
+    the in-batch query-query, doc-doc and query-doc terms; ``terms="two"`` keeps the query-doc
+    and hard-negative terms. Terms scoring above the positive + `margin`, and copies of the
+    positive, are masked (`mask=False`: none). Learnable, clamped temperature as InfoNCE's."""
+
+    def __init__(
+        self,
+        temperature: float = 0.07,
+        learn_temperature: bool = True,
+        max_logit_scale: float = 100.0,
+        terms: str = "five",
+        margin: float = 0.1,
+        mask: bool = True,
+        negatives_per_query: int | None = None,
+        duplicate_cosine: float = DUPLICATE_COSINE,
+        gather: bool = True,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        """`negatives_per_query`: K, each query's own hard negatives (rows i*K .. i*K+K-1);
+        None: negatives / queries. `duplicate_cosine`: a document this close to the positive
+        is a copy of it (masked; > 1: no such clause). `rank`/`world_size`: as for
+        `InfoNCELoss`."""
+        super().__init__()
+        if terms not in TERMS:
+            raise ValueError(f"terms must be one of {sorted(TERMS)}, got {terms!r}")
+        if not margin >= 0:
+            raise ValueError(f"the false-negative margin must be >= 0, got {margin}")
+        init = torch.tensor(math.log(1.0 / temperature))
+        if learn_temperature:
+            self.logit_scale = nn.Parameter(init)
+        else:
+            self.register_buffer("logit_scale", init)
+        self.max_log_scale = math.log(max_logit_scale)
+        self.terms, self.margin, self.mask = terms, margin, mask
+        self.negatives_per_query, self.duplicate_cosine = negatives_per_query, duplicate_cosine
+        self.gather = gather
+        self.rank = distributed.rank() if rank is None else rank
+        self.world_size = distributed.world_size() if world_size is None else world_size
+
+    @classmethod
+    def from_config(cls, o: Any) -> Qwen3VLLoss:
+        """Build from an `ObjectiveConfig` (K = objective.hard_negatives)."""
+        return cls(
+            temperature=o.temperature,
+            learn_temperature=o.learn_temperature,
+            max_logit_scale=o.max_logit_scale,
+            terms=o.terms,
+            margin=o.false_negative_margin,
+            mask=o.false_negative_mask,
+            negatives_per_query=o.hard_negatives,
+            duplicate_cosine=o.false_negative_duplicate_cosine,
+            gather=o.gather,
+        )
+
+    def no_weight_decay(self) -> list[str]:
+        return ["logit_scale"]
+
+    def scale(self) -> Tensor:
+        return self.logit_scale.clamp(max=self.max_log_scale).exp()
+
+    def forward(
+        self, image: Tensor, text: Tensor, negatives: Tensor | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Unit-norm queries (B, E), positives (B, E) and hard negatives (B*K, E) per rank ->
+        (loss, metrics) of the global batch."""
+        f = gather_features(
+            image, text, negatives, self.gather, rank=self.rank, world_size=self.world_size
+        )
+        return self.loss_from_features(f)
+
+    def loss_from_features(self, f: Features) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss of already-gathered features (also used by GradCache)."""
+        with _no_autocast(f.image):
+            scale = self.scale()
+            loss, metrics = qwen3vl_loss(
+                f.image,
+                f.text,
+                f.negatives,
+                scale,
+                self.terms,
+                self.margin,
+                self.mask,
+                self.negatives_per_query or None,
+                self.duplicate_cosine,
+            )
+        metrics["logit_scale"] = scale.detach()
+        return loss, metrics
+
+
+LOSSES: dict[str, type[nn.Module]] = {
+    "infonce": InfoNCELoss,
+    "siglip": SigLIPLoss,
+    "qwen3vl": Qwen3VLLoss,
+}
 
 
 def build_loss(name: str, **kwargs: object) -> nn.Module:

@@ -48,6 +48,7 @@ from vltrain.models.backbones import (
     uses_tokenizer,
 )
 from vltrain.models.contrastive import ContrastiveModel, is_pair_batch
+from vltrain.objectives import qwen3vl
 from vltrain.objectives.contrastive import Features, build_loss_from_config
 from vltrain.objectives.grad_cache import dual_encoder_grad_cache, pair_grad_cache
 from vltrain.objectives.reading import ReadingLoss
@@ -133,7 +134,8 @@ class ContrastiveStage:
         encoder = build_encoder(self.cfg, self.tokenizer, reading_tokens=self.reading_tokens)
         if self.ctx.is_main and hasattr(encoder, "describe"):
             print(f"vltrain: {encoder.describe()}")
-        # registry: objective.loss (infonce, siglip); HF CLIP/SigLIP start at their own scale
+        # registry: objective.loss (infonce, siglip, qwen3vl); HF CLIP/SigLIP start at their own
+        # scale
         loss = build_loss_from_config(objective_for(encoder, self.cfg.objective))
         reading = None
         if self.cfg.objective.reading:
@@ -162,6 +164,7 @@ class ContrastiveStage:
         if is_shard_source(d.train):
             return self.data.stream_loader(self.batcher, ctx.rank, ctx.world_size, pin)
         dataset = self.data.train_dataset()
+        qwen3vl.check_negatives_per_query(self.cfg.objective, dataset.records, d.train)
         sampler = ShardedBatchSampler(
             len(dataset), d.batch_size, ctx.rank, ctx.world_size, self.cfg.run.seed
         )

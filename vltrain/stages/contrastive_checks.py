@@ -38,6 +38,8 @@ WHY = {
     "pretrained model's own scale",
     "model.lora_*": "LoRA applies to HF backbones",
     "objective.reading": "the built-in dual encoder's (it reads the tower's grid of cells)",
+    "objective.terms": "objective.loss=qwen3vl's",
+    "objective.false_negative_*": "objective.loss=qwen3vl's",
 }
 
 
@@ -57,6 +59,11 @@ def used_keys(cfg: Config) -> tuple[str, ...]:
     if o.loss == "infonce":
         used += ["objective.symmetric", "objective.label_smoothing", "objective.caption_contrast"]
         used += [] if pretrained_scale else ["objective.temperature", "objective.max_logit_scale"]
+    elif o.loss == "qwen3vl":
+        used += ["objective.terms", "objective.false_negative_*"]
+        used += ["objective.temperature", "objective.max_logit_scale"]
+        # query -> document only: symmetric=false (the retrieval presets') says just that
+        used += [] if o.symmetric else ["objective.symmetric"]
     elif not pretrained_scale:
         used += ["objective.siglip_init_*", "objective.max_logit_scale"]
     if m.kind == "dual_encoder":
@@ -75,6 +82,26 @@ def used_keys(cfg: Config) -> tuple[str, ...]:
     return tuple(used)
 
 
+def check_matryoshka_width(cfg: Config) -> None:
+    """model.matryoshka_dims no wider than the VLM's embedding (its hidden size), read from
+    the model's config before any weights load."""
+    m = cfg.model
+    if m.kind != "vlm" or not m.matryoshka_dims or not m.path:
+        return
+    from transformers import AutoConfig
+
+    try:
+        width = AutoConfig.from_pretrained(m.path, local_files_only=m.local_files_only)
+        width = int(width.get_text_config().hidden_size)
+    except (OSError, ValueError, AttributeError):
+        return  # loading the model reports a bad model.path
+    if m.matryoshka_dims[-1] > width:
+        raise ConfigError(
+            f"'model.matryoshka_dims' {m.matryoshka_dims} go beyond the embedding width {width} "
+            f"of {m.path}; keep every prefix <= {width}"
+        )
+
+
 def tower_patch(cfg: Config) -> int:
     """The built-in vision tower's patch size: model.vision_options' or the preset's."""
     m = cfg.model
@@ -88,6 +115,14 @@ def check_config(cfg: Config) -> None:
     m = cfg.model
     check_choice("model.kind", m.kind, ENCODER_KINDS, "stage contrastive")
     check_choice("objective.loss", cfg.objective.loss, LOSSES)
+    if cfg.objective.loss == "qwen3vl" and m.kind in ("hf_clip", "hf_siglip"):
+        raise ConfigError(
+            f"objective.loss=qwen3vl (a softmax over query-query, doc-doc and query-doc "
+            f"terms) does not train model.kind={m.kind}, whose pretrained scale belongs to "
+            f"its own loss (objective.loss={'siglip' if m.kind == 'hf_siglip' else 'infonce'}"
+            "); use qwen3vl with model.kind=vlm or dual_encoder"
+        )
+    check_matryoshka_width(cfg)
     if m.kind in HF_KINDS and not m.path:
         raise ConfigError(f"model.kind={m.kind} needs 'model.path' (a local HF model dir)")
     if m.kind in HF_KINDS and cfg.data.image_cache_mb:

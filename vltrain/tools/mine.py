@@ -2,9 +2,9 @@
 
 Queries are images, the corpus is every caption of the data file. For each image we walk its
 ranked captions inside the rank window [range_min, range_max), skip its own captions (and
-any caption with the same text), skip likely false negatives (score above `margin` x the score
-of its best positive caption), and keep the first `k`. The output JSONL is the input with
-`negatives` filled in, so `objective.hard_negatives` can train on it directly.
+any caption with the same text), skip likely false negatives (`false_negative`: a score not
+below its best positive caption's by the margin), and keep the first `k`. The output JSONL
+is the input with `negatives` filled in, so `objective.hard_negatives` can train on it.
 
 Query/positive records with ``--corpus``: queries are the records' query sides, the corpus is
 any-modality documents, negatives are written as document ids (`mine_pairs_command`).
@@ -50,6 +50,17 @@ class MineOptions:
             )
 
 
+def false_negative(score: float, pos: float, margin: float) -> bool:
+    """A candidate scoring above ``pos - (1 - margin) * |pos|`` is probably another positive.
+
+    The positive-aware rule of NV-Retriever (Moreira et al. 2024, TopK-PercPos: keep a
+    candidate only below `margin` x the positive's score, 0.95 its best setting), written so
+    it also holds for a positive scoring <= 0 (an untrained model's): there the plain
+    ``margin x pos`` would lie above the positive and let a copy of the positive through.
+    """
+    return score > pos - (1.0 - margin) * abs(pos)
+
+
 def _embed(
     stage: Any, model: Any, data: Path, batch_size: int
 ) -> tuple[list[dict], Tensor, list[int], Tensor, list[str], Tensor]:
@@ -84,7 +95,7 @@ def mine_negatives(
             cand = texts[j]
             if int(txt_owner[j]) == rec or cand in positives or cand in chosen:
                 continue
-            if float(scores[row, rank]) > opts.margin * pos_score:
+            if false_negative(float(scores[row, rank]), pos_score, opts.margin):
                 continue  # probably another true description of this image
             chosen.append(cand)
             if len(chosen) == opts.k:
@@ -166,9 +177,8 @@ def mine_pair_negatives(
             j = int(idx[i, rank])
             if j in excluded[i] or j in chosen:
                 continue
-            pos = float(pos_score[i])
-            if pos > 0 and float(scores[i, rank]) > opts.margin * pos:
-                continue  # probably an unjudged positive (no rule for a positive scored <= 0)
+            if false_negative(float(scores[i, rank]), float(pos_score[i]), opts.margin):
+                continue  # probably an unjudged positive (a copy of the page, say)
             chosen.append(j)
             if len(chosen) == opts.k:
                 break
