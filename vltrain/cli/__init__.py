@@ -92,22 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-#: optional packages -> the pyproject extra that installs them
-OPTIONAL_EXTRAS = {
-    "transformers": "hf",
-    "peft": "hf",
-    "optuna": "tune",
-    "plotly": "tune",
-    "tensorboard": "log",
-    "wandb": "log",
-    "scipy": "scaling",
-    "fsspec": "stream",
-}
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `vltrain` console script."""
     from vltrain.config.core import ConfigError
+    from vltrain.config.extras import install_hint
     from vltrain.core.checkpoint import CheckpointError
     from vltrain.core.files import OutputError
     from vltrain.data.readers import DataError
@@ -133,13 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"vltrain: error: {e}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:  # an optional dependency the install lacks
-        extra = OPTIONAL_EXTRAS.get((e.name or "").split(".")[0])
-        if extra is None:
+        hint = install_hint(e.name or "")
+        if hint is None:
             raise
-        print(
-            f"vltrain: error: this command needs {e.name}: pip install 'vltrain[{extra}]'",
-            file=sys.stderr,
-        )
+        print(f"vltrain: error: this command needs {e.name}: {hint}", file=sys.stderr)
         return 2
     except OSError as e:  # a path the user gave or the disk: name it, no traceback
         print(f"vltrain: error: {os_error_message(e)}", file=sys.stderr)

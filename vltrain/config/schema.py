@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from vltrain.config import hub_ids
 from vltrain.config.core import (
     ConfigError,
     build,
@@ -49,7 +50,14 @@ class DataConfig:
         "",
         "Training records: JSONL (image-caption or query/positive pairs), COCO captions .json, "
         "or webdataset tar shards (a folder of .tar, a brace pattern, an fsspec URL; contrastive "
-        "stage, see docs/streaming.md).",
+        "stage, see docs/streaming.md), parquet, a save_to_disk folder, or a hub dataset "
+        "hf://datasets/ORG/NAME (data.split).",
+    )
+    split: str = option(
+        "train",
+        "data.train=hf://datasets/ORG/NAME: the split it reads, e.g. train[:10%] (data.eval and "
+        "data.test read validation and test unless the value names one: hf://datasets/ORG/NAME:"
+        "SPLIT).",
     )
     train_corpus: str = option(
         "", "corpus.jsonl that {doc: id} sides of data.train refer to (e.g. mined negatives)."
@@ -130,9 +138,13 @@ class ModelConfig:
         "Which kinds a stage trains comes from the stage (vltrain.stages.STAGES).",
     )
     path: str = option(
-        "", "HF backbones: local model directory (or a hub id with model.local_files_only=false)."
+        "",
+        "HF backbones: a local model directory, or a hub id ORG/NAME read from the HF cache "
+        "(a local path that exists wins).",
     )
-    local_files_only: bool = option(True, "HF backbones: never download; load from model.path.")
+    local_files_only: bool = option(
+        True, "HF backbones: never download; a hub id in model.path must be in the HF cache."
+    )
     pooling: str = option(
         "eos",
         "vlm: embedding = hidden state at the last non-padding token "
@@ -216,7 +228,8 @@ class ModelConfig:
     target: str = option(
         "",
         "Drafter stage: the frozen target, a caption run / checkpoint (model.kind=captioner) or "
-        "a local HF causal-LM directory or .gguf file (model.kind=hf_lm).",
+        "a local HF causal-LM directory, .gguf file or hub id ORG/NAME in the HF cache "
+        "(model.kind=hf_lm).",
     )
     init_from: str = option(
         "",
@@ -416,6 +429,21 @@ class LogConfig:
     tensorboard: bool = option(True, "Write TensorBoard events (if tensorboard is installed).")
     wandb: bool = option(False, "Log to Weights & Biases (WANDB_MODE=offline works offline).")
     wandb_project: str = option("vltrain", "W&B project name.")
+    wandb_entity: str = option("", "W&B entity (team or user; '' = your default entity).")
+    wandb_name: str = option("", "W&B run name ('' = the run folder's name).")
+    wandb_tags: list[str] = option([], "W&B run tags.")
+    wandb_group: str = option("", "W&B run group, e.g. one per sweep or pipeline ('' = none).")
+    mlflow: bool = option(
+        False,
+        "Log to MLflow: params (the resolved config), metrics every logged step, the run's "
+        "summary and config as artifacts; resume continues the same MLflow run.",
+    )
+    mlflow_uri: str = option(
+        "",
+        "MLflow tracking URI ('' = a store inside the run folder: sqlite at mlruns/mlflow.db, "
+        "artifacts in mlruns/artifacts); e.g. http://host:5000 or sqlite:///PATH/mlflow.db.",
+    )
+    mlflow_experiment: str = option("vltrain", "MLflow experiment name.")
 
 
 @dataclass
@@ -711,7 +739,7 @@ class Config:
     objective: ObjectiveConfig = section(ObjectiveConfig, "Loss.")
     optim: OptimConfig = section(OptimConfig, "Optimizer and learning-rate schedule.")
     train: TrainConfig = section(TrainConfig, "Loop length, evaluation, checkpoints, resume.")
-    log: LogConfig = section(LogConfig, "Progress bar, TensorBoard, W&B.")
+    log: LogConfig = section(LogConfig, "Progress bar, TensorBoard, W&B, MLflow.")
     doctor: DoctorConfig = section(DoctorConfig, "Online training checks (the doctor).")
     tune: TuneConfig = section(TuneConfig, "Hyperparameter search (`vltrain tune`).")
     caption: CaptionConfig = section(CaptionConfig, "Caption stage: mode, prompts, eval decoding.")
@@ -752,6 +780,7 @@ def validate_cross_fields(cfg: Config) -> None:
             f"'model.matryoshka_dims' must be prefix sizes >= 1 in increasing order, got {dims}; "
             f"e.g. {sorted({max(d, 1) for d in dims})}"
         )
+    hub_ids.pin_splits(cfg.data)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:

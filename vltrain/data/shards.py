@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from vltrain.config.hub_ids import parse_dataset
 from vltrain.data.images import BadSample
 from vltrain.data.readers import DataError, resolve_image_path
 from vltrain.data.records import read_records
@@ -56,7 +57,7 @@ def is_shard_source(spec: str | os.PathLike[str]) -> bool:
     """True when `spec` names tar shards: a folder of ``*.tar``, a ``.tar`` path, a brace
     pattern (``shard-{000000..000009}.tar``) or a URL that is not a JSON/JSONL file."""
     s = str(spec)
-    if not s:
+    if not s or parse_dataset(s) is not None:  # hf://datasets/org/name[:split]: a dataset
         return False
     if s.endswith(".tar") or ("{" in s and ".tar" in s):
         return True

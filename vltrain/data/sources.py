@@ -13,6 +13,8 @@
   ``data.image_column`` (an HF ``Image`` feature, raw bytes, or a path relative to the data
   folder), captions in ``data.text_column`` (str or list of str). Images stay in the
   memory-mapped table and are read row by row.
+- a hub dataset, ``hf://datasets/org/name:split``: the same rows, read through the HF cache
+  (`vltrain.core.hub`; the split is pinned when the config loads).
 
 Every kind keeps the same safety rules: relative image paths are resolved inside the data folder
 (`resolve_image_path`), and bad content never raises, it becomes a counted bad sample.
@@ -30,6 +32,8 @@ from typing import Any
 
 from PIL import Image
 
+from vltrain.config.hub_ids import parse_dataset
+from vltrain.core import hub
 from vltrain.data.images import (
     BadSample,
     DecodedImages,
@@ -111,11 +115,15 @@ def read_csv_records(
     return list(records.values())
 
 
-def _hf_rows(path: Path, image_column: str, text_column: str) -> Any:
-    """An HF Dataset (images left undecoded) from a save_to_disk folder or a parquet file."""
+def _hf_rows(source: str | os.PathLike[str], image_column: str, text_column: str) -> Any:
+    """An HF Dataset (images left undecoded) from a save_to_disk folder, a parquet file or a
+    hub dataset (``hf://datasets/org/name:split``)."""
     import datasets
 
-    if path.is_dir():
+    path = Path(source)
+    if parse_dataset(str(source)) is not None:
+        ds, _ = hub.load_dataset(str(source))
+    elif path.is_dir():
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
             raise DataError(
@@ -129,7 +137,7 @@ def _hf_rows(path: Path, image_column: str, text_column: str) -> Any:
     missing = [c for c in (image_column, text_column) if c not in ds.column_names]
     if missing:
         raise DataError(
-            f"{path}: no column(s) {missing} (columns: {ds.column_names}); set "
+            f"{source}: no column(s) {missing} (columns: {ds.column_names}); set "
             "data.image_column / data.text_column"
         )
     if isinstance(ds.features[image_column], datasets.Image):
@@ -141,7 +149,7 @@ def read_hf_records(
     path: str | os.PathLike[str], image_column: str, text_column: str
 ) -> tuple[list[dict[str, Any]], ArrowImages]:
     """Text records (one per row) and a lazy accessor for the images of an HF dataset."""
-    ds = _hf_rows(Path(path), image_column, text_column)
+    ds = _hf_rows(path, image_column, text_column)
     ids = ds["id"] if "id" in ds.column_names else range(len(ds))
     records = []
     for row, (text, rid) in enumerate(zip(ds[text_column], ids, strict=True)):
@@ -171,6 +179,11 @@ def read_source(
     record (default `readers.normalise_record`; the caption stage also accepts chat records)."""
     if not str(path).strip():
         raise DataError("a data path is empty; set data.train / data.eval to a file or folder")
+    if (hub_id := parse_dataset(str(path))) is not None:
+        if hub_id[1] is None:
+            raise DataError(f"{path}: name the split to read, as {path}:SPLIT (e.g. train)")
+        snapshot = hub.cached_snapshot(hub_id[0], "dataset")
+        return Source(snapshot or Path(path), *read_hf_records(path, image_column, text_column))
     p = Path(path)
     if not p.exists():
         raise DataError(f"data file {p} does not exist; check data.train / data.eval.")

@@ -1,4 +1,5 @@
-"""Rank-0 logging: metrics.jsonl, progress bar, TensorBoard and Weights & Biases."""
+"""Rank-0 logging: metrics.jsonl, progress bar, TensorBoard, and the experiment trackers
+(Weights & Biases, MLflow: `vltrain.engine.trackers`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vltrain.config.extras import install_hint
 from vltrain.config.schema import Config
+from vltrain.engine import trackers
 
 
 def _clean(value: Any) -> Any:
@@ -42,7 +45,8 @@ class RunLogger:
         self.enabled = enabled
         self.path = out_dir / "metrics.jsonl"
         self.tb = None
-        self.wandb = None
+        self.trackers: list[trackers.Tracker] = []
+        self.finished = False  # set by the loop once the run reached its end
         self.bar = None
         self.t0 = time.time()
         if not enabled:
@@ -56,17 +60,11 @@ class RunLogger:
                 self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=start_step)
             except ImportError:
                 print(
-                    "vltrain: tensorboard not installed; skipping TensorBoard logs", file=sys.stderr
+                    "vltrain: tensorboard not installed; skipping TensorBoard logs "
+                    f"({install_hint('tensorboard')})",
+                    file=sys.stderr,
                 )
-        if cfg.log.wandb:
-            import wandb
-
-            self.wandb = wandb.init(
-                project=cfg.log.wandb_project,
-                dir=str(out_dir),
-                config=_flat_config(cfg),
-                resume="allow",
-            )
+        self.trackers = trackers.open_trackers(cfg, out_dir)
         if cfg.log.progress:
             self._make_bar(cfg.train.max_steps, start_step)
 
@@ -95,8 +93,8 @@ class RunLogger:
         if self.tb is not None:
             for k, v in numeric.items():
                 self.tb.add_scalar(k, v, step)
-        if self.wandb is not None:
-            self.wandb.log(numeric, step=step)
+        for tracker in self.trackers:
+            tracker.log(step, numeric)
 
     def progress(self, step: int, loss: float, lr: float, samples_per_s: float) -> None:
         """Advance the bar to `step` and show loss, lr and throughput."""
@@ -117,6 +115,9 @@ class RunLogger:
             print(text, file=sys.stderr)
 
     def close(self) -> None:
+        """Close every output. Called from Trainer.run's `finally`: a run that did not finish
+        ended by the exception in flight there (the trackers record FAILED, or KILLED for a
+        stop at a checkpoint)."""
         if not self.enabled:
             return
         if self.bar is not None:
@@ -124,18 +125,9 @@ class RunLogger:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+        from vltrain.engine.loop import TrainingStopped  # the loop imports this module
 
-
-def _flat_config(cfg: Config) -> dict[str, Any]:
-    """`section.key -> value` for every config leaf (what W&B shows as the run config)."""
-    from vltrain.config.core import to_dict
-
-    out: dict[str, Any] = {}
-    for name, value in to_dict(cfg).items():
-        if isinstance(value, dict):
-            out.update({f"{name}.{k}": v for k, v in value.items()})
-        else:
-            out[name] = value
-    return out
+        stopped = isinstance(sys.exc_info()[1], (TrainingStopped, KeyboardInterrupt))
+        status = "FINISHED" if self.finished else "KILLED" if stopped else "FAILED"
+        for tracker in self.trackers:
+            tracker.close(status)

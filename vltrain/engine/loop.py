@@ -159,6 +159,7 @@ class Trainer:
             if self.doctor is not None:
                 self.doctor.finish()
             summary = self._finish(model, logger, t_start)
+            logger.finished = True
         finally:
             logger.close()
             if self.doctor is not None:

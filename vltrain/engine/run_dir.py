@@ -22,6 +22,7 @@ import yaml
 from vltrain.config.core import ConfigError, to_dict
 from vltrain.config.schema import Config
 from vltrain.core import checkpoint
+from vltrain.engine import trackers
 
 #: keys that may differ on resume without permission: they change neither the model, nor the
 #: data order, nor the schedule (prefix match on the dotted key)
@@ -43,7 +44,14 @@ HARMLESS = (
     "train.max_consecutive_skips",
 )
 #: what a previous run leaves in its folder (train.overwrite deletes these)
-RUN_FILES = ("checkpoints", "tokenizer", "metrics.jsonl", "summary.json", "tensorboard")
+RUN_FILES = (
+    "checkpoints",
+    "tokenizer",
+    "metrics.jsonl",
+    "summary.json",
+    "tensorboard",
+    trackers.IDS_FILE,
+)
 
 
 @dataclass
@@ -79,7 +87,8 @@ def _holds_run(out: Path) -> list[str]:
 
 
 def check_data_files(cfg: Config) -> None:
-    """Every data file the run reads (train, eval, test) exists and is not empty."""
+    """Every data file the run reads (train, eval, test) exists and is not empty (hub ids:
+    `vltrain.core.hub.check_sources`, at load)."""
     if not cfg.data.train:
         raise ConfigError("'data.train' is empty: name the training records (JSONL, ...)")
     for key in ("train", "eval", "test"):
@@ -87,6 +96,8 @@ def check_data_files(cfg: Config) -> None:
         if not value:
             continue
         p = Path(value)
+        if not p.exists() and ("://" in value and not value.startswith("file://")):
+            continue  # tar shards or a hub dataset by URL: their reader and check_sources check
         if not p.exists():
             raise ConfigError(f"'data.{key}': {p} does not exist")
         if p.is_file() and not p.read_bytes()[:4096].strip():

@@ -23,7 +23,9 @@ from torch import Tensor, nn
 
 from vltrain.config.core import ConfigError
 from vltrain.config.schema import Config
+from vltrain.core import hub
 from vltrain.data.loaders import Batch, Loader
+from vltrain.engine import trackers
 
 if TYPE_CHECKING:  # imported for annotations only: the runtime module imports this one
     from vltrain.engine.parallel import ParallelModel
@@ -111,6 +113,8 @@ def best_metric_of(cfg: Config, stage: type[Stage]) -> tuple[str, str]:
 def check_stage(cfg: Config, stage: type[Stage]) -> tuple[str, str]:
     """Every load-time check of a stage for this config; returns its best (metric, mode)."""
     stage.check_config(cfg)
+    hub.check_sources(cfg)  # hub ids in the HF cache, or allowed to download
+    trackers.check_trackers(cfg)  # the packages of the loggers asked for
     return best_metric_of(cfg, stage)
 
 

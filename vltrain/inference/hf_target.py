@@ -38,6 +38,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from vltrain.config import extras
+from vltrain.config.hub_ids import is_model_id
+from vltrain.core import hub
 from vltrain.inference.target import Context
 from vltrain.models.layers import kept_prefix, move_kept, tree_depths, tree_mask
 from vltrain.models.text import mask_positions
@@ -408,18 +411,23 @@ def decoder_blocks(model: Any, n: int) -> torch.nn.ModuleList:
 
 
 def load_hf_causal_lm(path: str | Path, attn: str = "sdpa") -> tuple[Any, Any]:
-    """(model in eval mode, tokenizer) of a local HF directory or a ``.gguf`` file, offline.
+    """(model in eval mode, tokenizer) of a local HF directory, a ``.gguf`` file or a hub id in
+    the HF cache, offline.
 
     A GGUF file is dequantised to fp32 by transformers (needs the ``gguf`` package).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     p = Path(path)
-    if not p.exists():
+    if is_model_id(str(path)):
+        hub.check_model_id(str(path), "model.target", local_files_only=True)
+    elif not p.exists():
         raise FileNotFoundError(f"target model {p} does not exist (a local HF dir or .gguf file)")
     kw: dict[str, Any] = {"local_files_only": True}
-    where = p
+    where: Path | str = str(path)
     if p.suffix == ".gguf":
+        if not extras.installed("gguf"):  # transformers' own error names no package to install
+            raise ModuleNotFoundError(f"{p} is a GGUF file: it needs gguf", name="gguf")
         where, kw["gguf_file"] = p.parent, p.name
     tok = AutoTokenizer.from_pretrained(where, **kw)
     model = AutoModelForCausalLM.from_pretrained(

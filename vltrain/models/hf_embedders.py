@@ -6,8 +6,9 @@ unit-norm fp32. ``images`` is a pixel tensor for CLIP/SigLIP and a dict of image
 (prompt ids, pixel patches, grid sizes) for VLMs; `vltrain.data.hf_collate.HFCollate` builds
 both from the same local model directory.
 
-Models load from a local directory by default (``local_files_only=True``): nothing is
-downloaded at run time unless the user passes a hub id and sets ``local_files_only=False``.
+Models load from a local directory, or by hub id from the HF cache, by default
+(``local_files_only=True``): nothing is downloaded at run time unless the user passes a hub id
+and sets ``local_files_only=False``.
 Optional LoRA (peft) freezes the backbone and trains only the adapters. ``save_pretrained``
 writes a directory that this class and plain transformers both load (LoRA merged by default).
 """
@@ -26,6 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vltrain.config.hub_ids import is_model_id
+from vltrain.core import hub
+
 # Files a model directory holds besides weights and model config: the processor side.
 PROCESSOR_FILES = (
     "tokenizer*",
@@ -43,8 +47,12 @@ LORA_KEYS = {"r", "alpha", "dropout", "target_modules"}
 
 
 def check_model_path(path: str | Path, local_files_only: bool) -> str:
-    """The path as a string; a clear error when a local directory was required and is missing."""
+    """The path as a string; a clear error when a local directory was required and is missing,
+    or a hub id (``org/name``) is not in the HF cache and may not be downloaded."""
     p = Path(path)
+    if is_model_id(str(path)):
+        hub.check_model_id(str(path), "model.path", local_files_only)
+        return str(path)  # transformers reads it from the cache (or downloads it)
     if local_files_only and not p.is_dir():
         raise FileNotFoundError(
             f"model path {str(path)!r} is not a local directory. Point it at a directory written "
@@ -68,7 +76,7 @@ def apply_lora(
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
-        raise ImportError("LoRA needs peft: pip install peft") from None
+        raise ModuleNotFoundError("LoRA needs peft", name="peft") from None  # CLI: the extra
     r = int(lora.get("r", 8))
     if r <= 0:
         raise ValueError(f"lora.r must be a positive int, got {lora.get('r')!r}")

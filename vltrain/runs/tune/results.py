@@ -105,7 +105,7 @@ def save_plots(study: Any, out_dir: Path) -> tuple[list[str], list[str]]:
                 except Exception as e:  # noqa: BLE001 - a plot never fails a search
                     notes.append(f"{name}.html: {e}")
         except ImportError:
-            notes.append("HTML plots need plotly: pip install plotly")
+            notes.append("HTML plots need plotly: pip install 'vltrain[tune]'")
         try:
             import matplotlib
 
@@ -123,7 +123,7 @@ def save_plots(study: Any, out_dir: Path) -> tuple[list[str], list[str]]:
                 except Exception as e:  # noqa: BLE001
                     notes.append(f"{name}.png: {e}")
         except ImportError:
-            notes.append("PNG plots need matplotlib: pip install matplotlib")
+            notes.append("PNG plots need matplotlib: pip install 'vltrain[tune]'")
     return written, notes
 
 
