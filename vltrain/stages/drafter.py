@@ -70,6 +70,10 @@ from vltrain.objectives.drafter import (
 )
 
 TARGET_KINDS = ("hf_lm", "captioner")
+DRAFTER_ARCHS = {  # drafter.arch -> the DrafterConfig fields it sets
+    "vltrain": {},
+    "dflash": {"qk_norm": True, "learned_mask": False, "norm_eps": 1e-6},
+}
 MAX_CACHED_TOP_K = 1024  # soft labels kept per position in a feature store
 EVAL_METRICS = (
     "eval_loss",
@@ -193,6 +197,7 @@ class DrafterStage:
             block_size=d.block_size,
             mask_token_id=t.pad_token_id,
             draft_vocab=self._vocab_size(),
+            **DRAFTER_ARCHS[d.arch],
         )
         torch.manual_seed(self.cfg.run.seed)
         drafter = Drafter(dcfg).share(SharedParts(t.embed, t.head, t.head_params))
