@@ -16,10 +16,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     e.add_argument("checkpoint", help="run dir, checkpoints/ folder or checkpoints/step_<N>")
     e.add_argument("--out", required=True, help="folder to write")
+    e.add_argument(
+        "--format",
+        default="vltrain",
+        choices=("vltrain", "speculators", "dflash"),
+        help="vltrain (default): the checkpoint as above; speculators: a drafter vLLM serves "
+        "(vllm serve OUT); dflash: z-lab's DFlash format (SGLang --speculative-algorithm DFLASH)",
+    )
+    e.add_argument(
+        "--target-id",
+        default="",
+        help="speculators/dflash: name the target by this HF id (default: its path relative "
+        "to OUT; required for a GGUF target)",
+    )
+    e.add_argument(
+        "--target", default="", help="speculators/dflash: the target's path, if it moved"
+    )
+    e.add_argument("--force", action="store_true", help="replace the export OUT already holds")
     e.set_defaults(fn=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from vltrain.tools.export import export_command
 
-    return export_command(args.checkpoint, args.out)
+    return export_command(
+        args.checkpoint, args.out, args.format, args.force, args.target, args.target_id
+    )

@@ -61,6 +61,13 @@ class DrafterConfig:
     """Token id whose embedding initialises the learned mask embedding (any id is safe)."""
     draft_vocab: int = 0
     """Tokens the drafter scores (``Drafter.vocab_ids``); 0 = the target's whole vocabulary."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of queries and keys before RoPE (Qwen3's; the DFlash formats' layers)."""
+    learned_mask: bool = True
+    """A learned mask embedding; False: the target's embedding of ``mask_token_id`` (what the
+    DFlash formats feed the mask slots)."""
+    norm_eps: float | None = None
+    """Epsilon of every RMSNorm; None: torch's default (the dtype's machine epsilon)."""
 
     def __post_init__(self) -> None:
         if self.width % self.heads or (self.width // self.heads) % 2:
@@ -129,10 +136,21 @@ def rotate(x: Tensor, pos: Tensor, theta: float) -> Tensor:
 class DraftLayer(nn.Module):
     """Pre-norm layer whose attention keys/values are [context states; the block's own]."""
 
-    def __init__(self, width: int, heads: int, mlp_ratio: float, theta: float) -> None:
+    def __init__(
+        self,
+        width: int,
+        heads: int,
+        mlp_ratio: float,
+        theta: float,
+        qk_norm: bool = False,
+        eps: float | None = None,
+    ) -> None:
         super().__init__()
         self.heads, self.theta = heads, theta
-        self.norm1, self.norm2 = nn.RMSNorm(width), nn.RMSNorm(width)
+        self.norm1, self.norm2 = nn.RMSNorm(width, eps=eps), nn.RMSNorm(width, eps=eps)
+        dh = width // heads
+        self.q_norm = nn.RMSNorm(dh, eps=eps) if qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(dh, eps=eps) if qk_norm else nn.Identity()
         self.q, self.k, self.v, self.o = (nn.Linear(width, width, bias=False) for _ in range(4))
         hidden = int(width * mlp_ratio)
         self.gate, self.up = nn.Linear(width, hidden, bias=False), nn.Linear(width, hidden, False)
@@ -144,7 +162,8 @@ class DraftLayer(nn.Module):
 
     def context_kv(self, ctx: Tensor, ctx_pos: Tensor) -> tuple[Tensor, Tensor]:
         """Rotated keys and values (B, H, S, Dh) of context states ctx (B, S, W)."""
-        return rotate(self._heads(self.k(ctx)), ctx_pos, self.theta), self._heads(self.v(ctx))
+        k = self.k_norm(self._heads(self.k(ctx)))
+        return rotate(k, ctx_pos, self.theta), self._heads(self.v(ctx))
 
     def forward(
         self,
@@ -161,7 +180,7 @@ class DraftLayer(nn.Module):
         ``DraftContextCache``); then ``ctx`` is not read.
         """
         h = self.norm1(x)
-        q = rotate(self._heads(self.q(h)), pos, self.theta)
+        q = rotate(self.q_norm(self._heads(self.q(h))), pos, self.theta)
         ck, cv = self.context_kv(ctx, ctx_pos) if ctx_kv is None else ctx_kv
         kb, vb = self.context_kv(h, pos)  # the block's own keys and values
         k, v = torch.cat([ck, kb], dim=2), torch.cat([cv, vb], dim=2)  # (B, H, S + N, Dh)
@@ -220,13 +239,16 @@ class Drafter(nn.Module):
         self.cfg = cfg
         n_feat = len(cfg.target_layer_ids) * cfg.width
         self.fc = nn.Linear(n_feat, cfg.width, bias=False)
-        self.hidden_norm = nn.RMSNorm(cfg.width)
-        self.mask_embed = nn.Parameter(torch.zeros(cfg.width))
+        self.hidden_norm = nn.RMSNorm(cfg.width, eps=cfg.norm_eps)
+        if cfg.learned_mask:
+            self.mask_embed = nn.Parameter(torch.zeros(cfg.width))
         self.layers = nn.ModuleList(
-            DraftLayer(cfg.width, cfg.heads, cfg.mlp_ratio, cfg.rope_theta)
+            DraftLayer(
+                cfg.width, cfg.heads, cfg.mlp_ratio, cfg.rope_theta, cfg.qk_norm, cfg.norm_eps
+            )
             for _ in range(cfg.layers)
         )
-        self.norm = nn.RMSNorm(cfg.width)
+        self.norm = nn.RMSNorm(cfg.width, eps=cfg.norm_eps)
         for mod in self.modules():
             if isinstance(mod, nn.Linear):
                 nn.init.normal_(mod.weight, std=1 / math.sqrt(mod.in_features))
@@ -282,6 +304,8 @@ class Drafter(nn.Module):
 
     def init_mask_embed(self) -> None:
         """Start the mask embedding at the target's embedding of ``mask_token_id``."""
+        if not self.cfg.learned_mask:
+            return  # the mask slots read the target's embedding itself (block_inputs)
         ids = torch.tensor([[self.cfg.mask_token_id]], device=self.mask_embed.device)
         with torch.no_grad():
             self.mask_embed.copy_(self.shared.embed(ids)[0, 0].float())
@@ -290,8 +314,14 @@ class Drafter(nn.Module):
         """Anchors (B, J) -> block input states (B, J * K, W): anchor, then K - 1 mask slots."""
         b, j = anchor_ids.shape
         k = self.cfg.block_size
-        emb = self.shared.embed(anchor_ids).to(self.mask_embed.dtype)  # (B, J, W)
-        x = self.mask_embed.expand(b, j, k, -1).clone()  # (B, J, K, W)
+        dtype = self.fc.weight.dtype
+        emb = self.shared.embed(anchor_ids).to(dtype)  # (B, J, W)
+        if self.cfg.learned_mask:
+            mask = self.mask_embed
+        else:
+            ids = torch.full((1, 1), self.cfg.mask_token_id, device=anchor_ids.device)
+            mask = self.shared.embed(ids)[0, 0].to(dtype)
+        x = mask.expand(b, j, k, -1).clone()  # (B, J, K, W)
         x[:, :, 0] = emb  # by position: slot 0 is the anchor whatever its id
         return x.flatten(1, 2)
 
@@ -436,7 +466,10 @@ def load_drafter(path: str | Path) -> tuple[Drafter, dict]:
     from safetensors.torch import load_file
 
     from vltrain.core.checkpoint import resolve_checkpoint
+    from vltrain.models import dflash_format
 
+    if dflash_format.is_speculators(path):  # a speculators (vLLM) DFlash checkpoint
+        return dflash_format.load_speculators(path)
     ckpt = resolve_checkpoint(path)
     meta_path = ckpt / DRAFTER_FILE
     if not meta_path.is_file():

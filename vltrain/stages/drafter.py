@@ -44,6 +44,10 @@ from vltrain.models.drafter import (
 )
 from vltrain.objectives.drafter import BlockDraftLoss, default_gamma, summarize_metrics
 
+DRAFTER_ARCHS = {  # drafter.arch -> the DrafterConfig fields it sets
+    "vltrain": {},
+    "dflash": {"qk_norm": True, "learned_mask": False, "norm_eps": 1e-6},
+}
 MAX_CACHED_TOP_K = 1024  # soft labels kept per position in a feature store
 EVAL_METRICS = (
     *("eval_loss", "eval_tau", "eval_tau_target", "eval_tau_marginal", "eval_tau_decode"),
@@ -117,6 +121,7 @@ class DrafterStage:
             block_size=d.block_size,
             mask_token_id=t.pad_token_id,
             draft_vocab=self._vocab_size(),
+            **DRAFTER_ARCHS[d.arch],
         )
         torch.manual_seed(self.cfg.run.seed)
         drafter = Drafter(dcfg).share(SharedParts(t.embed, t.head, t.head_params))

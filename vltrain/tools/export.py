@@ -8,18 +8,21 @@ from pathlib import Path
 from safetensors.torch import save_model
 
 from vltrain.core.checkpoint import resolve_checkpoint
+from vltrain.tools import export_drafter
 from vltrain.tools.loading import load_trained, run_config_for
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
+def export_checkpoint(checkpoint: str | Path, out: str | Path, force: bool = False) -> Path:
     """Write `out/model.safetensors` (the keys a single-process run saves), the stage's own
     export (`hf_model/` via save_pretrained for HF backbones), the tokenizer and config.yaml.
 
     Runs in one process: a sharded (fsdp) checkpoint is resharded into the plain model.
     """
     ckpt = resolve_checkpoint(checkpoint)
-    _, stage, model = load_trained(ckpt)
     out = Path(out)
+    export_drafter.check_out(out, force)
+    _, stage, model = load_trained(ckpt)
+    export_drafter.clear_out(out)
     out.mkdir(parents=True, exist_ok=True)
     save_model(model, str(out / "model.safetensors"))  # the same writer as every checkpoint
     stage.export(model, out)
@@ -29,7 +32,19 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     return out
 
 
-def export_command(checkpoint: str, out: str) -> int:
-    path = export_checkpoint(checkpoint, out)
+def export_command(
+    checkpoint: str,
+    out: str,
+    fmt: str = "vltrain",
+    force: bool = False,
+    target: str = "",
+    target_id: str = "",
+) -> int:
+    if fmt == "vltrain":
+        path = export_checkpoint(checkpoint, out, force)
+    else:
+        path = export_drafter.export_drafter(checkpoint, out, fmt, target, target_id, force)
+        print(f"vltrain: exported {checkpoint} as {fmt} to {path}")
+        return 0
     print(f"vltrain: exported {resolve_checkpoint(checkpoint)} to {path}")
     return 0

@@ -1,0 +1,324 @@
+"""Drafter export parity: what the consumers load from `vltrain export --format speculators|dflash`.
+
+Run in the bench venv that has `speculators` 0.9.0 (docs/drafters.md, "Export to vLLM / SGLang"):
+``PYTHONPATH=. python bench/drafter_export_parity.py``. No timing; a correctness table.
+
+For a tiny random Qwen3 target (untied head) and a tiny random Llama target (tied head, as
+SmolLM2), each with a full and a reduced draft vocabulary, a random ``drafter.arch: dflash``
+drafter (every weight random, norms included) is saved as a vltrain checkpoint and exported by
+``vltrain.tools.export_drafter.export_drafter`` (the command's own code). Then:
+
+- speculators: ``DFlashDraftModel.from_pretrained(EXPORT)`` (run from the export folder: the
+  verifier is named by its path relative to it) must load with no missing or unexpected keys and
+  no weight left NaN (speculators initialises unloaded weights to NaN). Its features are the
+  target's ``hidden_states[id]`` for its ``aux_hidden_state_layer_ids`` (vLLM collects the input
+  of layer id); vltrain's are ``hidden_states[i + 1]`` (the output of block i, docs/drafters.md).
+  Its logits come from its own ``_backbone_forward`` (anchors: every position but the last
+  block, which its ``select_anchors`` returns in order when asked for all of them), and each
+  slot's logits are assigned the position it drafts by the consumer's ``sample_from_anchor``
+  (false: slot k drafts anchor + k; true: anchor + k + 1). Max |diff| against vltrain's logits
+  of the same positions must be <= 1e-5 (fp32), and the drafted token ids (``d2t``) equal.
+- dflash: z-lab's format read by a loader written from z-lab's modelling facts
+  (``dflash_reference``: Qwen3 layers, ``hidden_states[layer_id + 1]``, the block = anchor +
+  mask tokens at the end of the context, the last K - 1 slots scored by the target's head):
+  strict keys, same tolerance, one block per anchor.
+
+Negative controls, each must be detected (max |diff| > 1e-3): an export whose layer ids are
+off by one (speculators' ids = vltrain's), one with ``sample_from_anchor`` flipped, and a dflash
+export read with speculators' offset.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import dflash_reference  # noqa: E402
+
+from vltrain.models.drafter import Drafter, DrafterConfig, SharedParts, save_drafter_meta  # noqa: E402
+from vltrain.tools import export_drafter  # noqa: E402
+
+TOL = 1e-5
+DETECT = 1e-3
+V, LAYERS, WIDTH = 160, 6, 64
+
+
+@dataclass
+class Case:
+    """A tiny target on disk, a drafter of it, and its token ids."""
+
+    name: str
+    target_dir: Path
+    model: torch.nn.Module
+    drafter: Drafter
+    ids: torch.Tensor  # (1, S)
+
+
+def tiny_target(arch: str, folder: Path) -> torch.nn.Module:
+    """A random Qwen3 (untied head) or Llama (tied head) causal LM saved under ``folder``."""
+    import transformers
+
+    dims = dict(
+        vocab_size=V,
+        hidden_size=WIDTH,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    if arch == "qwen3":
+        model = transformers.Qwen3ForCausalLM(
+            transformers.Qwen3Config(head_dim=16, tie_word_embeddings=False, **dims)
+        )
+    else:
+        model = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(tie_word_embeddings=True, **dims)
+        )
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+def make_case(arch: str, draft_vocab: int, root: Path, block: int = 4) -> Case:
+    """A random dflash-arch drafter (2 layers) of a fresh tiny target, every weight random."""
+    target_dir = root / f"{arch}-target"
+    model = tiny_target(arch, target_dir)
+    cfg = DrafterConfig(
+        width=WIDTH,
+        vocab_size=V,
+        target_layer_ids=[1, 3, 4],
+        layers=2,
+        heads=4,
+        block_size=block,
+        mask_token_id=7,
+        draft_vocab=draft_vocab,
+        qk_norm=True,
+        learned_mask=False,
+        norm_eps=1e-6,
+    )
+    torch.manual_seed(1)
+    d = Drafter(cfg)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))  # norms away from 1: a swap shows
+    head = model.get_output_embeddings()
+    d.share(SharedParts(model.get_input_embeddings(), head, lambda: (head.weight, None)))
+    if draft_vocab:
+        g = torch.Generator().manual_seed(2)
+        d.set_vocab(torch.randperm(V, generator=g)[:draft_vocab].sort().values)
+    ids = torch.randint(3, V, (1, 24), generator=torch.Generator().manual_seed(3))
+    ids[0, 5] = cfg.mask_token_id  # an anchor equal to the mask token stays itself
+    return Case(f"{arch}, {'V' if not draft_vocab else draft_vocab}", target_dir, model, d, ids)
+
+
+def save_checkpoint(case: Case, folder: Path) -> Path:
+    """The drafter as a vltrain drafter checkpoint (drafter.json + drafter.* weights)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {f"drafter.{k}": v.contiguous() for k, v in case.drafter.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"))
+    target = {"kind": "hf_lm", "path": str(case.target_dir.resolve())}
+    save_drafter_meta(folder, case.drafter.cfg, target)
+    return folder
+
+
+def export(case: Case, out: Path, fmt: str, **config_args) -> Path:  # noqa: ANN003
+    """The command's export; ``config_args`` (negative controls) rewrite its config."""
+    ckpt = save_checkpoint(case, out.parent / f"{out.name}-ckpt")
+    export_drafter.export_drafter(ckpt, out, fmt, force=True)
+    if config_args:
+        info, _ = export_drafter.load_target(str(case.target_dir), "", out)
+        export_drafter.write_export(case.drafter, info, out, fmt, **config_args)
+    return out
+
+
+@torch.no_grad()
+def hidden_states(case: Case) -> tuple[torch.Tensor, ...]:
+    return case.model(case.ids, output_hidden_states=True).hidden_states
+
+
+@torch.no_grad()
+def vltrain_logits(case: Case, anchors: torch.Tensor) -> torch.Tensor:
+    """vltrain's draft logits (J, K, V or draft_vocab) of blocks at ``anchors`` (J,), the
+    context being the target's block outputs at every position (vltrain's rule: i + 1)."""
+    hs = hidden_states(case)
+    feats = torch.cat([hs[i + 1] for i in case.drafter.cfg.target_layer_ids], -1)
+    s = case.ids.shape[1]
+    pos = torch.arange(s)[None]
+    h = case.drafter(
+        feats, pos, torch.ones(1, s, dtype=torch.bool), case.ids[:, anchors], anchors[None]
+    )
+    return case.drafter.logits(h)[0]
+
+
+@contextmanager
+def cwd(path: Path):  # noqa: ANN201
+    old = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
+
+def speculators_model(out: Path):  # noqa: ANN201
+    """(model, missing keys, unexpected keys) through speculators' own from_pretrained."""
+    from safetensors import safe_open
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+
+    with cwd(out):  # the verifier path is relative to the export
+        config = DFlashSpeculatorConfig.from_pretrained(".")
+        config.transformer_layer_config._attn_implementation = "eager"  # CPU, no compile
+        model = DFlashDraftModel.from_pretrained(".", config=config).eval()
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        saved = set(f.keys())
+    expected = set(model.state_dict())
+    ignorable = set(model._keys_to_ignore_on_load_missing)
+    missing = sorted(expected - saved - ignorable)
+    unexpected = sorted(saved - expected)
+    nan = [k for k, v in model.state_dict().items() if v.is_floating_point() and v.isnan().any()]
+    return model, missing + [f"{k} (NaN)" for k in nan], unexpected
+
+
+@torch.no_grad()
+def speculators_diff(case: Case, out: Path) -> tuple[float, list[str], list[str], bool]:
+    """(max |diff| of the draft logits per drafted position, missing, unexpected, same ids)."""
+    model, missing, unexpected = speculators_model(out)
+    k = case.drafter.cfg.block_size
+    s = case.ids.shape[1]
+    hs = hidden_states(case)
+    feats = torch.cat([hs[i] for i in model.config.aux_hidden_state_layer_ids], -1)
+    n = s - k  # select_anchors returns every position before the last block, in order
+    _, logits, _, _, _ = model._backbone_forward(
+        feats,
+        case.ids,
+        torch.ones(1, s),
+        hs[-1],
+        torch.zeros(1, s, dtype=torch.long),
+        max_anchors=n,
+    )
+    anchors = torch.arange(n)
+    peer = logits[0].view(n, k, -1)
+    ours = vltrain_logits(case, anchors)
+    shift = 1 if model.config.sample_from_anchor else 0  # the slot that drafts anchor + k
+    diff = max(
+        float((peer[:, j - shift] - ours[:, j]).abs().max()) for j in range(1, k) if j - shift >= 0
+    )
+    same_ids = True
+    if case.drafter.cfg.draft_vocab:
+        idx = torch.arange(model.d2t.shape[0])
+        same_ids = torch.equal(idx + model.d2t, case.drafter.to_token(idx))
+    return diff, missing, unexpected, same_ids
+
+
+@torch.no_grad()
+def dflash_diff(case: Case, out: Path, offset: int = 1) -> tuple[float, list[str]]:
+    """(max |diff|, key problems) of z-lab-format logits against vltrain's, one block per
+    anchor at the end of its context, as z-lab's decoding drafts."""
+    model, problems = dflash_reference.load(out)
+    k = case.drafter.cfg.block_size
+    hs = hidden_states(case)
+    s = case.ids.shape[1]
+    anchors = torch.arange(2, s - k + 1)
+    ours = vltrain_logits(case, anchors)  # (J, K, V)
+    emb = case.model.get_input_embeddings()
+    head = case.model.get_output_embeddings()
+    diff = 0.0
+    for j, a in enumerate(anchors.tolist()):
+        feats = dflash_reference.context_features(hs, model.target_layer_ids, offset)[:, :a]
+        block = torch.full((1, k), model.mask_token_id)
+        block[0, 0] = case.ids[0, a]
+        hidden = model(feats, emb(block), torch.arange(a + k)[None])
+        peer = head(hidden[:, 1 - k :])[0]  # slots 1..K-1 draft positions a+1..a+K-1
+        diff = max(diff, float((peer - ours[j, 1:]).abs().max()))
+    return diff, problems
+
+
+def rows(root: Path) -> list[tuple[str, str, float, str]]:
+    """Every parity row and control: (check, case, max |diff|, result)."""
+    out: list[tuple[str, str, float, str]] = []
+
+    def parity(name: str, case: str, diff: float, ok: bool = True) -> None:
+        out.append((name, case, diff, "ok" if ok and diff <= TOL else "FAIL"))
+
+    def control(name: str, case: str, diff: float) -> None:
+        out.append((name, case, diff, "detected" if diff > DETECT else "MISSED"))
+
+    for arch in ("qwen3", "llama"):
+        for dv in (0, 48):
+            case = make_case(arch, dv, root / f"{arch}-{dv}")
+            spec = export(case, root / f"{arch}-{dv}" / "spec", "speculators")
+            diff, missing, unexpected, same = speculators_diff(case, spec)
+            keys_ok = not missing and not unexpected and same
+            note = "" if keys_ok else f" missing={missing} unexpected={unexpected} ids={same}"
+            parity("speculators logits", case.name + note, diff, keys_ok)
+            off = export(case, root / f"{arch}-{dv}" / "off", "speculators", layer_offset=0)
+            control("speculators, layer ids off by one", case.name, speculators_diff(case, off)[0])
+            flip = export(
+                case, root / f"{arch}-{dv}" / "flip", "speculators", sample_from_anchor=True
+            )
+            control(
+                "speculators, sample_from_anchor flipped",
+                case.name,
+                speculators_diff(case, flip)[0],
+            )
+            if dv:
+                continue  # the dflash format has no draft vocabulary map (refused)
+            zl = export(case, root / f"{arch}-{dv}" / "dflash", "dflash")
+            diff, problems = dflash_diff(case, zl)
+            parity(
+                "dflash (z-lab facts) logits",
+                case.name + (f" {problems}" if problems else ""),
+                diff,
+                not problems,
+            )
+            control("dflash read with speculators' offset", case.name, dflash_diff(case, zl, 2)[0])
+    return out
+
+
+def main() -> int:
+    from importlib.metadata import version
+
+    cpu = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in open("/proc/cpuinfo")
+            if ln.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    print(
+        f"speculators {version('speculators')}, transformers {version('transformers')}, "
+        f"torch {torch.__version__}, python {platform.python_version()}, {cpu}"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        table = rows(Path(tmp))
+    print("| check | case | max abs diff | result |")
+    print("|---|---|---|---|")
+    for name, case, diff, res in table:
+        print(f"| {name} | {case} | {diff:.2e} | {res} |")
+    ok = all(r[3] in ("ok", "detected") for r in table)
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""vltrain drafters in the serving engines' DFlash formats, and back.
+
+Two formats describe the same network (Qwen3 decoder layers whose keys/values are [context;
+block], ``fc`` over the concatenated target layers, ``hidden_norm``, a final ``norm``, the
+target's embedding and LM head shared):
+
+- speculators (vLLM; ``speculators_model_type: "dflash"``): weights ``layers.N.self_attn.
+  q_proj.weight`` ..., a reduced draft vocabulary as ``d2t`` (offsets: target id = draft index
+  + d2t[index]), ``t2d`` (a bool mask over the target vocabulary) and ``lm_head.weight`` (the
+  target head's rows in ascending id order). ``aux_hidden_state_layer_ids`` count the
+  *input* of a target layer (vLLM collects ``hidden_states`` before layer i): vltrain's block
+  i output is speculators' id ``i + 1`` (``SPECULATORS_LAYER_OFFSET``), and the last layer is
+  not an aux layer (speculators splits it off as the verifier's own last hidden state).
+- DFlash (z-lab; SGLang ``--speculative-algorithm DFLASH``, transformers): a Qwen3 config with
+  ``architectures: ["DFlashDraftModel"]``, ``block_size`` and ``dflash_config: {target_layer_ids,
+  mask_token_id}``; the drafter reads ``hidden_states[layer_id + 1]``, so its ids are
+  vltrain's. No draft vocabulary map: the drafter scores the target's whole vocabulary.
+
+Both feed the mask slots the target's embedding of ``mask_token_id`` (by position: slot 0 is
+the anchor) and put q/k RMSNorm in every layer, so only a drafter with ``qk_norm`` and without
+a learned mask embedding converts (``drafter.arch: dflash``); ``differences`` names the rest.
+Slot k of a block predicts token anchor + k, the anchor itself is the bonus token:
+``sample_from_anchor: false``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from vltrain.config.core import ConfigError
+from vltrain.models.drafter import Drafter, DrafterConfig
+
+SPECULATORS_LAYER_OFFSET = 1
+"""speculators' aux layer id of vltrain's (and z-lab's) target layer id i is i + 1."""
+TORCH_RMS_EPS = float(torch.finfo(torch.float32).eps)
+"""What ``nn.RMSNorm(eps=None)`` uses in fp32: written as ``rms_norm_eps`` for such drafters."""
+LAYER_KEYS = {  # vltrain DraftLayer key -> the formats' Qwen3DFlashDecoderLayer key
+    "norm1.weight": "input_layernorm.weight",
+    "norm2.weight": "post_attention_layernorm.weight",
+    "q.weight": "self_attn.q_proj.weight",
+    "k.weight": "self_attn.k_proj.weight",
+    "v.weight": "self_attn.v_proj.weight",
+    "o.weight": "self_attn.o_proj.weight",
+    "q_norm.weight": "self_attn.q_norm.weight",
+    "k_norm.weight": "self_attn.k_norm.weight",
+    "gate.weight": "mlp.gate_proj.weight",
+    "up.weight": "mlp.up_proj.weight",
+    "down.weight": "mlp.down_proj.weight",
+}
+TOP_KEYS = ("fc.weight", "hidden_norm.weight", "norm.weight")
+
+
+@dataclass
+class TargetInfo:
+    """What an export says about the drafter's target (the verifier)."""
+
+    name_or_path: str
+    """Its HF id, or its path relative to the export folder (never absolute)."""
+    architectures: list[str]
+    model_type: str
+    num_layers: int
+    vocab_size: int
+    width: int
+    max_positions: int
+    tie_word_embeddings: bool
+    config_sha256: str
+    """sha256 of the target's config.json (of its config dict for a GGUF file)."""
+
+
+def differences(cfg: DrafterConfig, target_layers: int) -> list[str]:
+    """What keeps ``cfg`` from being the DFlash formats' network; [] when it converts."""
+    out = []
+    if cfg.learned_mask:
+        out.append(
+            "a learned mask embedding (the formats feed mask slots the target's embedding of "
+            "mask_token_id; train with drafter.arch=dflash)"
+        )
+    if not cfg.qk_norm:
+        out.append("no q/k norm in its layers (the formats' Qwen3 layers have one)")
+    last = [i for i in cfg.target_layer_ids if i >= target_layers - 1]
+    if last:
+        out.append(
+            f"target layer ids {last} read the last layer's output, which the formats read "
+            "after the target's final norm (speculators: not an aux layer)"
+        )
+    return out
+
+
+def transformer_layer_config(cfg: DrafterConfig, target: TargetInfo) -> dict[str, Any]:
+    """The Qwen3 decoder config both formats build the draft layers from."""
+    eps = TORCH_RMS_EPS if cfg.norm_eps is None else cfg.norm_eps
+    return {
+        "model_type": "qwen3",
+        "hidden_size": cfg.width,
+        "intermediate_size": int(cfg.width * cfg.mlp_ratio),
+        "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads,
+        "num_key_value_heads": cfg.heads,
+        "head_dim": cfg.width // cfg.heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "layer_types": ["full_attention"] * cfg.layers,
+        "max_position_embeddings": target.max_positions,
+        "vocab_size": target.vocab_size,
+        "tie_word_embeddings": target.tie_word_embeddings,
+    }
+
+
+def provenance(cfg: DrafterConfig, target: TargetInfo) -> dict[str, Any]:
+    """The ``vltrain`` entry of an export's config.json: the drafter config and its target."""
+    return {"drafter": cfg.to_dict(), "target": asdict(target)}
+
+
+def speculators_config(
+    cfg: DrafterConfig,
+    target: TargetInfo,
+    layer_offset: int = SPECULATORS_LAYER_OFFSET,
+    sample_from_anchor: bool = False,
+) -> dict[str, Any]:
+    """config.json of a speculators ``dflash`` checkpoint (the arguments exist for the
+    negative controls: a drafter exported with another offset or anchor rule is wrong)."""
+    speculative = cfg.block_size if sample_from_anchor else cfg.block_size - 1
+    return {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        "speculators_version": "0.9.0",
+        "transformer_layer_config": transformer_layer_config(cfg, target),
+        "draft_vocab_size": cfg.draft_vocab or target.vocab_size,
+        "block_size": cfg.block_size,
+        "target_hidden_size": None,
+        "aux_hidden_state_layer_ids": [i + layer_offset for i in cfg.target_layer_ids],
+        "mask_token_id": cfg.mask_token_id,
+        "sliding_window_non_causal": False,
+        "sample_from_anchor": sample_from_anchor,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": speculative,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {
+                "name_or_path": target.name_or_path,
+                "architectures": target.architectures,
+            },
+        },
+        "dtype": "float32",
+        "vltrain": provenance(cfg, target),
+    }
+
+
+def dflash_config(cfg: DrafterConfig, target: TargetInfo) -> dict[str, Any]:
+    """config.json of a z-lab DFlash checkpoint (a Qwen3 config + ``dflash_config``)."""
+    return {
+        **transformer_layer_config(cfg, target),
+        "architectures": ["DFlashDraftModel"],
+        "block_size": cfg.block_size,
+        "num_target_layers": target.num_layers,
+        "dflash_config": {
+            "target_layer_ids": list(cfg.target_layer_ids),
+            "mask_token_id": cfg.mask_token_id,
+            "block_size": cfg.block_size,
+        },
+        "dtype": "float32",
+        "vltrain": provenance(cfg, target),
+    }
+
+
+def body_state(drafter: Drafter) -> dict[str, Tensor]:
+    """The draft network's weights under the formats' names (no vocabulary, no embedding)."""
+    out = {}
+    for key, t in drafter.state_dict().items():
+        if key in TOP_KEYS:
+            out[key] = t
+        elif key.startswith("layers."):
+            _, i, rest = key.split(".", 2)
+            out[f"layers.{i}.{LAYER_KEYS[rest]}"] = t
+        elif key != "vocab_ids":
+            raise ConfigError(f"drafter weight '{key}' has no place in the DFlash formats")
+    return {k: v.detach().contiguous().clone() for k, v in out.items()}
+
+
+def speculators_state(drafter: Drafter) -> dict[str, Tensor]:
+    """The speculators checkpoint's tensors; a reduced vocabulary adds d2t, t2d, lm_head."""
+    out = body_state(drafter)
+    if drafter.cfg.draft_vocab:
+        ids = drafter.vocab_ids.detach().cpu().long()  # ascending (draft_vocab_ids sorts)
+        n = len(ids)
+        out["d2t"] = ids - torch.arange(n)
+        t2d = torch.zeros(drafter.cfg.vocab_size, dtype=torch.bool)
+        t2d[ids] = True
+        out["t2d"] = t2d
+        w, _ = drafter._head_rows()
+        out["lm_head.weight"] = w.detach().cpu().contiguous().clone()
+    return out
+
+
+def is_speculators(path: str | Path) -> bool:
+    """Whether ``path`` is a folder holding a speculators DFlash checkpoint."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        return json.loads(cfg.read_text()).get("speculators_model_type") == "dflash"
+    except (json.JSONDecodeError, AttributeError):
+        return False
+
+
+def _import_refusals(c: dict, tl: dict) -> list[str]:
+    """What a speculators DFlash checkpoint holds that a vltrain drafter cannot compute."""
+    heads, width = tl["num_attention_heads"], tl["hidden_size"]
+    rope = tl.get("rope_parameters") or {}
+    checks = [
+        (tl.get("num_key_value_heads", heads) != heads, "grouped key/value heads"),
+        (tl.get("head_dim", width // heads) != width // heads, "head_dim != hidden / heads"),
+        (bool(tl.get("attention_bias")), "attention biases"),
+        (tl.get("hidden_act", "silu") != "silu", f"hidden_act {tl.get('hidden_act')}"),
+        (rope.get("rope_type", "default") != "default", f"rope_type {rope.get('rope_type')}"),
+        (
+            any(t != "full_attention" for t in tl.get("layer_types") or []),
+            "sliding-window layers",
+        ),
+        (bool(c.get("sample_from_anchor")), "sample_from_anchor: true"),
+        (c.get("mask_token_id") is None, "no mask_token_id"),
+        (
+            min(c.get("aux_hidden_state_layer_ids") or [0]) < SPECULATORS_LAYER_OFFSET,
+            "an aux layer id 0 (the embedding output)",
+        ),
+    ]
+    return [what for bad, what in checks if bad]
+
+
+def load_speculators(path: str | Path) -> tuple[Drafter, dict]:
+    """(vltrain drafter in eval mode, its target dict) of a speculators DFlash checkpoint."""
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    c = json.loads((folder / "config.json").read_text())
+    tl = c["transformer_layer_config"]
+    bad = _import_refusals(c, tl)
+    if bad:
+        raise ConfigError(f"{folder}: a speculators drafter vltrain cannot run: {', '.join(bad)}")
+    width, vocab, n_draft = tl["hidden_size"], tl["vocab_size"], c["draft_vocab_size"]
+    if n_draft > vocab:
+        raise ConfigError(
+            f"{folder}: draft_vocab_size {n_draft} is larger than the target's vocabulary {vocab}"
+        )
+    rope = tl.get("rope_parameters") or {}
+    cfg = DrafterConfig(
+        width=width,
+        vocab_size=vocab,
+        target_layer_ids=[i - SPECULATORS_LAYER_OFFSET for i in c["aux_hidden_state_layer_ids"]],
+        layers=tl["num_hidden_layers"],
+        heads=tl["num_attention_heads"],
+        mlp_ratio=tl["intermediate_size"] / width,
+        block_size=c["block_size"],
+        rope_theta=float(rope.get("rope_theta", tl.get("rope_theta", 10000.0))),
+        mask_token_id=c["mask_token_id"],
+        draft_vocab=0 if n_draft == vocab else n_draft,
+        qk_norm=True,
+        learned_mask=False,
+        norm_eps=float(tl.get("rms_norm_eps", 1e-6)),
+    )
+    if int(cfg.width * cfg.mlp_ratio) != tl["intermediate_size"]:
+        raise ConfigError(f"{folder}: intermediate_size {tl['intermediate_size']} is not exact")
+    state: dict[str, Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    inverse = {v: k for k, v in LAYER_KEYS.items()}
+    own = {k: state[k] for k in TOP_KEYS if k in state}
+    for key, t in state.items():
+        if key.startswith("layers."):
+            _, i, rest = key.split(".", 2)
+            own[f"layers.{i}.{inverse.get(rest, rest)}"] = t
+    if cfg.draft_vocab:
+        own["vocab_ids"] = _vocab_ids(folder, state, n_draft, vocab)
+    drafter = Drafter(cfg)
+    try:
+        drafter.load_state_dict(own, strict=True)
+    except RuntimeError as e:
+        first = str(e).splitlines()[0]
+        raise ConfigError(f"{folder}: weights do not match its config.json: {first}") from None
+    verifier = c["speculators_config"]["verifier"]
+    target = {"kind": "hf_lm", "path": verifier.get("name_or_path"), "format": "speculators"}
+    return drafter.eval(), target
+
+
+def _vocab_ids(folder: Path, state: dict[str, Tensor], n: int, vocab: int) -> Tensor:
+    """Draft index -> target id from ``d2t``, checked against ``t2d`` and ``lm_head``."""
+    if "d2t" not in state or "t2d" not in state:
+        raise ConfigError(f"{folder}: a draft vocabulary of {n} needs d2t and t2d")
+    ids = torch.arange(n) + state["d2t"].long()
+    t2d = state["t2d"].bool()
+    if t2d.shape != (vocab,) or not torch.equal(t2d.nonzero()[:, 0], ids):
+        raise ConfigError(f"{folder}: d2t and t2d name different draft vocabularies")
+    if "lm_head.weight" in state and state["lm_head.weight"].shape[0] != n:
+        raise ConfigError(f"{folder}: lm_head.weight has {state['lm_head.weight'].shape[0]} rows")
+    return ids
