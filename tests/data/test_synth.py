@@ -19,8 +19,8 @@ from vltrain.data.readers import read_jsonl
 from vltrain.data.synth import (
     COLORS,
     SHAPES,
+    SPLITS,
     held_out_combos,
-    main,
     synth_command,
     write_shapes_dataset,
 )
@@ -241,12 +241,15 @@ def test_objects_drawn_where_metadata_says(shapes: tuple[Path, dict]) -> None:
                 assert abs(p["x"] - q["x"]) >= gap or abs(p["y"] - q["y"]) >= gap
 
 
-def test_command_and_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_command_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from vltrain.cli import main
+
     r = synth_command(str(tmp_path / "x"), 3, 2, 1, seed=0)
     assert r["images"] == 6 and "wrote 6 images" in capsys.readouterr().out
-    r = main(["--out", str(tmp_path / "y"), "--n-train", "2", "--n-val", "0", "--n-test", "1"])
-    assert (r["train"], r["val"], r["test"]) == (2, 0, 1)
-    assert (tmp_path / "y" / "val.jsonl").read_text() == ""
+    argv = ["--out", str(tmp_path / "y"), "--n-train", "2", "--n-val", "0", "--n-test", "1"]
+    assert main(["data", "synth", *argv]) == 0
+    lines = {s: (tmp_path / "y" / f"{s}.jsonl").read_text().splitlines() for s in SPLITS}
+    assert [len(lines[s]) for s in SPLITS] == [2, 0, 1]
     with pytest.raises(ValueError, match="n_val must be >= 0"):
         write_shapes_dataset(tmp_path / "z", n_val=-1)
     with pytest.raises(ValueError, match="image_size"):
