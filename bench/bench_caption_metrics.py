@@ -21,10 +21,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pycocoevalcap.bleu.bleu import Bleu as CocoBleu  # noqa: E402
-from pycocoevalcap.cider.cider import Cider as CocoCider  # noqa: E402
+from pycocoevalcap.bleu.bleu import Bleu as CocoBleu
+from pycocoevalcap.cider.cider import Cider as CocoCider
 
-from vltrain.eval.caption_metrics import Bleu, CiderD, sentence_bleu  # noqa: E402
+from vltrain.eval.caption_metrics import Bleu, CiderD, sentence_bleu
 
 TOL = 1e-9
 

@@ -23,10 +23,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import transformers  # noqa: E402
+import transformers
 
-from vltrain.inference.decoding import generate  # noqa: E402
-from vltrain.inference.hf_target import HFTarget  # noqa: E402
+from vltrain.inference.decoding import generate
+from vltrain.inference.hf_target import HFTarget
 
 PAD, BOS, EOS = 0, 1, 2
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results_decoding.md")

@@ -266,7 +266,7 @@ def machine() -> dict:
 
 
 @torch.no_grad()
-def verify_costs(model, sizes=(1, 4, 8, 16), ctx_len: int = 200, reps: int = 3) -> dict:  # noqa: ANN001
+def verify_costs(model, sizes=(1, 4, 8, 16), ctx_len: int = 200, reps: int = 3) -> dict:
     """Median ms of a forward over k new tokens after a ctx_len-token cache, and k / 1 ratios."""
     from transformers import DynamicCache
 
@@ -298,7 +298,7 @@ def _sync(dev: torch.device) -> None:
 
 
 @torch.no_grad()
-def hf_generate(model, tok, prompts: list[str], max_new: int, **kw) -> dict:  # noqa: ANN001
+def hf_generate(model, tok, prompts: list[str], max_new: int, **kw) -> dict:
     """HF ``generate`` (greedy, or an assisted mode via ``kw``) over the prompts, one at a time."""
     from vltrain.data.draft_data import chat_prompt_ids
 
@@ -317,7 +317,7 @@ def hf_generate(model, tok, prompts: list[str], max_new: int, **kw) -> dict:  # 
     return {"seconds": sec, "tokens": n, "tokens_per_s": n / sec, "ids": ids_out}
 
 
-def train_assistant(model, tok, answers: Path, layers: int, steps: int, out: Path):  # noqa: ANN001, ANN201
+def train_assistant(model, tok, answers: Path, layers: int, steps: int, out: Path):
     """A small draft LM for HF assisted generation: the target's first ``layers`` layers, its
     embeddings, final norm and (tied) head, fine-tuned on the same regenerated answers the
     drafters train on (loss on the answer tokens); cached in ``out`` after the first run."""
@@ -373,8 +373,8 @@ class Timer:
     def __init__(self) -> None:
         self.draft = self.verify = self.walk = self.select = 0.0
 
-    def wrap(self, fn, name: str):  # noqa: ANN001, ANN202
-        def timed(*a, **k):  # noqa: ANN002, ANN003, ANN202
+    def wrap(self, fn, name: str):
+        def timed(*a, **k):
             t = time.perf_counter()
             out = fn(*a, **k)
             setattr(self, name, getattr(self, name) + time.perf_counter() - t)
@@ -384,7 +384,7 @@ class Timer:
 
 
 @torch.no_grad()
-def native_generate(target, tok, prompts: list[str], max_new: int) -> dict:  # noqa: ANN001
+def native_generate(target, tok, prompts: list[str], max_new: int) -> dict:
     """Greedy decoding through vltrain's native Llama forward (``NativeTarget``), one prompt at
     a time: the target's own greedy decoding without HF's per-layer module overhead."""
     from vltrain.data.draft_data import chat_prompt_ids
@@ -405,9 +405,9 @@ _BUILT: dict = {}  # (run, forward) -> (drafter, target), kept across spec_gener
 
 
 @torch.no_grad()
-def spec_generate(  # noqa: ANN201
-    model,  # noqa: ANN001
-    tok,  # noqa: ANN001
+def spec_generate(
+    model,
+    tok,
     run: Path,
     prompts: list[str],
     max_new: int,
@@ -514,7 +514,7 @@ def predicted_speedup(tau: float, ratio: float, draft_ms: float, step_ms: float)
     return tau / (ratio + draft_ms / step_ms)
 
 
-def train_grid(args, out: Path, g: str) -> list[Path]:  # noqa: ANN001
+def train_grid(args, out: Path, g: str) -> list[Path]:
     """One drafter per (block, gamma, draft vocabulary); a finished run (summary.json) is
     not trained again, an interrupted one (a checkpoint, no summary) resumes where it stopped
     (``train.resume=true``: same overrides, so the config check passes)."""

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_drafter import (  # noqa: E402
+from bench_drafter import (
     FIFTH_TEMPLATES,
     MORE_TEMPLATES,
     PROMPTS,

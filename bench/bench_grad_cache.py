@@ -36,11 +36,11 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
+import torch
 
-from vltrain.data.batches import length_sorted_chunks  # noqa: E402
-from vltrain.objectives.contrastive import InfoNCELoss  # noqa: E402
-from vltrain.objectives.grad_cache import grad_cache  # noqa: E402
+from vltrain.data.batches import length_sorted_chunks
+from vltrain.objectives.contrastive import InfoNCELoss
+from vltrain.objectives.grad_cache import grad_cache
 
 WORDS = (
     "red green blue small large old new fast slow river city forest mountain house car "

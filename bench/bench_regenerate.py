@@ -23,13 +23,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
-from bench_drafter import PROMPTS, gguf_path, machine  # noqa: E402
+from bench_drafter import PROMPTS, gguf_path, machine
 
-from vltrain.data.draft_data import chat_prompt_ids  # noqa: E402
-from vltrain.inference.captioning import left_pad  # noqa: E402
-from vltrain.inference.decoding import generate  # noqa: E402
-from vltrain.inference.hf_target import load_hf_causal_lm  # noqa: E402
-from vltrain.inference.native_llama import causal_lm_target  # noqa: E402
+from vltrain.data.draft_data import chat_prompt_ids
+from vltrain.inference.captioning import left_pad
+from vltrain.inference.decoding import generate
+from vltrain.inference.hf_target import load_hf_causal_lm
+from vltrain.inference.native_llama import causal_lm_target
 
 
 def _cut(row: list[int], eos: int) -> list[int]:

@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_drafter import gguf_path, machine  # noqa: E402
-from bench_drafter_heldout import prompt_set  # noqa: E402
+from bench_drafter import gguf_path, machine
+from bench_drafter_heldout import prompt_set
 
 from vltrain.data.draft_data import chat_prompt_ids
 from vltrain.inference import speculative
@@ -89,8 +89,8 @@ class Recorder:
         self.ranks: list[list[int]] = []
         self.rounds: list[dict] = []
 
-    def proposals(self, orig):  # noqa: ANN001, ANN201
-        def run(logq, budget, sample, gen, *rest):  # noqa: ANN001, ANN002, ANN202
+    def proposals(self, orig):
+        def run(logq, budget, sample, gen, *rest):
             toks, parents = orig(logq, budget, sample, gen, *rest)
             rows = zip(logq, toks, parents, strict=True)
             self.scores = [path_scores(q, t, p) for q, t, p in rows]
@@ -101,8 +101,8 @@ class Recorder:
 
         return run
 
-    def walk(self, orig):  # noqa: ANN001, ANN201
-        def run(i, fed, fed_par, tlogits, logq, sample, temperature, gen):  # noqa: ANN001, ANN202
+    def walk(self, orig):
+        def run(i, fed, fed_par, tlogits, logq, sample, temperature, gen):
             out = orig(i, fed, fed_par, tlogits, logq, sample, temperature, gen)
             if bool((fed_par[i, 2:] == 0).all()):  # a finished row: every node hangs off the root
                 return out
@@ -124,7 +124,7 @@ class Recorder:
 
 
 @torch.no_grad()
-def costs_ms(target, drafter, tok, sizes: list[int], reps: int = 5) -> tuple[dict, float]:  # noqa: ANN001
+def costs_ms(target, drafter, tok, sizes: list[int], reps: int = 5) -> tuple[dict, float]:
     """Batch-1 verify ms at 1 + N tokens after a ~200-token prompt, and the draft ms."""
     q = " ".join(["Tell me about the history of lighthouses and the people who kept them."] * 8)
     ids = torch.tensor([chat_prompt_ids(tok, q)[:200]])
@@ -152,7 +152,7 @@ def costs_ms(target, drafter, tok, sizes: list[int], reps: int = 5) -> tuple[dic
     return out, 1000 * statistics.median(times)
 
 
-def rate(rounds: list[dict], pick, cost: dict, draft: float) -> tuple[float, float, float]:  # noqa: ANN001
+def rate(rounds: list[dict], pick, cost: dict, draft: float) -> tuple[float, float, float]:
     """(tokens per ms, tau, mean N) when each round verifies ``pick(round)`` nodes."""
     ns = [pick(r) for r in rounds]
     tok = sum(r["act"][n] for r, n in zip(rounds, ns, strict=True))
@@ -160,13 +160,13 @@ def rate(rounds: list[dict], pick, cost: dict, draft: float) -> tuple[float, flo
     return tok / ms, tok / len(rounds), sum(ns) / len(ns)
 
 
-def best_lambda(rounds, score, cost, draft, sizes):  # noqa: ANN001, ANN201
+def best_lambda(rounds, score, cost, draft, sizes):
     """The rule argmax_N (score(N) - lambda * cost(N)) at its best lambda over a grid; the
     fixed point of lambda = the rule's own rate is where the grid's best lies."""
     best = None
     for lam in [x / 1000 for x in range(5, 80)]:
 
-        def pick(r, lam=lam):  # noqa: ANN001, ANN202
+        def pick(r, lam=lam):
             return max(sizes, key=lambda n: r[score][n] - lam * (draft + cost[n]))
 
         res = (*rate(rounds, pick, cost, draft), lam)

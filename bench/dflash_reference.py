@@ -24,13 +24,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
-def context_features(hidden_states: tuple[Tensor, ...], layer_ids: list[int], offset: int = 1):  # noqa: ANN201
+def context_features(hidden_states: tuple[Tensor, ...], layer_ids: list[int], offset: int = 1):
     """z-lab's feature: the target's ``hidden_states[layer_id + 1]``, concatenated."""
     return torch.cat([hidden_states[i + offset] for i in layer_ids], dim=-1)
 
 
 class Attention(nn.Module):
-    def __init__(self, c) -> None:  # noqa: ANN001
+    def __init__(self, c) -> None:
         super().__init__()
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
@@ -62,7 +62,7 @@ class Attention(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, c) -> None:  # noqa: ANN001
+    def __init__(self, c) -> None:
         super().__init__()
         from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
@@ -79,7 +79,7 @@ class Layer(nn.Module):
 class DFlashReference(nn.Module):
     """The draft network of a z-lab DFlash checkpoint."""
 
-    def __init__(self, c) -> None:  # noqa: ANN001
+    def __init__(self, c) -> None:
         super().__init__()
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
@@ -94,7 +94,7 @@ class DFlashReference(nn.Module):
         self.fc = nn.Linear(n * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
 
-    def forward(self, target_feature: Tensor, noise_embedding: Tensor, position_ids: Tensor):  # noqa: ANN201
+    def forward(self, target_feature: Tensor, noise_embedding: Tensor, position_ids: Tensor):
         """Context features (1, S, F), block embeddings (1, K, W), positions (1, S + K)."""
         ctx = self.hidden_norm(self.fc(target_feature))
         cos, sin = self.rotary_emb(noise_embedding, position_ids)

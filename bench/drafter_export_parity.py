@@ -139,7 +139,7 @@ def save_checkpoint(case: Case, folder: Path) -> Path:
     return folder
 
 
-def export(case: Case, out: Path, fmt: str, **config_args) -> Path:  # noqa: ANN003
+def export(case: Case, out: Path, fmt: str, **config_args) -> Path:
     """The command's export; ``config_args`` (negative controls) rewrite its config."""
     ckpt = save_checkpoint(case, out.parent / f"{out.name}-ckpt")
     export_drafter.export_drafter(ckpt, out, fmt, force=True)
@@ -169,7 +169,7 @@ def vltrain_logits(case: Case, anchors: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def cwd(path: Path):  # noqa: ANN201
+def cwd(path: Path):
     old = os.getcwd()
     os.chdir(path)
     try:
@@ -178,7 +178,7 @@ def cwd(path: Path):  # noqa: ANN201
         os.chdir(old)
 
 
-def speculators_model(out: Path):  # noqa: ANN201
+def speculators_model(out: Path):
     """(model, missing keys, unexpected keys) through speculators' own from_pretrained."""
     from safetensors import safe_open
     from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig

@@ -29,12 +29,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_drafter import gguf_path, machine  # noqa: E402
-from vltrain.inference.hf_target import load_hf_causal_lm  # noqa: E402
-from vltrain.models.packed import PackedLinears  # noqa: E402
+from bench.bench_drafter import gguf_path, machine
+from vltrain.inference.hf_target import load_hf_causal_lm
+from vltrain.models.packed import PackedLinears
 
 
-def median_ms(fn, reps: int) -> float:  # noqa: ANN001
+def median_ms(fn, reps: int) -> float:
     fn()
     ts = []
     for _ in range(reps):

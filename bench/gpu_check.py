@@ -301,7 +301,7 @@ def check_grad_cache_qwen3vl(args: argparse.Namespace) -> tuple[str, str]:
         h = lm(input_ids=ids).last_hidden_state[:, -1].float()  # (b, D)
         return torch.nn.functional.normalize(h, dim=-1)
 
-    def loss_fn(views: list[torch.Tensor]):  # noqa: ANN202 - one (B, E) tensor per side
+    def loss_fn(views: list[torch.Tensor]):
         q, d = views
         logits = q @ d.T / 0.05
         return torch.nn.functional.cross_entropy(logits, torch.arange(len(q), device=dev)), {}
@@ -542,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
             t = time.perf_counter()
             try:
                 status, result = CHECKS[name](args)
-            except Exception as e:  # noqa: BLE001 - one failing check must not hide the rest
+            except Exception as e:
                 status, result = "FAILED", f"{type(e).__name__}: {str(e)[:150]}"
             rows.append((name, status, result.replace("|", "/"), time.perf_counter() - t))
             print(f"gpu_check: {name}: {status}", file=sys.stderr, flush=True)

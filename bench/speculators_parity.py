@@ -38,7 +38,7 @@ TOL = 1e-6
 DETECT = 1e-3
 
 
-def load_objective():  # noqa: ANN201
+def load_objective():
     """vltrain/objectives/drafter.py by path: it needs only torch, not the package's deps."""
     path = os.path.join(ROOT, "vltrain", "objectives", "drafter.py")
     spec = importlib.util.spec_from_file_location("vltrain_drafter_objective", path)
@@ -86,7 +86,7 @@ def make_case(block: int, seed: int, rows: int = 3, t: int = 48, anchors: int = 
     return logits, lab, valid
 
 
-def to_peer(logits, lab, valid):  # noqa: ANN001, ANN201
+def to_peer(logits, lab, valid):
     """The peer's packed layout: [1, blocks * K, V] logits, one-hot target logits, mask."""
     v = logits.shape[-1]
     targets = torch.nn.functional.one_hot(lab, v).float() * 10.0  # argmax = label
@@ -97,7 +97,7 @@ def pos_idx(block: int, n: int) -> torch.Tensor:
     return (torch.arange(n) % block).float()[None]
 
 
-def maxdiff(a, b) -> float:  # noqa: ANN001
+def maxdiff(a, b) -> float:
     a = torch.as_tensor(a, dtype=torch.float64)
     b = torch.as_tensor(b, dtype=torch.float64)
     return float((a - b).abs().max())
@@ -133,7 +133,7 @@ class Table:
             print(f"| {name} | {len(rows)} | {diff:.2e} | {bad[0] if bad else rows[0][3]} |")
 
 
-def ours_metrics(logits, lab, valid) -> dict[str, float]:  # noqa: ANN001
+def ours_metrics(logits, lab, valid) -> dict[str, float]:
     return obj.summarize_metrics(obj.block_metrics(logits, lab, valid))
 
 

@@ -90,7 +90,7 @@ def run_blocks(path: Path, label: str | None = None) -> int:
             continue
         code = "\n" * (block.line - 1) + block.code  # line numbers of the markdown file
         try:
-            exec(compile(code, str(path), "exec"), namespace)  # noqa: S102 - our own docs
+            exec(compile(code, str(path), "exec"), namespace)
         except (Exception, SystemExit) as e:
             raise AssertionError(
                 f"{label}:{block.line}: the python block fails: {type(e).__name__}: {e}\n"

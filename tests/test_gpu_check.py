@@ -59,7 +59,7 @@ def test_every_gpu_row_runs_its_code_on_the_cpu(tmp_path: Path) -> None:
     assert "chain tau" in rows["drafter_smollm2"] and "DIFFERS" not in rows["drafter_smollm2"]
 
 
-def _module():  # noqa: ANN202
+def _module():
     return load_bench("gpu_check")
 
 

@@ -93,10 +93,10 @@ def test_training_draw_is_deterministic_and_collates_three_sides(folder: Path) -
     assert ds[(0, 0, 1)]["negatives"][0]["image"].equal(ds[(0, 0, 1)]["negatives"][0]["image"])
 
     class Batcher:
-        def text_batch(self, texts, instructions=None, role=""):  # noqa: ANN001, ANN202
+        def text_batch(self, texts, instructions=None, role=""):
             return (texts, role)
 
-        def image_batch(self, images, texts=None, instructions=None, role=""):  # noqa: ANN001, ANN202
+        def image_batch(self, images, texts=None, instructions=None, role=""):
             import torch
 
             return torch.stack(images), torch.ones(len(images), dtype=torch.long)

@@ -121,7 +121,7 @@ def test_bad_arguments_say_what_was_wrong() -> None:
         count_visual_tokens(100, 112, 14, 2)
 
 
-def _qwen_ip(min_pixels: int, max_pixels: int):  # noqa: ANN202
+def _qwen_ip(min_pixels: int, max_pixels: int):
     mod = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
     return mod.Qwen2VLImageProcessorPil(
         patch_size=14,
@@ -132,7 +132,7 @@ def _qwen_ip(min_pixels: int, max_pixels: int):  # noqa: ANN202
     )
 
 
-def test_read_patch_grid_from_processor_and_dir(tmp_path) -> None:  # noqa: ANN001
+def test_read_patch_grid_from_processor_and_dir(tmp_path) -> None:
     ip = _qwen_ip(3136, 1003520)
     grid = read_patch_grid(ip)
     assert grid == PatchGrid(14, 2, 3136, 1003520) and grid.factor == 28

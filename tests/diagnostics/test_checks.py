@@ -337,7 +337,7 @@ def test_a_climb_out_of_a_collapse_is_not_a_grad_spike():
     for r, g in zip(recs, BATCH32_GRAD, strict=True):
         r.grad_norm = g
 
-    def warned(cfg, records) -> list[int]:  # noqa: ANN001
+    def warned(cfg, records) -> list[int]:
         found = _run(cfg, records)
         return [f.step for f in found if f.check == "grad_spike" and f.severity == "warn"]
 

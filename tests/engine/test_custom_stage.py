@@ -21,7 +21,7 @@ def _snippet() -> dict:
     code = re.search(r"```python\n(.*?)```", section, re.S)
     assert code, "docs/internals.md lost its custom-stage snippet"
     scope: dict = {}
-    exec(compile(code.group(1), str(DOC), "exec"), scope)  # noqa: S102 - our own docs
+    exec(compile(code.group(1), str(DOC), "exec"), scope)
     return scope
 
 
@@ -47,7 +47,7 @@ def test_a_stage_without_the_best_metric_fails_before_anything_is_written(
 
     class NoLoss(scope["TinyClipStage"]):
         @classmethod
-        def eval_metrics(cls, cfg):  # noqa: ANN001, ANN206
+        def eval_metrics(cls, cfg):
             return ("eval_acc",)
 
     run = tmp_path / "run"

@@ -39,7 +39,7 @@ def test_kill_between_step_and_best_is_repaired(
     real = checkpoint.update_best
     calls = {"n": 0}
 
-    def killed_at_second(root, src, metric, value, step):  # noqa: ANN001
+    def killed_at_second(root, src, metric, value, step):
         calls["n"] += 1
         if calls["n"] == 2:  # step_4 is on disk and names itself best; `best` still says 2
             raise KeyboardInterrupt
@@ -212,7 +212,7 @@ def test_pickle_in_trainer_state_is_refused_without_advice_to_unpickle(tmp_path:
     import pickle
 
     class Evil:
-        def __reduce__(self):  # noqa: ANN204
+        def __reduce__(self):
             return (os.system, ("echo pwned",))
 
     (tmp_path / "trainer_state.pt").write_bytes(pickle.dumps({"x": Evil()}))
@@ -223,7 +223,7 @@ def test_pickle_in_trainer_state_is_refused_without_advice_to_unpickle(tmp_path:
     assert "weights_only=False" not in str(info.value)
 
 
-def _run_cli(args: list[str], **kw) -> subprocess.Popen:  # noqa: ANN003
+def _run_cli(args: list[str], **kw) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "vltrain", *args]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)

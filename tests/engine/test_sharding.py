@@ -49,7 +49,7 @@ def test_activation_checkpointing_recomputes_with_equal_gradients() -> None:
     assert list(model.state_dict()) == keys  # checkpoints still load
     calls = {"n": 0}
 
-    def count(module, args):  # noqa: ANN001
+    def count(module, args):
         calls["n"] += 1
 
     for m in model.modules():

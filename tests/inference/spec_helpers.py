@@ -20,7 +20,7 @@ def left_padded_prompts(b: int = 3) -> dict:
 
 
 def random_drafter(
-    target,  # noqa: ANN001
+    target,
     block_size: int = 4,
     seed: int = 0,
     vocab: list[int] | None = None,
@@ -41,14 +41,14 @@ def random_drafter(
     return d.eval()
 
 
-def greedy_reference(model, inputs: dict, max_new: int) -> list[list[int]]:  # noqa: ANN001
+def greedy_reference(model, inputs: dict, max_new: int) -> list[list[int]]:
     out = generate(model, inputs, "greedy", max_new_tokens=max_new)
     return [s[: int(n)].tolist() for s, n in zip(out.sequences, out.lengths, strict=True)]
 
 
 def oracle_draft(
     refs: list[list[int]], first_pos: list[int], vocab: int, p_top: float, seed: int = 0
-):  # noqa: ANN201
+):
     """A stand-in for `speculative._draft` that knows the target's greedy continuation.
 
     Slot k of the block rooted at position p proposes ref[p - first_pos + k] as its top token
@@ -57,7 +57,7 @@ def oracle_draft(
     """
     g = torch.Generator().manual_seed(seed)
 
-    def draft(drafter, ctx, root, anchor, cache=None):  # noqa: ANN001, ANN202
+    def draft(drafter, ctx, root, anchor, cache=None):
         k = drafter.cfg.block_size - 1
         logits = torch.randn(len(root), k, vocab, generator=g)
         for i in range(len(root)):

@@ -23,7 +23,7 @@ BUDGETS = (0, 4, 12)
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-def hf_model(arch: str, tmp_path, scale: float = 1.0):  # noqa: ANN001, ANN201
+def hf_model(arch: str, tmp_path, scale: float = 1.0):
     torch.manual_seed(0)
     cfg, cls = tiny_causal_lm(arch)
     cls(cfg).save_pretrained(tmp_path)
@@ -39,7 +39,7 @@ def prompts(b: int = 3) -> dict:
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
-def hf_target(request, tmp_path_factory):  # noqa: ANN001, ANN201
+def hf_target(request, tmp_path_factory):
     model = hf_model(request.param, tmp_path_factory.mktemp(request.param))
     return HFTarget(model, [0, 1])
 
@@ -47,7 +47,7 @@ def hf_target(request, tmp_path_factory):  # noqa: ANN001, ANN201
 @pytest.mark.parametrize(
     ("budget", "shape"), [(b, "chain-first") for b in BUDGETS] + [(5, "best-first")]
 )
-def test_hf_greedy_is_lossless(hf_target, budget, shape, monkeypatch) -> None:  # noqa: ANN001
+def test_hf_greedy_is_lossless(hf_target, budget, shape, monkeypatch) -> None:
     inputs = prompts()
     ref = spec_helpers.greedy_reference(HFTarget(hf_target.model), inputs, 24)
     drafter = spec_helpers.random_drafter(hf_target)
@@ -60,7 +60,7 @@ def test_hf_greedy_is_lossless(hf_target, budget, shape, monkeypatch) -> None:  
     assert out == ref and stats.tau > 1.5  # long accepted paths exercise the compaction
 
 
-def test_an_unknown_tree_shape_is_refused(hf_target) -> None:  # noqa: ANN001
+def test_an_unknown_tree_shape_is_refused(hf_target) -> None:
     drafter = spec_helpers.random_drafter(hf_target)
     with pytest.raises(ValueError, match="tree_shape"):
         speculative.speculative_generate(hf_target, drafter, prompts(), 4, 8, tree_shape="widest")
@@ -68,9 +68,9 @@ def test_an_unknown_tree_shape_is_refused(hf_target) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_a_reduced_draft_vocabulary_is_lossless_and_drafts_only_its_tokens(
-    hf_target,  # noqa: ANN001
-    budget,  # noqa: ANN001
-    monkeypatch,  # noqa: ANN001
+    hf_target,
+    budget,
+    monkeypatch,
 ) -> None:
     inputs = prompts()
     ref = spec_helpers.greedy_reference(HFTarget(hf_target.model), inputs, 24)
@@ -78,7 +78,7 @@ def test_a_reduced_draft_vocabulary_is_lossless_and_drafts_only_its_tokens(
     drafter = spec_helpers.random_drafter(hf_target, vocab=vocab)
     fed, verify = [], hf_target.verify
 
-    def spy(tokens, parents, cache, **kw):  # noqa: ANN001, ANN003, ANN202
+    def spy(tokens, parents, cache, **kw):
         fed.append(tokens[:, 1:].clone())  # the drafted nodes (column 0 is the root)
         return verify(tokens, parents, cache, **kw)
 
@@ -100,7 +100,7 @@ def _captioner(connector: str) -> Captioner:
 
 @pytest.mark.parametrize("connector", ["projector", "gated_xattn"])
 @pytest.mark.parametrize("budget", BUDGETS)
-def test_captioner_batched_greedy_is_lossless(connector, budget, monkeypatch) -> None:  # noqa: ANN001
+def test_captioner_batched_greedy_is_lossless(connector, budget, monkeypatch) -> None:
     model = _captioner(connector)
     target = CaptionerTarget(model, [0, 1])
     images = torch.rand(4, 3, 64, 64, generator=torch.Generator().manual_seed(0))
@@ -121,7 +121,7 @@ def test_captioner_batched_greedy_is_lossless(connector, budget, monkeypatch) ->
 
 
 @pytest.mark.parametrize("budget", [0, 12])
-def test_a_finished_row_stops_growing_while_others_decode(budget, monkeypatch) -> None:  # noqa: ANN001
+def test_a_finished_row_stops_growing_while_others_decode(budget, monkeypatch) -> None:
     """A row that ends (EOS) keeps its cache and positions where its text ended; it used to
     take each round's accepted path too, and in the drafter stage's eval a short caption
     beside a long one ran its positions past the decoder's context length."""
@@ -139,7 +139,7 @@ def test_a_finished_row_stops_growing_while_others_decode(budget, monkeypatch) -
     seen: list[list[int]] = []
     real = target.verify
 
-    def verify(tokens, parents, cache, **kw):  # noqa: ANN001, ANN003, ANN202
+    def verify(tokens, parents, cache, **kw):
         seen.append(target.next_positions(cache).tolist())
         return real(tokens, parents, cache, **kw)
 
@@ -155,7 +155,7 @@ def test_a_finished_row_stops_growing_while_others_decode(budget, monkeypatch) -
 
 
 @pytest.mark.parametrize("budget", [0, 12])
-def test_a_row_finished_near_the_context_end_is_not_fed_past_it(budget, monkeypatch) -> None:  # noqa: ANN001
+def test_a_row_finished_near_the_context_end_is_not_fed_past_it(budget, monkeypatch) -> None:
     """Block 8 in a 16-token caption context, max_new_tokens at the room the CLI leaves: row 0
     accepts whole blocks and ends a block from the end while the others still decode. Its nodes
     used to be fed at its end + depth (up to 7 past the context: "position_ids must lie in
@@ -181,7 +181,7 @@ def test_a_row_finished_near_the_context_end_is_not_fed_past_it(budget, monkeypa
     assert out == ref and stats.accepted[0][0] >= 7 and len(stats.accepted[1]) > 2
 
 
-def test_tree_accepts_at_least_the_chain_on_every_prompt(hf_target, monkeypatch) -> None:  # noqa: ANN001
+def test_tree_accepts_at_least_the_chain_on_every_prompt(hf_target, monkeypatch) -> None:
     inputs = prompts(4)
     ref = spec_helpers.greedy_reference(HFTarget(hf_target.model), inputs, 40)
     first = inputs["attention_mask"].sum(1).tolist()
@@ -199,7 +199,7 @@ def test_tree_accepts_at_least_the_chain_on_every_prompt(hf_target, monkeypatch)
     assert sum(taus[16]) >= 1.2 * sum(taus[0]), taus
 
 
-def _reference_walk(tokens, parents, choose):  # noqa: ANN001, ANN202
+def _reference_walk(tokens, parents, choose):
     """The parent-based oracle: scan all nodes for a child of the current node with the
     target's token (first in node order), as a brute-force reference."""
     path, node = [], -1
@@ -339,7 +339,7 @@ def test_every_prefix_of_a_ddtree_is_the_ddtree_of_that_size() -> None:
             assert big_t[:n].tolist() == t.tolist() and big_p[:n].tolist() == p.tolist(), n
 
 
-def _spec_sample_counts(target, drafter, n: int, accept_all: bool, monkeypatch) -> torch.Tensor:  # noqa: ANN001
+def _spec_sample_counts(target, drafter, n: int, accept_all: bool, monkeypatch) -> torch.Tensor:
     if accept_all:  # the bug: drafts kept whatever the target thinks
         monkeypatch.setattr(speculative, "rejection_step", lambda p, q, x, g: x)
     ids = torch.tensor([[BOS, 5, 9]]).expand(n, -1)
@@ -352,7 +352,7 @@ def _spec_sample_counts(target, drafter, n: int, accept_all: bool, monkeypatch) 
 
 
 @pytest.mark.slow
-def test_sampling_follows_the_target_distribution(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_sampling_follows_the_target_distribution(tmp_path, monkeypatch) -> None:
     model = hf_model("llama", tmp_path, scale=25.0)  # a peaked target, far from the drafter
     target = HFTarget(model, [0, 1])
     ids = torch.tensor([[BOS, 5, 9]])

@@ -162,7 +162,7 @@ def test_select_tree_path_equals_fresh_prefill_of_the_path(saved) -> None:
         [[]],  # nothing accepted past the old cache
     ],
 )
-def test_select_equals_a_plain_gather(saved, tail) -> None:  # noqa: ANN001
+def test_select_equals_a_plain_gather(saved, tail) -> None:
     target = _load(saved)
     ids, mask = _prompt()
     nodes = _tokens((3, len(PARENTS)), 8)
@@ -184,7 +184,7 @@ def test_select_equals_a_plain_gather(saved, tail) -> None:  # noqa: ANN001
     assert kept.kv.get_seq_length() == index.shape[1]
 
 
-def test_select_may_repeat_positions(saved) -> None:  # noqa: ANN001
+def test_select_may_repeat_positions(saved) -> None:
     target = _load(saved)
     ids, mask = _prompt()
     _, cache, _ = target.prefill(input_ids=ids, attention_mask=mask)

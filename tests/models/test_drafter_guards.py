@@ -32,14 +32,14 @@ def _drafter(seed: int = 0) -> Drafter:
     return Drafter(cfg).share(SharedParts(emb, head)).eval()
 
 
-def _inputs(s: int = 12):  # noqa: ANN202
+def _inputs(s: int = 12):
     g = torch.Generator().manual_seed(1)
     feats = torch.randn(1, s, 2 * W, generator=g)
     pos = torch.arange(s)[None]
     return feats, pos, torch.ones(1, s, dtype=torch.bool)
 
 
-def _leak_mask(anchor_pos, ctx_pos, ctx_valid, k):  # noqa: ANN001, ANN202
+def _leak_mask(anchor_pos, ctx_pos, ctx_valid, k):
     """The bug: the context visible up to and including the anchor."""
     b, j = anchor_pos.shape
     m = draft_attention_mask(anchor_pos, ctx_pos, ctx_valid, k).clone()
@@ -48,7 +48,7 @@ def _leak_mask(anchor_pos, ctx_pos, ctx_valid, k):  # noqa: ANN001, ANN202
     return m
 
 
-def _block_id_mask(anchor_pos, ctx_pos, ctx_valid, k):  # noqa: ANN001, ANN202
+def _block_id_mask(anchor_pos, ctx_pos, ctx_valid, k):
     """The SpecForge #470 bug: blocks see each other by block id (earlier blocks' slots)."""
     m = draft_attention_mask(anchor_pos, ctx_pos, ctx_valid, k).clone()
     n = anchor_pos.shape[1] * k
@@ -57,7 +57,7 @@ def _block_id_mask(anchor_pos, ctx_pos, ctx_valid, k):  # noqa: ANN001, ANN202
     return m
 
 
-def _causal_mask(anchor_pos, ctx_pos, ctx_valid, k):  # noqa: ANN001, ANN202
+def _causal_mask(anchor_pos, ctx_pos, ctx_valid, k):
     """The SpecForge #427 bug: a causal block."""
     m = draft_attention_mask(anchor_pos, ctx_pos, ctx_valid, k).clone()
     n = anchor_pos.shape[1] * k
@@ -66,7 +66,7 @@ def _causal_mask(anchor_pos, ctx_pos, ctx_valid, k):  # noqa: ANN001, ANN202
     return m
 
 
-def check_no_context_leak(mask_fn) -> None:  # noqa: ANN001
+def check_no_context_leak(mask_fn) -> None:
     """Block j's outputs ignore the context at and after its anchor, and the other blocks."""
     d = _drafter()
     feats, pos, valid = _inputs()
@@ -78,7 +78,7 @@ def check_no_context_leak(mask_fn) -> None:  # noqa: ANN001
     torch.testing.assert_close(out[:, 1], alone[:, 0], atol=1e-5, rtol=0)
 
 
-def check_bidirectional(mask_fn) -> None:  # noqa: ANN001
+def check_bidirectional(mask_fn) -> None:
     """An early slot depends on a later slot of its block (the block is not causal)."""
     d = _drafter()
     feats, pos, valid = _inputs()
@@ -86,7 +86,7 @@ def check_bidirectional(mask_fn) -> None:  # noqa: ANN001
     base = d(feats, pos, valid, a_ids, a_pos, mask_fn=mask_fn)
     orig = d.block_inputs
 
-    def poked(ids):  # noqa: ANN001, ANN202
+    def poked(ids):
         x = orig(ids)
         x[:, -1] += 1.0
         return x
@@ -109,7 +109,7 @@ def test_block_is_bidirectional() -> None:
         check_bidirectional(_causal_mask)
 
 
-def check_labels(label_fn) -> None:  # noqa: ANN001
+def check_labels(label_fn) -> None:
     """Slot k of anchor a is token a + k (tokens = their own positions here); slot 0 no loss."""
     t = 20
     labels = torch.arange(t)[None].clone()
@@ -127,7 +127,7 @@ def check_labels(label_fn) -> None:  # noqa: ANN001
 def test_label_alignment() -> None:
     check_labels(block_labels)
 
-    def shifted(labels, anchors, valid, k):  # noqa: ANN001, ANN202  the #471 bug
+    def shifted(labels, anchors, valid, k):
         return block_labels(labels, anchors + 1, valid, k)
 
     with pytest.raises(AssertionError):
@@ -149,7 +149,7 @@ def test_mask_token_collision_in_inputs() -> None:
         d.mask_embed.add_(1.0)  # distinct from the id's embedding, as after training
     check_mask_by_position(d)
 
-    def by_value(ids):  # noqa: ANN001, ANN202  the bug: mask slots found by token value
+    def by_value(ids):
         full = torch.full((ids.shape[0], ids.shape[1], K), d.cfg.mask_token_id)
         full[:, :, 0] = ids
         e = d.shared.embed(full)

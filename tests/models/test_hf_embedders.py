@@ -84,7 +84,7 @@ def _images(n: int, seed: int = 0, sizes: tuple[tuple[int, int], ...] = ((24, 40
     ]
 
 
-def _save(model, tok, ip, path: Path) -> str:  # noqa: ANN001
+def _save(model, tok, ip, path: Path) -> str:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     ip.save_pretrained(path)

@@ -39,7 +39,7 @@ def test_dpace_weights_brute_force() -> None:
         assert torch.allclose(got[r], torch.tensor(want), atol=1e-6)
 
 
-def _labels(j: int, seed: int = 0):  # noqa: ANN202
+def _labels(j: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     lab = torch.randint(0, V, (1, j, K), generator=g)
     ok = torch.ones(1, j, K, dtype=torch.bool)
@@ -80,7 +80,7 @@ def test_exact_tau_differs_from_the_marginal_estimate() -> None:
     assert m["top4"] == 1.0 and m["streak4"] == 4.0  # the right token is 2nd: a tree finds it
 
 
-def _vocab_drafter(ids: list[int]):  # noqa: ANN202
+def _vocab_drafter(ids: list[int]):
     """The guard tests' drafter with a draft vocabulary of ``ids`` (weights as the full one's)."""
     full = _drafter()
     cfg = DrafterConfig(**{**full.cfg.to_dict(), "draft_vocab": len(ids)})
@@ -89,7 +89,7 @@ def _vocab_drafter(ids: list[int]):  # noqa: ANN202
     return full, d.eval()
 
 
-def _params(full):  # noqa: ANN001, ANN202
+def _params(full):
     head = full.shared.head
     return lambda: (head.weight, head.bias)
 

@@ -171,7 +171,7 @@ def _wait_for_running_trial(
         if db.is_file() and _schema_ready(db):
             try:
                 trials = _trials(db.parent, name)
-            except Exception:  # noqa: BLE001 - the study may not exist yet
+            except Exception:
                 trials = []
             running = [t for t in trials if t.state.name == "RUNNING"]
             done = [t for t in trials if t.state.name == "COMPLETE"]

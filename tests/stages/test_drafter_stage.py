@@ -21,12 +21,12 @@ pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def lm(tmp_path_factory) -> Path:  # noqa: ANN001
+def lm(tmp_path_factory) -> Path:
     return tiny_lm(tmp_path_factory.mktemp("lm"))
 
 
 @pytest.fixture(scope="module")
-def answers(lm, tmp_path_factory) -> Path:  # noqa: ANN001
+def answers(lm, tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("data")
     (d / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in TEXTS))
     args = [
@@ -49,7 +49,7 @@ def answers(lm, tmp_path_factory) -> Path:  # noqa: ANN001
     return d
 
 
-def _train_args(lm, answers, out, *extra) -> list[str]:  # noqa: ANN001
+def _train_args(lm, answers, out, *extra) -> list[str]:
     from tests.config.test_config import PRESETS
 
     preset = next(p for p in PRESETS if p.name == "drafter_smollm2.yaml")
@@ -75,20 +75,20 @@ def _train_args(lm, answers, out, *extra) -> list[str]:  # noqa: ANN001
     ]
 
 
-def _train(lm, answers, out, *extra) -> dict:  # noqa: ANN001
+def _train(lm, answers, out, *extra) -> dict:
     assert main(_train_args(lm, answers, out, *extra)) == 0
     rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     return next(r for r in reversed(rows) if "eval_tau" in r)
 
 
 @pytest.fixture(scope="module")
-def trained(lm, answers, tmp_path_factory) -> tuple[Path, dict]:  # noqa: ANN001
+def trained(lm, answers, tmp_path_factory) -> tuple[Path, dict]:
     """One short drafter run shared by the tests below (6 steps, lr 3e-3)."""
     run = tmp_path_factory.mktemp("drafter") / "run"
     return run, _train(lm, answers, run, "optim.lr=3e-3")
 
 
-def test_regenerate_device_flag(lm, answers, monkeypatch) -> None:  # noqa: ANN001
+def test_regenerate_device_flag(lm, answers, monkeypatch) -> None:
     """`--device cpu` answers exactly as `auto` does on a machine without CUDA; `auto` picks
     cuda:LOCAL_RANK only when CUDA is available."""
     from vltrain.engine.runtime import resolve_device
@@ -106,7 +106,7 @@ def test_regenerate_device_flag(lm, answers, monkeypatch) -> None:  # noqa: ANN0
     assert resolve_device("auto") == torch.device("cuda", 3)
 
 
-def test_regenerate_with_hf_modules_writes_the_same_answers(lm, answers, tmp_path) -> None:  # noqa: ANN001
+def test_regenerate_with_hf_modules_writes_the_same_answers(lm, answers, tmp_path) -> None:
     """The default (native) forward and HF's modules answer every prompt with the same ids."""
     out = tmp_path / "hf.jsonl"
     args = ["data", "regenerate", "--model", str(lm), "--data", str(answers / "prompts.jsonl")]
@@ -120,7 +120,7 @@ def test_regenerate_with_hf_modules_writes_the_same_answers(lm, answers, tmp_pat
     assert ids(out) == ids(answers / "answers.jsonl")
 
 
-def test_train_and_generate_with_the_drafter(lm, answers, trained, tmp_path, capsys) -> None:  # noqa: ANN001
+def test_train_and_generate_with_the_drafter(lm, answers, trained, tmp_path, capsys) -> None:
     run, m = trained
     for key in (
         "eval_tau",
@@ -176,7 +176,7 @@ def test_train_and_generate_with_the_drafter(lm, answers, trained, tmp_path, cap
     assert capsys.readouterr().out == plain
 
 
-def test_training_tau_equals_decoding_tau_on_the_same_blocks(lm, trained) -> None:  # noqa: ANN001
+def test_training_tau_equals_decoding_tau_on_the_same_blocks(lm, trained) -> None:
     from vltrain.inference.hf_target import HFTarget, load_hf_causal_lm
     from vltrain.inference.speculative import speculative_generate
     from vltrain.models.drafter import load_drafter
@@ -209,7 +209,7 @@ def test_training_tau_equals_decoding_tau_on_the_same_blocks(lm, trained) -> Non
 
 def test_decoding_tau_in_training_runs_native_and_equals_hf_decoding(
     lm, answers, tmp_path, monkeypatch
-) -> None:  # noqa: ANN001
+) -> None:
     """The eval's tau_decode (chain and tree) decodes through the native forward, as
     `vltrain generate` does, and equals decoding the same prompts through HF's modules with
     the saved drafter."""
@@ -253,7 +253,7 @@ def test_decoding_tau_in_training_runs_native_and_equals_hf_decoding(
         assert m[f"eval_tau_decode{name}"] == pytest.approx(tau, abs=1e-9), name
 
 
-def test_loss_mask_matches_the_chat_template(lm) -> None:  # noqa: ANN001
+def test_loss_mask_matches_the_chat_template(lm) -> None:
     from transformers import AutoTokenizer
 
     from vltrain.data import draft_data
@@ -261,7 +261,7 @@ def test_loss_mask_matches_the_chat_template(lm) -> None:  # noqa: ANN001
     tok = AutoTokenizer.from_pretrained(lm)
     comp = tok("one two three", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
 
-    def check(example) -> None:  # noqa: ANN001
+    def check(example) -> None:
         ids, labels = example(tok, "count to five", comp)
         sup = [i for i, lab in zip(ids, labels, strict=True) if lab != -100]
         assert sup == comp
@@ -270,7 +270,7 @@ def test_loss_mask_matches_the_chat_template(lm) -> None:  # noqa: ANN001
 
     check(draft_data.chat_example)
 
-    def misaligned(tok, prompt, comp):  # noqa: ANN001, ANN202  prompt without the generation prompt
+    def misaligned(tok, prompt, comp):
         text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False)
         p = tok(text, add_special_tokens=False)["input_ids"]
         full = draft_data.chat_prompt_ids(tok, prompt) + comp
@@ -280,7 +280,7 @@ def test_loss_mask_matches_the_chat_template(lm) -> None:  # noqa: ANN001
         check(misaligned)
 
 
-def test_features_are_block_outputs(lm) -> None:  # noqa: ANN001
+def test_features_are_block_outputs(lm) -> None:
     from vltrain.inference.hf_target import HFTarget, load_hf_causal_lm
 
     model, _ = load_hf_causal_lm(lm)
@@ -293,7 +293,7 @@ def test_features_are_block_outputs(lm) -> None:  # noqa: ANN001
     ]
     ids = torch.tensor([[1, 5, 9, 12, 7]])
 
-    def check(target) -> None:  # noqa: ANN001
+    def check(target) -> None:
         ctx, _, _ = target.features(ids, torch.ones_like(ids))
         want = torch.cat([seen[i] for i in target.layer_ids], -1)
         torch.testing.assert_close(ctx.features, want, atol=1e-5, rtol=0)
@@ -331,14 +331,14 @@ def test_features_are_block_outputs(lm) -> None:  # noqa: ANN001
         h.remove()
 
 
-def test_configured_gamma_reaches_the_loss(lm, tmp_path) -> None:  # noqa: ANN001
+def test_configured_gamma_reaches_the_loss(lm, tmp_path) -> None:
     from tests.config.test_config import PRESETS
     from tests.stages.test_shipped_presets import build_preset_model
     from vltrain.config import load_config
 
     preset = next(p for p in PRESETS if p.name == "drafter_smollm2.yaml")
 
-    def gamma_used(extra: list[str], build=build_preset_model) -> float:  # noqa: ANN001
+    def gamma_used(extra: list[str], build=build_preset_model) -> float:
         cfg = load_config(preset, [f"model.target={lm}", *extra])
         w = build(cfg, tmp_path).weights
         return float(-1.0 / torch.log(w[2] / w[1]))
@@ -347,7 +347,7 @@ def test_configured_gamma_reaches_the_loss(lm, tmp_path) -> None:  # noqa: ANN00
     assert abs(gamma_used(["drafter.block_size=8"]) - 4.0) < 1e-4
     assert abs(gamma_used(["drafter.block_size=16", "drafter.gamma=10"]) - 10.0) < 1e-4
 
-    def hard_coded(cfg, out):  # noqa: ANN001, ANN202  the bug: gamma 4 whatever the block
+    def hard_coded(cfg, out):
         from vltrain.objectives.drafter import position_weights
 
         model = build_preset_model(cfg, out)
@@ -358,7 +358,7 @@ def test_configured_gamma_reaches_the_loss(lm, tmp_path) -> None:  # noqa: ANN00
         assert abs(gamma_used(["drafter.block_size=16"], hard_coded) - 7.0) < 1e-4
 
 
-def test_labels_that_are_not_the_target_are_flagged(lm, answers, tmp_path, capsys) -> None:  # noqa: ANN001
+def test_labels_that_are_not_the_target_are_flagged(lm, answers, tmp_path, capsys) -> None:
     bad = tmp_path / "data"
     bad.mkdir()
     rows = [json.loads(x) for x in (answers / "answers.jsonl").read_text().splitlines()]
@@ -374,10 +374,10 @@ from tests.stages.test_shipped_presets import caption_run  # noqa: E402, F401  (
 
 
 def test_a_reduced_draft_vocabulary_trains_saves_and_decodes_losslessly(
-    lm,  # noqa: ANN001
-    answers,  # noqa: ANN001
-    tmp_path,  # noqa: ANN001
-    capsys,  # noqa: ANN001
+    lm,
+    answers,
+    tmp_path,
+    capsys,
 ) -> None:
     """``drafter.draft_vocab``: the ids are the most frequent answer tokens (EOS kept), saved
     in the checkpoint; eval reports the coverage; `generate --draft` prints the plain lines."""
@@ -418,10 +418,10 @@ def test_a_reduced_draft_vocabulary_trains_saves_and_decodes_losslessly(
 
 @pytest.mark.parametrize("draft_vocab", [0, 40])
 def test_captioner_drafter_end_to_end(
-    caption_run,  # noqa: ANN001, F811
-    shapes_dir,  # noqa: ANN001
-    tmp_path,  # noqa: ANN001
-    capsys,  # noqa: ANN001
+    caption_run,  # noqa: F811
+    shapes_dir,
+    tmp_path,
+    capsys,
     draft_vocab: int,
 ) -> None:
     from tests.config.test_config import PRESETS
@@ -498,7 +498,7 @@ def test_captioner_drafter_end_to_end(
         assert json.loads(got.err.strip().splitlines()[-1])["rounds"] > 0
 
 
-def _draft_batch(lm, answers, n: int = 4):  # noqa: ANN001, ANN202
+def _draft_batch(lm, answers, n: int = 4):
     """(target, a right-padded batch of the first n answers, its records' true lengths)."""
     from vltrain.data.draft_data import ChatRecords, DraftCollate, DraftDataset
     from vltrain.inference.hf_target import HFTarget, load_hf_causal_lm
@@ -510,7 +510,7 @@ def _draft_batch(lm, answers, n: int = 4):  # noqa: ANN001, ANN202
     return target, DraftCollate(target.pad_token_id)(samples)
 
 
-def test_cached_target_features_equal_the_online_ones(lm, answers) -> None:  # noqa: ANN001
+def test_cached_target_features_equal_the_online_ones(lm, answers) -> None:
     from vltrain.inference.feature_cache import FeatureCache, greedy_tokens
 
     target, batch = _draft_batch(lm, answers)
@@ -544,7 +544,7 @@ def test_cached_target_features_equal_the_online_ones(lm, answers) -> None:  # n
     assert not torch.allclose(by_index, sctx.features)  # what an index-keyed cache returned
 
 
-def test_features_on_disk_are_read_back_by_a_later_run(lm, answers, tmp_path) -> None:  # noqa: ANN001
+def test_features_on_disk_are_read_back_by_a_later_run(lm, answers, tmp_path) -> None:
     from vltrain.inference.feature_cache import FeatureCache, target_fingerprint
     from vltrain.inference.hf_target import HFTarget
 
@@ -581,7 +581,7 @@ def test_features_on_disk_are_read_back_by_a_later_run(lm, answers, tmp_path) ->
     assert not list(tmp_path.rglob("*.tmp"))  # atomic writes leave nothing behind
 
 
-def test_soft_labels_are_the_targets_distribution_before_each_slot(lm, answers) -> None:  # noqa: ANN001
+def test_soft_labels_are_the_targets_distribution_before_each_slot(lm, answers) -> None:
     """Slot k of an anchor gets the target's distribution read after token anchor + k - 1 (its
     argmax is the target's greedy token at the slot, exactly); its top-k (online or cached)
     is that distribution cut to k tokens and renormalised, and k = V gives it back whole."""
@@ -604,7 +604,7 @@ def test_soft_labels_are_the_targets_distribution_before_each_slot(lm, answers) 
     late = block_soft_labels(logits, anchors + 1, block)  # one position late: the bug
     assert (late.argmax(-1)[ok] != lab[ok]).float().mean() > 0.5
 
-    def dense(sparse):  # noqa: ANN001, ANN202
+    def dense(sparse):
         ids, probs = sparse
         return probs.new_zeros(*ids.shape[:-1], vocab).scatter_(-1, ids, probs)
 
@@ -628,7 +628,7 @@ def test_soft_labels_are_the_targets_distribution_before_each_slot(lm, answers) 
     assert (top.ids[~real] == 0).all() and (top.logp[~real] == 0).all()
 
 
-def test_a_store_gains_soft_labels_when_a_run_asks_for_them(lm, answers, tmp_path) -> None:  # noqa: ANN001
+def test_a_store_gains_soft_labels_when_a_run_asks_for_them(lm, answers, tmp_path) -> None:
     """Rows stored without top-k log-probabilities are computed again and rewritten with them
     the first time a run asks; a run asking for fewer than stored cuts them, more recomputes."""
     from safetensors.torch import load_file, save_file
@@ -665,7 +665,7 @@ def test_a_store_gains_soft_labels_when_a_run_asks_for_them(lm, answers, tmp_pat
     assert not list(tmp_path.rglob("*.tmp"))
 
 
-def test_soft_labels_on_cached_features_train_like_online_ones(lm, answers, tmp_path) -> None:  # noqa: ANN001
+def test_soft_labels_on_cached_features_train_like_online_ones(lm, answers, tmp_path) -> None:
     """drafter.soft_labels on features from the disk store trains like soft labels from the
     target's logits in every step: with soft_top_k covering the tiny vocabulary, like the whole
     distribution; cut to 5 tokens, like the same cut online."""
@@ -699,10 +699,10 @@ def test_soft_labels_on_cached_features_train_like_online_ones(lm, answers, tmp_
 
 
 def test_a_run_on_cached_features_from_disk_trains_like_one_that_computed_them(
-    lm,  # noqa: ANN001
-    answers,  # noqa: ANN001
-    tmp_path,  # noqa: ANN001
-    monkeypatch,  # noqa: ANN001
+    lm,
+    answers,
+    tmp_path,
+    monkeypatch,
 ) -> None:
     from vltrain.inference.feature_cache import FeatureCache
 
@@ -711,7 +711,7 @@ def test_a_run_on_cached_features_from_disk_trains_like_one_that_computed_them(
     writes = _train(lm, answers, tmp_path / "writes", f"drafter.cache_dir={store}")
     assert len(list(store.rglob("*.safetensors"))) == len(TEXTS)
 
-    def no_forward(self, batch, i):  # noqa: ANN001, ANN202
+    def no_forward(self, batch, i):
         raise AssertionError("the target ran although its features were on disk")
 
     monkeypatch.setattr(FeatureCache, "_compute", no_forward)
@@ -720,7 +720,7 @@ def test_a_run_on_cached_features_from_disk_trains_like_one_that_computed_them(
         assert memory[key] == writes[key] == reads[key], key
 
 
-def test_cached_features_train_like_online_ones(lm, answers, tmp_path) -> None:  # noqa: ANN001
+def test_cached_features_train_like_online_ones(lm, answers, tmp_path) -> None:
     """Same run with and without drafter.cache_target: the same losses (to float noise)."""
     online = _train(lm, answers, tmp_path / "online", "train.log_every=1")
     cached = _train(
@@ -738,10 +738,10 @@ def test_cached_features_train_like_online_ones(lm, answers, tmp_path) -> None: 
 
 
 def test_a_run_killed_mid_first_epoch_resumes_on_its_half_filled_store_exactly(
-    lm,  # noqa: ANN001
-    answers,  # noqa: ANN001
-    tmp_path,  # noqa: ANN001
-    monkeypatch,  # noqa: ANN001
+    lm,
+    answers,
+    tmp_path,
+    monkeypatch,
 ) -> None:
     """Killed after step 3 (checkpoint at 2), while its on-disk feature store holds only the
     rows met so far; resumed, it reads the rows the killed run wrote, computes the rest, and
@@ -760,7 +760,7 @@ def test_a_run_killed_mid_first_epoch_resumes_on_its_half_filled_store_exactly(
     store = tmp_path / "b"
     real = loop.Trainer._maybe_eval_and_save
 
-    def killed_after_3(self, model, logger):  # noqa: ANN001, ANN202
+    def killed_after_3(self, model, logger):
         real(self, model, logger)
         if self.state.step == 3:
             raise KeyboardInterrupt
@@ -778,7 +778,7 @@ def test_a_run_killed_mid_first_epoch_resumes_on_its_half_filled_store_exactly(
 
     read, row = [], FeatureCache._row
 
-    def counted(self, *a):  # noqa: ANN001, ANN202
+    def counted(self, *a):
         read.append(self)
         return row(self, *a)
 
@@ -797,7 +797,7 @@ def test_a_run_killed_mid_first_epoch_resumes_on_its_half_filled_store_exactly(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_cached_soft_labels_need_soft_top_k(lm) -> None:  # noqa: ANN001
+def test_cached_soft_labels_need_soft_top_k(lm) -> None:
     from tests.config.test_config import PRESETS
     from vltrain.config import load_config
     from vltrain.config.core import ConfigError

@@ -73,7 +73,7 @@ def tiny_lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_lm(tmp_path_factory.mktemp("tiny_lm"))
 
 
-def build_preset_model(cfg, out_dir: Path) -> nn.Module:  # noqa: ANN001 (a Config)
+def build_preset_model(cfg, out_dir: Path) -> nn.Module:
     """The model a run of `cfg` trains, built the way the engine builds it (single process)."""
     from vltrain.engine.runtime import RunContext
     from vltrain.stages import check_config

@@ -14,7 +14,7 @@ def test_interleaving_rotates_the_order_and_merges_per_prompt_results() -> None:
     m = load_bench("bench_drafter")
     calls: list[tuple[str, str]] = []
 
-    def method(name: str, tau: float, rounds: int):  # noqa: ANN202
+    def method(name: str, tau: float, rounds: int):
         def run(prompts: list[str]) -> dict:
             (q,) = prompts
             calls.append((name, q))

@@ -10,7 +10,7 @@ import pytest
 from tests.bench_scripts import load_bench
 
 
-def _module():  # noqa: ANN202
+def _module():
     return load_bench("drafter_curves")
 
 

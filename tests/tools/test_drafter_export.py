@@ -19,14 +19,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-from vltrain.cli import main  # noqa: E402
-from vltrain.config.core import ConfigError  # noqa: E402
-from vltrain.tools import export_drafter  # noqa: E402
+from vltrain.cli import main
+from vltrain.config.core import ConfigError
+from vltrain.tools import export_drafter
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _bench():  # noqa: ANN202
+def _bench():
     sys.path.insert(0, str(REPO / "bench"))
     spec = importlib.util.spec_from_file_location(
         "drafter_export_parity", REPO / "bench" / "drafter_export_parity.py"
@@ -41,12 +41,12 @@ bench = _bench()
 
 
 @pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):  # noqa: ANN001, ANN201
+def qwen3(tmp_path_factory):
     return bench.make_case("qwen3", 0, tmp_path_factory.mktemp("qwen3"))
 
 
 @pytest.fixture(scope="module")
-def llama48(tmp_path_factory):  # noqa: ANN001, ANN201
+def llama48(tmp_path_factory):
     return bench.make_case("llama", 48, tmp_path_factory.mktemp("llama"))
 
 
@@ -83,7 +83,7 @@ def test_speculators_config_fields_and_weight_names(llama48, tmp_path: Path) -> 
     assert not any(k.startswith("embed_tokens") or "verifier" in k for k in keys)
 
 
-def test_dflash_export_gives_zlab_logits_and_the_offset_control_fails(qwen3, tmp_path) -> None:  # noqa: ANN001
+def test_dflash_export_gives_zlab_logits_and_the_offset_control_fails(qwen3, tmp_path) -> None:
     out = bench.export(qwen3, tmp_path / "dflash", "dflash")
     c = json.loads((out / "config.json").read_text())
     assert c["architectures"] == ["DFlashDraftModel"] and c["model_type"] == "qwen3"
@@ -93,7 +93,7 @@ def test_dflash_export_gives_zlab_logits_and_the_offset_control_fails(qwen3, tmp
     assert bench.dflash_diff(qwen3, out, offset=2)[0] > bench.DETECT  # negative control
 
 
-def test_speculators_loads_the_export_and_reproduces_the_logits(llama48, tmp_path) -> None:  # noqa: ANN001
+def test_speculators_loads_the_export_and_reproduces_the_logits(llama48, tmp_path) -> None:
     pytest.importorskip("speculators")
     out = bench.export(llama48, tmp_path / "spec", "speculators")
     diff, missing, unexpected, same_ids = bench.speculators_diff(llama48, out)
@@ -104,7 +104,7 @@ def test_speculators_loads_the_export_and_reproduces_the_logits(llama48, tmp_pat
     assert bench.speculators_diff(llama48, flip)[0] > bench.DETECT
 
 
-def _vltrain_arch_checkpoint(case, folder: Path) -> Path:  # noqa: ANN001
+def _vltrain_arch_checkpoint(case, folder: Path) -> Path:
     """The case's drafter rebuilt with vltrain's own layers (learned mask, no q/k norm)."""
     from vltrain.models.drafter import Drafter, DrafterConfig
 
@@ -117,7 +117,7 @@ def _vltrain_arch_checkpoint(case, folder: Path) -> Path:  # noqa: ANN001
     return bench.save_checkpoint(twin, folder)
 
 
-def test_refusals_name_what_differs_and_write_nothing(qwen3, llama48, tmp_path, capsys) -> None:  # noqa: ANN001
+def test_refusals_name_what_differs_and_write_nothing(qwen3, llama48, tmp_path, capsys) -> None:
     ckpt = _vltrain_arch_checkpoint(qwen3, tmp_path / "vl")
     out = tmp_path / "out"
     assert main(["export", str(ckpt), "--out", str(out), "--format", "speculators"]) == 2
@@ -137,7 +137,7 @@ def test_refusals_name_what_differs_and_write_nothing(qwen3, llama48, tmp_path, 
         export_drafter.export_drafter(bench.save_checkpoint(last, tmp_path / "cl"), out, "dflash")
 
 
-def test_an_unsupported_target_and_a_too_large_vocabulary_are_refused(tmp_path, capsys) -> None:  # noqa: ANN001
+def test_an_unsupported_target_and_a_too_large_vocabulary_are_refused(tmp_path, capsys) -> None:
     import transformers
 
     case = bench.make_case("qwen3", 0, tmp_path / "q")
@@ -166,7 +166,7 @@ def test_an_unsupported_target_and_a_too_large_vocabulary_are_refused(tmp_path, 
     assert not (tmp_path / "o").exists()
 
 
-def test_an_output_folder_holding_an_export_is_refused_unless_forced(qwen3, tmp_path) -> None:  # noqa: ANN001
+def test_an_output_folder_holding_an_export_is_refused_unless_forced(qwen3, tmp_path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "drafter.json").write_text("{}")  # another export (vltrain's own)
@@ -180,7 +180,7 @@ def test_an_output_folder_holding_an_export_is_refused_unless_forced(qwen3, tmp_
     assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
 
 
-def test_an_exported_drafter_imports_and_decodes_like_the_original(tmp_path, capsys) -> None:  # noqa: ANN001
+def test_an_exported_drafter_imports_and_decodes_like_the_original(tmp_path, capsys) -> None:
     """Train a dflash-arch drafter (reduced vocabulary) with the stage, export it, decode with
     `generate --draft EXPORT`: the same lines and tau as `--draft RUN`; the imported drafter's
     logits equal the original's, and an export with the layer offset off by one does not."""

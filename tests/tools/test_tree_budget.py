@@ -14,7 +14,7 @@ from vltrain.inference import speculative
 pytest.importorskip("transformers")
 
 
-def _module():  # noqa: ANN202
+def _module():
     return load_bench("bench_tree_budget")
 
 
@@ -71,7 +71,7 @@ def test_best_first_trees_are_read_off_a_chain_first_tree_by_path_score() -> Non
     m = _module()
     g = torch.Generator().manual_seed(2)
 
-    def paths(tokens: torch.Tensor, parents: torch.Tensor, keep) -> set:  # noqa: ANN001
+    def paths(tokens: torch.Tensor, parents: torch.Tensor, keep) -> set:
         out: dict[int, tuple] = {}
         for k, (t, p) in enumerate(zip(tokens.tolist(), parents.tolist(), strict=True)):
             out[k] = (*(out[p] if p >= 0 else ()), t)

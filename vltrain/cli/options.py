@@ -53,14 +53,6 @@ def probability(text: str) -> float:
     return value
 
 
-def positive_float(text: str) -> float:
-    """A finite float > 0."""
-    value = finite_float(text)
-    if value <= 0.0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
-    return value
-
-
 def path_arg(text: str) -> str:
     """A non-empty path (an empty one would silently mean the current directory)."""
     if not text.strip():

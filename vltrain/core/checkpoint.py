@@ -240,7 +240,7 @@ def load_weights(model: torch.nn.Module, ckpt: Path, strict: bool = True) -> Non
     path = ckpt / "model.safetensors"
     try:
         missing, unexpected = load_model(model, str(path), strict=strict)
-    except Exception as e:  # noqa: BLE001 - safetensors' own error type derives from Exception
+    except Exception as e:
         if "Missing key" in str(e) or "Unexpected key" in str(e) or "size mismatch" in str(e):
             raise RuntimeError(f"{ckpt}: {e}") from None  # a model mismatch, not a bad file
         raise CheckpointError(f"cannot read {path}: {_short(e)} (truncated or corrupt?)") from None
@@ -277,7 +277,7 @@ def check_loadable(ckpt: Path) -> None:
     try:
         with safe_open(str(path), framework="pt"):  # checks the header covers the whole file
             pass
-    except Exception as e:  # noqa: BLE001 - any failure means "does not load"
+    except Exception as e:
         raise CheckpointError(f"cannot read {path}: {_short(e)} (truncated or corrupt?)") from None
     if (ckpt / "trainer_state.pt").exists():
         load_trainer_state(ckpt)
@@ -289,7 +289,7 @@ def _check_shards(ckpt: Path) -> None:
 
     try:
         meta = FileSystemReader(str(shards_of(ckpt))).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any failure means "does not load"
+    except Exception as e:
         raise CheckpointError(f"cannot read {shards_of(ckpt)}: {_short(e)}") from None
     names = {item.relative_path for item in (meta.storage_data or {}).values()}
     missing = sorted(n for n in names if not (shards_of(ckpt) / n).is_file())

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from vltrain.curation import report, semantic
@@ -199,7 +198,3 @@ def curate(
     if report_dir is not None:
         report.write(Path(report_dir), summary)
     return summary
-
-
-def kept_mask(decisions: list[Decision]) -> np.ndarray:
-    return np.array([d.reason is None for d in decisions], dtype=bool)

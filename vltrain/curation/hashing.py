@@ -200,8 +200,3 @@ def image_hashes(img: Image.Image, seed: int = 0, pixels: np.ndarray | None = No
     return ImageHashes(
         content_hash(rgb, seed, pixels), p, pm, d, dm, img.width, img.height, thumb, crops, small
     )
-
-
-def hamming(a: int, b: int) -> int:
-    """Bits that differ between two 64-bit hashes."""
-    return (a ^ b).bit_count()

@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 from vltrain.data import chat
 from vltrain.data.batches import CaptionBatch
 from vltrain.data.images import BadSample, check_text
-from vltrain.data.readers import DataError, normalise_record, read_jsonl
+from vltrain.data.readers import DataError, normalise_record
 from vltrain.data.records import as_key, caption_index
 from vltrain.data.sources import Source, load_source_image, read_source
 from vltrain.data.tokenizer import TextTokenizer
@@ -33,11 +33,6 @@ MODES = ("pretrain", "finetune", "sft")
 
 
 # --------------------------------------------------------------------------------- readers
-
-
-def read_caption_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Caption and chat records of a JSONL file; structural mistakes raise DataError."""
-    return read_jsonl(path, parse=_caption_or_chat)
 
 
 def _caption_or_chat(obj: object, where: str, default_id: str) -> dict[str, Any]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 
-import numpy as np
 import torch
 
 
@@ -19,8 +18,3 @@ def sample_generator(seed: int, epoch: int, index: int, salt: str = "") -> torch
     g = torch.Generator()
     g.manual_seed(sample_seed(seed, epoch, index, salt))
     return g
-
-
-def sample_numpy_rng(seed: int, epoch: int, index: int, salt: str = "") -> np.random.Generator:
-    """A numpy Generator with the same derivation as `sample_generator`."""
-    return np.random.default_rng(sample_seed(seed, epoch, index, salt))

@@ -75,7 +75,7 @@ class Doctor:
                 if history is not None:
                     kept = history.findings if name == "doctor.jsonl" else history.steps
                     (out_dir / name).write_text("".join(json.dumps(r) + "\n" for r in kept))
-                self.files[name] = open(out_dir / name, mode, buffering=1)  # noqa: SIM115
+                self.files[name] = open(out_dir / name, mode, buffering=1)
 
     @classmethod
     def for_training(

@@ -9,7 +9,6 @@ gathers per step.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -191,7 +190,3 @@ class Probe:
         if bad_g:
             return {"kind": "grad", "first": bad_g[0], "count": len(bad_g)}
         return {"kind": "loss", "first": "", "count": 0}
-
-
-def finite_or_nan(x: float) -> float:
-    return x if math.isfinite(x) else float("nan")

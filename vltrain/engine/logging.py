@@ -52,7 +52,7 @@ class RunLogger:
         if not enabled:
             return
         truncate_metrics(self.path, start_step)
-        self.file = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        self.file = open(self.path, "a", buffering=1)
         if cfg.log.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

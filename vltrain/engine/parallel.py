@@ -7,7 +7,6 @@ Everything that depends on the wrapping lives here, so the loop and the stages n
   for work that must not go through the wrapper (sampling, GradCache chunks), after which the
   stage calls :meth:`ParallelModel.reduce_gradients`.
 - :meth:`ParallelModel.micro_step` marks accumulation micro-steps (DDP's ``no_sync``).
-- :func:`unwrap_model` is the one way to reach the plain module from any wrapper.
 - :meth:`ParallelModel.checkpoint_module` is the module a checkpoint is written from; every
   rank calls the checkpoint code (rank 0 writes), so a sharded mode can gather there.
 - :meth:`ParallelModel.save_checkpoint` / :meth:`ParallelModel.load_checkpoint` pick the
@@ -47,19 +46,6 @@ class ParallelOptions:
     compile: bool = False
     fsdp_cpu_offload: bool = False
     param_dtype: torch.dtype | None = None  # FSDP's all-gathered compute dtype (bf16 runs)
-
-
-def unwrap_model(model: Any) -> nn.Module:
-    """The plain module under any vltrain or torch wrapper (ParallelModel, DDP, compile)."""
-    while True:
-        if isinstance(model, ParallelModel):
-            model = model.module
-        elif isinstance(model, DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
-            model = model._orig_mod
-        else:
-            return model
 
 
 class ParallelModel:
@@ -103,11 +89,6 @@ class ParallelModel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped forward: gradients of its backward are synchronised as the mode says."""
         return self.wrapped(*args, **kwargs)
-
-    @property
-    def syncs_gradients(self) -> bool:
-        """True on the micro-step whose backward synchronises gradients across ranks."""
-        return self._sync
 
     @contextlib.contextmanager
     def micro_step(self, sync: bool) -> Iterator[None]:

@@ -147,7 +147,7 @@ class CaptionerTarget:
         return dec.lm_head.weight, dec.lm_head.bias
 
     @torch.no_grad()
-    def features(self, images: Tensor, input_ids: Tensor, attention_mask: Tensor):  # noqa: ANN201
+    def features(self, images: Tensor, input_ids: Tensor, attention_mask: Tensor):
         """(Context over prefix + text positions, text logits (B, T, V), prefix length P)."""
         visual = self.model.encode_images(images)
         out = self._run(visual, input_ids, attention_mask.bool(), None, taps=self.layer_ids)
@@ -158,7 +158,7 @@ class CaptionerTarget:
 
     # ----------------------------------------------------------------------- internals
 
-    def _run(self, visual, ids, mask, kv, pos=None, attn=None, taps=()) -> DecoderOutput:  # noqa: ANN001
+    def _run(self, visual, ids, mask, kv, pos=None, attn=None, taps=()) -> DecoderOutput:
         m = self.model
         return m.connector.run(
             m.decoder, visual, ids, mask, kv, True, position_ids=pos, attn_mask=attn, taps=taps

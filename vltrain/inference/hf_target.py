@@ -253,7 +253,7 @@ class HFTarget:
         return lin.weight, getattr(lin, "bias", None)
 
     @torch.no_grad()
-    def features(self, input_ids: Tensor, attention_mask: Tensor):  # noqa: ANN201
+    def features(self, input_ids: Tensor, attention_mask: Tensor):
         """(Context of every position, logits (B, T, V), prefix length 0) of right-padded rows."""
         with self._reading():
             out = self.model(

@@ -113,7 +113,7 @@ def ddtree(logq: Tensor, budget: int, chain_first: bool = True) -> tuple[Tensor,
     return torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long)
 
 
-def accept_walk(tokens: Tensor, parents: Tensor, choose) -> tuple[list[int], int]:  # noqa: ANN001
+def accept_walk(tokens: Tensor, parents: Tensor, choose) -> tuple[list[int], int]:
     """Follow the target from the root: ``choose(node)`` -> its token after node (-1 = root).
 
     Returns the accepted node indices (root excluded) and the target's token after the last.
@@ -170,7 +170,7 @@ def _proposals(
     logq: Tensor,
     budget: int,
     sample: bool,
-    gen,  # noqa: ANN001
+    gen,
     chain_first: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Tokens and parents (B, N) of every row's proposal (chain or tree)."""
@@ -259,13 +259,13 @@ def speculative_generate(
     return rows.out, stats
 
 
-def _pick(logits: Tensor, sample: bool, temperature: float, gen) -> Tensor:  # noqa: ANN001
+def _pick(logits: Tensor, sample: bool, temperature: float, gen) -> Tensor:
     if not sample:
         return logits.argmax(-1)
     return torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)[:, 0]
 
 
-def _walk_row(i, fed, fed_par, tlogits, logq, sample, temperature, gen):  # noqa: ANN001, ANN202
+def _walk_row(i, fed, fed_par, tlogits, logq, sample, temperature, gen):
     """Accepted fed indices of row i (root first) and the target's token after them."""
     if not sample:
         choice = tlogits[i].max(-1).indices.tolist()  # (1 + N,): argmax, first of ties
@@ -282,7 +282,7 @@ def _walk_row(i, fed, fed_par, tlogits, logq, sample, temperature, gen):  # noqa
     return path, int(torch.multinomial(p, 1, generator=gen))
 
 
-def _greedy_walks(drafter, fed, fed_par, hidden, done):  # noqa: ANN001, ANN202
+def _greedy_walks(drafter, fed, fed_par, hidden, done):
     """Every row's greedy walk (accepted fed indices, root first; the target's token after
     them) from the verify's final hidden states (B, 1 + N, W), with the LM head over the whole
     vocabulary on the nodes the walk visits only.
@@ -335,7 +335,7 @@ def _emit(rows: _Rows, i: int, new: list[int], eos: int, max_new: int) -> None:
         rows.done[i] = t == eos or len(rows.out[i]) >= max_new
 
 
-def _compact(target: DecodeTarget, cache, n_old: int, ctx: Context, new_ctx: Context, paths):  # noqa: ANN001, ANN202
+def _compact(target: DecodeTarget, cache, n_old: int, ctx: Context, new_ctx: Context, paths):
     """Keep the ``n_old`` cached positions and each row's accepted path; extend the context."""
     width = max(len(p) for p in paths)
     dev = new_ctx.features.device
@@ -352,7 +352,7 @@ def _compact(target: DecodeTarget, cache, n_old: int, ctx: Context, new_ctx: Con
     return cache, ctx.extend(add)
 
 
-def _cache_len(cache) -> int:  # noqa: ANN001
+def _cache_len(cache) -> int:
     kv = getattr(cache, "kv", cache)
     if hasattr(kv, "length"):
         return int(kv.length)

@@ -283,7 +283,7 @@ class Drafter(nn.Module):
             self.vocab_ids.copy_(ids)
         self._forget()
 
-    def _load_from_state_dict(self, state, prefix, *args) -> None:  # noqa: ANN001, ANN002
+    def _load_from_state_dict(self, state, prefix, *args) -> None:
         super()._load_from_state_dict(state, prefix, *args)
         if self.cfg.draft_vocab:  # the derived index and head rows follow the loaded ids
             self._check_vocab(self.vocab_ids, f"checkpoint key {prefix}vocab_ids")

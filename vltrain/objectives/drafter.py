@@ -239,7 +239,7 @@ class BlockDraftLoss(nn.Module):
         k = drafter.cfg.block_size
         self.register_buffer("weights", position_weights(k, gamma), persistent=False)
 
-    def _chunk(self, feats, ctx_pos, ctx_valid, a_ids, a_pos, labels, valid, soft):  # noqa: ANN001, ANN202
+    def _chunk(self, feats, ctx_pos, ctx_valid, a_ids, a_pos, labels, valid, soft):
         hidden = self.drafter(feats, ctx_pos, ctx_valid, a_ids, a_pos)  # (B, j, K, W)
         logits = self.drafter.logits(hidden)  # (B, j, K, V or draft_vocab)
         # a reduced draft vocabulary: labels as its indices; one outside it (-1) carries no

@@ -102,7 +102,7 @@ def save_plots(study: Any, out_dir: Path) -> tuple[list[str], list[str]]:
                     fig = getattr(vis, f"plot_{name}")(study)
                     fig.write_html(out_dir / f"{name}.html", include_plotlyjs="directory")
                     written.append(f"{name}.html")
-                except Exception as e:  # noqa: BLE001 - a plot never fails a search
+                except Exception as e:
                     notes.append(f"{name}.html: {e}")
         except ImportError:
             notes.append("HTML plots need plotly: pip install 'vltrain[tune]'")
@@ -120,7 +120,7 @@ def save_plots(study: Any, out_dir: Path) -> tuple[list[str], list[str]]:
                     fig.savefig(out_dir / f"{name}.png", dpi=100, bbox_inches="tight")
                     plt.close(fig)
                     written.append(f"{name}.png")
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     notes.append(f"{name}.png: {e}")
         except ImportError:
             notes.append("PNG plots need matplotlib: pip install 'vltrain[tune]'")

@@ -12,7 +12,6 @@ and stop at the same step.
 from __future__ import annotations
 
 import fnmatch
-import json
 import os
 import re
 import time
@@ -406,8 +405,3 @@ def run_search(
         raise
     distributed.shutdown(finished=True)
     return result
-
-
-def load_summary(study_dir: str | Path) -> dict[str, Any]:
-    """The `summary.json` a finished search wrote."""
-    return json.loads((Path(study_dir) / "summary.json").read_text())

@@ -130,7 +130,7 @@ def open_storage(spec: StorageSpec, heartbeat_interval: int) -> Any:
                 heartbeat_interval=hb,
                 grace_period=2 * hb if hb else None,
             )
-    except Exception as e:  # noqa: BLE001 - any driver error becomes one clear, scrubbed message
+    except Exception as e:
         detail = scrub(f"{type(e).__name__}: {e}", spec.secrets)
         hint = (
             "install its database driver (e.g. pip install psycopg2-binary for "
@@ -198,7 +198,7 @@ def fail_dead_trials(study: Any, storage: Any) -> list[int]:
         try:
             storage.set_trial_user_attr(trial_id, "fail_reason", reason)
             storage.set_trial_state_values(trial_id, TrialState.FAIL)
-        except Exception:  # noqa: BLE001 - another resuming worker got there first
+        except Exception:
             continue
         run_dir = t.user_attrs.get("run_dir")
         if run_dir:  # the worker may have died before it created the folder: write it anyway

@@ -215,7 +215,7 @@ def run_trial(
                 {"state": "failed", "reason": "interrupted", **(extra_status or {})},
             )
         raise
-    except Exception as e:  # noqa: BLE001 - a crashing trial is recorded, the search goes on
+    except Exception as e:
         out = Outcome("failed", last["value"], f"{type(e).__name__}: {e}", last["step"], 0.0)
         if is_main:
             Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
