@@ -16,6 +16,7 @@ from real speculative decoding of held-out prompts with the target.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from vltrain.data.samplers import EvalShardSampler, LengthBucketBatchSampler, Sh
 from vltrain.engine.parallel import ParallelModel
 from vltrain.engine.runtime import RunContext
 from vltrain.engine.task import StepOutput
-from vltrain.inference.draft_target import TARGET_KINDS, DraftTarget
+from vltrain.inference.draft_target import TARGET_KINDS, DraftInputs, DraftTarget
 from vltrain.models.drafter import (
     Drafter,
     DrafterConfig,
@@ -57,6 +58,14 @@ EVAL_METRICS = (
 )
 
 
+def noise_std(noise: float, warmup_steps: int, step: int) -> float:
+    """Std of the feature noise at optimizer step ``step``: ramps linearly from 0 at step 0 to
+    ``noise`` at ``warmup_steps`` (``noise`` throughout without a warmup)."""
+    if warmup_steps <= 0:
+        return noise
+    return noise * min(1.0, step / warmup_steps)
+
+
 def gamma_of(cfg: Config) -> float:
     """The configured gamma, or the one derived from the block size."""
     d = cfg.drafter
@@ -71,6 +80,7 @@ class DrafterStage:
 
     def __init__(self, cfg: Config, out_dir: Path, ctx: RunContext) -> None:
         self.cfg, self.out_dir, self.ctx = cfg, Path(out_dir), ctx
+        self.micro_batches = 0  # forwarded in training: the noise schedule's clock
 
     @classmethod
     def check_config(cls, cfg: Config) -> None:
@@ -203,7 +213,7 @@ class DrafterStage:
 
     def forward_backward(self, model: ParallelModel, batch: DraftBatch, scale: float) -> StepOutput:
         """sum(CE * w) / sum(w) over the global batch, whatever the world size."""
-        inp = self.target.inputs(batch)
+        inp = self._add_noise(self.target.inputs(batch))
         soft = self.target.soft_labels(inp)
         loss, weight, sums = model(*inp.drafter_args(), inp.labels, inp.valid, soft)
         agree = self._agreement(batch["labels"], inp.greedy)
@@ -218,6 +228,20 @@ class DrafterStage:
             "label_agreement": float(total[2] / total[3].clamp(min=1)),
         }
         return StepOutput((total[0] / w_all).float(), metrics)
+
+    def _add_noise(self, inp: DraftInputs) -> DraftInputs:
+        """``inp`` with Gaussian noise of the scheduled std on the target's features (training
+        only: evaluation reads them clean). The clock counts micro-batches, so it is the
+        optimizer step whatever ``optim.accum_steps``, and resumes with the stage state."""
+        step = self.micro_batches // self.cfg.optim.accum_steps
+        self.micro_batches += 1
+        d = self.cfg.drafter
+        std = noise_std(d.noise, d.noise_warmup_steps, step)
+        if std == 0:
+            return inp
+        feats = inp.context.features
+        noisy = feats + std * torch.randn_like(feats)  # (B, S, F)
+        return replace(inp, context=replace(inp.context, features=noisy))
 
     # ---- evaluation ------------------------------------------------------------------------
 
@@ -291,7 +315,8 @@ class DrafterStage:
         save_drafter_meta(folder, model.drafter.cfg, target)
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return {"micro_batches": self.micro_batches}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """No state besides the weights."""
+        """The noise schedule's clock (a run saved before it existed starts it at 0)."""
+        self.micro_batches = int(state.get("micro_batches", 0))
