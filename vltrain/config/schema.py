@@ -234,7 +234,8 @@ class ModelConfig:
     init_from: str = option(
         "",
         "Start from these weights (a run dir, its checkpoints/ or a checkpoint folder; the best "
-        "checkpoint, else the newest) and reuse the tokenizer saved there. '' = random init.",
+        "checkpoint, else the newest) and reuse the tokenizer saved there (drafter stage: also a "
+        "speculators or DFlash checkpoint). '' = random init.",
     )
 
 

@@ -41,6 +41,7 @@ from vltrain.models.drafter import (
     DrafterConfig,
     SharedParts,
     draft_vocab_ids,
+    load_drafter,
     save_drafter_meta,
 )
 from vltrain.objectives.drafter import BlockDraftLoss, default_gamma, summarize_metrics
@@ -48,6 +49,19 @@ from vltrain.objectives.drafter import BlockDraftLoss, default_gamma, summarize_
 DRAFTER_ARCHS = {  # drafter.arch -> the DrafterConfig fields it sets
     "vltrain": {},
     "dflash": {"qk_norm": True, "learned_mask": False, "norm_eps": 1e-6},
+}
+INIT_KEYS = {  # DrafterConfig field -> what sets it, compared with a model.init_from drafter
+    "width": "model.target",
+    "vocab_size": "model.target",
+    "target_layer_ids": "drafter.layer_ids",
+    "layers": "drafter.layers",
+    "heads": "drafter.heads",
+    "mlp_ratio": "drafter.mlp_ratio",
+    "block_size": "drafter.block_size",
+    "rope_theta": "the drafter's rope_theta, 10000",
+    "qk_norm": "drafter.arch",
+    "learned_mask": "drafter.arch",
+    "norm_eps": "drafter.arch",
 }
 MAX_CACHED_TOP_K = 1024  # soft labels kept per position in a feature store
 EVAL_METRICS = (
@@ -87,6 +101,8 @@ class DrafterStage:
         check_choice("model.kind", cfg.model.kind, TARGET_KINDS, "stage drafter")
         if not cfg.model.target:
             raise ConfigError("stage drafter needs 'model.target' (the frozen target model)")
+        if cfg.model.init_from and not Path(cfg.model.init_from).exists():
+            raise ConfigError(f"'model.init_from' {cfg.model.init_from} does not exist")
         d = cfg.drafter
         if (d.cache_target or d.cache_dir) and d.soft_labels and not d.soft_top_k:
             which = "cache_dir' (it implies cache_target)" if d.cache_dir else "cache_target'"
@@ -133,11 +149,37 @@ class DrafterStage:
             draft_vocab=self._vocab_size(),
             **DRAFTER_ARCHS[d.arch],
         )
+        imported = self._imported(dcfg) if self.cfg.model.init_from else None
+        if imported is not None:  # its mask token and draft vocabulary are its own
+            c = imported.cfg
+            dcfg = replace(dcfg, mask_token_id=c.mask_token_id, draft_vocab=c.draft_vocab)
         torch.manual_seed(self.cfg.run.seed)
         drafter = Drafter(dcfg).share(SharedParts(t.embed, t.head, t.head_params))
         drafter.init_mask_embed()
+        if imported is not None:
+            drafter.load_state_dict(imported.state_dict(), strict=True)
         self._drafter = drafter  # its draft vocabulary is chosen from the data (build_loader)
         return BlockDraftLoss(drafter, gamma_of(self.cfg), d.chunk_blocks, d.dpace)
+
+    def _imported(self, dcfg: DrafterConfig) -> Drafter:
+        """The drafter ``model.init_from`` names (a vltrain run or checkpoint, a speculators or
+        z-lab DFlash checkpoint), refused unless this config builds its architecture."""
+        path = self.cfg.model.init_from
+        try:
+            drafter, _ = load_drafter(path)
+        except FileNotFoundError as e:
+            raise ConfigError(f"model.init_from: {e}") from None
+        mine, theirs = dcfg.to_dict(), drafter.cfg.to_dict()
+        diff = [
+            f"{key} {theirs[key]} (this config: {mine[key]}; set {INIT_KEYS[key]})"
+            for key in INIT_KEYS
+            if mine[key] != theirs[key]
+        ]
+        if diff:
+            raise ConfigError(
+                f"model.init_from={path} is a drafter of another shape: {'; '.join(diff)}"
+            )
+        return drafter
 
     def _vocab_size(self) -> int:
         """``drafter.draft_vocab``, or 0 (the whole vocabulary, said once) when it is not
@@ -176,7 +218,7 @@ class DrafterStage:
         base = self.target.records(d.train, train=True)
         if d.max_train_samples:
             base.records = base.records[: d.max_train_samples]
-        if self._drafter.cfg.draft_vocab:
+        if self._drafter.cfg.draft_vocab and not c.model.init_from:  # imported: kept
             self._drafter.set_vocab(self._draft_vocab(base, self._drafter.cfg.draft_vocab))
         data = DraftDataset(base, c.drafter.anchors, c.run.seed)
         if d.length_buckets > 0:
