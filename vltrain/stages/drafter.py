@@ -58,7 +58,7 @@ INIT_KEYS = {  # DrafterConfig field -> what sets it, compared with a model.init
     "heads": "drafter.heads",
     "mlp_ratio": "drafter.mlp_ratio",
     "block_size": "drafter.block_size",
-    "rope_theta": "the drafter's rope_theta, 10000",
+    "rope_theta": "no key: vltrain's drafters train at 10000",
     "qk_norm": "drafter.arch",
     "learned_mask": "drafter.arch",
     "norm_eps": "drafter.arch",
@@ -273,8 +273,9 @@ class DrafterStage:
 
     def _add_noise(self, inp: DraftInputs) -> DraftInputs:
         """``inp`` with Gaussian noise of the scheduled std on the target's features (training
-        only: evaluation reads them clean). The clock counts micro-batches, so it is the
-        optimizer step whatever ``optim.accum_steps``, and resumes with the stage state."""
+        only: evaluation reads them clean). The clock counts forwarded micro-batches, so it is
+        the optimizer step whatever ``optim.accum_steps`` (a step skipped because none of its
+        micro-batches held a sample does not advance it) and resumes with the stage state."""
         step = self.micro_batches // self.cfg.optim.accum_steps
         self.micro_batches += 1
         d = self.cfg.drafter
