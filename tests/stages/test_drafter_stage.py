@@ -496,6 +496,20 @@ def test_captioner_drafter_end_to_end(
         got = capsys.readouterr()
         assert got.out == plain  # the same JSON lines, batched
         assert json.loads(got.err.strip().splitlines()[-1])["rounds"] > 0
+    # the default export of a captioner's drafter (it once failed on the drafter checkpoint's
+    # absent tokenizer/: the tokenizer is the target's) decodes as the run does
+    export = tmp_path / "export"
+    assert main(["export", str(run), "--out", str(export)]) == 0
+    assert (export / "drafter.json").is_file() and not (export / "tokenizer").exists()
+    capsys.readouterr()
+    assert main([*base, "--draft", str(export), "--tree-budget", "6"]) == 0
+    assert capsys.readouterr().out == plain
+    # the engines' formats describe drafters of HF causal LMs: refused, nothing written
+    for fmt in ("speculators", "dflash"):
+        assert main(["export", str(run), "--format", fmt, "--out", str(tmp_path / fmt)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("vltrain: error:") and "captioner" in err, err
+        assert len(err.splitlines()) == 1 and not (tmp_path / fmt).exists()
 
 
 def _draft_batch(lm, answers, n: int = 4):

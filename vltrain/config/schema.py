@@ -234,7 +234,8 @@ class ModelConfig:
     init_from: str = option(
         "",
         "Start from these weights (a run dir, its checkpoints/ or a checkpoint folder; the best "
-        "checkpoint, else the newest) and reuse the tokenizer saved there. '' = random init.",
+        "checkpoint, else the newest) and reuse the tokenizer saved there (drafter stage: also a "
+        "speculators or DFlash checkpoint). '' = random init.",
     )
 
 
@@ -674,6 +675,14 @@ class DrafterConfig:
         3, "Drafter: target layers read (evenly spaced over [1, L-3], DFlash's rule).", ge=1
     )
     layer_ids: list[int] = option([], "Drafter: explicit target layer ids (overrides the rule).")
+    noise: float = option(
+        0.0,
+        "Drafter: std of Gaussian noise on the target features it reads (training only).",
+        ge=0.0,
+    )
+    noise_warmup_steps: int = option(
+        0, "Drafter: optimizer steps over which drafter.noise ramps linearly up from 0.", ge=0
+    )
     gamma: float = option(
         0.0,
         "Drafter: position-weight decay w_k = exp(-(k-1)/gamma); 0 derives it from block_size "

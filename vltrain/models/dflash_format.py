@@ -211,19 +211,31 @@ def speculators_state(drafter: Drafter) -> dict[str, Tensor]:
     return out
 
 
-def is_speculators(path: str | Path) -> bool:
-    """Whether ``path`` is a folder holding a speculators DFlash checkpoint."""
+def _config_of(path: str | Path) -> dict:
+    """config.json of ``path`` as a dict ({} when there is none or it is not JSON)."""
     cfg = Path(path) / "config.json"
     if not cfg.is_file():
-        return False
+        return {}
     try:
-        return json.loads(cfg.read_text()).get("speculators_model_type") == "dflash"
-    except (json.JSONDecodeError, AttributeError):
-        return False
+        c = json.loads(cfg.read_text())
+    except json.JSONDecodeError:
+        return {}
+    return c if isinstance(c, dict) else {}
 
 
-def _import_refusals(c: dict, tl: dict) -> list[str]:
-    """What a speculators DFlash checkpoint holds that a vltrain drafter cannot compute."""
+def is_speculators(path: str | Path) -> bool:
+    """Whether ``path`` is a folder holding a speculators DFlash checkpoint."""
+    return _config_of(path).get("speculators_model_type") == "dflash"
+
+
+def is_dflash(path: str | Path) -> bool:
+    """Whether ``path`` is a folder holding a z-lab DFlash checkpoint."""
+    c = _config_of(path)
+    return "DFlashDraftModel" in (c.get("architectures") or []) and "dflash_config" in c
+
+
+def _import_refusals(tl: dict) -> list[str]:
+    """What a DFlash decoder config holds that a vltrain drafter cannot compute."""
     heads, width = tl["num_attention_heads"], tl["hidden_size"]
     rope = tl.get("rope_parameters") or {}
     checks = [
@@ -236,42 +248,58 @@ def _import_refusals(c: dict, tl: dict) -> list[str]:
             any(t != "full_attention" for t in tl.get("layer_types") or []),
             "sliding-window layers",
         ),
+    ]
+    return [what for bad, what in checks if bad]
+
+
+def _speculators_refusals(c: dict) -> list[str]:
+    """What a speculators config holds beyond its decoder that vltrain cannot run."""
+    methods = c.get("speculators_config", {}).get("proposal_methods") or [{}]
+    n = methods[0].get("speculative_tokens", c.get("block_size", 0) - 1)
+    checks = [
         (bool(c.get("sample_from_anchor")), "sample_from_anchor: true"),
-        (c.get("mask_token_id") is None, "no mask_token_id"),
         (
             min(c.get("aux_hidden_state_layer_ids") or [0]) < SPECULATORS_LAYER_OFFSET,
             "an aux layer id 0 (the embedding output)",
+        ),
+        (
+            n != c.get("block_size", 0) - 1,
+            f"speculative_tokens {n} with block_size {c.get('block_size')} (a block drafts "
+            "block_size - 1 tokens)",
         ),
     ]
     return [what for bad, what in checks if bad]
 
 
-def load_speculators(path: str | Path) -> tuple[Drafter, dict]:
-    """(vltrain drafter in eval mode, its target dict) of a speculators DFlash checkpoint."""
+def _check_block_and_mask(folder: Path, block: Any, mask: Any, vocab: int) -> None:
+    """block_size a whole number >= 2, mask_token_id a token of the vocabulary."""
+    if not isinstance(block, int) or block < 2:
+        raise ConfigError(f"{folder}: block_size {block!r} is not a block (a whole number >= 2)")
+    if not isinstance(mask, int) or not 0 <= mask < vocab:
+        raise ConfigError(
+            f"{folder}: mask_token_id {mask!r} is not a token of its vocabulary ({vocab} tokens)"
+        )
+
+
+def _drafter_from(
+    folder: Path, tl: dict, layer_ids: list[int], block: int, mask: int, n_draft: int
+) -> tuple[Drafter, dict[str, Tensor]]:
+    """The drafter a DFlash decoder config ``tl`` describes, loaded from ``folder``'s
+    safetensors (strict); also returns those tensors (the caller reads d2t / t2d)."""
     from safetensors.torch import load_file
 
-    folder = Path(path)
-    c = json.loads((folder / "config.json").read_text())
-    tl = c["transformer_layer_config"]
-    bad = _import_refusals(c, tl)
-    if bad:
-        raise ConfigError(f"{folder}: a speculators drafter vltrain cannot run: {', '.join(bad)}")
-    width, vocab, n_draft = tl["hidden_size"], tl["vocab_size"], c["draft_vocab_size"]
-    if n_draft > vocab:
-        raise ConfigError(
-            f"{folder}: draft_vocab_size {n_draft} is larger than the target's vocabulary {vocab}"
-        )
+    width, vocab = tl["hidden_size"], tl["vocab_size"]
     rope = tl.get("rope_parameters") or {}
     cfg = DrafterConfig(
         width=width,
         vocab_size=vocab,
-        target_layer_ids=[i - SPECULATORS_LAYER_OFFSET for i in c["aux_hidden_state_layer_ids"]],
+        target_layer_ids=layer_ids,
         layers=tl["num_hidden_layers"],
         heads=tl["num_attention_heads"],
         mlp_ratio=tl["intermediate_size"] / width,
-        block_size=c["block_size"],
+        block_size=block,
         rope_theta=float(rope.get("rope_theta", tl.get("rope_theta", 10000.0))),
-        mask_token_id=c["mask_token_id"],
+        mask_token_id=mask,
         draft_vocab=0 if n_draft == vocab else n_draft,
         qk_norm=True,
         learned_mask=False,
@@ -296,9 +324,95 @@ def load_speculators(path: str | Path) -> tuple[Drafter, dict]:
     except RuntimeError as e:
         first = str(e).splitlines()[0]
         raise ConfigError(f"{folder}: weights do not match its config.json: {first}") from None
+    return drafter.eval(), state
+
+
+def load_speculators(path: str | Path) -> tuple[Drafter, dict]:
+    """(vltrain drafter in eval mode, its target dict) of a speculators DFlash checkpoint."""
+    folder = Path(path)
+    c = _config_of(folder)
+    tl = c["transformer_layer_config"]
+    bad = _import_refusals(tl) + _speculators_refusals(c)
+    if c.get("mask_token_id") is None:
+        bad.append("no mask_token_id")
+    if bad:
+        raise ConfigError(f"{folder}: a speculators drafter vltrain cannot run: {', '.join(bad)}")
+    vocab, n_draft = tl["vocab_size"], c["draft_vocab_size"]
+    if n_draft > vocab:
+        raise ConfigError(
+            f"{folder}: draft_vocab_size {n_draft} is larger than the target's vocabulary {vocab}"
+        )
+    _check_block_and_mask(folder, c.get("block_size"), c["mask_token_id"], vocab)
+    ids = [i - SPECULATORS_LAYER_OFFSET for i in c["aux_hidden_state_layer_ids"]]
+    drafter, _ = _drafter_from(folder, tl, ids, c["block_size"], c["mask_token_id"], n_draft)
     verifier = c["speculators_config"]["verifier"]
-    target = {"kind": "hf_lm", "path": verifier.get("name_or_path"), "format": "speculators"}
-    return drafter.eval(), target
+    target = {
+        "kind": "hf_lm",
+        "path": verifier.get("name_or_path"),
+        "format": "speculators",
+        "verifier": {"architectures": list(verifier.get("architectures") or []), "vocab": vocab},
+    }
+    return drafter, target
+
+
+def load_dflash(path: str | Path) -> tuple[Drafter, dict]:
+    """(vltrain drafter in eval mode, its target dict) of a z-lab DFlash checkpoint: a Qwen3
+    config whose ``dflash_config`` names the target layers (read as ``hidden_states[id + 1]``:
+    vltrain's ids) and the mask token. The verifier's architecture is known only from a
+    vltrain export's provenance; its vocabulary and layer count from the config."""
+    folder = Path(path)
+    c = _config_of(folder)
+    dc = c["dflash_config"]
+    bad = _import_refusals(c)
+    if dc.get("mask_token_id") is None:
+        bad.append("no dflash_config.mask_token_id")
+    if bad:
+        raise ConfigError(f"{folder}: a DFlash drafter vltrain cannot run: {', '.join(bad)}")
+    block, vocab = c.get("block_size"), c["vocab_size"]
+    if "block_size" in dc and dc["block_size"] != block:
+        raise ConfigError(
+            f"{folder}: block_size {block!r} and dflash_config.block_size "
+            f"{dc['block_size']!r} disagree"
+        )
+    _check_block_and_mask(folder, block, dc["mask_token_id"], vocab)
+    ids = list(dc["target_layer_ids"])
+    drafter, _ = _drafter_from(folder, c, ids, block, dc["mask_token_id"], vocab)
+    made = (c.get("vltrain") or {}).get("target") or {}
+    target = {
+        "kind": "hf_lm",
+        "path": made.get("name_or_path", ""),
+        "format": "dflash",
+        "verifier": {
+            "architectures": list(made.get("architectures") or []),
+            "vocab": vocab,
+            "layers": c.get("num_target_layers"),
+        },
+    }
+    return drafter, target
+
+
+def check_verifier(target: dict, model: Any, where: str) -> None:
+    """Refuse an imported drafter whose verifier is not the HF ``model`` it is to draft for
+    (architecture, vocabulary size, layer count where the checkpoint names them)."""
+    verifier = target.get("verifier")
+    if not verifier:
+        return  # a vltrain checkpoint: attach() checks width, vocabulary and layers
+    archs = set(getattr(model.config, "architectures", None) or [])
+    vocab = model.get_output_embeddings().weight.shape[0]
+    layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    named = set(verifier.get("architectures") or [])
+    diff = []
+    if named and archs and not named & archs:
+        diff.append(f"architecture {sorted(named)} (the model is {sorted(archs)})")
+    if verifier.get("vocab") not in (None, vocab):
+        diff.append(f"a vocabulary of {verifier['vocab']} tokens (the model has {vocab})")
+    if verifier.get("layers") not in (None, layers):
+        diff.append(f"{verifier['layers']} layers (the model has {layers})")
+    if diff:
+        raise ConfigError(
+            f"the drafter {where} was made for another verifier: {'; '.join(diff)}; pass the "
+            "--model it names"
+        )
 
 
 def _vocab_ids(folder: Path, state: dict[str, Tensor], n: int, vocab: int) -> Tensor:

@@ -470,6 +470,8 @@ def load_drafter(path: str | Path) -> tuple[Drafter, dict]:
 
     if dflash_format.is_speculators(path):  # a speculators (vLLM) DFlash checkpoint
         return dflash_format.load_speculators(path)
+    if dflash_format.is_dflash(path):  # a z-lab DFlash checkpoint (SGLang's)
+        return dflash_format.load_dflash(path)
     ckpt = resolve_checkpoint(path)
     meta_path = ckpt / DRAFTER_FILE
     if not meta_path.is_file():

@@ -43,7 +43,8 @@ def load_trained(
         print(f"vltrain: {skipped}", file=sys.stderr)
     cfg = load_config(run_config_for(ckpt), overrides)
     cfg.model.init_from = cfg.model.vision_init_from = ""
-    if cfg.model.kind in ("dual_encoder", "captioner"):
+    if cfg.model.kind in ("dual_encoder", "captioner") and cfg.stage != "drafter":
+        # a drafter's model.kind names its target, whose own folder carries the tokenizer
         require_tokenizer(ckpt / "tokenizer")
     ctx = RunContext(
         device=torch.device(device),

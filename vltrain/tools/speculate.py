@@ -25,6 +25,7 @@ from vltrain.inference.hf_target import load_hf_causal_lm
 from vltrain.inference.native_llama import causal_lm_target
 from vltrain.inference.speculative import SpecStats, speculative_generate
 from vltrain.inference.target import DecodeTarget
+from vltrain.models import dflash_format
 from vltrain.models.drafter import Drafter, SharedParts, load_drafter
 
 
@@ -93,10 +94,11 @@ def caption_speculative(
 
 def lm_command(args: Any) -> int:
     """``--model DIR_OR_GGUF --prompts FILE.jsonl [--draft D] [--tree-budget N]``."""
+    drafter, meta = load_drafter(args.draft) if args.draft else (None, {})  # refused first
     model, tok = load_hf_causal_lm(args.model)
+    dflash_format.check_verifier(meta, model, args.draft)
     recs = read_prompts(args.prompts)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    drafter, _ = load_drafter(args.draft) if args.draft else (None, None)
     layer_ids = drafter.cfg.target_layer_ids if drafter is not None else []
     target = causal_lm_target(model, layer_ids, getattr(args, "forward", "auto"), pad)
     if drafter is not None:
