@@ -20,7 +20,7 @@ NOISE, WARMUP, STEPS = 0.5, 4, 6
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> tuple[Path, Path]:  # noqa: ANN001
+def setup(tmp_path_factory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("noise")
     lm = tiny_lm(d / "lm")
     (d / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in TEXTS))
@@ -29,7 +29,7 @@ def setup(tmp_path_factory) -> tuple[Path, Path]:  # noqa: ANN001
     return lm, d / "answers.jsonl"
 
 
-def _measured_noise(setup, out: Path, monkeypatch) -> tuple[list[float], list[float]]:  # noqa: ANN001
+def _measured_noise(setup, out: Path, monkeypatch) -> tuple[list[float], list[float]]:
     """(std of the noise on the features of each training forward, max |noise| of each
     evaluation forward), measured between what the target gave and what the drafter read."""
     from tests.config.test_config import PRESETS
@@ -42,12 +42,12 @@ def _measured_noise(setup, out: Path, monkeypatch) -> tuple[list[float], list[fl
     evals: list[float] = []
     inputs, forward = DraftTarget.inputs, BlockDraftLoss.forward
 
-    def spy_inputs(self, batch, split="train"):  # noqa: ANN001, ANN202
+    def spy_inputs(self, batch, split="train"):
         inp = inputs(self, batch, split)
         clean.append(inp.context.features.detach().clone())
         return inp
 
-    def spy_forward(self, features, ctx_pos, ctx_valid, *rest):  # noqa: ANN001, ANN202
+    def spy_forward(self, features, ctx_pos, ctx_valid, *rest):
         noise = (features.detach() - clean[-1])[ctx_valid]  # (N, F) real positions only
         if self.training:
             train.append(float(noise.std()))
@@ -91,7 +91,7 @@ def follows_schedule(train: list[float], evals: list[float]) -> bool:
     return ok and all(abs(got - w) <= 0.1 * w for got, w in zip(train[1:], want[1:], strict=True))
 
 
-def test_the_applied_noise_follows_the_warmup(setup, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_the_applied_noise_follows_the_warmup(setup, tmp_path, monkeypatch) -> None:
     train, evals = _measured_noise(setup, tmp_path / "run", monkeypatch)
     assert train[2] == pytest.approx(NOISE / 2, rel=0.1)  # mid-warmup
     assert train[WARMUP] == pytest.approx(NOISE, rel=0.1)  # after warmup
@@ -99,7 +99,7 @@ def test_the_applied_noise_follows_the_warmup(setup, tmp_path, monkeypatch) -> N
 
 
 @pytest.mark.parametrize("bug", ["never_applied", "std_zero"])
-def test_a_no_op_noise_schedule_is_caught(setup, tmp_path, monkeypatch, bug: str) -> None:  # noqa: ANN001
+def test_a_no_op_noise_schedule_is_caught(setup, tmp_path, monkeypatch, bug: str) -> None:
     """Negative controls, the seed's bug: the noise computed but the clean features passed on,
     or a schedule that is 0 at every step."""
     from vltrain.stages import drafter as stage
@@ -107,7 +107,7 @@ def test_a_no_op_noise_schedule_is_caught(setup, tmp_path, monkeypatch, bug: str
     if bug == "never_applied":
         add = stage.DrafterStage._add_noise
 
-        def computed_not_applied(self, inp):  # noqa: ANN001, ANN202
+        def computed_not_applied(self, inp):
             add(self, inp)
             return inp
 

@@ -14,15 +14,15 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.stages.drafter_fixtures import TEXTS, tiny_lm  # noqa: E402
-from vltrain.cli import main  # noqa: E402
-from vltrain.config.core import ConfigError  # noqa: E402
+from tests.stages.drafter_fixtures import TEXTS, tiny_lm
+from vltrain.cli import main
+from vltrain.config.core import ConfigError
 
 SHAPE = ["drafter.arch=dflash", "drafter.layer_ids=[1,3]", "drafter.draft_vocab=0"]
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> dict[str, Path]:  # noqa: ANN001
+def setup(tmp_path_factory) -> dict[str, Path]:
     """A dflash-arch drafter of a tiny Llama, trained 6 steps, exported in both formats."""
     from tests.stages.test_drafter_stage import _train_args
 
@@ -41,7 +41,7 @@ def setup(tmp_path_factory) -> dict[str, Path]:  # noqa: ANN001
     return paths
 
 
-def _generate(setup, draft: Path, capsys, model: Path | None = None) -> tuple[int, str, dict]:  # noqa: ANN001
+def _generate(setup, draft: Path, capsys, model: Path | None = None) -> tuple[int, str, dict]:
     stats = setup["root"] / "stats.json"
     stats.unlink(missing_ok=True)
     cmd = ["generate", "--model", str(model or setup["lm"])]
@@ -53,7 +53,7 @@ def _generate(setup, draft: Path, capsys, model: Path | None = None) -> tuple[in
     return rc, got.out if rc == 0 else got.err.strip(), st
 
 
-def _logits(drafter, model) -> torch.Tensor:  # noqa: ANN001
+def _logits(drafter, model) -> torch.Tensor:
     """The drafter's logits (fp32) on the target's own features of a fixed token sequence:
     block i's output, ``hidden_states[i + 1]``, for each of the drafter's layer ids."""
     from vltrain.models.drafter import SharedParts
@@ -69,7 +69,7 @@ def _logits(drafter, model) -> torch.Tensor:  # noqa: ANN001
         return drafter.logits(drafter(feats, pos, ok, a_ids, a_pos))
 
 
-def test_a_dflash_checkpoint_decodes_like_the_original(setup, capsys) -> None:  # noqa: ANN001
+def test_a_dflash_checkpoint_decodes_like_the_original(setup, capsys) -> None:
     """`--draft DFLASH_EXPORT`: the same lines, tau and per-row tau as `--draft RUN`. Negative
     control: the same checkpoint with its target layer ids shifted by one (the z-lab
     `hidden_states[id + 1]` offset applied twice) gives other logits."""
@@ -94,7 +94,7 @@ def test_a_dflash_checkpoint_decodes_like_the_original(setup, capsys) -> None:  
     assert (_logits(off, model) - _logits(original, model)).abs().max() > 1e-3
 
 
-def _stage(setup, *extra: str):  # noqa: ANN202
+def _stage(setup, *extra: str):
     """A drafter stage of `setup`'s shape, prepared (its target loaded), on CPU."""
     from tests.config.test_config import PRESETS
     from vltrain.config.schema import load_config
@@ -111,7 +111,7 @@ def _stage(setup, *extra: str):  # noqa: ANN202
     return stage
 
 
-def test_init_from_a_speculators_checkpoint_starts_from_its_weights(setup) -> None:  # noqa: ANN001
+def test_init_from_a_speculators_checkpoint_starts_from_its_weights(setup) -> None:
     """Step 0's drafter (built, its loader built: the draft vocabulary is not re-chosen) gives
     the imported drafter's logits; a config of another shape is refused with what differs."""
     from vltrain.models.drafter import load_drafter
@@ -130,7 +130,7 @@ def test_init_from_a_speculators_checkpoint_starts_from_its_weights(setup) -> No
         ).build_model()
 
 
-def _edited(setup, fmt: str, name: str, edit) -> Path:  # noqa: ANN001
+def _edited(setup, fmt: str, name: str, edit) -> Path:
     """A copy of the `fmt` export with its config.json edited by `edit(config)`."""
     out = setup["root"] / f"{fmt}-{name}"
     shutil.copytree(setup[fmt], out, dirs_exist_ok=True)
@@ -176,7 +176,7 @@ def _dflash_vocab(c: dict) -> None:
         ("dflash", _dflash_vocab, "made for another verifier: a vocabulary of"),
     ],
 )
-def test_bad_imports_are_refused_in_one_line(setup, capsys, fmt, edit, words) -> None:  # noqa: ANN001
+def test_bad_imports_are_refused_in_one_line(setup, capsys, fmt, edit, words) -> None:
     bad = _edited(setup, fmt, edit.__name__, edit)
     out = setup["root"] / "out.jsonl"
     capsys.readouterr()
@@ -193,7 +193,7 @@ def test_bad_imports_are_refused_in_one_line(setup, capsys, fmt, edit, words) ->
     assert not out.exists()
 
 
-def test_a_verifier_of_another_architecture_is_refused(setup, capsys) -> None:  # noqa: ANN001
+def test_a_verifier_of_another_architecture_is_refused(setup, capsys) -> None:
     qwen2 = tiny_lm(setup["root"] / "qwen2", "qwen2", layers=6)
     rc, err, _ = _generate(setup, setup["speculators"], capsys, model=qwen2)
     err = err.splitlines()[-1]  # after HF's loading bar
