@@ -205,3 +205,14 @@ def test_the_cycle_check_sees_a_cycle_through_a_lazy_import(tmp_path: Path) -> N
     ]
     (tmp_path / "vltrain" / "models" / "towers.py").write_text("import vltrain.config.schema\n")
     assert cycles(package_graph(tmp_path)) == []
+
+
+def test_stages_stay_thin() -> None:
+    """A stage wires a model, an evaluator and a loss (DESIGN.md): a stage module past ~300
+    lines holds code that belongs in models/, eval/, data/ or a helper object."""
+    fat = {
+        p.name: n
+        for p in sorted((REPO / "vltrain" / "stages").glob("*.py"))
+        if (n := len(p.read_text().splitlines())) > 320
+    }
+    assert not fat, f"stage modules over ~300 lines: {fat}"

@@ -102,24 +102,24 @@ def test_the_applied_noise_follows_the_warmup(setup, tmp_path, monkeypatch) -> N
 def test_a_no_op_noise_schedule_is_caught(setup, tmp_path, monkeypatch, bug: str) -> None:
     """Negative controls, the seed's bug: the noise computed but the clean features passed on,
     or a schedule that is 0 at every step."""
-    from vltrain.stages import drafter as stage
+    from vltrain.inference import draft_target
 
     if bug == "never_applied":
-        add = stage.DrafterStage._add_noise
+        add = draft_target.FeatureNoise.__call__
 
         def computed_not_applied(self, inp):
             add(self, inp)
             return inp
 
-        monkeypatch.setattr(stage.DrafterStage, "_add_noise", computed_not_applied)
+        monkeypatch.setattr(draft_target.FeatureNoise, "__call__", computed_not_applied)
     else:
-        monkeypatch.setattr(stage, "noise_std", lambda noise, warmup, step: 0.0)
+        monkeypatch.setattr(draft_target, "noise_std", lambda noise, warmup, step: 0.0)
     train, evals = _measured_noise(setup, tmp_path / "run", monkeypatch)
     assert not follows_schedule(train, evals)
 
 
 def test_noise_std_schedule() -> None:
-    from vltrain.stages.drafter import noise_std
+    from vltrain.inference.draft_target import noise_std
 
     assert [noise_std(0.2, 4, s) for s in (0, 2, 4, 9)] == [0.0, 0.1, 0.2, 0.2]
     assert noise_std(0.2, 0, 0) == 0.2

@@ -14,7 +14,7 @@ evaluation it also decodes held-out prompts speculatively with the target (``tau
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -214,3 +214,39 @@ class DraftTarget:
             return want
         m = self.model.model
         return max(1, min(want, m.max_text_len - 2 - self.cfg.drafter.block_size))
+
+
+def noise_std(noise: float, warmup_steps: int, step: int) -> float:
+    """Std of the feature noise at optimizer step ``step``: ramps linearly from 0 at step 0 to
+    ``noise`` at ``warmup_steps`` (``noise`` throughout without a warmup)."""
+    if warmup_steps <= 0:
+        return noise
+    return noise * min(1.0, step / warmup_steps)
+
+
+class FeatureNoise:
+    """Gaussian noise on the target's features the drafter reads in training
+    (``drafter.noise``), its std ramped by `noise_std`. The clock counts forwarded
+    micro-batches, so it is the optimizer step whatever ``optim.accum_steps`` (a step skipped
+    because none of its micro-batches held a sample does not advance it) and it resumes with
+    the stage state. Evaluation never calls it: it reads clean features."""
+
+    def __init__(self, noise: float, warmup_steps: int, accum_steps: int) -> None:
+        self.noise, self.warmup_steps, self.accum_steps = noise, warmup_steps, accum_steps
+        self.micro_batches = 0
+
+    def __call__(self, inp: DraftInputs) -> DraftInputs:
+        step = self.micro_batches // self.accum_steps
+        self.micro_batches += 1
+        std = noise_std(self.noise, self.warmup_steps, step)
+        if std == 0:
+            return inp
+        feats = inp.context.features
+        noisy = feats + std * torch.randn_like(feats)  # (B, S, F)
+        return replace(inp, context=replace(inp.context, features=noisy))
+
+    def state_dict(self) -> dict[str, int]:
+        return {"micro_batches": self.micro_batches}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.micro_batches = int(state.get("micro_batches", 0))

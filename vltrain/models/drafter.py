@@ -36,6 +36,11 @@ from torch import Tensor, nn
 
 from vltrain.models.packed import PackedLinears
 
+DRAFTER_ARCHS = {  # drafter.arch -> the DrafterConfig fields it sets
+    "vltrain": {},
+    "dflash": {"qk_norm": True, "learned_mask": False, "norm_eps": 1e-6},
+}
+
 
 @dataclass
 class DrafterConfig:
@@ -482,3 +487,41 @@ def load_drafter(path: str | Path) -> tuple[Drafter, dict]:
     own = {k.removeprefix("drafter."): v for k, v in state.items() if k.startswith("drafter.")}
     drafter.load_state_dict(own, strict=True)
     return drafter.eval(), meta["target"]
+
+
+#: DrafterConfig field -> what sets it, compared with a ``model.init_from`` drafter
+INIT_KEYS = {  # DrafterConfig field -> what sets it, compared with a model.init_from drafter
+    "width": "model.target",
+    "vocab_size": "model.target",
+    "target_layer_ids": "drafter.layer_ids",
+    "layers": "drafter.layers",
+    "heads": "drafter.heads",
+    "mlp_ratio": "drafter.mlp_ratio",
+    "block_size": "drafter.block_size",
+    "rope_theta": "no key: vltrain's drafters train at 10000",
+    "qk_norm": "drafter.arch",
+    "learned_mask": "drafter.arch",
+    "norm_eps": "drafter.arch",
+}
+
+
+def drafter_to_continue(path: str | Path, dcfg: DrafterConfig) -> Drafter:
+    """The drafter ``model.init_from`` names (a vltrain run or checkpoint, a speculators or
+    z-lab DFlash checkpoint), refused unless `dcfg` (what this config builds) has its shape."""
+    from vltrain.config.core import ConfigError
+
+    try:
+        drafter, _ = load_drafter(path)
+    except FileNotFoundError as e:
+        raise ConfigError(f"model.init_from: {e}") from None
+    mine, theirs = dcfg.to_dict(), drafter.cfg.to_dict()
+    diff = [
+        f"{key} {theirs[key]} (this config: {mine[key]}; set {INIT_KEYS[key]})"
+        for key in INIT_KEYS
+        if mine[key] != theirs[key]
+    ]
+    if diff:
+        raise ConfigError(
+            f"model.init_from={path} is a drafter of another shape: {'; '.join(diff)}"
+        )
+    return drafter

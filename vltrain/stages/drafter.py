@@ -35,34 +35,18 @@ from vltrain.data.samplers import EvalShardSampler, LengthBucketBatchSampler, Sh
 from vltrain.engine.parallel import ParallelModel
 from vltrain.engine.runtime import RunContext
 from vltrain.engine.task import StepOutput
-from vltrain.inference.draft_target import TARGET_KINDS, DraftInputs, DraftTarget
+from vltrain.inference.draft_target import TARGET_KINDS, DraftTarget, FeatureNoise
 from vltrain.models.drafter import (
+    DRAFTER_ARCHS,
     Drafter,
     DrafterConfig,
     SharedParts,
     draft_vocab_ids,
-    load_drafter,
+    drafter_to_continue,
     save_drafter_meta,
 )
 from vltrain.objectives.drafter import BlockDraftLoss, default_gamma, summarize_metrics
 
-DRAFTER_ARCHS = {  # drafter.arch -> the DrafterConfig fields it sets
-    "vltrain": {},
-    "dflash": {"qk_norm": True, "learned_mask": False, "norm_eps": 1e-6},
-}
-INIT_KEYS = {  # DrafterConfig field -> what sets it, compared with a model.init_from drafter
-    "width": "model.target",
-    "vocab_size": "model.target",
-    "target_layer_ids": "drafter.layer_ids",
-    "layers": "drafter.layers",
-    "heads": "drafter.heads",
-    "mlp_ratio": "drafter.mlp_ratio",
-    "block_size": "drafter.block_size",
-    "rope_theta": "no key: vltrain's drafters train at 10000",
-    "qk_norm": "drafter.arch",
-    "learned_mask": "drafter.arch",
-    "norm_eps": "drafter.arch",
-}
 MAX_CACHED_TOP_K = 1024  # soft labels kept per position in a feature store
 EVAL_METRICS = (
     *("eval_loss", "eval_tau", "eval_tau_target", "eval_tau_marginal", "eval_tau_decode"),
@@ -70,14 +54,6 @@ EVAL_METRICS = (
     *("eval_streak8", "eval_label_agreement", "eval_vocab_coverage", "eval_labels_not_target"),
     "eval_*",
 )
-
-
-def noise_std(noise: float, warmup_steps: int, step: int) -> float:
-    """Std of the feature noise at optimizer step ``step``: ramps linearly from 0 at step 0 to
-    ``noise`` at ``warmup_steps`` (``noise`` throughout without a warmup)."""
-    if warmup_steps <= 0:
-        return noise
-    return noise * min(1.0, step / warmup_steps)
 
 
 def gamma_of(cfg: Config) -> float:
@@ -94,7 +70,8 @@ class DrafterStage:
 
     def __init__(self, cfg: Config, out_dir: Path, ctx: RunContext) -> None:
         self.cfg, self.out_dir, self.ctx = cfg, Path(out_dir), ctx
-        self.micro_batches = 0  # forwarded in training: the noise schedule's clock
+        d = cfg.drafter  # noise on the target's features in training (drafter.noise)
+        self.noise = FeatureNoise(d.noise, d.noise_warmup_steps, cfg.optim.accum_steps)
 
     @classmethod
     def check_config(cls, cfg: Config) -> None:
@@ -149,7 +126,8 @@ class DrafterStage:
             draft_vocab=self._vocab_size(),
             **DRAFTER_ARCHS[d.arch],
         )
-        imported = self._imported(dcfg) if self.cfg.model.init_from else None
+        init = self.cfg.model.init_from
+        imported = drafter_to_continue(init, dcfg) if init else None
         if imported is not None:  # its mask token and draft vocabulary are its own
             c = imported.cfg
             dcfg = replace(dcfg, mask_token_id=c.mask_token_id, draft_vocab=c.draft_vocab)
@@ -160,26 +138,6 @@ class DrafterStage:
             drafter.load_state_dict(imported.state_dict(), strict=True)
         self._drafter = drafter  # its draft vocabulary is chosen from the data (build_loader)
         return BlockDraftLoss(drafter, gamma_of(self.cfg), d.chunk_blocks, d.dpace)
-
-    def _imported(self, dcfg: DrafterConfig) -> Drafter:
-        """The drafter ``model.init_from`` names (a vltrain run or checkpoint, a speculators or
-        z-lab DFlash checkpoint), refused unless this config builds its architecture."""
-        path = self.cfg.model.init_from
-        try:
-            drafter, _ = load_drafter(path)
-        except FileNotFoundError as e:
-            raise ConfigError(f"model.init_from: {e}") from None
-        mine, theirs = dcfg.to_dict(), drafter.cfg.to_dict()
-        diff = [
-            f"{key} {theirs[key]} (this config: {mine[key]}; set {INIT_KEYS[key]})"
-            for key in INIT_KEYS
-            if mine[key] != theirs[key]
-        ]
-        if diff:
-            raise ConfigError(
-                f"model.init_from={path} is a drafter of another shape: {'; '.join(diff)}"
-            )
-        return drafter
 
     def _vocab_size(self) -> int:
         """``drafter.draft_vocab``, or 0 (the whole vocabulary, said once) when it is not
@@ -255,7 +213,7 @@ class DrafterStage:
 
     def forward_backward(self, model: ParallelModel, batch: DraftBatch, scale: float) -> StepOutput:
         """sum(CE * w) / sum(w) over the global batch, whatever the world size."""
-        inp = self._add_noise(self.target.inputs(batch))
+        inp = self.noise(self.target.inputs(batch))
         soft = self.target.soft_labels(inp)
         loss, weight, sums = model(*inp.drafter_args(), inp.labels, inp.valid, soft)
         agree = self._agreement(batch["labels"], inp.greedy)
@@ -270,21 +228,6 @@ class DrafterStage:
             "label_agreement": float(total[2] / total[3].clamp(min=1)),
         }
         return StepOutput((total[0] / w_all).float(), metrics)
-
-    def _add_noise(self, inp: DraftInputs) -> DraftInputs:
-        """``inp`` with Gaussian noise of the scheduled std on the target's features (training
-        only: evaluation reads them clean). The clock counts forwarded micro-batches, so it is
-        the optimizer step whatever ``optim.accum_steps`` (a step skipped because none of its
-        micro-batches held a sample does not advance it) and resumes with the stage state."""
-        step = self.micro_batches // self.cfg.optim.accum_steps
-        self.micro_batches += 1
-        d = self.cfg.drafter
-        std = noise_std(d.noise, d.noise_warmup_steps, step)
-        if std == 0:
-            return inp
-        feats = inp.context.features
-        noisy = feats + std * torch.randn_like(feats)  # (B, S, F)
-        return replace(inp, context=replace(inp.context, features=noisy))
 
     # ---- evaluation ------------------------------------------------------------------------
 
@@ -358,8 +301,8 @@ class DrafterStage:
         save_drafter_meta(folder, model.drafter.cfg, target)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"micro_batches": self.micro_batches}
+        return self.noise.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The noise schedule's clock (a run saved before it existed starts it at 0)."""
-        self.micro_batches = int(state.get("micro_batches", 0))
+        self.noise.load_state_dict(state)
