@@ -67,9 +67,28 @@ def test_read_split_and_judged_negatives(tmp_path: Path) -> None:
     corpus.write_ranks(tmp_path / "ranks.jsonl", ["a", "b"], ["d0", "d1"], ranks, top, wins)
     rows = [json.loads(x) for x in (tmp_path / "ranks.jsonl").read_text().splitlines()]
     assert rows[0]["hardneg"] == [0, 1] and rows[0]["rank"] == 2 and "hardneg" not in rows[1]
-    (tmp_path / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\na\tzz\t1\n")
-    with pytest.raises(DataError, match="zz"):
-        corpus.read_split_dir(tmp_path)
+
+
+def test_qrels_naming_absent_ids_are_counted_and_reported(tmp_path: Path) -> None:
+    (tmp_path / "queries.jsonl").write_text('{"_id": "a", "text": "x"}\n')
+    (tmp_path / "corpus.jsonl").write_text('{"_id": "d0", "text": "x"}\n')
+    rows = "a\td0\t1\na\tzz\t1\na\tyy\t0\nghost\td0\t1\n"
+    (tmp_path / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\n" + rows)
+    split = corpus.read_split_dir(tmp_path)
+    assert split.qrels == [{0: 1}] and split.judged_negatives == [[]]
+    assert split.missing == {"queries": ["ghost"], "docs": ["zz", "yy"]}
+    assert corpus.missing_metrics(split) == {
+        "qrels_missing_docs": 2.0,
+        "qrels_missing_queries": 1.0,
+    }
+    line = corpus.missing_warning(split, "q.tsv")
+    assert line is not None and line.startswith("warning: q.tsv: 2 rows name docs absent")
+    assert "'yy', 'zz'" in line and "1 rows name queries absent from the queries file" in line
+    # control: a clean qrels file warns of nothing and counts zeros
+    (tmp_path / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\na\td0\t1\n")
+    clean = corpus.read_split_dir(tmp_path)
+    assert corpus.missing_warning(clean, "q.tsv") is None
+    assert set(corpus.missing_metrics(clean).values()) == {0.0}
 
 
 def test_metrics_per_query_group(tmp_path: Path) -> None:

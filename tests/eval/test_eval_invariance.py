@@ -96,7 +96,9 @@ def _batched_embed(stage, encoder, sides: list[dict], role: str, bs: int) -> tor
 
 
 @pytest.mark.slow
-def test_metrics_equal_over_batch_sizes_and_in_training(trained: Path, mixed_pages: Path) -> None:
+def test_metrics_equal_over_batch_sizes_and_in_training(
+    trained: Path, mixed_pages: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     by_batch = {
         b: _plain(eval_command(str(trained), *_split(mixed_pages), batch_size=b)) for b in BATCHES
     }
@@ -107,6 +109,13 @@ def test_metrics_equal_over_batch_sizes_and_in_training(trained: Path, mixed_pag
     in_training = {k[len("eval_") :]: v for k, v in evals[-1].items() if k.startswith("eval_")}
     assert {k: v for k, v in in_training.items() if k in by_batch[1]} == by_batch[1]
     assert set(by_batch[1]) - set(in_training) == set()
+    # qrels naming a document absent from the corpus: counted, warned about, left out
+    qrels = tmp_path / "qrels.tsv"
+    qrels.write_text(Path(_split(mixed_pages)[2]).read_text() + "q000000\tghost\t1\n")
+    capsys.readouterr()
+    ghost = _plain(eval_command(str(trained), *_split(mixed_pages)[:2], str(qrels)))
+    assert "1 rows name docs absent from the corpus file ('ghost')" in capsys.readouterr().err
+    assert ghost == {**by_batch[1], "qrels_missing_docs": 1.0}
     # the embeddings themselves, not only their ranks (a tiny random model's page scores lie
     # within 0.005 of each other: metrics alone could agree by luck)
     _, stage, model = load_trained(trained)
