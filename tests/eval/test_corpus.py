@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -69,7 +70,9 @@ def test_read_split_and_judged_negatives(tmp_path: Path) -> None:
     assert rows[0]["hardneg"] == [0, 1] and rows[0]["rank"] == 2 and "hardneg" not in rows[1]
 
 
-def test_qrels_naming_absent_ids_are_counted_and_reported(tmp_path: Path) -> None:
+def test_qrels_naming_absent_ids_are_counted_and_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "queries.jsonl").write_text('{"_id": "a", "text": "x"}\n')
     (tmp_path / "corpus.jsonl").write_text('{"_id": "d0", "text": "x"}\n')
     rows = "a\td0\t1\na\tzz\t1\na\tyy\t0\nghost\td0\t1\n"
@@ -84,6 +87,13 @@ def test_qrels_naming_absent_ids_are_counted_and_reported(tmp_path: Path) -> Non
     line = corpus.missing_warning(split, "q.tsv")
     assert line is not None and line.startswith("warning: q.tsv: 2 rows name docs absent")
     assert "'yy', 'zz'" in line and "1 rows name queries absent from the queries file" in line
+    # in training: rank 0 prints the same line once, when the evaluator first reads the split
+    where = SimpleNamespace(is_main=True)
+    evaluator = corpus.CorpusEvaluator(None, where, 1, 32, False, "dual_encoder")  # type: ignore[arg-type]
+    evaluator.split(tmp_path)
+    evaluator.split(tmp_path)
+    err = capsys.readouterr().err
+    assert err.count("2 rows name docs absent from the corpus file") == 1, err
     # control: a clean qrels file warns of nothing and counts zeros
     (tmp_path / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\na\td0\t1\n")
     clean = corpus.read_split_dir(tmp_path)

@@ -29,6 +29,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -341,9 +342,13 @@ class CorpusEvaluator:
         self._splits: dict[str, CorpusSplit] = {}
 
     def split(self, folder: str | os.PathLike[str]) -> CorpusSplit:
+        """The split in `folder`, read once; rank 0 warns of qrels rows naming absent ids."""
         key = str(folder)
         if key not in self._splits:
             self._splits[key] = read_split_dir(folder)
+            warning = missing_warning(self._splits[key], Path(folder) / "qrels.tsv")
+            if warning and self.where.is_main:
+                print(f"vltrain: {warning}", file=sys.stderr)
         return self._splits[key]
 
     def embed(
