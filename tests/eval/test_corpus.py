@@ -134,3 +134,25 @@ def test_metrics_per_query_group(tmp_path: Path) -> None:
     (tmp_path / "queries.jsonl").write_text('{"_id": "a", "text": "x", "group": 3}\n')
     with pytest.raises(DataError, match="'group' must be a non-empty string"):
         corpus.read_split_dir(tmp_path)
+
+
+def test_scores_stay_fp32_inside_a_bf16_autocast() -> None:
+    """Training evaluates under a bf16 run's autocast; the scoring must not follow it."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.nn.functional.normalize(torch.randn(1, 64, generator=g), dim=-1)
+    noise = 1e-3 * torch.randn(40, 64, generator=g)  # near ties, as a young model's scores are
+    q = torch.nn.functional.normalize(base + noise[:10], dim=-1)
+    d = torch.nn.functional.normalize(base + noise[10:], dim=-1)
+    qrels = [{i: 1} for i in range(10)]
+    judged = [[(i + 1) % 30, (i + 2) % 30] for i in range(10)]
+    emb = corpus.SplitEmbeddings(
+        q, d, qrels, judged, [f"q{i}" for i in range(10)], [f"d{j}" for j in range(30)],
+        [None] * 10, 0, 0.0,
+    )  # fmt: skip
+    want = corpus.score_split(emb)
+    fp32_wins = corpus.judged_negative_wins(q, d, qrels, judged)
+    assert want["hardneg_acc"] not in (0.0, 1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert corpus.score_split(emb) == want
+        # negative control: the same comparisons with bf16 scores tie (and lose)
+        assert corpus.judged_negative_wins(q, d, qrels, judged) != fp32_wins

@@ -49,19 +49,13 @@ def mixed_pages(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def trained(
-    qwen3vl_dir: str,  # noqa: F811
-    mixed_pages: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Path:
-    out = tmp_path_factory.mktemp("evinv") / "run"
+def _train(model_dir: str, pages: Path, out: Path, **over: object) -> Path:
     extra = {
-        "model.path": qwen3vl_dir,
+        "model.path": model_dir,
         "model.lora_r": 4,
         "model.lora_alpha": 8,
         "model.matryoshka_dims": "[16,32]",
-        "data.eval": mixed_pages / "val",
+        "data.eval": pages / "val",
         "data.test": "",
         "data.max_visual_tokens": 16,
         "data.max_text_len": 16,
@@ -69,9 +63,19 @@ def trained(
         "objective.grad_cache_chunk": 0,
         "data.batch_size": 4,
         "data.eval_batch_size": 7,
+        **over,
     }
-    _one_process("qwen3vl_embed_pages.yaml", mixed_pages, out, extra)
+    _one_process("qwen3vl_embed_pages.yaml", pages, out, extra)
     return out
+
+
+@pytest.fixture(scope="module")
+def trained(
+    qwen3vl_dir: str,  # noqa: F811
+    mixed_pages: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Path:
+    return _train(qwen3vl_dir, mixed_pages, tmp_path_factory.mktemp("evinv") / "run")
 
 
 def _split(pages: Path) -> list[str]:
@@ -178,3 +182,23 @@ def test_torchrun_two_ranks_equal_one_process(
         eval_command(str(trained), *_split(mixed_pages), batch_size=64, dims=(16, 32), int8=True)
     )
     assert here == _plain(one)
+
+
+def _in_training(run: Path) -> dict[str, float]:
+    """The last in-training evaluation's metrics, without the ``eval_`` prefix."""
+    evals = [r for r in _rows(run) if "eval_R@1" in r]
+    assert evals, "the run evaluated its corpus split"
+    return {k[len("eval_") :]: v for k, v in evals[-1].items() if k.startswith("eval_")}
+
+
+@pytest.mark.slow
+def test_bf16_run_evaluates_as_in_training(
+    qwen3vl_dir: str,  # noqa: F811
+    mixed_pages: Path,
+    tmp_path: Path,
+) -> None:
+    """`vltrain eval` of a bf16 run embeds under the run's bf16 autocast, as training did."""
+    run = _train(qwen3vl_dir, mixed_pages, tmp_path / "bf16", **{"run.precision": "bf16"})
+    got = {b: _plain(eval_command(str(run), *_split(mixed_pages), batch_size=b)) for b in (1, 7)}
+    assert got[1] == got[7]
+    assert {k: v for k, v in _in_training(run).items() if k in got[1]} == got[1]

@@ -473,9 +473,12 @@ def score_split(
     emb: SplitEmbeddings, ranks_path: str | os.PathLike[str] | None = None
 ) -> dict[str, float]:
     """Metrics of `emb` (`corpus_metrics`, hard-negative accuracy, chance R@1, per group, bad
-    samples); `ranks_path`: also write the per-query ranks there."""
-    metrics, ranks, top = corpus_metrics(emb.queries, emb.docs, emb.qrels)
-    wins = judged_negative_wins(emb.queries, emb.docs, emb.qrels, emb.judged)
+    samples); `ranks_path`: also write the per-query ranks there. Scores are fp32 even inside
+    a bf16 run's autocast (training evaluates under it): bf16 scores tie and reorder
+    documents that fp32 ranks apart."""
+    with torch.autocast(emb.queries.device.type, enabled=False):
+        metrics, ranks, top = corpus_metrics(emb.queries, emb.docs, emb.qrels)
+        wins = judged_negative_wins(emb.queries, emb.docs, emb.qrels, emb.judged)
     acc = wins_fraction(wins)
     if acc is not None:
         metrics["hardneg_acc"] = acc

@@ -68,7 +68,7 @@ def eval_command(
     if warning and distributed.is_main():
         print(f"vltrain eval: {warning}", file=sys.stderr)
     t0 = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), evaluator.where.autocast():  # bf16 runs: as their training evaluated
         emb = evaluator.embed_split(model.encoder, split)
     metrics = score_split(emb, ranks if distributed.is_main() else None)
     metrics.update(variant_metrics(emb, dims, int8))
