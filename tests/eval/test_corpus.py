@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -67,9 +68,37 @@ def test_read_split_and_judged_negatives(tmp_path: Path) -> None:
     corpus.write_ranks(tmp_path / "ranks.jsonl", ["a", "b"], ["d0", "d1"], ranks, top, wins)
     rows = [json.loads(x) for x in (tmp_path / "ranks.jsonl").read_text().splitlines()]
     assert rows[0]["hardneg"] == [0, 1] and rows[0]["rank"] == 2 and "hardneg" not in rows[1]
-    (tmp_path / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\na\tzz\t1\n")
-    with pytest.raises(DataError, match="zz"):
-        corpus.read_split_dir(tmp_path)
+
+
+def test_qrels_naming_absent_ids_are_counted_and_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "queries.jsonl").write_text('{"_id": "a", "text": "x"}\n')
+    (tmp_path / "corpus.jsonl").write_text('{"_id": "d0", "text": "x"}\n')
+    rows = "a\td0\t1\na\tzz\t1\na\tyy\t0\nghost\td0\t1\n"
+    (tmp_path / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\n" + rows)
+    split = corpus.read_split_dir(tmp_path)
+    assert split.qrels == [{0: 1}] and split.judged_negatives == [[]]
+    assert split.missing == {"queries": ["ghost"], "docs": ["zz", "yy"]}
+    assert corpus.missing_metrics(split) == {
+        "qrels_missing_docs": 2.0,
+        "qrels_missing_queries": 1.0,
+    }
+    line = corpus.missing_warning(split, "q.tsv")
+    assert line is not None and line.startswith("warning: q.tsv: 2 rows name docs absent")
+    assert "'yy', 'zz'" in line and "1 rows name queries absent from the queries file" in line
+    # in training: rank 0 prints the same line once, when the evaluator first reads the split
+    where = SimpleNamespace(is_main=True)
+    evaluator = corpus.CorpusEvaluator(None, where, 1, 32, False, "dual_encoder")  # type: ignore[arg-type]
+    evaluator.split(tmp_path)
+    evaluator.split(tmp_path)
+    err = capsys.readouterr().err
+    assert err.count("2 rows name docs absent from the corpus file") == 1, err
+    # control: a clean qrels file warns of nothing and counts zeros
+    (tmp_path / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\na\td0\t1\n")
+    clean = corpus.read_split_dir(tmp_path)
+    assert corpus.missing_warning(clean, "q.tsv") is None
+    assert set(corpus.missing_metrics(clean).values()) == {0.0}
 
 
 def test_metrics_per_query_group(tmp_path: Path) -> None:
@@ -105,3 +134,25 @@ def test_metrics_per_query_group(tmp_path: Path) -> None:
     (tmp_path / "queries.jsonl").write_text('{"_id": "a", "text": "x", "group": 3}\n')
     with pytest.raises(DataError, match="'group' must be a non-empty string"):
         corpus.read_split_dir(tmp_path)
+
+
+def test_scores_stay_fp32_inside_a_bf16_autocast() -> None:
+    """Training evaluates under a bf16 run's autocast; the scoring must not follow it."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.nn.functional.normalize(torch.randn(1, 64, generator=g), dim=-1)
+    noise = 1e-3 * torch.randn(40, 64, generator=g)  # near ties, as a young model's scores are
+    q = torch.nn.functional.normalize(base + noise[:10], dim=-1)
+    d = torch.nn.functional.normalize(base + noise[10:], dim=-1)
+    qrels = [{i: 1} for i in range(10)]
+    judged = [[(i + 1) % 30, (i + 2) % 30] for i in range(10)]
+    emb = corpus.SplitEmbeddings(
+        q, d, qrels, judged, [f"q{i}" for i in range(10)], [f"d{j}" for j in range(30)],
+        [None] * 10, 0, 0.0,
+    )  # fmt: skip
+    want = corpus.score_split(emb)
+    fp32_wins = corpus.judged_negative_wins(q, d, qrels, judged)
+    assert want["hardneg_acc"] not in (0.0, 1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert corpus.score_split(emb) == want
+        # negative control: the same comparisons with bf16 scores tie (and lose)
+        assert corpus.judged_negative_wins(q, d, qrels, judged) != fp32_wins

@@ -21,22 +21,51 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--out", help="also write the metrics JSON here")
     e.add_argument("--ranks", help="per-query rank and top-10 doc ids (JSONL)")
     e.add_argument("--batch-size", type=int, default=0, help="0: the run's eval batch size")
-    e.add_argument("--device", default="cpu", help="cpu or cuda")
+    e.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: each rank's GPU)")
+    e.add_argument(
+        "--dims",
+        default="",
+        help="also score Matryoshka prefixes, e.g. 64,128 (d64_R@1, ...; re-normalised)",
+    )
+    e.add_argument(
+        "--int8",
+        action="store_true",
+        help="also score int8 embeddings (per-vector symmetric scale): int8_R@1, ...",
+    )
     e.set_defaults(fn=run)
 
 
+def parse_dims(text: str) -> tuple[int, ...]:
+    """``"64,128"`` -> (64, 128); a clear error for anything else."""
+    from vltrain.config.core import ConfigError
+
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--dims {text!r}: give comma-separated sizes, e.g. 64,128") from None
+
+
 def run(args: argparse.Namespace) -> int:
+    from vltrain.core import distributed
     from vltrain.tools.eval import eval_command
 
-    metrics = eval_command(
-        args.checkpoint,
-        args.queries,
-        args.corpus,
-        args.qrels,
-        out=args.out,
-        ranks=args.ranks,
-        batch_size=args.batch_size,
-        device=args.device,
-    )
-    print(json.dumps(metrics))
+    try:  # under torchrun: sharded; the final barrier only after every rank succeeded
+        metrics = eval_command(
+            args.checkpoint,
+            args.queries,
+            args.corpus,
+            args.qrels,
+            out=args.out,
+            ranks=args.ranks,
+            batch_size=args.batch_size,
+            device=args.device,
+            dims=parse_dims(args.dims),
+            int8=args.int8,
+        )
+    except BaseException:
+        distributed.shutdown()
+        raise
+    if distributed.is_main():
+        print(json.dumps(metrics))
+    distributed.shutdown(finished=True)
     return 0

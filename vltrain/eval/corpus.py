@@ -29,8 +29,9 @@ import json
 import math
 import os
 import re
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -89,6 +90,7 @@ class CorpusSplit:
     judged_negatives: list[list[int]]  # per query: doc rows judged non-relevant (grade 0)
     n_no_relevant: int  # queries in queries.jsonl without a relevant doc (left out)
     groups: list[str | None]  # per query: its "group" in queries.jsonl, None without one
+    missing: dict[str, list[str]] = field(default_factory=dict)  # qrels ids absent from files
 
 
 def is_corpus_dir(path: str | os.PathLike[str]) -> bool:
@@ -122,17 +124,22 @@ def read_qrels(path: str | os.PathLike[str]) -> list[tuple[str, str, int]]:
 def read_split(
     queries: str | os.PathLike[str], corpus: str | os.PathLike[str], qrels: str | os.PathLike[str]
 ) -> CorpusSplit:
-    """Read the three files; a qrels row naming an unknown query or document is an error."""
+    """Read the three files. A qrels row naming a query or document absent from its file
+    cannot be scored: it is left out and its id counted in `missing` (``queries``, ``docs``;
+    one entry per row), which the metrics report (`missing_metrics`)."""
     q = read_corpus(queries)
     d = read_corpus(corpus)
     doc_row = {doc_id: i for i, doc_id in enumerate(d)}
     grades: dict[str, dict[int, int]] = {}
     zeros: dict[str, list[int]] = {}
+    missing: dict[str, list[str]] = {"queries": [], "docs": []}
     for qid, did, grade in read_qrels(qrels):
         if qid not in q:
-            raise DataError(f"{qrels}: query id {qid!r} is not in {queries}")
+            missing["queries"].append(qid)
+            continue
         if did not in doc_row:
-            raise DataError(f"{qrels}: document id {did!r} is not in {corpus}")
+            missing["docs"].append(did)
+            continue
         if grade > 0:
             grades.setdefault(qid, {})[doc_row[did]] = grade
         else:
@@ -147,7 +154,26 @@ def read_split(
         judged_negatives=[zeros.get(qid, []) for qid in kept],
         n_no_relevant=len(q) - len(kept),
         groups=[q[qid].get("group") for qid in kept],
+        missing=missing,
     )
+
+
+def missing_metrics(split: CorpusSplit) -> dict[str, float]:
+    """The qrels rows naming ids absent from the queries or corpus file, as metrics."""
+    return {f"qrels_missing_{k}": float(len(v)) for k, v in sorted(split.missing.items())}
+
+
+def missing_warning(split: CorpusSplit, qrels: str | os.PathLike[str]) -> str | None:
+    """One line naming the qrels rows left out for absent ids (a few of each), or None."""
+    parts = []
+    for kind, ids in sorted(split.missing.items()):
+        if ids:
+            shown = ", ".join(repr(i) for i in sorted(set(ids))[:3])
+            file = "corpus" if kind == "docs" else "queries"
+            parts.append(f"{len(ids)} rows name {kind} absent from the {file} file ({shown})")
+    if not parts:
+        return None
+    return f"warning: {qrels}: {'; '.join(parts)}; they are left out of the metrics"
 
 
 def read_split_dir(folder: str | os.PathLike[str]) -> CorpusSplit:
@@ -316,16 +342,27 @@ class CorpusEvaluator:
         self._splits: dict[str, CorpusSplit] = {}
 
     def split(self, folder: str | os.PathLike[str]) -> CorpusSplit:
+        """The split in `folder`, read once; rank 0 warns of qrels rows naming absent ids."""
         key = str(folder)
         if key not in self._splits:
             self._splits[key] = read_split_dir(folder)
+            warning = missing_warning(self._splits[key], Path(folder) / "qrels.tsv")
+            if warning and self.where.is_main:
+                print(f"vltrain: {warning}", file=sys.stderr)
         return self._splits[key]
 
     def embed(
         self, encoder: Encoder, sides: list[Side], role: str, batch_size: int = 0
     ) -> tuple[Tensor, Tensor, int]:
         """This rank's shard of `sides` embedded, gathered over ranks: (n, E) in file order,
-        their rows (n,), and the number of bad sides (left out) over all ranks."""
+        their rows (n,), and the number of bad sides (left out) over all ranks.
+
+        Sides decode `batch_size` at a time but go through the encoder one by one: a batched
+        forward pads prompts and images to the batch's longest and runs kernels whose
+        reduction order depends on the batch's shape, so an embedding would move in its last
+        bits with the batch size and the world size (invariant 11). Alone, each side's
+        embedding depends only on the side.
+        """
         kinds = {modality(s) for s in sides}
         if len(kinds) != 1:
             raise ConfigError(f"the {role} side of the corpus mixes modalities {sorted(kinds)}")
@@ -345,14 +382,13 @@ class CorpusEvaluator:
                     idx.append(i)
                 except BadSample:
                     n_bad += 1
-            if not good:
-                continue
-            instr = [s.get("instruction", "") for s in (sides[i] for i in idx)]
-            inputs, _ = side_inputs(self.batcher, role, kind, good, instr)
-            with torch.no_grad():
-                e = encode_side(encoder, kind, to_device(inputs, where.device))  # (b, E)
-            emb.append(e.float().cpu())
-            rows.append(torch.tensor(idx))
+            for side, i in zip(good, idx, strict=True):
+                instr = [sides[i].get("instruction", "")]
+                inputs, _ = side_inputs(self.batcher, role, kind, [side], instr)
+                with torch.no_grad():
+                    e = encode_side(encoder, kind, to_device(inputs, where.device))  # (1, E)
+                emb.append(e.float().cpu())
+                rows.append(torch.tensor([i]))
         local = torch.cat(emb) if emb else torch.zeros(0, 1)
         width = torch.tensor([local.shape[1] if emb else 0])
         dim = int(distributed.all_reduce_max(width)) if distributed.is_distributed() else int(width)
@@ -376,13 +412,9 @@ class CorpusEvaluator:
         numbers. `ranks_path`: per-query ranks and top ids (rank 0 writes)."""
         return self.evaluate_split(encoder, self.split(folder), ranks_path)
 
-    def evaluate_split(
-        self,
-        encoder: Encoder,
-        split: CorpusSplit,
-        ranks_path: str | os.PathLike[str] | None = None,
-    ) -> dict[str, float]:
-        """`evaluate` of an already-read split."""
+    def embed_split(self, encoder: Encoder, split: CorpusSplit) -> SplitEmbeddings:
+        """Every query and document of `split` embedded (sharded, gathered), with the qrels
+        renumbered to the rows that decoded; every rank returns the same."""
         t0 = time.perf_counter()
         q_emb, q_rows, q_bad = self.embed(encoder, split.queries, "query")
         d_emb, d_rows, d_bad = self.embed(encoder, split.docs, "doc")
@@ -395,17 +427,64 @@ class CorpusEvaluator:
                 qrels.append(rel)
                 judged.append([doc_pos[d] for d in split.judged_negatives[r] if d in doc_pos])
                 keep.append(i)
-        metrics, ranks, top = corpus_metrics(q_emb[keep], d_emb, qrels)
-        wins = judged_negative_wins(q_emb[keep], d_emb, qrels, judged)
-        acc = wins_fraction(wins)
-        if acc is not None:
-            metrics["hardneg_acc"] = acc
-        metrics["chance_R@1"] = chance_recall(qrels, d_emb.shape[0], 1)
-        metrics.update(group_metrics(ranks, [split.groups[int(q_rows[i])] for i in keep]))
-        metrics["bad_samples"] = float(q_bad + d_bad)
-        metrics["encode_s"] = encode_s
-        if ranks_path is not None and self.where.is_main:
-            query_ids = [split.query_ids[int(q_rows[i])] for i in keep]
-            doc_ids = [split.doc_ids[int(r)] for r in d_rows.tolist()]
-            write_ranks(ranks_path, query_ids, doc_ids, ranks, top, wins)
+        return SplitEmbeddings(
+            queries=q_emb[keep],
+            docs=d_emb,
+            qrels=qrels,
+            judged=judged,
+            query_ids=[split.query_ids[int(q_rows[i])] for i in keep],
+            doc_ids=[split.doc_ids[int(r)] for r in d_rows.tolist()],
+            groups=[split.groups[int(q_rows[i])] for i in keep],
+            bad=q_bad + d_bad,
+            encode_s=encode_s,
+        )
+
+    def evaluate_split(
+        self,
+        encoder: Encoder,
+        split: CorpusSplit,
+        ranks_path: str | os.PathLike[str] | None = None,
+    ) -> dict[str, float]:
+        """`evaluate` of an already-read split."""
+        emb = self.embed_split(encoder, split)
+        ranks = ranks_path if self.where.is_main else None
+        metrics = score_split(emb, ranks)
+        metrics.update(missing_metrics(split))
+        metrics["encode_s"] = emb.encode_s
         return metrics
+
+
+@dataclass
+class SplitEmbeddings:
+    """A split's embeddings, gathered over ranks, and its qrels renumbered to their rows."""
+
+    queries: Tensor  # (Q, E) the scorable queries, file order
+    docs: Tensor  # (N, E) the documents that decoded, file order
+    qrels: list[dict[int, int]]  # per query: doc row -> grade (> 0)
+    judged: list[list[int]]  # per query: doc rows judged non-relevant
+    query_ids: list[str]
+    doc_ids: list[str]
+    groups: list[str | None]
+    bad: int  # sides that did not decode, over all ranks
+    encode_s: float
+
+
+def score_split(
+    emb: SplitEmbeddings, ranks_path: str | os.PathLike[str] | None = None
+) -> dict[str, float]:
+    """Metrics of `emb` (`corpus_metrics`, hard-negative accuracy, chance R@1, per group, bad
+    samples); `ranks_path`: also write the per-query ranks there. Scores are fp32 even inside
+    a bf16 run's autocast (training evaluates under it): bf16 scores tie and reorder
+    documents that fp32 ranks apart."""
+    with torch.autocast(emb.queries.device.type, enabled=False):
+        metrics, ranks, top = corpus_metrics(emb.queries, emb.docs, emb.qrels)
+        wins = judged_negative_wins(emb.queries, emb.docs, emb.qrels, emb.judged)
+    acc = wins_fraction(wins)
+    if acc is not None:
+        metrics["hardneg_acc"] = acc
+    metrics["chance_R@1"] = chance_recall(emb.qrels, emb.docs.shape[0], 1)
+    metrics.update(group_metrics(ranks, emb.groups))
+    metrics["bad_samples"] = float(emb.bad)
+    if ranks_path is not None:
+        write_ranks(ranks_path, emb.query_ids, emb.doc_ids, ranks, top, wins)
+    return metrics
