@@ -80,8 +80,9 @@ def make_tiny_qwen3vl(out: Path) -> str:
     return _save(transformers.Qwen3VLForConditionalGeneration(cfg), tok, ip, out)
 
 
-def train_tiny_run(root: Path, steps: int = 2) -> Path:
-    """The Qwen3-VL-Embedding preset on the tiny model and synthetic pages, `steps` steps."""
+def train_tiny_run(root: Path, steps: int = 2, extra: dict[str, object] | None = None) -> Path:
+    """The Qwen3-VL-Embedding preset on the tiny model and synthetic pages, `steps` steps
+    (`extra`: more overrides)."""
     model = make_tiny_qwen3vl(root / "model")
     pages_command(
         str(root / "pages"),
@@ -118,6 +119,7 @@ def train_tiny_run(root: Path, steps: int = 2) -> Path:
             "train.max_steps": steps,
             "train.save_every": steps,
             "train.best_metric": "",
+            **(extra or {}),
         },
     )
     assert main(["train", str(PRESET), *over]) == 0
