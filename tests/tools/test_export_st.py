@@ -269,12 +269,14 @@ def test_chat_template_puts_the_system_prompt_where_vltrain_trains_the_instructi
     assert "system" not in render(sys_msg + user(words("q")))
 
 
+@pytest.mark.parametrize("kind", ["dual_encoder", "hf_clip", "hf_siglip"])
 def test_refuses_model_kinds_it_cannot_express(
-    tmp_path: Path, capsys: pytest.CaptureFixture
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.yaml").write_text("stage: contrastive\nmodel:\n  kind: dual_encoder\n")
+    path = "" if kind == "dual_encoder" else f"\n  path: {tmp_path}"
+    (run / "config.yaml").write_text(f"stage: contrastive\nmodel:\n  kind: {kind}{path}\n")
     (run / "checkpoints" / "step_1").mkdir(parents=True)
     (run / "checkpoints" / "step_1" / "model.safetensors").write_bytes(b"")
     out = tmp_path / "st"
@@ -282,7 +284,7 @@ def test_refuses_model_kinds_it_cannot_express(
     rc = main(["export", str(step), "--out", str(out), "--format", "sentence-transformers"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
-    assert err[0].startswith("vltrain: error:") and "model.kind: dual_encoder" in err[0]
+    assert err[0].startswith("vltrain: error:") and f"model.kind: {kind}" in err[0]
     assert "vltrain export RUN --out DIR" in err[0] and not out.exists()
 
 
