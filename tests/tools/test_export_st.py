@@ -228,6 +228,7 @@ def test_export_writes_the_sentence_transformers_layout(
     assert cfg.instruction_query and cfg.instruction_doc  # the preset's: the check is not vacuous
     meta = json.loads((exported / "vltrain_export.json").read_text())
     assert meta["matryoshka_dims"] == list(DIMS) and meta["embedding_dim"] == 32
+    assert meta["base_model"] == "model"  # the folder's name, never its absolute path
     assert "truncate_dim" in (exported / "README.md").read_text()
     # LoRA merged: a plain transformers model, no adapter files
     assert not (exported / "adapter_config.json").exists()

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from vltrain.config import ConfigError, load_config
+from vltrain.config.hub_ids import is_model_id
 from vltrain.core.checkpoint import resolve_checkpoint
 from vltrain.tools import export_drafter
 from vltrain.tools.loading import load_trained, run_config_for
@@ -161,6 +162,11 @@ def _model_card(kind_path: str, prompts: dict[str, str], dims: list[int], width:
     )
 
 
+def base_model_name(path: str) -> str:
+    """A hub id as is; a local directory by its folder name (no absolute path leaves)."""
+    return path if is_model_id(path) and not Path(path).exists() else Path(path).name
+
+
 def write_st_files(out: Path, cfg: Any, width: int, source: str) -> None:
     """The sentence-transformers side of the export (beside the transformers model in `out`)."""
     m = cfg.model
@@ -205,6 +211,7 @@ def write_st_files(out: Path, cfg: Any, width: int, source: str) -> None:
         out / "vltrain_export.json",
         {
             "format": FORMAT,
+            "base_model": base_model_name(m.path),
             "pooling": m.pooling,
             "matryoshka_dims": list(m.matryoshka_dims),
             "embedding_dim": width,
@@ -213,7 +220,7 @@ def write_st_files(out: Path, cfg: Any, width: int, source: str) -> None:
             "run_config_sha256": hashlib.sha256(config_text).hexdigest(),
         },
     )
-    card = _model_card(Path(m.path).name or m.path, prompts, list(m.matryoshka_dims), width)
+    card = _model_card(base_model_name(m.path), prompts, list(m.matryoshka_dims), width)
     (out / "README.md").write_text(card, encoding="utf-8")
 
 
