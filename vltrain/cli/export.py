@@ -19,9 +19,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument(
         "--format",
         default="vltrain",
-        choices=("vltrain", "speculators", "dflash"),
+        choices=("vltrain", "speculators", "dflash", "sentence-transformers"),
         help="vltrain (default): the checkpoint as above; speculators: a drafter vLLM serves "
-        "(vllm serve OUT); dflash: z-lab's DFlash format (SGLang --speculative-algorithm DFLASH)",
+        "(vllm serve OUT); dflash: z-lab's DFlash format (SGLang --speculative-algorithm DFLASH); "
+        "sentence-transformers: a model.kind=vlm embedder SentenceTransformer(OUT) loads",
     )
     e.add_argument(
         "--target-id",

@@ -8,7 +8,7 @@ from pathlib import Path
 from safetensors.torch import save_model
 
 from vltrain.core.checkpoint import resolve_checkpoint
-from vltrain.tools import export_drafter
+from vltrain.tools import export_drafter, export_st
 from vltrain.tools.loading import load_trained, run_config_for
 
 
@@ -42,6 +42,10 @@ def export_command(
 ) -> int:
     if fmt == "vltrain":
         path = export_checkpoint(checkpoint, out, force)
+    elif fmt == export_st.FORMAT:
+        path = export_st.export_sentence_transformers(checkpoint, out, force)
+        print(f"vltrain: exported {checkpoint} as {fmt} to {path} (SentenceTransformer(path))")
+        return 0
     else:
         path = export_drafter.export_drafter(checkpoint, out, fmt, target, target_id, force)
         print(f"vltrain: exported {checkpoint} as {fmt} to {path}")

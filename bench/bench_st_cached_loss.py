@@ -1,0 +1,261 @@
+"""vltrain's InfoNCE + GradCache vs sentence-transformers' CachedMultipleNegativesRankingLoss on
+a tiny random Qwen3-VL-Embedding-style model: text queries, page-image positives.
+
+One model directory for both: a tiny random Qwen3-VL trained 1 step with the
+qwen3vl_embed_pages preset and exported with `vltrain export --format sentence-transformers`
+(full weights, the preset's instructions as prompts). vltrain: `VLMEmbedder` on that
+directory, its `HFCollate` prompts, `grad_cache` over query and page chunks and
+`InfoNCELoss(temperature=0.02, symmetric=False)` (the preset's). sentence-transformers:
+``SentenceTransformer(dir)`` with ``CachedMultipleNegativesRankingLoss(scale=1/0.02 = 50,
+mini_batch_size=chunk)`` (query -> document only, as the preset), its own ``preprocess`` with the
+query / document prompts. Checked: loss and every parameter gradient of the shared Qwen3-VL model
+(by name) agree to <= 1e-5. Timed: one step = loss + backward into .grad (no optimizer step),
+methods alternated A B A B, medians. Memory: peak RSS growth over two steps, each method in its
+own subprocess (`bench_grad_cache.py`'s method: VmHWM after a reset), median of 3.
+
+    PYTHONPATH=. python bench/bench_st_cached_loss.py [--batch 16] [--chunk 4] [--runs 5]
+
+Runs in the bench venv (sentence-transformers >= 5.4; no torchvision).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_grad_cache import _median_times, _reset_peak, _status_kib
+
+from tests.tools.test_export_st import (
+    pages_and_queries,
+    qwen_processor_without_video,
+    train_tiny_run,
+)
+from vltrain.cli import main as vltrain_main
+from vltrain.config import load_config
+from vltrain.data.batches import split_rows
+from vltrain.data.hf_collate import HFCollate
+from vltrain.models.hf_embedders import VLMEmbedder
+from vltrain.objectives.contrastive import InfoNCELoss
+from vltrain.objectives.grad_cache import grad_cache
+
+TOL = 1e-5
+
+
+def prepare(root: Path) -> Path:
+    """A tiny Qwen3-VL run (1 step) exported for sentence-transformers; returns the export."""
+    run = train_tiny_run(root, steps=1)
+    out = root / "st"
+    cmd = ["export", str(run), "--out", str(out), "--format", "sentence-transformers"]
+    assert vltrain_main(cmd) == 0
+    return out
+
+
+def hard_negative_pages(root: Path, batch: int, k: int) -> list[list[Path]]:
+    """`k` lists of `batch` pages: the k-th image hard negative of each of the first records."""
+    lines = (root / "pages" / "train.jsonl").read_text().splitlines()[:batch]
+    rows = [json.loads(line)["negatives"] for line in lines]
+    return [[root / "pages" / r[j]["image"] for r in rows] for j in range(k)]
+
+
+def build(root: Path, batch: int, chunk: int, negatives: int = 0) -> dict[str, Callable[[], Any]]:
+    """Step functions for both methods (and the models, for the gradient check)."""
+    from PIL import Image
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.losses import (
+        CachedMultipleNegativesRankingLoss,
+    )
+
+    out = root / "st"
+    cfg = load_config(root / "run" / "config.yaml")
+    m = cfg.model
+    temperature = cfg.objective.temperature
+    images, texts = pages_and_queries(root, batch)
+    pils = [Image.open(p).convert("RGB") for p in images]
+
+    emb = VLMEmbedder(out, instruction_query=m.instruction_query, instruction_doc=m.instruction_doc)
+    emb.train()
+    collate = HFCollate(
+        out, "vlm", cfg.data.max_text_len, None, m.instruction_query, m.instruction_doc
+    )
+    negs = [
+        [Image.open(p).convert("RGB") for p in col]
+        for col in hard_negative_pages(root, batch, negatives)
+    ]
+    q_in = collate.text_batch(texts, role="query")
+    d_in = collate.image_batch(pils, role="doc")[0]
+    n_in = [collate.image_batch(col, role="doc")[0] for col in negs]
+    ours_loss = InfoNCELoss(
+        temperature=temperature, learn_temperature=False, symmetric=False, gather=False
+    )
+
+    with qwen_processor_without_video():
+        st = SentenceTransformer(str(out), device="cpu").train()
+    q = st.preprocess(texts, prompt=m.instruction_query)
+    d = st.preprocess(pils, prompt=m.instruction_doc)
+    n = [st.preprocess(col, prompt=m.instruction_doc) for col in negs]
+    cmnrl = CachedMultipleNegativesRankingLoss(st, scale=1.0 / temperature, mini_batch_size=chunk)
+
+    def ours(rows: int = chunk) -> torch.Tensor:
+        """`rows` per chunk; `batch`: one chunk per side, the noise floor's reference."""
+        emb.zero_grad(set_to_none=False)
+        # one negatives side (column 0's pages, then column 1's, ...): the loss scores each
+        # query against every positive and every negative, as CMNRL's extra columns
+        n_chunks = [c for x in n_in for c in split_rows(x, rows)]
+        sides = [split_rows(q_in, rows), split_rows(d_in, rows)] + ([n_chunks] if n_in else [])
+        loss, _ = grad_cache(
+            [lambda ids, mask: emb.encode_text(ids, mask), *[emb.encode_image] * (len(sides) - 1)],
+            sides,
+            lambda e: ours_loss(e[0], e[1], e[2] if len(e) > 2 else None),
+        )
+        return loss
+
+    def theirs() -> torch.Tensor:
+        st.zero_grad(set_to_none=False)
+        loss = cmnrl([dict(q), dict(d), *(dict(f) for f in n)], None)
+        loss.backward()
+        return loss.detach()
+
+    return {
+        "vltrain": ours,
+        "st_cached": theirs,
+        "_vltrain_one_chunk": lambda: ours(batch),
+        "_models": lambda: (emb.base_model().model, st[0].model),
+    }
+
+
+def agreement(steps: dict[str, Callable[[], Any]]) -> dict[str, float]:
+    """Loss and per-parameter gradients of one step of each, matched by parameter name."""
+    ours_model, st_model = steps["_models"]()
+    steps["_vltrain_one_chunk"]()
+    one_chunk = {n: p.grad.clone() for n, p in ours_model.named_parameters() if p.grad is not None}
+    loss_ours, loss_st = float(steps["vltrain"]()), float(steps["st_cached"]())
+    st_params = dict(st_model.named_parameters())
+    diffs, floor, biggest, compared = [], [], 0.0, 0
+    sq = {"st": 0.0, "floor": 0.0, "norm": 0.0}
+    for name, p in ours_model.named_parameters():
+        if p.grad is None:
+            continue
+        other = st_params[name].grad
+        diffs.append(float((p.grad - other).abs().max()))
+        floor.append(float((p.grad - one_chunk[name]).abs().max()))
+        sq["st"] += float((p.grad - other).double().pow(2).sum())
+        sq["floor"] += float((p.grad - one_chunk[name]).double().pow(2).sum())
+        sq["norm"] += float(other.double().pow(2).sum())
+        biggest = max(biggest, float(other.abs().max()))
+        compared += 1
+    return {
+        # vltrain against itself with one chunk per side: fp32 summation-order noise
+        "grad_noise_floor": max(floor),
+        "grad_rel_l2": (sq["st"] / sq["norm"]) ** 0.5,
+        "grad_rel_l2_floor": (sq["floor"] / sq["norm"]) ** 0.5,
+        "loss_vltrain": loss_ours,
+        "loss_st": loss_st,
+        "loss_abs_diff": abs(loss_ours - loss_st),
+        "grad_max_abs_diff": max(diffs),
+        "grad_max_abs": biggest,
+        "params_compared": compared,
+    }
+
+
+def memory(root: Path, method: str, batch: int, chunk: int, negatives: int) -> float:
+    """Peak-RSS growth (MiB) of two steps of `method` in a fresh subprocess."""
+    spec = json.dumps(
+        {"root": str(root), "method": method, "batch": batch, "chunk": chunk, "negs": negatives}
+    )
+    cmd = [sys.executable, __file__, "--_mem", spec]
+    res = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(res.strip().splitlines()[-1])["delta_mib"]
+
+
+def memory_child(spec: dict[str, Any]) -> None:
+    torch.set_num_threads(1)
+    steps = build(Path(spec["root"]), spec["batch"], spec["chunk"], spec["negs"])
+    step = steps[spec["method"]]
+    step()  # warm-up: .grad buffers stay allocated
+    base = _reset_peak()
+    for _ in range(2):
+        step()
+    peak = _status_kib("VmHWM")
+    print(json.dumps({"delta_mib": (peak - base) / 1024}))
+
+
+def run(batch: int, chunk: int, runs: int, negatives: int) -> None:
+    import sentence_transformers
+    import transformers
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        prepare(root)
+        torch.set_num_threads(1)
+        steps = build(root, batch, chunk, negatives)
+        agree = agreement(steps)
+        times = _median_times({k: steps[k] for k in ("vltrain", "st_cached")}, runs)
+        mem: dict[str, list[float]] = {"vltrain": [], "st_cached": []}
+        for _ in range(3):  # alternated too
+            for method in mem:
+                mem[method].append(memory(root, method, batch, chunk, negatives))
+    med = {k: statistics.median(v) for k, v in mem.items()}
+    print(
+        f"\nmachine: {platform.machine()} CPU, 1 thread; {datetime.date.today()}; torch "
+        f"{torch.__version__}, transformers {transformers.__version__}, sentence-transformers "
+        f"{sentence_transformers.__version__}; batch {batch} queries + {batch} pages "
+        f"+ {negatives} page hard negatives each, "
+        f"mini-batch / GradCache chunk {chunk}, temperature 0.02 (scale 50), query -> doc"
+    )
+    print(
+        f"command: PYTHONPATH=. python bench/bench_st_cached_loss.py --batch {batch} "
+        f"--chunk {chunk} --runs {runs} --negatives {negatives}\n"
+    )
+    ok = agree["loss_abs_diff"] <= TOL and agree["grad_max_abs_diff"] <= TOL
+    print(
+        f"agreement: loss {agree['loss_vltrain']:.6f} vs {agree['loss_st']:.6f} "
+        f"(|diff| {agree['loss_abs_diff']:.1e}); max |grad diff| "
+        f"{agree['grad_max_abs_diff']:.1e} over {agree['params_compared']} parameters "
+        f"(largest |grad| {agree['grad_max_abs']:.2e}); {'ok' if ok else 'MISMATCH'} (<= {TOL}); "
+        f"vltrain chunk {chunk} vs one chunk per side: max |grad diff| "
+        f"{agree['grad_noise_floor']:.1e}; relative L2 of the gradient difference: vs CMNRL "
+        f"{agree['grad_rel_l2']:.1e}, vltrain vs itself {agree['grad_rel_l2_floor']:.1e}\n"
+    )
+    print("| what | vltrain | sentence-transformers CMNRL | ratio |")
+    print("|---|---|---|---|")
+    t_ours, t_st = times["vltrain"], times["st_cached"]
+    print(
+        f"| step time (median of {runs}) | {t_ours * 1e3:.1f} ms | {t_st * 1e3:.1f} ms | "
+        f"{t_ours / t_st:.2f}x |"
+    )
+    print(
+        f"| peak RSS growth, 2 steps (median of 3) | {med['vltrain']:.1f} MiB | "
+        f"{med['st_cached']:.1f} MiB | {med['vltrain'] / max(med['st_cached'], 1e-9):.2f}x |"
+    )
+
+
+def cli(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--chunk", type=int, default=4)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--negatives", type=int, default=0, help="page hard negatives per query (<= 2)")
+    ap.add_argument("--_mem", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args._mem:
+        memory_child(json.loads(args._mem))
+        return 0
+    run(args.batch, args.chunk, args.runs, args.negatives)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
