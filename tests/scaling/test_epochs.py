@@ -1,0 +1,54 @@
+"""train.epochs -> train.max_steps (and the warmup) through the budget hook, and its refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_overrides
+from vltrain.config import ConfigError, load_config
+from vltrain.data.shards import INDEX_NAME, write_shards
+from vltrain.scaling.budget import resolve_budget
+
+
+def _load(shapes_dir: Path, out: Path, **extra: object):
+    overrides = [o for o in tiny_overrides(shapes_dir, out, **extra) if "max_steps" not in o]
+    return load_config(None, overrides)
+
+
+def test_epochs_derive_steps_and_warmup(shapes_dir: Path, tmp_path: Path, capsys) -> None:
+    cfg = _load(shapes_dir, tmp_path, **{"train.epochs": 5, "optim.warmup_epochs": 0.5})
+    got = resolve_budget(cfg, world_size=2)  # global batch 32: 128 // 32 = 4 steps per epoch
+    assert got.train.max_steps == 20 and got.optim.warmup_steps == 2
+    line = "128 samples, global batch 32, accum 1 -> 4 steps per epoch, 5 epochs = 20 steps"
+    assert line in capsys.readouterr().out
+    plain = _load(shapes_dir, tmp_path)  # negative control: no epochs, nothing derived
+    assert resolve_budget(plain) is plain
+
+
+def test_epochs_with_max_steps_is_refused(shapes_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="'train.epochs' and 'train.max_steps' are both set"):
+        load_config(None, tiny_overrides(shapes_dir, tmp_path, **{"train.epochs": 2}))
+    with pytest.raises(ConfigError, match="save_every_epoch' needs 'train.epochs'"):
+        load_config(None, tiny_overrides(shapes_dir, tmp_path, **{"train.save_every_epoch": True}))
+    with pytest.raises(ConfigError, match="warmup_epochs' needs 'train.epochs'"):
+        load_config(None, tiny_overrides(shapes_dir, tmp_path, **{"optim.warmup_epochs": 1}))
+    with pytest.raises(ConfigError, match="pick one"):
+        _load(shapes_dir, tmp_path, **{"train.epochs": 2, "train.max_samples": 64})
+
+
+def test_warmup_longer_than_the_epochs_is_refused(shapes_dir: Path, tmp_path: Path) -> None:
+    cfg = _load(shapes_dir, tmp_path, **{"train.epochs": 1, "optim.warmup_steps": 100})
+    with pytest.raises(ConfigError, match="warmup .100 steps. exceeds the 8 steps"):
+        resolve_budget(cfg)
+
+
+def test_streaming_epochs_need_the_shard_index(shapes_dir: Path, tmp_path: Path) -> None:
+    shards = tmp_path / "shards"
+    write_shards(shapes_dir / "train.jsonl", shards, 40)  # 128 samples: 40, 40, 40, 8
+    cfg = _load(shapes_dir, tmp_path / "run", **{"train.epochs": 2, "data.train": shards})
+    assert resolve_budget(cfg).train.max_steps == 2 * (128 // 16)
+    (shards / INDEX_NAME).unlink()
+    with pytest.raises(ConfigError, match=f"without a {INDEX_NAME}"):
+        resolve_budget(cfg)
