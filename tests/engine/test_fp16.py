@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import tiny_overrides
+from tests.stages.test_caption_stage import PRESETS, caption_overrides
+from tests.stages.test_caption_stage import cap_data as cap_data  # the fixture, shared
 from vltrain.config import ConfigError, load_config
 from vltrain.core import checkpoint
 from vltrain.engine import loop, optim
@@ -57,6 +59,10 @@ def test_fp32_run_has_no_scaler(shapes_dir: Path, tmp_path: Path) -> None:
     state = checkpoint.load_trainer_state(tmp_path / "run" / "checkpoints" / "step_8")
     assert "scaler" not in state and "scaler_skips" not in summary
     assert not any("loss_scale" in r for r in _rows(tmp_path / "run"))
+    # and fp16 really computes in fp16: the first loss (same weights, same batch) differs a bit
+    train(_cfg(shapes_dir, tmp_path / "fp16", **{"train.max_steps": 2}))
+    fp32, fp16 = _losses(tmp_path / "run")[1], _losses(tmp_path / "fp16")[1]
+    assert fp32 != fp16 and abs(fp32 - fp16) < 0.05
 
 
 def test_fp16_resume_is_bit_identical_with_scaler_state(
@@ -152,6 +158,15 @@ def test_doctor_still_reports_a_real_nan_under_fp16(
     assert summary["skipped_steps"] == 1 and summary["scaler_skips"] == 0
     found = [json.loads(x) for x in (tmp_path / "run" / "doctor.jsonl").read_text().splitlines()]
     assert "nonfinite" in {f["check"] for f in found}
+
+
+def test_fp16_trains_the_captioner_on_cpu(cap_data: Path, tmp_path: Path) -> None:
+    """The other built-in kind fp16 accepts on CPU (FP16_CPU_KINDS) runs its ops in fp16."""
+    over = caption_overrides(cap_data, tmp_path / "cap", **{"run.precision": "fp16"})
+    summary = train(load_config(PRESETS["pretrain"], [*over, "train.max_steps=4"]))
+    losses = _losses(tmp_path / "cap")
+    assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(v) for v in losses.values())
+    assert summary["skipped_steps"] == 0 and summary["scaler_skips"] < 4
 
 
 def test_fp16_refused_on_cpu_for_hf_kinds(shapes_dir: Path, tmp_path: Path) -> None:
