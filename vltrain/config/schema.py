@@ -838,8 +838,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     given = tree.get("train") or {}
     if cfg.train.epochs and "max_steps" in given and not cfg.train.resume:
         raise ConfigError(
-            "'train.epochs' and 'train.max_steps' are both set: a run's length is one of them "
-            "(drop train.max_steps; with train.epochs it is derived from the dataset's size)"
+            "'train.epochs' and 'train.max_steps' are both set: a run's length is one of them; "
+            "drop train.max_steps (derived from the dataset's size; a run's config.yaml records "
+            "it, and train.resume=true derives it again)"
         )
     validate_cross_fields(cfg)
     return cfg

@@ -146,7 +146,7 @@ def build_scaler(
     if precision != "fp16":
         return None
     if sharded:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        from vltrain.engine.sharding import sharded_scaler
 
-        return ShardedGradScaler(device.type, init_scale=INIT_SCALE)
+        return sharded_scaler(device.type, INIT_SCALE)
     return torch.amp.GradScaler(device.type, init_scale=INIT_SCALE)
