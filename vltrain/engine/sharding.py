@@ -148,7 +148,7 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return mod is not None and isinstance(t, mod.DTensor)
 
 
-def sharded_scaler(device_type: str, init_scale: float) -> Any:
+def sharded_scaler(device_type: str, init_scale: float) -> torch.amp.GradScaler:
     """fp16 under FSDP: the loss scaler that checks every rank's gradient shards for overflow
     (one all-reduce), so all ranks skip the same steps."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
