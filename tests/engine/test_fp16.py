@@ -148,10 +148,11 @@ def test_doctor_still_reports_a_real_nan_under_fp16(
     real = loop.Trainer._forward_backward
 
     def nan_loss(self, model, micro):
-        loss, metrics, grad_norm, finite = real(self, model, micro)
+        loss, metrics, grad_norm, finite, overflow = real(self, model, micro)
         if self.state.step == 3:
-            return torch.tensor(float("nan"), dtype=torch.float64), metrics, grad_norm, False
-        return loss, metrics, grad_norm, finite
+            nan = torch.tensor(float("nan"), dtype=torch.float64)
+            return nan, metrics, grad_norm, False, False
+        return loss, metrics, grad_norm, finite, overflow
 
     monkeypatch.setattr(loop.Trainer, "_forward_backward", nan_loss)
     summary = train(_cfg(shapes_dir, tmp_path / "run"))

@@ -195,12 +195,11 @@ class Trainer:
             if n_stop:  # every rank stops here, before the step: save, then say so
                 self.loader.load_state_dict(position)
                 self._stop(model, logger)
-            overflow = False  # fp16: the loss scaler found inf/nan gradients of a finite loss
             if n_empty:  # a rank has nothing to forward: every rank skips (no DDP hang)
                 loss, metrics, grad_norm, finite = torch.tensor(float("nan")), {}, None, False
+                overflow = False
             else:
-                loss, metrics, grad_norm, finite = self._forward_backward(model, micro)
-                overflow = self.scaler is not None and not finite and bool(torch.isfinite(loss))
+                loss, metrics, grad_norm, finite, overflow = self._forward_backward(model, micro)
             lr = set_lr(self.optimizer, state.step, cfg.train.max_steps, cfg.optim)
             self._apply_step(n_empty, finite, overflow, loss, grad_norm, logger)
             self._doctor_step(micro, loss, grad_norm, lr, finite, t_step, logger, metrics, overflow)
@@ -246,8 +245,10 @@ class Trainer:
 
     def _forward_backward(
         self, model: ParallelModel, micro: list[Batch]
-    ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor, bool]:
-        """Accumulate the micro-batches' gradients, clip; (loss, metrics, grad norm, finite?)."""
+    ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor, bool, bool]:
+        """Accumulate the micro-batches' gradients, clip; (loss, metrics, grad norm, finite?,
+        overflow?). Overflow (fp16): every rank's loss is finite but a gradient is not, the
+        loss scaler's skip; both verdicts are global (one all-reduce)."""
         ctx, accum = self.ctx, len(micro)
         loss_sum, metrics = torch.zeros((), dtype=torch.float64), {}
         # fp16: backpropagate loss x the loss scale (what GradScaler.scale does), unscale after
@@ -264,9 +265,11 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # inf/nan where the scaled gradients overflowed
         grad_norm = model.clip_grad_norm_(self.cfg.optim.grad_clip or float("inf"))
-        bad = (~torch.isfinite(loss_sum)) | (~torch.isfinite(grad_norm.double().cpu()))
-        finite = not bool(distributed.all_reduce_max(bad.double()).item() > 0)
-        return loss_sum, metrics, grad_norm, finite
+        bad = torch.stack([~torch.isfinite(loss_sum), ~torch.isfinite(grad_norm.double().cpu())])
+        bad_loss, bad_grad = (distributed.all_reduce_max(bad.double()) > 0).tolist()
+        finite = not (bad_loss or bad_grad)
+        overflow = self.scaler is not None and bad_grad and not bad_loss
+        return loss_sum, metrics, grad_norm, finite, overflow
 
     def _apply_step(self, n_empty: int, finite: bool, overflow: bool, loss, grad_norm, logger):
         """Take the optimizer step, or skip it (all ranks alike) and say why. fp16: a finite
