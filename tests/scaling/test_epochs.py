@@ -23,6 +23,8 @@ def test_epochs_derive_steps_and_warmup(shapes_dir: Path, tmp_path: Path, capsys
     assert got.train.max_steps == 20 and got.optim.warmup_steps == 2
     line = "128 samples, global batch 32, accum 1 -> 4 steps per epoch, 5 epochs = 20 steps"
     assert line in capsys.readouterr().out
+    capped = _load(shapes_dir, tmp_path, **{"train.epochs": 1, "data.max_train_samples": 64})
+    assert resolve_budget(capped).train.max_steps == 64 // 16  # the records the stage uses
     plain = _load(shapes_dir, tmp_path)  # negative control: no epochs, nothing derived
     assert resolve_budget(plain) is plain
 

@@ -131,8 +131,15 @@ def samples_per_step(cfg: Config, world_size: int = 1) -> int:
 
 
 def dataset_size(cfg: Config) -> int:
-    """Training samples in one epoch of `data.train`: its records, or for tar shards the counts
-    of their ``shardindex.json`` (a stream without one has no known length)."""
+    """Training samples in one epoch: the records of `data.train` (the first
+    `data.max_train_samples` when set), or for tar shards the counts of their
+    ``shardindex.json`` (a stream without one has no known length)."""
+    n = _source_size(cfg)
+    cap = cfg.data.max_train_samples
+    return min(n, cap) if cap else n
+
+
+def _source_size(cfg: Config) -> int:
     from vltrain.data import shards
 
     train = cfg.data.train
