@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_overrides
+from tests.conftest import REPO, tiny_overrides
 from vltrain.config import ConfigError, load_config
 from vltrain.data.shards import INDEX_NAME, write_shards
 from vltrain.scaling.budget import resolve_budget
@@ -54,3 +54,33 @@ def test_streaming_epochs_need_the_shard_index(shapes_dir: Path, tmp_path: Path)
     (shards / INDEX_NAME).unlink()
     with pytest.raises(ConfigError, match=f"without a {INDEX_NAME}"):
         resolve_budget(cfg)
+
+
+def test_epochs_count_pair_records(tmp_path: Path) -> None:
+    """Query/positive records (the pages workload) count one sample per record."""
+    from vltrain.data.synth_pages import pages_command
+
+    data = tmp_path / "pages"
+    pages_command(str(data), n_train=48, n_val=4, n_test=0, negatives=1, distractors=4)
+    over = [f"run.out_dir={tmp_path / 'run'}", f"data.train={data / 'train.jsonl'}"]
+    over += ["data.batch_size=8", "train.epochs=2", "optim.warmup_steps=0"]
+    cfg = load_config(REPO / "configs" / "pages.yaml", over)
+    assert resolve_budget(cfg).train.max_steps == 2 * (48 // 8)
+
+
+def test_an_override_of_the_length_replaces_the_presets(tmp_path: Path) -> None:
+    """`vltrain train configs/clip.yaml train.epochs=3`: the preset's max_steps gives way (and
+    the other way round); both in one layer stays an error."""
+    preset, out = REPO / "configs" / "clip.yaml", f"run.out_dir={tmp_path}"
+    assert load_config(preset, [out, "train.epochs=3"]).train.epochs == 3
+    epochs_file = tmp_path / "epochs.yaml"
+    epochs_file.write_text("train:\n  epochs: 3\n  save_every_epoch: false\n")
+    cfg = load_config(epochs_file, [out, "train.max_steps=7", "optim.warmup_steps=0"])
+    assert (cfg.train.epochs, cfg.train.max_steps) == (0, 7)
+    with pytest.raises(ConfigError, match="both set"):
+        load_config(preset, [out, "train.epochs=3", "train.max_steps=7"])
+    both_file = tmp_path / "both.yaml"
+    both_file.write_text("train:\n  epochs: 3\n  max_steps: 7\n")
+    with pytest.raises(ConfigError, match="both set"):
+        load_config(both_file, [out])
+    load_config(both_file, [out, "train.resume=true"])  # a run's own config.yaml, resumed

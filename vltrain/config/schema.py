@@ -830,18 +830,38 @@ def validate_cross_fields(cfg: Config) -> None:
     hub_ids.pin_splits(cfg.data)
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Defaults -> YAML file -> dotted overrides, merged once and validated."""
-    tree = load_yaml(path) if path else {}
-    tree = deep_merge(tree, parse_overrides(overrides or []))
-    cfg = build(Config, tree)
-    given = tree.get("train") or {}
-    if cfg.train.epochs and "max_steps" in given and not cfg.train.resume:
+def _run_length(file_tree: dict, over: dict) -> dict:
+    """Merge the YAML and the overrides, with one run length: `train.epochs` or
+    `train.max_steps`. An override of one replaces the other from the file (`vltrain train
+    configs/clip.yaml train.epochs=3`); both in one layer is an error, except in a run's own
+    config.yaml resumed (it records the max_steps its epochs derived, derived again)."""
+    tree = deep_merge(file_tree, over)
+    f, o, train = file_tree.get("train"), over.get("train"), tree.get("train")
+    if not all(isinstance(x, dict | None) for x in (f, o, train)) or train is None:
+        return tree  # no train section, or a malformed one: build() names the mistake
+    f, o, train = f or {}, o or {}, dict(train)
+    tree["train"] = train
+    both = bool(o.get("epochs")) and "max_steps" in o
+    if o.get("epochs") and not both:
+        train.pop("max_steps", None)
+    elif "max_steps" in o and f.get("epochs"):
+        train["epochs"] = 0
+    else:
+        both = both or (bool(f.get("epochs")) and "max_steps" in f and not train.get("resume"))
+    if both:
         raise ConfigError(
             "'train.epochs' and 'train.max_steps' are both set: a run's length is one of them; "
             "drop train.max_steps (derived from the dataset's size; a run's config.yaml records "
             "it, and train.resume=true derives it again)"
         )
+    return tree
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Defaults -> YAML file -> dotted overrides, merged once and validated."""
+    tree = load_yaml(path) if path else {}
+    tree = _run_length(tree, parse_overrides(overrides or []))
+    cfg = build(Config, tree)
     validate_cross_fields(cfg)
     return cfg
 

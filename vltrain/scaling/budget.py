@@ -163,10 +163,11 @@ def _source_size(cfg: Config) -> int:
         from vltrain.data.caption_data import read_caption_source
 
         return len(read_caption_source(train, cfg.data.image_column, cfg.data.text_column).records)
-    from vltrain.data.pairs import is_pair_file, read_pair_records
+    from vltrain.data.pairs import is_pair_file, read_corpus, read_pair_records
 
     if is_pair_file(train):
-        return len(read_pair_records(train))
+        corpus = cfg.data.train_corpus
+        return len(read_pair_records(train, read_corpus(corpus) if corpus else None))
     from vltrain.data.sources import read_source
 
     return len(read_source(train, cfg.data.image_column, cfg.data.text_column).records)
