@@ -11,6 +11,8 @@ Checks (each row: check, status ok|FAILED|skipped, result, seconds):
   the `vltrain train` CLI: contrastive (clip), pages (text -> page screenshot), caption
   pretraining, finetuning and SFT (each from the one before), RL and a captioner drafter (from
   the finetuned captioner);
+- fp16_clip: 8 steps of the clip preset with `run.precision=fp16` (fp16 autocast, the dynamic
+  loss scaler) through the CLI: the loss is finite and falls, the scaler's skips and scale;
 - nccl_fsdp: an NCCL process group over every visible GPU (all_reduce checked), then FSDP2
   (`engine/sharding.py`) on a tiny dual encoder, with and without CPU offload: two steps
   equal an unsharded copy;
@@ -149,6 +151,29 @@ def _stage_check(
         return "ok", f"{s['steps']} {kind} steps in {secs} s (incl. first-step warmup)"
 
     return check
+
+
+def check_fp16_clip(args: argparse.Namespace) -> tuple[str, str]:
+    if _absent(args):
+        return _no_gpu()
+    out, data = args.work / "fp16_clip", _synth(args.work)
+    extra = ["train.overwrite=true", "train.max_steps=8", "train.log_every=1"]
+    cmd = _train_cmd("clip.yaml", out, data, *extra, "run.precision=fp16", device=args.device)
+    if not _cuda(args):  # CPU fp16 matmuls are slow: a small batch checks the same logic
+        cmd.append("data.batch_size=32")
+    res = _run(cmd, 300)
+    if res.returncode:
+        return "FAILED", _tail(res)
+    s = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    first, last = steps[0]["loss"], steps[-1]["loss"]
+    fine = all(r["loss"] == r["loss"] and abs(r["loss"]) < float("inf") for r in steps)
+    said = (
+        f"{s['steps']} fp16 steps, loss {first:.3f} -> {last:.3f}, scaler skips "
+        f"{s['scaler_skips']}, loss scale {steps[-1]['loss_scale']:.0f}"
+    )
+    return ("ok" if fine and s["skipped_steps"] == 0 else "FAILED"), said
 
 
 def _ranks(args: argparse.Namespace) -> int:
@@ -497,6 +522,7 @@ CHECKS: dict[str, Callable[[argparse.Namespace], tuple[str, str]]] = {
     "stage_drafter_captioner": _stage_check(
         "drafter.yaml", "drafter_captioner", "model.target={work}/stage_caption_finetune"
     ),
+    "fp16_clip": check_fp16_clip,
     "nccl_fsdp": check_nccl_fsdp,
     "fsdp_cli": check_fsdp_cli,
     "grad_cache_qwen3vl2b": check_grad_cache_qwen3vl,

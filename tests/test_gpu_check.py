@@ -25,7 +25,14 @@ def test_gpu_check_runs_on_cpu_and_skips_gpu_parts_clearly() -> None:
     assert list(by_name) == list(mod.CHECKS)  # one row per check, in order
     assert "| ok |" in by_name["env"]
     gpu_only = [n for n in mod.CHECKS if n.startswith("stage_")]
-    gpu_only += ["nccl_fsdp", "fsdp_cli", "grad_cache_qwen3vl2b", "clip_mfu", "drafter_smollm2"]
+    gpu_only += [
+        "fp16_clip",
+        "nccl_fsdp",
+        "fsdp_cli",
+        "grad_cache_qwen3vl2b",
+        "clip_mfu",
+        "drafter_smollm2",
+    ]
     for name in gpu_only:
         assert "skipped" in by_name[name] and "no CUDA" in by_name[name], by_name[name]
 
@@ -54,6 +61,7 @@ def test_every_gpu_row_runs_its_code_on_the_cpu(tmp_path: Path) -> None:
     assert len(stages) == 7 and all("3 fp32 steps in" in rows[n] for n in stages)
     for name in stages:  # each row's run folder is a finished 3-step run
         assert '"steps": 3' in (tmp_path / "w" / name / "summary.json").read_text()
+    assert "8 fp16 steps" in rows["fp16_clip"] and "scaler skips" in rows["fp16_clip"]
     assert "gloo over 2 CPU ranks ok" in rows["nccl_fsdp"]
     assert "sharded checkpoint written: True" in rows["fsdp_cli"]
     assert "chain tau" in rows["drafter_smollm2"] and "DIFFERS" not in rows["drafter_smollm2"]

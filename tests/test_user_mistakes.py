@@ -341,6 +341,13 @@ case("pipeline_missing_file", "no_pipeline.yaml")(
     lambda c: ["pipeline", str(c.tmp / "no_pipeline.yaml")]
 )
 case("unknown_command", "invalid choice")(lambda c: ["trian", CLIP])
+case("epochs_and_max_steps", "train.max_steps")(lambda c: c.train("train.epochs=2"))
+case("save_every_epoch_without_epochs", "train.epochs")(
+    lambda c: c.train("train.save_every_epoch=true")
+)
+case("fp16_hf_kind_on_cpu", "run.precision=fp16")(
+    lambda c: c.train("run.precision=fp16", "run.device=cpu", "model.kind=hf_clip")
+)
 
 
 # ---- the runner ---------------------------------------------------------------------------

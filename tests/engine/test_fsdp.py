@@ -197,3 +197,24 @@ def test_resume_with_another_format_is_a_clear_error(
     cfg = load_config(CONFIG, [*args[2:], "train.allow_changes=[train.parallel]"])
     with pytest.raises(ConfigError, match="sharded .fsdp. checkpoint but train.parallel=none"):
         train(cfg)
+
+
+def test_fsdp_fp16_sharded_scaler_resumes_exactly(shapes_dir: Path, tmp_path: Path) -> None:
+    """fp16 under FSDP2 on 2 ranks: the sharded loss scaler (its first step overflows here: the
+    per-rank feature gradients of the gathered contrastive loss are larger than one process's)
+    skips on both ranks alike, is checkpointed, and a resume from step 3 ends bit-identical."""
+    from vltrain.core import checkpoint
+
+    run = tmp_path / "fp16"
+    extra = ["train.parallel=fsdp", "run.precision=fp16"]
+    _launch(2, _args(shapes_dir, run, 2, *extra), tmp_path)
+    summary = (run / "summary.json").read_text()
+    assert '"scaler_skips"' in summary
+    state = checkpoint.load_trainer_state(run / "checkpoints" / "step_3")
+    assert state["scaler"]["scale"] > 0 and state["scaler"]["_growth_tracker"] >= 0
+    resumed = _resume_copy(run, tmp_path / "resumed")
+    _launch(2, _args(shapes_dir, resumed, 2, *extra, "train.resume=true"), tmp_path)
+    got = _weights(resumed / "checkpoints" / "step_5", tmp_path)
+    want = _weights(run / "checkpoints" / "step_5", tmp_path)
+    assert all(torch.isfinite(v).all() for v in want.values())
+    assert _max_diff(got, want) == 0.0

@@ -104,3 +104,59 @@ def test_resume_without_restoring_rng_would_differ(
     a, b = _losses(full), _losses(part)
     assert a[5] == b[5]
     assert a[8] != b[8]
+
+
+def _epoch_cfg(shapes_dir: Path, out: Path, **extra: object):
+    # 128 samples / (batch 16 x accum 2) = 4 steps per epoch, 3 epochs = 12 steps; checkpoints
+    # at steps 5 and 10 (save_every) and at each epoch's end (4, 8, 12)
+    opts = {
+        "train.epochs": 3,
+        "train.save_every_epoch": True,
+        "train.save_every": 5,
+        "train.keep_last": 10,
+        "optim.accum_steps": 2,
+        "model.dropout": 0.1,
+        "data.num_workers": 1,
+        **extra,
+    }
+    overrides = [o for o in tiny_overrides(shapes_dir, out, **opts) if "max_steps" not in o]
+    return load_config(None, overrides)
+
+
+def test_epoch_scheduled_resume_mid_epoch_is_exact(
+    shapes_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    full = tmp_path / "full"
+    summary = train(_epoch_cfg(shapes_dir, full))
+    out = capsys.readouterr().out
+    assert "128 samples, global batch 16, accum 2 -> 4 steps per epoch, 3 epochs = 12 steps" in out
+    assert summary["steps"] == 12
+    saved = sorted(int(p.name[5:]) for p in (full / "checkpoints").glob("step_*"))
+    assert saved == [4, 5, 8, 10, 12]  # epoch ends beside save_every
+    rows = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
+    epochs = {r["step"]: r["epoch"] for r in rows if "loss" in r}
+    assert epochs[4] == 1.0 and epochs[6] == 1.5 and epochs[12] == 3.0
+
+    part = tmp_path / "part"
+    real = loop.Trainer._maybe_eval_and_save
+
+    def stop_after_7(self, model, logger):
+        real(self, model, logger)
+        if self.state.step == 7:  # mid-epoch 2, after the step-5 checkpoint
+            raise Interrupt
+
+    monkeypatch.setattr(loop.Trainer, "_maybe_eval_and_save", stop_after_7)
+    with pytest.raises(Interrupt):
+        train(_epoch_cfg(shapes_dir, part))
+    monkeypatch.setattr(loop.Trainer, "_maybe_eval_and_save", real)
+    assert not (part / "checkpoints" / "step_7").exists()  # resume starts from step 5
+    # resume from the run's own config.yaml (which records the derived max_steps)
+    saved_cfg = load_config(part / "config.yaml", ["train.resume=true"])
+    assert saved_cfg.train.max_steps == 12 and saved_cfg.train.epochs == 3
+    train(saved_cfg)
+    a, b = _losses(full), _losses(part)
+    assert sorted(a) == sorted(b) == list(range(1, 13))
+    assert [a[s] for s in a] == [b[s] for s in a]  # bit-for-bit
+    wa = load_file(full / "checkpoints" / "step_12" / "model.safetensors")
+    wb = load_file(part / "checkpoints" / "step_12" / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

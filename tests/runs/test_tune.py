@@ -341,3 +341,24 @@ def test_dead_worker_trials_fail_on_a_journal_storage(tmp_path: Path) -> None:
     assert fail_dead_trials(study, storage) == [0]
     assert [t.state.name for t in study.get_trials()] == ["FAIL", "RUNNING", "RUNNING"]
     assert "died" in study.get_trials()[0].user_attrs["fail_reason"]
+
+
+def test_a_trial_takes_the_tune_budget_not_the_base_epochs(
+    shapes_dir: Path, tmp_path: Path
+) -> None:
+    """A base config with train.epochs: each trial trains tune's budget (its max_steps), not
+    the base's epochs (which the budget hook would otherwise derive again)."""
+    from vltrain.runs.tune.search import Search
+    from vltrain.scaling.budget import resolve_budget
+
+    path = _write_config(tmp_path / "t.yaml", shapes_dir, tmp_path / "runs")
+    tree = yaml.safe_load(path.read_text())
+    del tree["train"]["max_steps"]
+    tree["train"].update(epochs=4, save_every_epoch=True)
+    tree["optim"]["warmup_epochs"] = 0.25
+    path.write_text(yaml.safe_dump(tree))
+    search = Search(str(path), study="e")
+    search._prepare()
+    trial_cfg = search.plan.config({"optim.lr": 1e-3}, tmp_path / "trial")
+    assert trial_cfg.train.epochs == 0 and not trial_cfg.train.save_every_epoch
+    assert resolve_budget(trial_cfg).train.max_steps == trial_cfg.train.max_steps

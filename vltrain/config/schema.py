@@ -33,8 +33,9 @@ class RunConfig:
     )
     precision: str = option(
         "fp32",
-        "Compute precision: fp32, or bf16 autocast (CPU and CUDA).",
-        choices=("fp32", "bf16"),
+        "Compute precision: fp32, bf16 autocast (CPU and CUDA), or fp16 autocast with a dynamic "
+        "loss scaler (CUDA; CPU for the built-in models).",
+        choices=("fp32", "bf16", "fp16"),
     )
     deterministic: bool = option(
         False,
@@ -336,6 +337,9 @@ class OptimConfig:
         "cosine", "LR schedule after warmup.", choices=("cosine", "linear", "constant")
     )
     warmup_steps: int = option(100, "Linear warmup steps.", ge=0)
+    warmup_epochs: float = option(
+        0.0, "Warmup in epochs (0: use warmup_steps); needs train.epochs.", ge=0.0
+    )
     weight_decay: float = option(
         0.1, "AdamW weight decay (not on biases, norms, embeddings, temperature).", ge=0.0
     )
@@ -380,6 +384,13 @@ class TrainConfig:
         "sample x samples per step)), FLOPs from vltrain.scaling.flops (docs/scaling.md).",
         ge=0.0,
     )
+    epochs: int = option(
+        0,
+        "Epochs to train (0: off); exclusive with train.max_steps, which is then derived: "
+        "floor(dataset size / (global batch x optim.accum_steps)) steps per epoch.",
+        ge=0,
+    )
+    save_every_epoch: bool = option(False, "train.epochs: also checkpoint at each epoch's end.")
     eval_every: int = option(200, "Evaluate every N steps (0: only at the end).", ge=0)
     save_every: int = option(500, "Checkpoint every N steps (0: only at the end).", ge=0)
     keep_last: int = option(3, "Keep this many newest step checkpoints.", ge=1)
@@ -764,6 +775,32 @@ class Config:
     drafter: DrafterConfig = section(DrafterConfig, "Drafter stage: block drafter, loss, eval.")
 
 
+#: model kinds whose ops run under fp16 autocast on CPU (tests/engine/test_fp16.py)
+FP16_CPU_KINDS = ("dual_encoder", "captioner")
+
+
+def _check_fp16(cfg: Config) -> None:
+    if cfg.run.precision != "fp16" or cfg.model.kind in FP16_CPU_KINDS:
+        return
+    import torch
+
+    if cfg.run.device == "cpu" or (cfg.run.device == "auto" and not torch.cuda.is_available()):
+        raise ConfigError(
+            f"run.precision=fp16 on CPU supports model.kind in {list(FP16_CPU_KINDS)}, not "
+            f"{cfg.model.kind!r}: use run.precision=bf16 (or fp32) on CPU, or a CUDA device"
+        )
+
+
+def _check_epochs(cfg: Config) -> None:
+    t = cfg.train
+    if t.epochs and (t.max_samples or t.max_flops):
+        raise ConfigError("'train.epochs' and a budget (train.max_samples/max_flops): pick one")
+    if t.save_every_epoch and not t.epochs:
+        raise ConfigError("'train.save_every_epoch' needs 'train.epochs' (epochs are not counted)")
+    if cfg.optim.warmup_epochs and not t.epochs:
+        raise ConfigError("'optim.warmup_epochs' needs 'train.epochs'; else use optim.warmup_steps")
+
+
 def validate_cross_fields(cfg: Config) -> None:
     """Rules that involve more than one field."""
     if not cfg.run.out_dir.strip():
@@ -776,7 +813,8 @@ def validate_cross_fields(cfg: Config) -> None:
         raise ConfigError(
             "'train.max_samples' and 'train.max_flops' are both set: a run has one budget"
         )
-    budget = bool(cfg.train.max_samples or cfg.train.max_flops)  # max_steps derived later
+    _check_epochs(cfg)
+    budget = bool(cfg.train.max_samples or cfg.train.max_flops or cfg.train.epochs)
     if not budget and cfg.optim.warmup_steps > cfg.train.max_steps:
         raise ConfigError(
             f"'optim.warmup_steps' ({cfg.optim.warmup_steps}) exceeds 'train.max_steps' "
@@ -797,13 +835,41 @@ def validate_cross_fields(cfg: Config) -> None:
             f"'model.matryoshka_dims' must be prefix sizes >= 1 in increasing order, got {dims}; "
             f"e.g. {sorted({max(d, 1) for d in dims})}"
         )
+    _check_fp16(cfg)
     hub_ids.pin_splits(cfg.data)
+
+
+def _run_length(file_tree: dict, over: dict) -> dict:
+    """Merge the YAML and the overrides, with one run length: `train.epochs` or
+    `train.max_steps`. An override of one replaces the other from the file (`vltrain train
+    configs/clip.yaml train.epochs=3`); both in one layer is an error, except in a run's own
+    config.yaml resumed (it records the max_steps its epochs derived, derived again)."""
+    tree = deep_merge(file_tree, over)
+    f, o, train = file_tree.get("train"), over.get("train"), tree.get("train")
+    if not all(isinstance(x, dict | None) for x in (f, o, train)) or train is None:
+        return tree  # no train section, or a malformed one: build() names the mistake
+    f, o, train = f or {}, o or {}, dict(train)
+    tree["train"] = train
+    both = bool(o.get("epochs")) and "max_steps" in o
+    if o.get("epochs") and not both:
+        train.pop("max_steps", None)
+    elif "max_steps" in o and f.get("epochs"):
+        train["epochs"] = 0
+    else:
+        both = both or (bool(f.get("epochs")) and "max_steps" in f and not train.get("resume"))
+    if both:
+        raise ConfigError(
+            "'train.epochs' and 'train.max_steps' are both set: a run's length is one of them; "
+            "drop train.max_steps (derived from the dataset's size; a run's config.yaml records "
+            "it, and train.resume=true derives it again)"
+        )
+    return tree
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     """Defaults -> YAML file -> dotted overrides, merged once and validated."""
     tree = load_yaml(path) if path else {}
-    tree = deep_merge(tree, parse_overrides(overrides or []))
+    tree = _run_length(tree, parse_overrides(overrides or []))
     cfg = build(Config, tree)
     validate_cross_fields(cfg)
     return cfg

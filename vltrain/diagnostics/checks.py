@@ -148,7 +148,7 @@ class NonFinite:
         self.count = 0
 
     def observe(self, rec: StepRecord) -> list[Finding]:
-        if rec.finite:
+        if rec.finite or rec.scaler_skip:  # a loss scaler's skip is fp16 working (ScalerSkips)
             return []
         self.count += 1
         if self.count > 5:
@@ -413,7 +413,42 @@ class RankConsistency:
         return []
 
 
+class ScalerSkips:
+    """fp16: the loss scaler skipping step after step. A few skips while the scale settles are
+    normal; from the default scale 2^16, 16 halvings in a row bring it below 1, so a longer run
+    of skips means gradients that overflow fp16 unscaled, and the run no longer trains."""
+
+    name = "scaler_skips"
+    run_limit = 16
+
+    def __init__(self, cfg: Config) -> None:
+        self.run, self.total, self.reported = 0, 0, False
+
+    def observe(self, rec: StepRecord) -> list[Finding]:
+        self.run = self.run + 1 if rec.scaler_skip else 0
+        self.total += rec.scaler_skip
+        if self.run <= self.run_limit or self.reported:
+            return []
+        self.reported = True
+        return [
+            Finding(
+                "error", "scaler_skips", rec.step - self.run + 1,
+                f"the fp16 loss scaler skipped {self.run} steps in a row (gradient overflow at "
+                "every scale): the model does not train",
+                "use run.precision=bf16 or fp32, lower optim.lr, or find the module whose "
+                "activations exceed fp16's range (65504)",
+                {"consecutive": self.run, "total": self.total},
+            )
+        ]  # fmt: skip
+
+    def finish(self) -> list[Finding]:
+        return []
+
+
 CHECKS: dict[str, Any] = {
     c.name: c
-    for c in (Spikes, NonFinite, DegenerateLoss, Optimizer, GatesAndTemperature, RankConsistency)
-}
+    for c in (
+        Spikes, NonFinite, DegenerateLoss, Optimizer, GatesAndTemperature, RankConsistency,
+        ScalerSkips,
+    )
+}  # fmt: skip

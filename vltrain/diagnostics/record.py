@@ -36,6 +36,7 @@ class StepRecord:
     lengths: list[int] = field(default_factory=list)  # per-sample token lengths, when carried
     bucket: int | None = None  # the sampler's length bucket of the step's first batch, if any
     chance_loss: float | None = None  # the loss's value without information (contrastive)
+    scaler_skip: bool = False  # fp16: the loss scaler skipped this step (gradient overflow)
     rank_ids: list[list[int]] = field(default_factory=list)  # every rank's ids (world > 1)
     rank_weights: list[float] = field(default_factory=list)  # every rank's weight fingerprint
     # filled by the probe (vltrain.diagnostics.probe) from the model and the optimizer

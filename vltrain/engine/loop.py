@@ -24,7 +24,7 @@ from vltrain.diagnostics.record import StepRecord, severity_rank
 from vltrain.engine import run_dir
 from vltrain.engine import state as trainer_state
 from vltrain.engine.logging import RunLogger
-from vltrain.engine.optim import build_optimizer, set_lr
+from vltrain.engine.optim import build_optimizer, build_scaler, set_lr
 from vltrain.engine.parallel import ParallelModel, build_parallel, options_from
 from vltrain.engine.runtime import eval_mode, setup
 from vltrain.engine.state import RngState, TrainState
@@ -91,6 +91,8 @@ class Trainer:
         if budget is not None:  # torchrun's world size, before the process group exists
             cfg = budget(cfg, distributed.launched_world_size())
         self.cfg = cfg
+        # train.epochs: the budget hook derived max_steps as whole steps per epoch x epochs
+        self.steps_per_epoch = cfg.train.max_steps // max(cfg.train.epochs, 1)
         self.on_eval = on_eval
         self.ctx = setup(cfg)
         self.out_dir = Path(cfg.run.out_dir)
@@ -122,6 +124,7 @@ class Trainer:
         options = options_from(cfg.train, cfg.run.precision)
         self.model = model = build_parallel(module, cfg.train.parallel, ctx.world_size, options)
         self.optimizer = build_optimizer(module, cfg.optim)  # after sharding: FSDP's params
+        self.scaler = build_scaler(cfg.run.precision, ctx.device, model.mode == "fsdp")
         self.tracker = BadSampleTracker(cfg.data.max_bad_fraction)
         self.state = TrainState()
         self.loader = stage.build_loader()
@@ -168,14 +171,16 @@ class Trainer:
 
     def _stateful(self) -> dict[str, trainer_state.Stateful]:
         """Every part a checkpoint saves and a resume restores, in restore order (RNG last)."""
-        return {
+        parts: dict[str, trainer_state.Stateful] = {
             "loop": self.state,
             "optimizer": self.model.optimizer_part(self.optimizer),
             "loader": self.loader,
             "stage": self.stage,
             "bad_samples": self.tracker,
-            "rng": RngState(),
         }
+        if self.scaler is not None:  # fp16: the loss scale and its growth tracker
+            parts["scaler"] = self.scaler
+        return {**parts, "rng": RngState()}
 
     def _loop(self, model: ParallelModel, logger: RunLogger) -> None:
         cfg, state = self.cfg, self.state
@@ -192,11 +197,12 @@ class Trainer:
                 self._stop(model, logger)
             if n_empty:  # a rank has nothing to forward: every rank skips (no DDP hang)
                 loss, metrics, grad_norm, finite = torch.tensor(float("nan")), {}, None, False
+                overflow = False
             else:
-                loss, metrics, grad_norm, finite = self._forward_backward(model, micro)
+                loss, metrics, grad_norm, finite, overflow = self._forward_backward(model, micro)
             lr = set_lr(self.optimizer, state.step, cfg.train.max_steps, cfg.optim)
-            self._apply_step(n_empty, finite, loss, grad_norm, logger)
-            self._doctor_step(micro, loss, grad_norm, lr, finite, t_step, logger, metrics)
+            self._apply_step(n_empty, finite, overflow, loss, grad_norm, logger)
+            self._doctor_step(micro, loss, grad_norm, lr, finite, t_step, logger, metrics, overflow)
             self.optimizer.zero_grad(set_to_none=True)
             state.step += 1
             window["samples"] += sum(b.n_good for b in micro) * self.ctx.world_size
@@ -239,31 +245,53 @@ class Trainer:
 
     def _forward_backward(
         self, model: ParallelModel, micro: list[Batch]
-    ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor, bool]:
-        """Accumulate the micro-batches' gradients, clip; (loss, metrics, grad norm, finite?)."""
+    ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor, bool, bool]:
+        """Accumulate the micro-batches' gradients, clip; (loss, metrics, grad norm, finite?,
+        overflow?). Overflow (fp16): every rank's loss is finite but a gradient is not, the
+        loss scaler's skip; both verdicts are global (one all-reduce)."""
         ctx, accum = self.ctx, len(micro)
         loss_sum, metrics = torch.zeros((), dtype=torch.float64), {}
+        # fp16: backpropagate loss x the loss scale (what GradScaler.scale does), unscale after
+        one = torch.ones((), device=ctx.device)
+        scale = 1.0 if self.scaler is None else float(self.scaler.scale(one))  # lazy-inits it
         for i, batch in enumerate(micro):
             with model.micro_step(sync=i == accum - 1), ctx.autocast():
                 out = self.stage.forward_backward(
-                    model, to_device(batch.data, ctx.device), 1.0 / accum
+                    model, to_device(batch.data, ctx.device), scale / accum
                 )
             loss_sum += out.loss.double().cpu() / accum
             for k, v in out.metrics.items():
                 metrics[k] = metrics.get(k, 0.0) + float(v) / accum
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # inf/nan where the scaled gradients overflowed
         grad_norm = model.clip_grad_norm_(self.cfg.optim.grad_clip or float("inf"))
-        bad = (~torch.isfinite(loss_sum)) | (~torch.isfinite(grad_norm.double().cpu()))
-        finite = not bool(distributed.all_reduce_max(bad.double()).item() > 0)
-        return loss_sum, metrics, grad_norm, finite
+        bad = torch.stack([~torch.isfinite(loss_sum), ~torch.isfinite(grad_norm.double().cpu())])
+        bad_loss, bad_grad = (distributed.all_reduce_max(bad.double()) > 0).tolist()
+        finite = not (bad_loss or bad_grad)
+        overflow = self.scaler is not None and bad_grad and not bad_loss
+        return loss_sum, metrics, grad_norm, finite, overflow
 
-    def _apply_step(self, n_empty: int, finite: bool, loss, grad_norm, logger) -> None:
-        """Take the optimizer step, or skip it (all ranks alike) and say why."""
-        state = self.state
+    def _apply_step(self, n_empty: int, finite: bool, overflow: bool, loss, grad_norm, logger):
+        """Take the optimizer step, or skip it (all ranks alike) and say why. fp16: a finite
+        loss with overflowing gradients is the loss scaler's skip (its scale halves), counted
+        apart from the non-finite steps."""
+        state, scaler = self.state, self.scaler
         if n_empty:
             state.skipped_steps += 1
             logger.message(
                 f"step {state.step}: {n_empty} micro-batch(es) held no valid sample "
                 "(all bad), step skipped on every rank"
+            )
+            return
+        if scaler is not None:
+            if finite:
+                scaler.step(self.optimizer)  # gradients already unscaled: a plain step
+            scaler.update()  # halves the scale after an overflow, grows it after a clean run
+        if overflow:
+            state.scaler_skips += 1
+            logger.message(
+                f"step {state.step}: fp16 gradient overflow, step skipped by the loss scaler "
+                f"(scale now {scaler.get_scale():.4g})"
             )
         elif not finite:
             state.skipped_steps += 1
@@ -277,10 +305,13 @@ class Trainer:
                     "check the data; raise train.max_consecutive_skips to tolerate more"
                 )
         else:
-            self.optimizer.step()
+            if scaler is None:
+                self.optimizer.step()
             state.consecutive_skips = 0
 
-    def _doctor_step(self, micro, loss, grad_norm, lr, finite, t_step, logger, metrics) -> None:
+    def _doctor_step(
+        self, micro, loss, grad_norm, lr, finite, t_step, logger, metrics, overflow
+    ) -> None:
         """One StepRecord to the doctor (before zero_grad: gradients are still there for
         non-finite provenance); its warnings and errors go to the console, its finding counts
         to metrics.jsonl."""
@@ -299,6 +330,7 @@ class Trainer:
             lengths=[n for b in micro for n in b.lengths],
             bucket=micro[0].bucket if micro else None,
             chance_loss=metrics.get("chance_loss"),  # a contrastive loss's no-information level
+            scaler_skip=overflow,
         )
         found = self.doctor.observe(rec)  # gathers over ranks inside: every rank calls it
         # info findings (minor grad blips, a dozen per short run) stay in doctor.jsonl and the
@@ -327,6 +359,10 @@ class Trainer:
             **{f"train_{k}": v for k, v in metrics.items()},
             **{f"bad_{k}": v for k, v in tracker.counts().items() if v},
         }
+        if cfg.train.epochs:  # epochs done, fractional: the schedule is whole steps per epoch
+            row["epoch"] = state.step / self.steps_per_epoch
+        if self.scaler is not None:
+            row.update(scaler_skips=state.scaler_skips, loss_scale=self.scaler.get_scale())
         logger.log(state.step, row)
         window["t"], window["samples"] = now, 0
 
@@ -337,6 +373,8 @@ class Trainer:
             last or (cfg.train.eval_every and state.step % cfg.train.eval_every == 0)
         )
         do_save = last or (cfg.train.save_every and state.step % cfg.train.save_every == 0)
+        epoch_end = bool(cfg.train.epochs) and state.step % self.steps_per_epoch == 0
+        do_save = do_save or (cfg.train.save_every_epoch and epoch_end)
         improved = False
         if do_eval:
             try:
@@ -391,6 +429,7 @@ class Trainer:
             "step": state.step,  # the final optimizer step
             "steps": state.step,  # the same number, under the name older readers use
             "skipped_steps": state.skipped_steps,
+            **({"scaler_skips": state.scaler_skips} if self.scaler is not None else {}),
             "bad_samples": self.tracker.counts(),
             "best_metric": self.best_metric,
             "best_value": state.best_value,
@@ -423,5 +462,8 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"at step {summary['best_step']}"
         )
     bad = {k: v for k, v in summary.get("bad_samples", {}).items() if v}
-    lines.append(f"  skipped steps: {summary['skipped_steps']}; bad samples: {bad or 'none'}")
+    scaler = f"; fp16 scaler skips: {summary['scaler_skips']}" if "scaler_skips" in summary else ""
+    lines.append(
+        f"  skipped steps: {summary['skipped_steps']}{scaler}; bad samples: {bad or 'none'}"
+    )
     return "\n".join(lines)

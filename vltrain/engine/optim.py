@@ -131,3 +131,22 @@ def set_lr(optimizer: torch.optim.Optimizer, step: int, max_steps: int, cfg: Opt
     for g in optimizer.param_groups:
         g["lr"] = lr * g["lr_scale"]
     return lr
+
+
+#: the dynamic loss scaler's first scale (torch's default); tests raise it to force overflow
+INIT_SCALE = 2.0**16
+
+
+def build_scaler(
+    precision: str, device: torch.device, sharded: bool
+) -> torch.amp.GradScaler | None:
+    """The dynamic loss scaler of `run.precision=fp16` (None otherwise): fp16 gradients
+    underflow without it. Under FSDP the sharded scaler, which finds overflow in every rank's
+    shard (one all-reduce) so that all ranks skip the same step."""
+    if precision != "fp16":
+        return None
+    if sharded:
+        from vltrain.engine.sharding import sharded_scaler
+
+        return sharded_scaler(device.type, INIT_SCALE)
+    return torch.amp.GradScaler(device.type, init_scale=INIT_SCALE)

@@ -31,9 +31,10 @@ class RunContext:
         return self.rank == 0
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """bf16 autocast when configured (CPU and CUDA), else a no-op."""
-        if self.precision == "bf16":
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        """bf16 or fp16 autocast when configured (CPU and CUDA), else a no-op."""
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+        if dtype is not None:
+            return torch.autocast(device_type=self.device.type, dtype=dtype)
         return contextlib.nullcontext()
 
 

@@ -146,3 +146,11 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     which FSDP2 and DCP do: importing it costs ~1.5 s of every command's start."""
     mod = sys.modules.get("torch.distributed.tensor")
     return mod is not None and isinstance(t, mod.DTensor)
+
+
+def sharded_scaler(device_type: str, init_scale: float) -> torch.amp.GradScaler:
+    """fp16 under FSDP: the loss scaler that checks every rank's gradient shards for overflow
+    (one all-reduce), so all ranks skip the same steps."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(device_type, init_scale=init_scale)

@@ -27,6 +27,7 @@ class TrainState:
 
     step: int = 0
     skipped_steps: int = 0
+    scaler_skips: int = 0  # fp16: steps the loss scaler skipped on overflow (not in the above)
     consecutive_skips: int = 0
     best_value: float | None = None
     best_step: int = -1

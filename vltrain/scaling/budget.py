@@ -1,4 +1,5 @@
-"""Budgets: `train.max_samples` / `train.max_flops` -> `train.max_steps`, once, before a run.
+"""Budgets: `train.max_samples` / `train.max_flops` / `train.epochs` -> `train.max_steps`, once,
+before a run.
 
 The FLOPs of one training sample come from :mod:`vltrain.scaling.flops` on the model the
 config describes, built on the meta device (no memory, no compute) with the run's real
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import tempfile
 from pathlib import Path
 
@@ -128,9 +130,83 @@ def samples_per_step(cfg: Config, world_size: int = 1) -> int:
     return cfg.data.batch_size * world_size * cfg.optim.accum_steps
 
 
+def dataset_size(cfg: Config) -> int:
+    """Training samples in one epoch: the records of `data.train` (the first
+    `data.max_train_samples` when set), or for tar shards the counts of their
+    ``shardindex.json`` (a stream without one has no known length)."""
+    n = _source_size(cfg)
+    cap = cfg.data.max_train_samples
+    return min(n, cap) if cap else n
+
+
+def _source_size(cfg: Config) -> int:
+    from vltrain.data import shards
+
+    train = cfg.data.train
+    if cfg.stage == "drafter":
+        raise ConfigError(
+            "train.epochs counts records of image-text data; the drafter stage trains on "
+            "generated data: set train.max_steps"
+        )
+    if shards.is_shard_source(train):
+        urls = shards.resolve_shards(train)
+        index = shards.read_index(urls[0]) if urls else {}
+        missing = [u for u in urls if Path(u).name not in index]
+        if not urls or missing:
+            raise ConfigError(
+                f"train.epochs needs the dataset's size, but data.train={train} streams tar "
+                f"shards without a {shards.INDEX_NAME} listing {missing[:1] or 'them'}: write "
+                "the index (`vltrain data shard` does), or set train.max_steps / max_samples"
+            )
+        return sum(index[Path(u).name] for u in urls)
+    if cfg.model.kind == "captioner":
+        from vltrain.data.caption_data import read_caption_source
+
+        return len(read_caption_source(train, cfg.data.image_column, cfg.data.text_column).records)
+    from vltrain.data.pairs import is_pair_file, read_corpus, read_pair_records
+
+    if is_pair_file(train):
+        corpus = cfg.data.train_corpus
+        return len(read_pair_records(train, read_corpus(corpus) if corpus else None))
+    from vltrain.data.sources import read_source
+
+    return len(read_source(train, cfg.data.image_column, cfg.data.text_column).records)
+
+
+def resolve_epochs(cfg: Config, world_size: int = 1) -> Config:
+    """`cfg` with `train.max_steps` (and the warmup, from `optim.warmup_epochs`) derived from
+    `train.epochs`; rank 0 prints the arithmetic."""
+    t, n = cfg.train, dataset_size(cfg)
+    g, accum = cfg.data.batch_size * world_size, cfg.optim.accum_steps
+    per_epoch = n // (g * accum)
+    if per_epoch < 1:
+        raise ConfigError(
+            f"train.epochs: {n} samples make no full step of global batch {g} x accum {accum}: "
+            "lower data.batch_size or optim.accum_steps"
+        )
+    steps = per_epoch * t.epochs
+    warmup = cfg.optim.warmup_steps
+    if cfg.optim.warmup_epochs:
+        warmup = round(cfg.optim.warmup_epochs * per_epoch)
+    if warmup > steps:
+        raise ConfigError(
+            f"the warmup ({warmup} steps) exceeds the {steps} steps of train.epochs={t.epochs}; "
+            "lower optim.warmup_steps / optim.warmup_epochs"
+        )
+    if os.environ.get("RANK", "0") == "0":
+        print(
+            f"vltrain: {n} samples, global batch {g}, accum {accum} -> {per_epoch} steps per "
+            f"epoch, {t.epochs} epochs = {steps} steps"
+        )
+    optim = dataclasses.replace(cfg.optim, warmup_steps=warmup)
+    return dataclasses.replace(cfg, train=dataclasses.replace(t, max_steps=steps), optim=optim)
+
+
 def resolve_budget(cfg: Config, world_size: int = 1) -> Config:
-    """`cfg` with `train.max_steps` set from its budget (unchanged without one)."""
+    """`cfg` with `train.max_steps` set from its budget or its epochs (unchanged without)."""
     t = cfg.train
+    if t.epochs:
+        return resolve_epochs(cfg, world_size)
     if not (t.max_samples or t.max_flops):
         return cfg
     per_step = samples_per_step(cfg, world_size)

@@ -116,12 +116,15 @@ class TrialPlan:
             "run": {"out_dir": str(run_dir)},
             "train": {
                 "max_steps": max_steps,
+                "epochs": 0,  # a trial's length is the tune budget, not the base's train.epochs
+                "save_every_epoch": False,
                 "eval_every": eval_every,
                 "resume": False,
                 "best_metric": self.metric,
                 "best_mode": "max" if self.direction == "maximize" else "min",
             },
             "data": {"max_train_samples": self.tune.train_samples},
+            "optim": {"warmup_epochs": 0.0},
             "tune": {"storage": self.storage_display},
         }
         return config_from_tree(deep_merge(tree, budget))
