@@ -13,7 +13,7 @@ WORKDIR /opt/vltrain
 # dependencies first, so a code change rebuilds one small layer
 COPY pyproject.toml README.md ./
 COPY vltrain ./vltrain
-RUN python -m pip install ".[hf,log,stream,tune,scaling,curate]" \
+RUN python -m pip install ".[hf,log,stream,tune,scaling,curate,datasets,gguf]" \
     && python -c "import torch, vltrain; print('vltrain', vltrain.__version__, 'torch', torch.__version__)"
 WORKDIR /work
 CMD ["vltrain", "--help"]
