@@ -22,6 +22,7 @@ from vltrain.config.core import (
     section,
     to_dict,
 )
+from vltrain.core.files import atomic_write_text
 
 
 @dataclass
@@ -809,6 +810,4 @@ def dump_config(cfg: Config, path: str | Path) -> None:
     """
     tree = to_dict(cfg)
     tree["train"].update(resume=False, overwrite=False, allow_changes=[])
-    tmp = Path(path).with_name(Path(path).name + ".tmp")
-    tmp.write_text(yaml.safe_dump(tree, sort_keys=False))
-    tmp.replace(path)
+    atomic_write_text(path, yaml.safe_dump(tree, sort_keys=False))

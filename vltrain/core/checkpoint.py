@@ -368,8 +368,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     step the newest checkpoint records (a kill between the two writes), that step is used.
     """
     p = Path(path)
-    if has_weights(p):
-        return p
+    if has_weights(p) and latest_checkpoint(p / "checkpoints") is None:
+        return p  # a checkpoint folder (or an export); a run's own checkpoints come first
     for root in (p / "checkpoints", p):
         latest = latest_checkpoint(root)
         step = best_step_of(latest) if latest is not None else None

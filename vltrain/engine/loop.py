@@ -16,6 +16,7 @@ import torch
 
 from vltrain.config.schema import Config, dump_config
 from vltrain.core import checkpoint, distributed
+from vltrain.core.files import atomic_write_text
 from vltrain.data.batches import to_device
 from vltrain.data.loaders import Batch
 from vltrain.data.records import BadSampleTracker
@@ -406,7 +407,7 @@ class Trainer:
             summary["test"] = self.evaluate(model, "test")
             logger.log(state.step, {f"test_{k}": v for k, v in summary["test"].items()})
         if self.ctx.is_main:
-            (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            atomic_write_text(self.out_dir / "summary.json", json.dumps(summary, indent=2))
             logger.message(format_summary(summary))
         return summary
 

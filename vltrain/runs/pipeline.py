@@ -34,6 +34,7 @@ import yaml
 from vltrain.config.core import ConfigError, config_path, load_yaml, to_dict
 from vltrain.config.schema import Config
 from vltrain.core import checkpoint
+from vltrain.core.files import atomic_write_text
 from vltrain.runs.report import cell, markdown_table
 from vltrain.stages import load_run_config
 
@@ -200,7 +201,7 @@ def run_pipeline(
     if distributed.is_main() and report:
         table = report_table(rows)
         print(table)
-        (root / "report.md").write_text(f"# Pipeline report: {path}\n\n{table}\n")
+        atomic_write_text(root / "report.md", f"# Pipeline report: {path}\n\n{table}\n")
         write_report(
             [st.cfg.run.out_dir for st in stages], root / "report.html", f"pipeline {path}"
         )

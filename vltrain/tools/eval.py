@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from vltrain.config.core import ConfigError
+from vltrain.core.files import atomic_write_text, check_not_input, check_output_path
 from vltrain.eval.corpus import read_split
 from vltrain.tools.loading import load_trained
 
@@ -34,6 +35,12 @@ def eval_command(
     for name, path in (("--queries", queries), ("--corpus", corpus), ("--qrels", qrels)):
         if not Path(path).is_file():
             raise FileNotFoundError(f"{name} {path} does not exist")
+    inputs = [queries, corpus, qrels]
+    for option, path in (("--out", out), ("--ranks", ranks)):
+        if path:
+            check_output_path(path, option)
+            check_not_input(path, inputs, option)
+            inputs.append(path)  # --out and --ranks must not name one file either
     cfg, stage, model = load_trained(checkpoint, device=device)
     evaluator = getattr(stage, "corpus", None)
     if evaluator is None:
@@ -49,5 +56,5 @@ def eval_command(
     metrics["total_s"] = time.perf_counter() - t0
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(metrics, indent=1) + "\n")
+        atomic_write_text(out, json.dumps(metrics, indent=1) + "\n")
     return metrics
