@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -380,6 +381,14 @@ def _fit_json_csv(c: Ctx) -> list[str]:
     csv = c.tmp / "runs.csv"
     csv.write_text("n_params,tokens,flops,loss\n")
     return ["scaling", "fit", str(csv), "--json", str(csv)]
+
+
+@case("resume_while_another_process_trains", "in use")
+def _resume_locked(c: Ctx) -> list[str]:
+    run = c.run_copy()
+    holder = {"host": socket.gethostname(), "pid": os.getppid()}  # alive, not this process
+    (run / "train.lock").write_text(json.dumps(holder))
+    return ["train", str(run / "config.yaml"), "train.resume=true", f"run.out_dir={run}"]
 
 
 case("pipeline_missing_file", "no_pipeline.yaml")(

@@ -117,6 +117,7 @@ class Trainer:
             if ctx.is_main:
                 done = summary["steps"]
                 print(f"vltrain: {self.out_dir} already finished its {done} steps; nothing to do")
+                run_dir.release_lock(self.out_dir)
             return summary
         stage.prepare()
         module = stage.build_model().to(ctx.device)
@@ -165,6 +166,8 @@ class Trainer:
             logger.close()
             if self.doctor is not None:
                 self.doctor.close()
+            if ctx.is_main:
+                run_dir.release_lock(self.out_dir)
         return summary
 
     def _stateful(self) -> dict[str, trainer_state.Stateful]:
