@@ -391,6 +391,14 @@ def _resume_locked(c: Ctx) -> list[str]:
     return ["train", str(run / "config.yaml"), "train.resume=true", f"run.out_dir={run}"]
 
 
+@case("allow_changes_that_break_the_checkpoint", "model.embed_dim")
+def _allow_embed_dim(c: Ctx) -> list[str]:
+    run = c.run_copy()  # config.yaml and everything else must stay as it was
+    over = [f"run.out_dir={run}", "train.max_steps=4", "model.embed_dim=64"]
+    over += ["train.allow_changes=[model.embed_dim,train.max_steps]"]
+    return ["train", str(run / "config.yaml"), "train.resume=true", *over]
+
+
 case("pipeline_missing_file", "no_pipeline.yaml")(
     lambda c: ["pipeline", str(c.tmp / "no_pipeline.yaml")]
 )

@@ -103,13 +103,21 @@ class Trainer:
         if self.ctx.is_main:
             run_dir.apply_plan(self.plan)
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            dump_config(cfg, self.out_dir / "config.yaml")
+            if not self.plan.changed:  # else once the checkpoint is known to fit (run)
+                dump_config(cfg, self.out_dir / "config.yaml")
         distributed.barrier()
         self.stage: Stage = stage(cfg, self.out_dir, self.ctx)
         self._signal, self._saved_step = 0, -1  # a stop request; the step last checkpointed
 
     def run(self) -> dict[str, Any]:
         """Train to `train.max_steps` (resuming if asked); return the final summary."""
+        try:
+            return self._run()
+        finally:
+            if self.ctx.is_main:
+                run_dir.release_lock(self.out_dir)
+
+    def _run(self) -> dict[str, Any]:
         cfg, ctx, stage, plan = self.cfg, self.ctx, self.stage, self.plan
         if plan.finished:
             summary = json.loads((self.out_dir / "summary.json").read_text())
@@ -117,10 +125,13 @@ class Trainer:
             if ctx.is_main:
                 done = summary["steps"]
                 print(f"vltrain: {self.out_dir} already finished its {done} steps; nothing to do")
-                run_dir.release_lock(self.out_dir)
             return summary
         stage.prepare()
         module = stage.build_model().to(ctx.device)
+        if plan.changed:  # train.allow_changes: the checkpoint must fit the changed model
+            run_dir.check_changed_model(module, plan)
+            if ctx.is_main:
+                dump_config(cfg, self.out_dir / "config.yaml")
         options = options_from(cfg.train, cfg.run.precision)
         self.model = model = build_parallel(module, cfg.train.parallel, ctx.world_size, options)
         self.optimizer = build_optimizer(module, cfg.optim)  # after sharding: FSDP's params
@@ -166,8 +177,6 @@ class Trainer:
             logger.close()
             if self.doctor is not None:
                 self.doctor.close()
-            if ctx.is_main:
-                run_dir.release_lock(self.out_dir)
         return summary
 
     def _stateful(self) -> dict[str, trainer_state.Stateful]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from vltrain.config.core import ConfigError, to_dict
@@ -71,6 +72,7 @@ class RunPlan:
     clear: list[Path] = field(default_factory=list)  # deleted by rank 0 before anything else
     lock: Path | None = None  # created by rank 0 in apply_plan, removed by release_lock
     stale_lock: str | None = None  # the message apply_plan prints when it takes a lock over
+    changed: list[str] = field(default_factory=list)  # keys train.allow_changes let change
 
 
 #: the file that marks a run folder as in use: {"host", "pid"} of the training process
@@ -227,6 +229,7 @@ def _plan_resume(cfg: Config, out: Path, world_size: int) -> RunPlan:
             "equal, or allow it with train.allow_changes=[global_batch]"
         )
     plan = RunPlan(resume_from=ckpt, messages=list(skipped))
+    plan.changed = sorted(k for k in changes if k in allowed)
     plan.messages += [
         f"resume: {k} changed {a!r} -> {b!r}"
         for k, (a, b) in changes.items()
@@ -235,6 +238,22 @@ def _plan_resume(cfg: Config, out: Path, world_size: int) -> RunPlan:
     step = int(state.get("loop", {}).get("step", 0))
     plan.finished = step >= cfg.train.max_steps and (out / "summary.json").is_file()
     return plan
+
+
+def check_changed_model(model: torch.nn.Module, plan: RunPlan) -> None:
+    """Refuse a resume whose allowed changes (`plan.changed`) give a model the checkpoint
+    cannot fill (other parameter names or shapes), before config.yaml records them."""
+    assert plan.resume_from is not None
+    diffs = checkpoint.mismatched_keys(model, plan.resume_from)
+    if diffs:
+        keys = ", ".join(plan.changed)
+        raise ConfigError(
+            f"train.allow_changes=[{keys}] changes the model, and the checkpoint "
+            f"{plan.resume_from} does not fit it: {'; '.join(diffs[:4])}"
+            + (f" (and {len(diffs) - 4} more)" if len(diffs) > 4 else "")
+            + ". Resume without changing those keys, or start a new run in another "
+            f"run.out_dir with model.init_from={plan.resume_from.parent.parent}"
+        )
 
 
 def apply_plan(plan: RunPlan) -> None:
