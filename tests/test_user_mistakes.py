@@ -399,6 +399,14 @@ def _allow_embed_dim(c: Ctx) -> list[str]:
     return ["train", str(run / "config.yaml"), "train.resume=true", *over]
 
 
+case("curate_leak_n_zero", "--leak-n")(
+    lambda c: (
+        ["data", "curate", str(c.data_copy()), "--out", str(c.tmp / "cur.jsonl")]
+        + ["--leak-n", "0"]
+    )
+)
+
+
 case("pipeline_missing_file", "no_pipeline.yaml")(
     lambda c: ["pipeline", str(c.tmp / "no_pipeline.yaml")]
 )
