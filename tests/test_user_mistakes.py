@@ -399,6 +399,12 @@ def _allow_embed_dim(c: Ctx) -> list[str]:
     return ["train", str(run / "config.yaml"), "train.resume=true", *over]
 
 
+case("mine_out_inside_a_run", "inside the run folder")(
+    lambda c: _mine(c)[:-1] + [str(c.run / "mined.jsonl")]
+)
+case("generate_out_inside_a_run", "inside the run folder")(
+    lambda c: _generate(c, "--out", str(c.run / "captions.jsonl"))
+)
 case("curate_leak_n_zero", "--leak-n")(
     lambda c: (
         ["data", "curate", str(c.data_copy()), "--out", str(c.tmp / "cur.jsonl")]
