@@ -85,6 +85,10 @@ case("bad_choice_precision", "run.precision")(lambda c: c.train("run.precision=f
 case("bad_stage_did_you_mean", "contrastive")(lambda c: c.train("stage=contrastve"))
 case("bad_loss_did_you_mean", "infonce")(lambda c: c.train("objective.loss=infonse"))
 case("bad_best_metric", "train.best_metric")(lambda c: c.train("train.best_metric=acc"))
+case("best_metric_a_group_the_data_lacks", "eval_R@1_men")(
+    lambda c: c.train("train.best_metric=eval_R@1_men")
+)
+case("best_metric_a_rank_not_computed", "eval_R@3")(lambda c: c.train("train.best_metric=eval_R@3"))
 case("override_without_equals", "optim.lr")(lambda c: c.train("optim.lr"))
 case("missing_config_file", "config file not found")(lambda c: ["train", str(c.tmp / "nope.yaml")])
 case("malformed_yaml", "config.yaml")(lambda c: ["train", c.yaml("optim: {lr: [1, 2\n")])
