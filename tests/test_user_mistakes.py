@@ -247,6 +247,22 @@ case("generate_missing_checkpoint", "no_such_run")(
 )
 case("generate_out_is_a_folder", "is a directory")(lambda c: _generate(c, "--out", str(c.tmp)))
 
+
+def _lm_generate(c: Ctx, *more: str) -> list[str]:
+    from tests.stages.drafter_fixtures import tiny_lm  # max_position_embeddings 512
+
+    prompts = c.tmp / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a red circle"}\n')
+    return ["generate", "--model", str(tiny_lm(c.tmp / "lm")), "--prompts", str(prompts), *more]
+
+
+case("generate_lm_past_its_positions", "max_position_embeddings")(
+    lambda c: _lm_generate(c, "--max-new-tokens", "100000000")
+)
+case("generate_lm_out_is_the_prompts", "input file")(
+    lambda c: _lm_generate(c, "--out", str(c.tmp / "prompts.jsonl"))
+)
+
 # ---- mine ---------------------------------------------------------------------------------
 
 
