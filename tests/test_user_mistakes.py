@@ -85,6 +85,9 @@ case("bad_choice_precision", "run.precision")(lambda c: c.train("run.precision=f
 case("bad_stage_did_you_mean", "contrastive")(lambda c: c.train("stage=contrastve"))
 case("bad_loss_did_you_mean", "infonce")(lambda c: c.train("objective.loss=infonse"))
 case("bad_best_metric", "train.best_metric")(lambda c: c.train("train.best_metric=acc"))
+case("accum_steps_past_the_data", "optim.accum_steps=100000")(
+    lambda c: c.train("optim.accum_steps=100000")
+)
 case("best_metric_a_group_the_data_lacks", "eval_R@1_men")(
     lambda c: c.train("train.best_metric=eval_R@1_men")
 )

@@ -160,6 +160,29 @@ def check_data_files(cfg: Config) -> None:
             raise ConfigError(f"'data.{key}': {p} is empty")
         if p.is_dir() and not any(p.iterdir()):
             raise ConfigError(f"'data.{key}': {p} is an empty folder")
+    check_step_fits(cfg)
+
+
+def check_step_fits(cfg: Config) -> None:
+    """Refuse an optimizer step that would hold more micro-batches than the training records
+    (a local JSONL file) fill: the loop keeps a step's micro-batches in memory, so
+    `optim.accum_steps=100000` grew without bound instead of failing."""
+    need = cfg.optim.accum_steps * cfg.data.batch_size
+    p = Path(cfg.data.train)
+    if cfg.optim.accum_steps == 1 or p.suffix != ".jsonl" or not p.is_file():
+        return
+    with open(p, "rb") as f:
+        n = 0
+        for line in f:
+            n += bool(line.strip())
+            if n >= need:
+                return  # counted only as far as one step needs
+    most = max(1, n // cfg.data.batch_size)
+    raise ConfigError(
+        f"optim.accum_steps={cfg.optim.accum_steps} x data.batch_size={cfg.data.batch_size} = "
+        f"{need} samples per optimizer step, more than the {n} records in {p}: one step would "
+        f"hold records more than once. Lower optim.accum_steps to at most {most}"
+    )
 
 
 def plan_run(cfg: Config, world_size: int) -> RunPlan:
