@@ -112,3 +112,19 @@ def test_rng_state_round_trips_through_weights_only_load(tmp_path: Path) -> None
     expected = (random.random(), float(np.random.rand()), float(torch.rand(())))
     checkpoint.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == expected
+
+
+def test_a_stray_model_file_at_a_run_top_never_wins_over_its_checkpoints(tmp_path: Path) -> None:
+    """`vltrain export RUN --out RUN` once left RUN/model.safetensors, which every loader then
+    preferred to the run's newer checkpoints."""
+    from safetensors.torch import save_model
+
+    checkpoint.write_checkpoint(tmp_path / "checkpoints", 4, nn.Linear(4, 4), {"step": 4})
+    save_model(nn.Linear(4, 4), str(tmp_path / "model.safetensors"))
+    assert checkpoint.resolve_checkpoint(tmp_path).name == "step_4"
+    assert checkpoint.resolve_loadable(tmp_path)[0].name == "step_4"
+    # negative control: an export folder (weights, no checkpoints/) still loads as itself
+    export = tmp_path / "export"
+    export.mkdir()
+    save_model(nn.Linear(4, 4), str(export / "model.safetensors"))
+    assert checkpoint.resolve_checkpoint(export) == export

@@ -205,3 +205,23 @@ def test_bad_sample_reason_must_be_known() -> None:
     e = BadSample("truncated", Path("x.png"), "cut at 10 bytes")
     assert (e.reason, e.path, e.detail) == ("truncated", "x.png", "cut at 10 bytes")
     assert "truncated" in str(e) and "x.png" in str(e)
+
+
+def test_a_fifo_named_like_an_image_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """Opening a FIFO blocks until a writer comes: training used to hang forever on one."""
+    import os
+    import signal
+
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+
+    def hung(*_: object) -> None:
+        raise TimeoutError("load_image blocked on a FIFO")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(10)
+    try:
+        assert _reason(fifo) == "not_image"
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

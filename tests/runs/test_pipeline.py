@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from tests.conftest import REPO, torchrun_vltrain
 from vltrain.cli import main
 from vltrain.config.core import ConfigError
-from vltrain.runs.pipeline import load_pipeline, run_pipeline
+from vltrain.runs.pipeline import load_pipeline, plan, run_pipeline
 
 
 def _pipeline(tmp: Path, data: Path) -> Path:
@@ -87,6 +87,19 @@ def test_pipeline_chains_skips_and_resumes(
     assert "| pre | skip | 3 |" in (root / "report.md").read_text()
     assert "| ft | skip | 4 |" in capsys.readouterr().out
     assert before == {n: (root / n / "metrics.jsonl").read_text() for n in ("pre", "ft")}
+
+    # only keys a resume may change (run_dir.HARMLESS) differ: still skipped, not retrained;
+    # negative control: a key that changes the model's training is not harmless
+    spec = yaml.safe_load(path.read_text())
+    for extra, actions in (
+        (["data.num_workers=1", "data.eval_batch_size=4", "train.log_every=2"], ["skip"] * 2),
+        (["optim.lr=0.5"], ["train"] * 2),
+    ):
+        spec["overrides"] += extra
+        (tmp_path / "changed.yaml").write_text(yaml.safe_dump(spec))
+        changed = load_pipeline(tmp_path / "changed.yaml")
+        plan(changed)
+        assert [st.action for st in changed] == actions, extra
 
     # interrupt the second stage after its step-2 checkpoint: it resumes, the first is skipped
     (root / "ft" / "summary.json").unlink()

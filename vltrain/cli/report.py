@@ -21,8 +21,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from vltrain.core.files import check_not_input, check_output_path
     from vltrain.runs.run_report import write_report
 
+    check_output_path(args.output, "-o")
+    check_not_input(args.output, args.runs, "-o")
     path = write_report(args.runs, args.output, title=args.title)
     print(f"wrote {path}")
     return 0

@@ -110,10 +110,15 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 
 def run_fit(args: argparse.Namespace) -> int:
+    from vltrain.core.files import atomic_write_text, check_not_input, check_output_path
     from vltrain.scaling.fit import fit_all, read_runs_csv
 
     path = Path(args.runs)
     csv_path = path / "runs.csv" if path.is_dir() else path
+    for option, out in (("--json", args.json), ("--config-out", args.config_out)):
+        if out:
+            check_output_path(out, option)
+            check_not_input(out, [csv_path], option)
     runs = read_runs_csv(csv_path)
     result = fit_all(
         runs,
@@ -164,5 +169,5 @@ def run_fit(args: argparse.Namespace) -> int:
         for p_ in save_plots(runs, result, Path(args.plots)):
             print(f"plot: {p_}")
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        atomic_write_text(args.json, json.dumps(out, indent=2))
     return 0

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -884,6 +885,9 @@ def dump_config(cfg: Config, path: str | Path) -> None:
     """
     tree = to_dict(cfg)
     tree["train"].update(resume=False, overwrite=False, allow_changes=[])
-    tmp = Path(path).with_name(Path(path).name + ".tmp")
-    tmp.write_text(yaml.safe_dump(tree, sort_keys=False))
+    tmp = Path(path).with_name(Path(path).name + ".tmp")  # a kill leaves the old or the new file
+    with open(tmp, "w") as f:
+        f.write(yaml.safe_dump(tree, sort_keys=False))
+        f.flush()
+        os.fsync(f.fileno())
     tmp.replace(path)

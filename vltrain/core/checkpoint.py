@@ -248,6 +248,33 @@ def load_weights(model: torch.nn.Module, ckpt: Path, strict: bool = True) -> Non
         raise RuntimeError(f"{ckpt}: missing keys {missing}, unexpected keys {unexpected}")
 
 
+def mismatched_keys(model: torch.nn.Module, ckpt: Path) -> list[str]:
+    """What keeps `ckpt`'s weights from loading into `model`, read from the safetensors header
+    (no tensor is loaded): 'key: shape in checkpoint -> shape in model', missing and
+    unexpected keys. Empty for a sharded checkpoint (its own loader names the mismatch)."""
+    from safetensors import safe_open
+
+    path = ckpt / "model.safetensors"
+    if not path.is_file():
+        return []
+    with safe_open(str(path), framework="pt") as f:
+        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    params = model.state_dict()
+    stored = {t.data_ptr() for k, t in params.items() if k in saved}
+    out = [
+        f"{k}: {list(saved[k])} in the checkpoint -> {list(t.shape)}"
+        for k, t in params.items()
+        if k in saved and tuple(t.shape) != saved[k]
+    ]
+    out += [
+        f"{k}: not in the checkpoint"
+        for k, t in params.items()
+        if k not in saved and t.data_ptr() not in stored  # a tied weight is saved once
+    ]
+    out += [f"{k}: not in the model" for k in saved if k not in params]
+    return out
+
+
 def _short(e: BaseException) -> str:
     return str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
 
@@ -368,8 +395,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     step the newest checkpoint records (a kill between the two writes), that step is used.
     """
     p = Path(path)
-    if has_weights(p):
-        return p
+    if has_weights(p) and latest_checkpoint(p / "checkpoints") is None:
+        return p  # a checkpoint folder (or an export); a run's own checkpoints come first
     for root in (p / "checkpoints", p):
         latest = latest_checkpoint(root)
         step = best_step_of(latest) if latest is not None else None

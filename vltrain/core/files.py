@@ -26,11 +26,36 @@ def check_output_path(out: str | os.PathLike[str], option: str = "--out") -> Pat
     return p
 
 
+def run_folder_of(path: str | os.PathLike[str]) -> Path | None:
+    """The run folder `path` is (or lies inside), or None: a folder holding config.yaml and
+    either checkpoints/ or metrics.jsonl, as every `vltrain train` leaves one."""
+    p = Path(path).resolve()
+    for folder in (p, *p.parents):
+        if (folder / "config.yaml").is_file() and (
+            (folder / "checkpoints").is_dir() or (folder / "metrics.jsonl").is_file()
+        ):
+            return folder
+    return None
+
+
 def check_not_input(
-    out: str | os.PathLike[str], inputs: Iterable[str | os.PathLike[str]], option: str = "--out"
+    out: str | os.PathLike[str],
+    inputs: Iterable[str | os.PathLike[str]],
+    option: str = "--out",
+    own_run: str | os.PathLike[str] | None = None,
 ) -> None:
-    """Refuse an output that is (after resolving symlinks and `..`) one of the inputs."""
+    """Refuse an output that is (after resolving symlinks and `..`) one of the inputs, or lies
+    inside a run folder other than `own_run` (a run's files belong to the run that wrote them:
+    a report, an export or a metrics file written there could replace config.yaml, the
+    history or the weights the loaders pick)."""
     target = Path(out).resolve()
+    run = run_folder_of(target)
+    if run is not None and (own_run is None or Path(own_run).resolve() != run):
+        raise OutputError(
+            f"{option} {out} is inside the run folder {run}, whose files belong to the run "
+            f"(config.yaml, metrics.jsonl, checkpoints/); write it outside, e.g. "
+            f"{run.parent / (run.name + '_' + (target.name if target != run else 'export'))}"
+        )
     for src in inputs:
         if Path(src).resolve() == target:
             raise OutputError(

@@ -94,6 +94,8 @@ class CurateOptions:
             raise DataError("give --clip-threshold or --clip-top-fraction, not both")
         if self.workers < 1:
             raise DataError(f"--workers must be >= 1, got {self.workers}")
+        if self.leak_n < 1:  # every caption shares the empty 0-gram: every record a leak
+            raise DataError(f"--leak-n is a word n-gram size, >= 1 (default 8), got {self.leak_n}")
         for name in ("phash_radius", "dhash_radius", "crop_radius"):
             if not 0 <= getattr(self, name) < 64:
                 flag = "--" + name.replace("_", "-")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -118,7 +119,11 @@ def _open_checked(
     if data is not None:
         return _decode_checked(io.BytesIO(data), p, len(data), data[:16], max_pixels, draft_size)
     try:
-        size = os.stat(p).st_size
+        st = os.stat(p)
+        if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+            # opening a FIFO blocks until a writer comes: training would hang forever
+            raise BadSample("not_image", p, "not a regular file (a FIFO, device or socket)")
+        size = st.st_size
         with open(p, "rb") as f:
             head = f.read(16)
     except (FileNotFoundError, NotADirectoryError):

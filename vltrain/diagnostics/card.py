@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vltrain.core.files import atomic_write_text
+
 
 def _git(*args: str) -> str:
     root = Path(__file__).resolve().parents[2]
@@ -69,4 +71,4 @@ def run_card(world_size: int, device: str) -> dict[str, Any]:
 
 
 def write_run_card(out_dir: Path, world_size: int, device: str) -> None:
-    (out_dir / "run_card.json").write_text(json.dumps(run_card(world_size, device), indent=2))
+    atomic_write_text(out_dir / "run_card.json", json.dumps(run_card(world_size, device), indent=2))

@@ -17,6 +17,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from vltrain.config.schema import Config, load_config
+from vltrain.core.files import atomic_write_lines
 from vltrain.diagnostics.card import write_run_card
 from vltrain.diagnostics.checks import CHECKS
 from vltrain.diagnostics.contrastive_checks import ChanceLoss, config_chance
@@ -74,7 +75,7 @@ class Doctor:
             for name in names:
                 if history is not None:
                     kept = history.findings if name == "doctor.jsonl" else history.steps
-                    (out_dir / name).write_text("".join(json.dumps(r) + "\n" for r in kept))
+                    atomic_write_lines(out_dir / name, (json.dumps(r) for r in kept))
                 self.files[name] = open(out_dir / name, mode, buffering=1)
 
     @classmethod

@@ -12,6 +12,7 @@ from typing import Any
 
 from vltrain.config.extras import install_hint
 from vltrain.config.schema import Config
+from vltrain.core.files import atomic_write_lines
 from vltrain.engine import trackers
 
 
@@ -35,7 +36,7 @@ def truncate_metrics(path: Path, last_step: int) -> None:
                 kept.append(line)
         except json.JSONDecodeError:
             continue  # a line cut by a kill
-    path.write_text("".join(k + "\n" for k in kept))
+    atomic_write_lines(path, kept)  # a kill here leaves the old history, never a cut one
 
 
 class RunLogger:

@@ -16,6 +16,7 @@ import torch
 
 from vltrain.config.schema import Config, dump_config
 from vltrain.core import checkpoint, distributed
+from vltrain.core.files import atomic_write_text
 from vltrain.data.batches import to_device
 from vltrain.data.loaders import Batch
 from vltrain.data.records import BadSampleTracker
@@ -104,13 +105,21 @@ class Trainer:
         if self.ctx.is_main:
             run_dir.apply_plan(self.plan)
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            dump_config(cfg, self.out_dir / "config.yaml")
+            if not self.plan.changed:  # else once the checkpoint is known to fit (run)
+                dump_config(cfg, self.out_dir / "config.yaml")
         distributed.barrier()
         self.stage: Stage = stage(cfg, self.out_dir, self.ctx)
         self._signal, self._saved_step = 0, -1  # a stop request; the step last checkpointed
 
     def run(self) -> dict[str, Any]:
         """Train to `train.max_steps` (resuming if asked); return the final summary."""
+        try:
+            return self._run()
+        finally:
+            if self.ctx.is_main:
+                run_dir.release_lock(self.out_dir)
+
+    def _run(self) -> dict[str, Any]:
         cfg, ctx, stage, plan = self.cfg, self.ctx, self.stage, self.plan
         if plan.finished:
             summary = json.loads((self.out_dir / "summary.json").read_text())
@@ -121,6 +130,10 @@ class Trainer:
             return summary
         stage.prepare()
         module = stage.build_model().to(ctx.device)
+        if plan.changed:  # train.allow_changes: the checkpoint must fit the changed model
+            run_dir.check_changed_model(module, plan)
+            if ctx.is_main:
+                dump_config(cfg, self.out_dir / "config.yaml")
         options = options_from(cfg.train, cfg.run.precision)
         self.model = model = build_parallel(module, cfg.train.parallel, ctx.world_size, options)
         self.optimizer = build_optimizer(module, cfg.optim)  # after sharding: FSDP's params
@@ -445,7 +458,7 @@ class Trainer:
             summary["test"] = self.evaluate(model, "test")
             logger.log(state.step, {f"test_{k}": v for k, v in summary["test"].items()})
         if self.ctx.is_main:
-            (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            atomic_write_text(self.out_dir / "summary.json", json.dumps(summary, indent=2))
             logger.message(format_summary(summary))
         return summary
 

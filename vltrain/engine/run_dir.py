@@ -7,21 +7,29 @@ Decided before anything is written (every rank reads, rank 0 writes afterwards):
 - ``train.resume=true`` needs a checkpoint that loads (newer ones that do not are skipped and
   named), and a config equal to the run's saved config.yaml except for harmless keys and the
   keys listed in ``train.allow_changes`` (each change is logged); another global batch needs
-  ``global_batch`` in that list; resuming a finished run is a no-op that says so.
+  ``global_batch`` in that list; resuming a finished run is a no-op that says so;
+- a folder a live process trains in (its ``train.lock`` names the host and pid) is refused;
+  the lock of a dead process on this host is taken over, with a message.
 """
 
 from __future__ import annotations
 
+import atexit
+import json
+import os
 import shutil
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from vltrain.config.core import ConfigError, to_dict
 from vltrain.config.schema import Config
 from vltrain.core import checkpoint
+from vltrain.core.files import atomic_write_text
 from vltrain.engine import trackers
 
 #: keys that may differ on resume without permission: they change neither the model, nor the
@@ -62,6 +70,54 @@ class RunPlan:
     finished: bool = False
     messages: list[str] = field(default_factory=list)
     clear: list[Path] = field(default_factory=list)  # deleted by rank 0 before anything else
+    lock: Path | None = None  # created by rank 0 in apply_plan, removed by release_lock
+    stale_lock: str | None = None  # the message apply_plan prints when it takes a lock over
+    changed: list[str] = field(default_factory=list)  # keys train.allow_changes let change
+
+
+#: the file that marks a run folder as in use: {"host", "pid"} of the training process
+LOCK = "train.lock"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def check_lock(out: Path) -> str | None:
+    """Refuse a folder another live process trains in; a message when the lock is stale (a
+    dead process on this host, or this process's own from an earlier run), else None."""
+    path = out / LOCK
+    try:
+        holder = json.loads(path.read_text())
+        host, pid = str(holder["host"]), int(holder["pid"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{path} is unreadable; taking it over"
+    if host == socket.gethostname() and (pid == os.getpid() or not _alive(pid)):
+        return None if pid == os.getpid() else f"taking over {path}: process {pid} has ended"
+    where = "on this host" if host == socket.gethostname() else f"on host {host}"
+    raise ConfigError(
+        f"{out} is in use: process {pid} {where} is training in it ({path}). Wait for it to "
+        f"finish or stop it; if that process is gone, delete {path}"
+    )
+
+
+def release_lock(out: Path) -> None:
+    """Remove this process's lock on `out` (called at the end of a run, also on errors)."""
+    path = out / LOCK
+    try:
+        holder = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+        path.unlink(missing_ok=True)
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -104,26 +160,60 @@ def check_data_files(cfg: Config) -> None:
             raise ConfigError(f"'data.{key}': {p} is empty")
         if p.is_dir() and not any(p.iterdir()):
             raise ConfigError(f"'data.{key}': {p} is an empty folder")
+    check_step_fits(cfg)
+
+
+def check_step_fits(cfg: Config) -> None:
+    """Refuse an optimizer step that would hold more micro-batches than the training records
+    (a local JSONL file) fill: the loop keeps a step's micro-batches in memory, so
+    `optim.accum_steps=100000` grew without bound instead of failing."""
+    need = cfg.optim.accum_steps * cfg.data.batch_size
+    p = Path(cfg.data.train)
+    if cfg.optim.accum_steps == 1 or p.suffix != ".jsonl" or not p.is_file():
+        return
+    with open(p, "rb") as f:
+        n = 0
+        for line in f:
+            n += bool(line.strip())
+            if n >= need:
+                return  # counted only as far as one step needs
+    most = max(1, n // cfg.data.batch_size)
+    raise ConfigError(
+        f"optim.accum_steps={cfg.optim.accum_steps} x data.batch_size={cfg.data.batch_size} = "
+        f"{need} samples per optimizer step, more than the {n} records in {p}: one step would "
+        f"hold records more than once. Lower optim.accum_steps to at most {most}"
+    )
 
 
 def plan_run(cfg: Config, world_size: int) -> RunPlan:
     """Check the folder and data against the config; raise ConfigError before anything is
     written."""
-    check_data_files(cfg)
     out = Path(cfg.run.out_dir)
+    plan = _plan(cfg, out, world_size)
+    plan.lock = out / LOCK
+    return plan
+
+
+def _plan(cfg: Config, out: Path, world_size: int) -> RunPlan:
+    check_data_files(cfg)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"run.out_dir={out} is a file, not a folder")
-    if not cfg.train.resume:
-        used = _holds_run(out)
-        if used and not cfg.train.overwrite:
-            raise ConfigError(
-                f"run.out_dir={out} already holds a run ({', '.join(used)}); continue it with "
-                f"`vltrain train {out / 'config.yaml'} train.resume=true`, or start over with "
-                "train.overwrite=true (deletes its checkpoints, tokenizer and metrics), or pick "
-                "another run.out_dir"
-            )
-        return RunPlan(clear=[out / name for name in used])
-    return _plan_resume(cfg, out, world_size)
+    stale = check_lock(out)
+    plan = _plan_resume(cfg, out, world_size) if cfg.train.resume else _plan_fresh(cfg, out)
+    plan.stale_lock = stale
+    return plan
+
+
+def _plan_fresh(cfg: Config, out: Path) -> RunPlan:
+    used = _holds_run(out)
+    if used and not cfg.train.overwrite:
+        raise ConfigError(
+            f"run.out_dir={out} already holds a run ({', '.join(used)}); continue it with "
+            f"`vltrain train {out / 'config.yaml'} train.resume=true`, or start over with "
+            "train.overwrite=true (deletes its checkpoints, tokenizer and metrics), or pick "
+            "another run.out_dir"
+        )
+    return RunPlan(clear=[out / name for name in used])
 
 
 def _plan_resume(cfg: Config, out: Path, world_size: int) -> RunPlan:
@@ -162,6 +252,7 @@ def _plan_resume(cfg: Config, out: Path, world_size: int) -> RunPlan:
             "equal, or allow it with train.allow_changes=[global_batch]"
         )
     plan = RunPlan(resume_from=ckpt, messages=list(skipped))
+    plan.changed = sorted(k for k in changes if k in allowed)
     plan.messages += [
         f"resume: {k} changed {a!r} -> {b!r}"
         for k, (a, b) in changes.items()
@@ -172,8 +263,31 @@ def _plan_resume(cfg: Config, out: Path, world_size: int) -> RunPlan:
     return plan
 
 
+def check_changed_model(model: torch.nn.Module, plan: RunPlan) -> None:
+    """Refuse a resume whose allowed changes (`plan.changed`) give a model the checkpoint
+    cannot fill (other parameter names or shapes), before config.yaml records them."""
+    assert plan.resume_from is not None
+    diffs = checkpoint.mismatched_keys(model, plan.resume_from)
+    if diffs:
+        keys = ", ".join(plan.changed)
+        raise ConfigError(
+            f"train.allow_changes=[{keys}] changes the model, and the checkpoint "
+            f"{plan.resume_from} does not fit it: {'; '.join(diffs[:4])}"
+            + (f" (and {len(diffs) - 4} more)" if len(diffs) > 4 else "")
+            + ". Resume without changing those keys, or start a new run in another "
+            f"run.out_dir with model.init_from={plan.resume_from.parent.parent}"
+        )
+
+
 def apply_plan(plan: RunPlan) -> None:
-    """Rank 0: delete what train.overwrite replaces."""
+    """Rank 0: lock the folder, then delete what train.overwrite replaces."""
+    if plan.lock is not None:
+        plan.lock.parent.mkdir(parents=True, exist_ok=True)
+        if plan.stale_lock:
+            print(f"vltrain: {plan.stale_lock}", flush=True)
+        holder = {"host": socket.gethostname(), "pid": os.getpid()}
+        atomic_write_text(plan.lock, json.dumps(holder) + "\n")
+        atexit.register(release_lock, plan.lock.parent)  # a process that dies of an error
     for path in plan.clear:
         if path.is_dir():
             shutil.rmtree(path)

@@ -91,13 +91,56 @@ class Stage(Protocol[BatchT]):
         """Inverse of state_dict."""
 
 
+def _logs(metric: str, pattern: str, cfg: Config) -> bool:
+    """Whether a stage reporting `pattern` logs `metric`. A rank pattern (``eval_R@*``) stands
+    for the ranks computed, optionally per query group (``eval_R@1_<group>``, the groups the
+    local eval records name), not for any text: ``eval_R@1_men`` needs a group ``men``."""
+    if not fnmatch.fnmatchcase(metric, pattern):
+        return False
+    if not pattern.endswith("@*"):
+        return True
+    from vltrain.eval.corpus import KS
+
+    k, _, group = metric[len(pattern) - 1 :].partition("_")
+    if not k.isdigit() or int(k) not in KS:
+        return False
+    groups = _eval_groups(cfg.data.eval)
+    return not group or groups is None or group in groups
+
+
+def _eval_groups(source: str) -> set[str] | None:
+    """The metric suffixes of the query groups a local JSONL eval set names (None: not a local
+    JSONL file, so unknown until evaluation)."""
+    import json
+
+    from vltrain.eval.corpus import metric_suffix
+
+    path = Path(source)
+    if path.is_dir():
+        path = path / "queries.jsonl"
+    if path.suffix != ".jsonl" or not path.is_file():
+        return None
+    groups = set()
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if '"group"' not in line:
+                continue
+            try:
+                group = json.loads(line).get("group")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(group, str):
+                groups.add(metric_suffix(group))
+    return groups
+
+
 def best_metric_of(cfg: Config, stage: type[Stage]) -> tuple[str, str]:
     """(metric, mode) that picks ``checkpoints/best``; checked against the stage's metrics."""
     metric = cfg.train.best_metric or stage.best_metric
     mode = cfg.train.best_mode or stage.best_mode
     if cfg.data.eval:
         names = list(stage.eval_metrics(cfg))
-        if not any(fnmatch.fnmatchcase(metric, pattern) for pattern in names):
+        if not any(_logs(metric, pattern, cfg) for pattern in names):
             import difflib
 
             plain = [n for n in names if "*" not in n]

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from vltrain.config import extras
 from vltrain.config.core import to_dict
 from vltrain.config.schema import Config
+from vltrain.core.files import atomic_write_text
 
 IDS_FILE = "trackers.json"
 #: files of the run folder an MLflow run keeps as artifacts (those that exist at the end)
@@ -67,7 +68,7 @@ def open_trackers(cfg: Config, out_dir: Path) -> list[Tracker]:
         opened.append(MlflowTracker(cfg, out_dir, ids.get("mlflow")))
     if opened:
         ids.update({t.name: t.run_id for t in opened})
-        (out_dir / IDS_FILE).write_text(json.dumps(ids, indent=2) + "\n")
+        atomic_write_text(out_dir / IDS_FILE, json.dumps(ids, indent=2) + "\n")
     return opened
 
 

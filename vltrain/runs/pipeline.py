@@ -34,6 +34,8 @@ import yaml
 from vltrain.config.core import ConfigError, config_path, load_yaml, to_dict
 from vltrain.config.schema import Config
 from vltrain.core import checkpoint
+from vltrain.core.files import atomic_write_text
+from vltrain.engine import run_dir
 from vltrain.runs.report import cell, markdown_table
 from vltrain.stages import load_run_config
 
@@ -124,15 +126,13 @@ def load_pipeline(
 
 
 def _same_run(cfg: Config, run: Path) -> bool:
-    """True when `run` holds a config.yaml equal to `cfg` (train.resume aside)."""
+    """True when `run` holds a config.yaml equal to `cfg` but for the keys a resume may change
+    without permission (`run_dir.HARMLESS`: logging, workers, eval batch size, ...)."""
     saved = run / "config.yaml"
     if not saved.is_file():
         return False
-    old, new = yaml.safe_load(saved.read_text()) or {}, to_dict(cfg)
-    for tree in (old, new):
-        for key in ("resume", "overwrite"):
-            tree.get("train", {}).pop(key, None)
-    return old == new
+    changes = run_dir.config_changes(yaml.safe_load(saved.read_text()) or {}, to_dict(cfg))
+    return all(key.startswith(run_dir.HARMLESS) for key in changes)
 
 
 def plan(stages: list[PipelineStage]) -> None:
@@ -200,7 +200,7 @@ def run_pipeline(
     if distributed.is_main() and report:
         table = report_table(rows)
         print(table)
-        (root / "report.md").write_text(f"# Pipeline report: {path}\n\n{table}\n")
+        atomic_write_text(root / "report.md", f"# Pipeline report: {path}\n\n{table}\n")
         write_report(
             [st.cfg.run.out_dir for st in stages], root / "report.html", f"pipeline {path}"
         )

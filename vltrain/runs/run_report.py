@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from vltrain.core.files import atomic_write_text
 from vltrain.diagnostics import svg
 from vltrain.diagnostics.doctor import analyse_run, load_records
 from vltrain.diagnostics.record import Finding, severity_rank
@@ -366,5 +367,5 @@ def write_report(paths: list[str], output: str | Path, title: str = "vltrain rep
     """Write the report to `output` (one self-contained HTML file)."""
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(build_report([str(p) for p in paths], title))
+    atomic_write_text(out, build_report([str(p) for p in paths], title))
     return out

@@ -19,6 +19,7 @@ import torch
 
 from vltrain.config.core import ConfigError
 from vltrain.core import distributed
+from vltrain.core.files import atomic_write_text, check_not_input, check_output_path
 from vltrain.engine.runtime import RunContext, resolve_device
 from vltrain.eval.corpus import missing_metrics, missing_warning, read_split, score_split
 from vltrain.eval.variants import check_dims, variant_metrics
@@ -44,6 +45,12 @@ def eval_command(
     for name, path in (("--queries", queries), ("--corpus", corpus), ("--qrels", qrels)):
         if not Path(path).is_file():
             raise FileNotFoundError(f"{name} {path} does not exist")
+    inputs = [queries, corpus, qrels]
+    for option, path in (("--out", out), ("--ranks", ranks)):
+        if path:
+            check_output_path(path, option)
+            check_not_input(path, inputs, option)
+            inputs.append(path)  # --out and --ranks must not name one file either
     check_dims(dims)
     where = resolve_device(device, "--device")  # cuda: this rank's GPU under torchrun
     distributed.init_from_env(where.type)
@@ -77,5 +84,5 @@ def eval_command(
     metrics["total_s"] = time.perf_counter() - t0
     if out and distributed.is_main():
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(metrics, indent=1) + "\n")
+        atomic_write_text(out, json.dumps(metrics, indent=1) + "\n")
     return metrics

@@ -8,6 +8,7 @@ from pathlib import Path
 from safetensors.torch import save_model
 
 from vltrain.core.checkpoint import resolve_checkpoint
+from vltrain.core.files import check_not_input
 from vltrain.tools import export_drafter, export_st
 from vltrain.tools.loading import load_trained, run_config_for
 
@@ -40,6 +41,7 @@ def export_command(
     target: str = "",
     target_id: str = "",
 ) -> int:
+    check_not_input(out, [checkpoint], "--out")
     if fmt == "vltrain":
         path = export_checkpoint(checkpoint, out, force)
     elif fmt == export_st.FORMAT:

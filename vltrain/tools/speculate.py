@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from vltrain.config.core import ConfigError
+from vltrain.core.files import check_not_input, check_output_path
 from vltrain.data.draft_data import chat_prompt_ids, read_prompts
 from vltrain.inference.captioner_target import CaptionerTarget
 from vltrain.inference.captioning import left_pad
@@ -94,9 +95,18 @@ def caption_speculative(
 
 def lm_command(args: Any) -> int:
     """``--model DIR_OR_GGUF --prompts FILE.jsonl [--draft D] [--tree-budget N]``."""
+    if args.out:
+        check_output_path(args.out)
+        check_not_input(args.out, [args.prompts])
     drafter, meta = load_drafter(args.draft) if args.draft else (None, {})  # refused first
     model, tok = load_hf_causal_lm(args.model)
     dflash_format.check_verifier(meta, model, args.draft)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and args.max_new_tokens >= limit:  # decoding would never end well
+        raise ConfigError(
+            f"--max-new-tokens {args.max_new_tokens} does not fit {args.model}: its "
+            f"max_position_embeddings is {limit} (prompt + completion); give fewer"
+        )
     recs = read_prompts(args.prompts)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     layer_ids = drafter.cfg.target_layer_ids if drafter is not None else []
