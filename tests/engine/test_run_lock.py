@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import REPO, tiny_overrides
 from vltrain.cli import main
-from vltrain.config import load_config
+from vltrain.config import ConfigError, load_config
 from vltrain.engine import run_dir
 from vltrain.runs import train
 
@@ -81,3 +81,20 @@ def test_a_dead_process_lock_is_taken_over_with_a_message(
     )
     assert f"process {dead} has ended" in capsys.readouterr().out
     assert not (run / run_dir.LOCK).exists()
+
+
+def test_the_lock_is_created_exclusively(tmp_path: Path) -> None:
+    """Two processes planning one folder at once: the one that creates the lock second is
+    refused (O_EXCL), not silently sharing it; this process's own lock is retaken."""
+    run = tmp_path / "run"
+    run.mkdir()
+    _lock(run, os.getppid())  # a live process took the folder after this one planned it
+    with pytest.raises(ConfigError, match="is in use"):
+        run_dir._create_lock(run / run_dir.LOCK)
+    _lock(run, os.getpid())
+    run_dir._create_lock(run / run_dir.LOCK)
+    assert json.loads((run / run_dir.LOCK).read_text())["pid"] == os.getpid()
+    control = tmp_path / "free"
+    control.mkdir()
+    run_dir._create_lock(control / run_dir.LOCK)  # no lock yet: created
+    assert (control / run_dir.LOCK).is_file()

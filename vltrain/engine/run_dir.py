@@ -29,7 +29,6 @@ import yaml
 from vltrain.config.core import ConfigError, to_dict
 from vltrain.config.schema import Config
 from vltrain.core import checkpoint
-from vltrain.core.files import atomic_write_text
 from vltrain.engine import trackers
 
 #: keys that may differ on resume without permission: they change neither the model, nor the
@@ -279,14 +278,29 @@ def check_changed_model(model: torch.nn.Module, plan: RunPlan) -> None:
         )
 
 
+def _create_lock(path: Path) -> None:
+    """Create `path` exclusively (O_EXCL): of two processes starting on one folder at once,
+    one creates it and the other is refused by `check_lock`."""
+    holder = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}) + "\n"
+    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileExistsError:
+        check_lock(path.parent)  # another live process won the race: refused here
+        path.unlink(missing_ok=True)  # this process's own, or a dead process's
+        fd = os.open(path, flags, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(holder)
+
+
 def apply_plan(plan: RunPlan) -> None:
     """Rank 0: lock the folder, then delete what train.overwrite replaces."""
     if plan.lock is not None:
         plan.lock.parent.mkdir(parents=True, exist_ok=True)
         if plan.stale_lock:
             print(f"vltrain: {plan.stale_lock}", flush=True)
-        holder = {"host": socket.gethostname(), "pid": os.getpid()}
-        atomic_write_text(plan.lock, json.dumps(holder) + "\n")
+            plan.lock.unlink(missing_ok=True)  # a dead process's, checked in plan_run
+        _create_lock(plan.lock)
         atexit.register(release_lock, plan.lock.parent)  # a process that dies of an error
     for path in plan.clear:
         if path.is_dir():
