@@ -68,6 +68,27 @@ def gather_features(
     return Features(image_all, text_all, neg_all if neg_all.shape[0] else None, pairs_all)
 
 
+def init_temperature(
+    loss: nn.Module, temperature: float, learn: bool, max_logit_scale: float
+) -> None:
+    """Give a softmax loss its ``logit_scale`` = log(1 / temperature) (a parameter when
+    `learn`, else a buffer) and the clamp ``max_log_scale`` its ``scale()`` applies."""
+    init = torch.tensor(math.log(1.0 / temperature))
+    if learn:
+        loss.logit_scale = nn.Parameter(init)
+    else:
+        loss.register_buffer("logit_scale", init)
+    loss.max_log_scale = math.log(max_logit_scale)
+
+
+def process_group(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world size) a loss gathers over: as given, else this process's."""
+    return (
+        distributed.rank() if rank is None else rank,
+        distributed.world_size() if world_size is None else world_size,
+    )
+
+
 def caption_contrast_loss(f: Features, scale: Tensor) -> Tensor:
     """Caption-caption InfoNCE (``objective.caption_contrast``), symmetric: each image's
     caption picks the same image's second caption among all N second captions and the M hard
@@ -119,18 +140,12 @@ class InfoNCELoss(nn.Module):
         super().__init__()
         if caption_contrast < 0:
             raise ValueError(f"caption_contrast must be >= 0, got {caption_contrast}")
-        init = torch.tensor(math.log(1.0 / temperature))
-        if learn_temperature:
-            self.logit_scale = nn.Parameter(init)
-        else:
-            self.register_buffer("logit_scale", init)
-        self.max_log_scale = math.log(max_logit_scale)
+        init_temperature(self, temperature, learn_temperature, max_logit_scale)
         self.symmetric = symmetric
         self.label_smoothing = label_smoothing
         self.gather = gather
         self.caption_contrast = caption_contrast
-        self.rank = distributed.rank() if rank is None else rank
-        self.world_size = distributed.world_size() if world_size is None else world_size
+        self.rank, self.world_size = process_group(rank, world_size)
 
     @classmethod
     def from_config(cls, o: Any) -> InfoNCELoss:
@@ -226,8 +241,7 @@ class SigLIPLoss(nn.Module):
         self.logit_bias = nn.Parameter(torch.tensor(float(init_bias)))
         self.max_log_scale = math.log(max_logit_scale)
         self.gather = gather
-        self.rank = distributed.rank() if rank is None else rank
-        self.world_size = distributed.world_size() if world_size is None else world_size
+        self.rank, self.world_size = process_group(rank, world_size)
 
     @classmethod
     def from_config(cls, o: Any) -> SigLIPLoss:
@@ -305,17 +319,11 @@ class Qwen3VLLoss(nn.Module):
             raise ValueError(f"terms must be one of {sorted(TERMS)}, got {terms!r}")
         if not margin >= 0:
             raise ValueError(f"the false-negative margin must be >= 0, got {margin}")
-        init = torch.tensor(math.log(1.0 / temperature))
-        if learn_temperature:
-            self.logit_scale = nn.Parameter(init)
-        else:
-            self.register_buffer("logit_scale", init)
-        self.max_log_scale = math.log(max_logit_scale)
+        init_temperature(self, temperature, learn_temperature, max_logit_scale)
         self.terms, self.margin, self.mask = terms, margin, mask
         self.negatives_per_query, self.duplicate_cosine = negatives_per_query, duplicate_cosine
         self.gather = gather
-        self.rank = distributed.rank() if rank is None else rank
-        self.world_size = distributed.world_size() if world_size is None else world_size
+        self.rank, self.world_size = process_group(rank, world_size)
 
     @classmethod
     def from_config(cls, o: Any) -> Qwen3VLLoss:
