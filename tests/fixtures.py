@@ -149,3 +149,53 @@ def tiny_causal_lm(
     if arch == "qwen3":
         return transformers.Qwen3Config(head_dim=16, **dims), transformers.Qwen3ForCausalLM
     raise ValueError(f"tiny_causal_lm: unknown arch {arch!r}; use llama, llama_bias, qwen2, qwen3")
+
+
+def make_tiny_qwen3vl(out: Path) -> str:
+    """A random Qwen3-VL (hidden 32) with a chat-template tokenizer, saved like a hub model."""
+    import torch
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    from tests.models.test_hf_embedders import _qwen_ids, _save, _tokenizer
+
+    tok = _tokenizer("<|vision_start|><|image_pad|><|vision_end|>")
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [2, 3, 3],
+        "mrope_interleaved": True,
+    }
+    text = dict(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        rope_parameters=rope,
+        bos_token_id=None,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        out_hidden_size=32,
+        num_heads=2,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[0],
+    )
+    cfg = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **_qwen_ids(tok))
+    torch.manual_seed(0)
+    ip = Qwen2VLImageProcessorPil(
+        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=64, max_pixels=4096
+    )
+    return _save(transformers.Qwen3VLForConditionalGeneration(cfg), tok, ip, out)

@@ -13,10 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-import transformers
 
-from tests.models.test_hf_embedders import _qwen_ids, _save, _tokenizer
+from tests.fixtures import make_tiny_qwen3vl
 from tests.stages.test_hf_backbones_ddp import (
     LOSS_TOL,
     PARAM_TOL,
@@ -31,51 +29,7 @@ from vltrain.data.synth_pages import pages_command
 
 @pytest.fixture(scope="module")
 def qwen3vl_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
-    tok = _tokenizer("<|vision_start|><|image_pad|><|vision_end|>")
-    rope = {
-        "rope_type": "default",
-        "rope_theta": 10000.0,
-        "mrope_section": [2, 3, 3],
-        "mrope_interleaved": True,
-    }
-    cfg = transformers.Qwen3VLConfig(
-        text_config=dict(
-            vocab_size=len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            rope_parameters=rope,
-            bos_token_id=None,
-            eos_token_id=0,
-            pad_token_id=0,
-        ),
-        vision_config=dict(
-            depth=1,
-            hidden_size=16,
-            intermediate_size=32,
-            out_hidden_size=32,
-            num_heads=2,
-            patch_size=4,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            num_position_embeddings=64,
-            deepstack_visual_indexes=[0],
-        ),
-        **_qwen_ids(tok),
-    )
-    torch.manual_seed(0)
-    ip = Qwen2VLImageProcessorPil(
-        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=64, max_pixels=4096
-    )
-    model = transformers.Qwen3VLForConditionalGeneration(cfg)
-    return _save(model, tok, ip, tmp_path_factory.mktemp("q3vl"))
+    return make_tiny_qwen3vl(tmp_path_factory.mktemp("q3vl"))
 
 
 @pytest.fixture(scope="module")
