@@ -19,6 +19,7 @@ from vltrain.models.captioner import Captioner
 from vltrain.models.connectors import ConnectorDims, build_connector
 from vltrain.models.text import CausalDecoder, TextTowerConfig
 from vltrain.models.vit import VisionTower, VisionTowerConfig
+from vltrain.objectives.reference import check_frozen_reference, frozen_reference
 from vltrain.objectives.reinforce import (
     BASELINES,
     CaptionReward,
@@ -27,9 +28,7 @@ from vltrain.objectives.reinforce import (
     LeaveOneOutBaseline,
     advantages,
     build_baseline,
-    check_frozen_reference,
     ends_with_eos,
-    frozen_reference,
     policy_terms,
     reinforce_loss,
     sequence_logits,
@@ -228,7 +227,8 @@ def test_loo_baseline_by_hand() -> None:
 
 
 def test_baseline_registry_and_errors() -> None:
-    assert set(BASELINES) == {"ema", "greedy", "loo"}
+    assert set(BASELINES) == {"ema", "greedy", "loo", "rloo", "grpo"}
+    assert BASELINES["rloo"] is BASELINES["loo"]  # one formula, two names
     with pytest.raises(ValueError, match="Did you mean 'loo'"):
         build_baseline("lo")
     with pytest.raises(ValueError, match="samples per image"):

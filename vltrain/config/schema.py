@@ -653,14 +653,31 @@ class RLConfig:
     baseline: str = option(
         "ema",
         "rl: advantage baseline: ema (moving average of the global mean reward), greedy "
-        "(self-critical: reward of the greedy caption; one extra decode), loo (leave-one-out).",
-        choices=("ema", "greedy", "loo"),
+        "(self-critical: reward of the greedy caption; one extra decode), loo or rloo "
+        "(leave-one-out over the k samples, TRL's RLOO), grpo (group-normalised: "
+        "(r - group mean) / (group std + 1e-4), TRL's GRPO).",
+        choices=("ema", "greedy", "loo", "rloo", "grpo"),
+    )
+    scale_rewards: str = option(
+        "group",
+        "rl: baseline=grpo only: divide by the group's unbiased reward std (group) or not (none: "
+        "Dr. GRPO); TRL's scale_rewards.",
+        choices=("group", "none"),
     )
     ema_decay: float = option(0.9, "rl: decay of the ema baseline (below 1).", ge=0.0, le=0.9999)
     kl_coeff: float = option(
         0.0, "rl: weight of KL(policy || frozen reference) in the loss (logged always).", ge=0.0
     )
     entropy_coeff: float = option(0.0, "rl: weight of the entropy bonus.", ge=0.0)
+    length_penalty: float = option(
+        0.0,
+        "rl: reward -= length_penalty * tokens (the caption's sampled tokens, EOS not counted), "
+        "or * |tokens - length_target| when length_target > 0; 0: off.",
+        ge=0.0,
+    )
+    length_target: int = option(
+        0, "rl: caption length in tokens the length penalty pulls towards (0: none).", ge=0
+    )
     normalize: str = option(
         "token",
         "rl: loss terms averaged over sampled tokens (token) or summed per sequence and "

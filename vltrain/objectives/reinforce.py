@@ -2,12 +2,13 @@
 
 Per image the stage samples K captions (nucleus sampling), scores them with :class:`CaptionReward`
 (CIDEr-D, BLEU-4 or a weighted mix against the ground-truth captions), turns rewards into
-advantages with a baseline from :data:`BASELINES` (``ema``, ``greedy`` = self-critical, ``loo`` =
-leave-one-out), and minimises
+advantages with a baseline from :data:`BASELINES` (``ema``, ``greedy`` = self-critical, ``loo`` /
+``rloo`` = leave-one-out, ``grpo`` = group-normalised), and minimises
 
     loss = -mean(A * log pi(sampled tokens)) + kl_coeff * KL(pi || pi_ref) - entropy_coeff * H(pi)
 
-with ``pi_ref`` a :func:`frozen_reference` copy of the starting model. The math, the
+with ``pi_ref`` the starting model (``vltrain.objectives.reference``: a frozen copy, or for a
+policy with peft (LoRA) adapters the policy itself with its adapters disabled). The math, the
 normalisation choices and the wiring rules are written up in ``docs/rl.md``.
 
 Conventions: rows are grouped per image, image b owns rows ``[b*K, (b+1)*K)`` (what
@@ -18,7 +19,6 @@ mask covers the sampled tokens up to and including EOS and excludes the padding 
 
 from __future__ import annotations
 
-import copy
 import difflib
 import math
 from collections.abc import Mapping, Sequence
@@ -38,13 +38,12 @@ __all__ = [
     "CaptionReward",
     "EMABaseline",
     "GreedyBaseline",
+    "GroupNormBaseline",
     "LeaveOneOutBaseline",
     "PolicyTerms",
     "advantages",
     "build_baseline",
-    "check_frozen_reference",
     "ends_with_eos",
-    "frozen_reference",
     "policy_terms",
     "reinforce_loss",
     "sequence_logits",
@@ -121,6 +120,10 @@ class Baseline:
         """Baseline for each of the B*K ``rewards`` (B*K,); must not depend on sample i itself."""
         raise NotImplementedError
 
+    def advantages(self, rewards: Tensor, k: int, greedy_rewards: Tensor | None = None) -> Tensor:
+        """Advantages (B*K,) of float32 ``rewards``: ``rewards - baseline`` unless overridden."""
+        return rewards - self(rewards, k, greedy_rewards).detach()
+
     def update(self, global_mean_reward: float | Tensor) -> None:
         """Fold in this step's mean reward (already all-reduced across ranks). No-op by default."""
 
@@ -191,7 +194,11 @@ class GreedyBaseline(Baseline):
 
 
 class LeaveOneOutBaseline(Baseline):
-    """Leave-one-out (RLOO): b_i = mean reward of the other K-1 samples of the same image."""
+    """Leave-one-out (RLOO): b_i = mean reward of the other K-1 samples of the same image.
+
+    The advantage ``r_i - (sum_j r_j - r_i) / (K - 1)`` is TRL's ``RLOOTrainer`` formula (its
+    default ``normalize_advantages=False``); registered as ``loo`` and ``rloo``.
+    """
 
     def __call__(self, rewards: Tensor, k: int, greedy_rewards: Tensor | None = None) -> Tensor:
         if k < 2:
@@ -200,15 +207,49 @@ class LeaveOneOutBaseline(Baseline):
         return ((r.sum(1, keepdim=True) - r) / (k - 1)).reshape(-1)  # (B*K,)
 
 
+GRPO_SCALES = ("group", "none")
+
+
+class GroupNormBaseline(Baseline):
+    """GRPO: ``A_i = (r_i - mean_g) / (std_g + eps)`` over the K samples g of sample i's image.
+
+    TRL's ``GRPOTrainer`` convention: ``std_g`` is the unbiased (Bessel, K - 1) std and ``eps`` is
+    added to it, 1e-4. ``scale="none"`` keeps ``r_i - mean_g`` (TRL's ``scale_rewards="none"``,
+    Dr. GRPO). A group of equal rewards gets advantage 0. The baseline itself is ``mean_g``.
+    """
+
+    def __init__(self, scale: str = "group", eps: float = 1e-4) -> None:
+        if scale not in GRPO_SCALES:
+            raise ValueError(f"grpo scale must be one of {GRPO_SCALES}, got {scale!r}")
+        if not eps > 0:
+            raise ValueError(f"grpo eps must be > 0, got {eps}")
+        self.scale, self.eps = scale, eps
+
+    def __call__(self, rewards: Tensor, k: int, greedy_rewards: Tensor | None = None) -> Tensor:
+        if k < 2:
+            raise ValueError(f"the grpo baseline needs k >= 2 samples per image, got k={k}")
+        return rewards.float().view(-1, k).mean(1).repeat_interleave(k)  # (B*K,)
+
+    def advantages(self, rewards: Tensor, k: int, greedy_rewards: Tensor | None = None) -> Tensor:
+        centred = rewards - self(rewards, k)  # (B*K,)
+        if self.scale == "none":
+            return centred
+        r = rewards.float().view(-1, k)  # (B, K)
+        var = ((r - r.mean(1, keepdim=True)) ** 2).mean(1, keepdim=True) * (k / (k - 1))
+        return centred / (var.sqrt().view(-1).repeat_interleave(k) + self.eps)
+
+
 BASELINES: dict[str, type[Baseline]] = {
     "ema": EMABaseline,
     "greedy": GreedyBaseline,
     "loo": LeaveOneOutBaseline,
+    "rloo": LeaveOneOutBaseline,
+    "grpo": GroupNormBaseline,
 }
 
 
 def build_baseline(name: str, **kwargs: Any) -> Baseline:
-    """A baseline by registry key (``ema`` takes ``decay``; ``greedy`` and ``loo`` take none)."""
+    """A baseline by registry key (``ema`` takes ``decay``, ``grpo`` ``scale`` and ``eps``)."""
     if name not in BASELINES:
         close = difflib.get_close_matches(name, list(BASELINES), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -228,7 +269,7 @@ def advantages(
             f"rewards must be (B*K,) with K={k} samples per image; got shape {tuple(rewards.shape)}"
         )
     r = rewards.detach().float()
-    return (r - baseline(r, k, greedy_rewards).detach()).detach()
+    return baseline.advantages(r, k, greedy_rewards).detach()
 
 
 # --------------------------------------------------------------------------- sequences, masks
@@ -378,48 +419,3 @@ def reinforce_loss(
     if eos is not None:
         metrics["eos_frac"] = eos.float().mean()
     return loss, metrics
-
-
-# ------------------------------------------------------------------------- frozen reference
-
-
-def _stay_in_eval(self: nn.Module, mode: bool = True) -> nn.Module:
-    """Replacement ``train``: a frozen reference ignores ``train()`` and stays in eval mode."""
-    return nn.Module.train(self, False)
-
-
-def frozen_reference(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` with no trainable parameter, in eval mode for good.
-
-    Pass the unwrapped model (not DDP / compiled). Keep the result OUT of the trained module (an
-    attribute of the stage, never ``policy.ref = ...``): then the optimizer never sees its
-    parameters and checkpoints of the policy do not hold it. See ``docs/rl.md`` for resume:
-    rebuild it from the starting checkpoint, never from the resumed policy.
-    """
-    ref = copy.deepcopy(model)
-    ref.requires_grad_(False)
-    for mod in ref.modules():  # `.train()` on the copy (or a parent) must not enable dropout
-        mod.train = _stay_in_eval.__get__(mod)
-    return ref.eval()
-
-
-def check_frozen_reference(
-    ref: nn.Module, policy: nn.Module, optimizer: torch.optim.Optimizer | None = None
-) -> None:
-    """Raise if ``ref`` could be updated or saved with ``policy``: call once at stage setup."""
-    trainable = [n for n, p in ref.named_parameters() if p.requires_grad]
-    if trainable:
-        raise ValueError(
-            f"reference has trainable parameters {trainable[:5]}; use frozen_reference"
-        )
-    ref_ids = {id(p) for p in ref.parameters()}
-    ref_ptrs = {p.data_ptr() for p in ref.parameters() if p.numel()}
-    if any(id(p) in ref_ids or p.data_ptr() in ref_ptrs for p in policy.parameters() if p.numel()):
-        raise ValueError(
-            "reference shares parameters with the policy (a submodule of it, or not a copy); "
-            "build it with frozen_reference(model) and keep it outside the trained module"
-        )
-    if optimizer is not None:
-        in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        if any(id(p) in in_opt for p in ref.parameters()):
-            raise ValueError("reference parameters are registered with the optimizer; remove them")

@@ -11,12 +11,14 @@ wiring rules in docs/rl.md):
    greedy caption per image too;
 2. reward each against all references of its image (CIDEr-D df from the training references,
    computed once in :meth:`RLStage.prepare`);
+   minus the optional length penalty (``rl.length_penalty``);
 3. advantages from the baseline; the ema baseline then folds in the all-reduced mean reward;
 4. teacher-forced logits of the policy through the (DDP-wrapped) model the engine passes, and of
    the frozen reference (no grad); ``reinforce_loss``; the engine's backward of ``loss * scale``.
 
 The reference is rebuilt from ``model.init_from`` at every start (also on resume), lives on the
-stage (never inside the trained module), is never saved and has no optimizer state.
+stage (never inside the trained module), is never saved and has no optimizer state. A policy
+with peft (LoRA) adapters has none: its reference is itself with the adapters disabled.
 """
 
 from __future__ import annotations
@@ -44,13 +46,18 @@ from vltrain.inference.captioner_target import CaptionerTarget
 from vltrain.inference.captioning import left_pad
 from vltrain.inference.decoding import generate
 from vltrain.models.backbones import build_captioner, load_initial_weights
+from vltrain.objectives.caption_shaping import caption_stats, length_penalty
+from vltrain.objectives.reference import (
+    check_frozen_reference,
+    frozen_reference,
+    has_adapters,
+    reference_logits,
+)
 from vltrain.objectives.reinforce import (
     CaptionReward,
     advantages,
     build_baseline,
-    check_frozen_reference,
     ends_with_eos,
-    frozen_reference,
     policy_terms,
     reinforce_loss,
     sequence_logits,
@@ -69,6 +76,8 @@ RL_METRICS = (
     "length_mean",
     "eos_frac",
     "pg_loss",
+    "rep4_rate",
+    "caption_words",
 )
 
 
@@ -101,8 +110,12 @@ class RLStage:
                 "stage 'rl' needs 'model.init_from' (a trained caption run or checkpoint): RL "
                 "fine-tunes a captioner and anchors the KL to those starting weights"
             )
-        if r.baseline == "loo" and r.k < 2:
-            raise ConfigError(f"'rl.baseline' loo needs 'rl.k' >= 2, got rl.k={r.k}")
+        if r.baseline in ("loo", "rloo", "grpo") and r.k < 2:
+            raise ConfigError(f"'rl.baseline' {r.baseline} needs 'rl.k' >= 2, got rl.k={r.k}")
+        if r.scale_rewards != "group" and r.baseline != "grpo":
+            raise ConfigError(f"'rl.scale_rewards' applies to rl.baseline=grpo, not {r.baseline!r}")
+        if r.length_target and not r.length_penalty:
+            raise ConfigError("'rl.length_target' needs 'rl.length_penalty' > 0 (its weight)")
         if r.reward_weights and r.reward != "mix":
             raise ConfigError(f"'rl.reward_weights' applies to rl.reward=mix, not {r.reward!r}")
         unknown = sorted(set(r.reward_weights) - {"cider", "bleu4"})
@@ -118,20 +131,14 @@ class RLStage:
         return self.core.tokenizer
 
     def prepare(self) -> None:
-        """Tokenizer (from init_from), reward df from the training refs, frozen reference."""
+        """Tokenizer (from init_from), reward df from the training refs, the baseline."""
         self.core.prepare()
         r = self.cfg.rl
         self.reward = CaptionReward(
             self._training_refs(), kind=r.reward, weights=r.reward_weights or None
         )
-        kwargs = {"decay": r.ema_decay} if r.baseline == "ema" else {}
-        self.baseline = build_baseline(r.baseline, **kwargs)
-        # Built from the starting checkpoint (never from a resumed policy), off the global RNG
-        # so the policy's RNG stream is the same whether or not a reference is built.
-        with torch.random.fork_rng(devices=[]):
-            ref = build_captioner(self.cfg, self.tokenizer)
-        load_initial_weights(ref, self.core.init_ckpt)
-        self.reference = frozen_reference(ref).to(self.ctx.device)
+        kwargs = {"ema": {"decay": r.ema_decay}, "grpo": {"scale": r.scale_rewards}}
+        self.baseline = build_baseline(r.baseline, **kwargs.get(r.baseline, {}))
         self.rollouts = 0  # forward_backward() calls so far; seeds the sampling generator
 
     def rollout_generator(self) -> torch.Generator:
@@ -157,8 +164,17 @@ class RLStage:
         return refs
 
     def build_model(self) -> nn.Module:
+        """The policy, and its reference: None for a peft policy (its adapters disabled), else
+        a frozen copy built from the starting checkpoint (never from a resumed policy), off the
+        global RNG so the policy's RNG stream is the same whether or not a copy is built."""
         model = self.core.build_model()
-        check_frozen_reference(self.reference, model)
+        self.reference = None
+        if not has_adapters(model):
+            with torch.random.fork_rng(devices=[]):
+                ref = build_captioner(self.cfg, self.tokenizer)
+            load_initial_weights(ref, self.core.init_ckpt)
+            self.reference = frozen_reference(ref).to(self.ctx.device)
+            check_frozen_reference(self.reference, model)
         return model
 
     def build_loader(self) -> Loader:
@@ -212,13 +228,16 @@ class RLStage:
             policy.train(was_training)
         res = {"ids": ids, "pmask": pmask, "seq": out.sequences, "len": out.lengths}
         if greedy is not None:
-            res["greedy"] = self._rewards(greedy.sequences, greedy.lengths, batch["refs"], 1)
+            texts = self._decode(greedy.sequences, greedy.lengths)
+            res["greedy"] = self._rewards(texts, batch["refs"], 1)
         return res
 
-    def _rewards(self, seq: Tensor, lengths: Tensor, refs: list[list[str]], k: int) -> Tensor:
-        """Rewards (B*k,) of rows grouped per image against that image's references."""
+    def _decode(self, seq: Tensor, lengths: Tensor) -> list[str]:
         rows = [s[: int(n)].tolist() for s, n in zip(seq, lengths, strict=True)]
-        texts = self.tokenizer.decode_batch(rows)
+        return self.tokenizer.decode_batch(rows)
+
+    def _rewards(self, texts: list[str], refs: list[list[str]], k: int) -> Tensor:
+        """Rewards (B*k,) of captions grouped per image against that image's references."""
         return self.reward(texts, [rs for rs in refs for _ in range(k)])
 
     def forward_backward(
@@ -230,24 +249,30 @@ class RLStage:
         s = self._sample(model.module, batch, self.rollout_generator())
         self.rollouts += 1
         seq, lengths = s["seq"], s["len"]  # (B*K, L), (B*K,)
-        rewards = self._rewards(seq, lengths, batch["refs"], k).to(seq.device)  # (B*K,)
-        adv = advantages(rewards, k, self.baseline, s.get("greedy"))
-        self.baseline.update(distributed.all_reduce_mean(rewards.mean().double()))
+        texts = self._decode(seq, lengths)
+        rewards = self._rewards(texts, batch["refs"], k).to(seq.device)  # (B*K,)
+        eos = ends_with_eos(seq, lengths, self.tokenizer.eos_id)
+        pen = length_penalty(lengths - eos.long(), r.length_penalty, r.length_target)
+        shaped = rewards - pen if r.length_penalty else rewards  # what the policy maximises
+        adv = advantages(shaped, k, self.baseline, s.get("greedy"))
+        self.baseline.update(distributed.all_reduce_mean(shaped.mean().double()))
         images = batch["images"].repeat_interleave(k, 0)  # (B*K, 3, S, S)
         ids, pmask = s["ids"].repeat_interleave(k, 0), s["pmask"].repeat_interleave(k, 0)
         logits = sequence_logits(model, images, ids, pmask, seq, lengths)  # (B*K, L, V)
-        with torch.no_grad():
-            ref_logits = sequence_logits(self.reference, images, ids, pmask, seq, lengths)
+        ref_logits = reference_logits(
+            lambda m: sequence_logits(m, images, ids, pmask, seq, lengths),
+            model.module,
+            self.reference,
+        )
         terms = policy_terms(logits, ref_logits, seq, sequence_mask(lengths, seq.shape[1]))
-        eos = ends_with_eos(seq, lengths, self.tokenizer.eos_id)
         loss, m = reinforce_loss(
             terms, adv, r.kl_coeff, r.entropy_coeff, r.normalize, rewards, lengths, eos
         )
-        local = torch.stack([m[name].detach().double().cpu() for name in RL_METRICS])
-        glob = distributed.all_reduce_mean(
-            local.to(seq.device)
-        ).cpu()  # one collective for all metrics
-        metrics = {name: float(v) for name, v in zip(RL_METRICS, glob, strict=True)}
+        m.update(caption_stats(texts), length_penalty=pen.mean())
+        names = RL_METRICS + (("length_penalty",) if r.length_penalty else ())
+        local = torch.stack([m[name].detach().double().cpu() for name in names])
+        glob = distributed.all_reduce_mean(local.to(seq.device)).cpu()  # one collective
+        metrics = {name: float(v) for name, v in zip(names, glob, strict=True)}
         if r.baseline == "ema":
             metrics["baseline"] = float(self.baseline.value)
         (loss * scale).backward()
