@@ -20,9 +20,11 @@ from tests.conftest import REPO, hardlink_tree
 from tests.stages.rl_ddp_worker import digest
 from tests.stages.test_caption_stage import caption_overrides
 from vltrain.config import load_config
+from vltrain.config.core import ConfigError
 from vltrain.engine.optim import build_optimizer
+from vltrain.objectives.caption_shaping import caption_stats
 from vltrain.runs import Trainer, train
-from vltrain.stages import get_stage
+from vltrain.stages import check_config, get_stage
 from vltrain.stages.rl import RL_METRICS
 
 PRESET = REPO / "configs" / "rl.yaml"
@@ -114,6 +116,8 @@ def test_rl_run_logs_metrics_and_evaluates(rl_run) -> None:
             assert v == v and abs(v) < 1e6, (name, v)  # present, finite
         assert r["train_reward_mean"] >= 0 and r["train_reward_std"] >= 0
         assert 1 <= r["train_length_mean"] <= 8 and 0 <= r["train_eos_frac"] <= 1
+        assert 0 <= r["train_rep4_rate"] <= 1 and 0 <= r["train_caption_words"] <= 8
+        assert "train_length_penalty" not in r  # logged only when the penalty is on
     assert summary["best_metric"] == "eval_CIDEr-D" and summary["steps"] == 3
     for k in ("eval_CIDEr-D", "eval_BLEU-4", "eval_beam_CIDEr-D", "eval_beam_BLEU-4"):
         assert k in summary["val"]
@@ -167,6 +171,57 @@ def test_resume_keeps_the_ema_baseline(rl_data, caption_ckpt, tmp_path: Path) ->
     for step in (3, 4):  # steps after the resume match the uninterrupted run exactly
         for k in ("train_baseline", "train_reward_mean", "loss"):
             assert got[step][k] == pytest.approx(want[step][k], abs=1e-6), (step, k)
+
+
+def test_grpo_length_penalty_and_caption_stats(rl_data: Path, caption_ckpt: Path, tmp_path) -> None:
+    """The baseline sees reward - penalty, the logged reward is the metric's, and rep4_rate /
+    caption_words are the decoded samples' (single process: the logged means are exact)."""
+    over = {"rl.baseline": "grpo", "rl.length_penalty": 0.05, "rl.length_target": 3}
+    cfg = _rl_cfg(rl_data, caption_ckpt, tmp_path / "run", **over, **{"train.max_steps": 2})
+    trainer = Trainer(cfg, stage=get_stage(cfg.stage))
+    stage, seen = trainer.stage, []
+    sample, rewards = stage._sample, stage._rewards
+
+    def sample_(*args):
+        s = sample(*args)
+        seen.append({"seq": s["seq"], "len": s["len"]})
+        return s
+
+    def rewards_(texts, refs, k):
+        r = rewards(texts, refs, k)
+        seen[-1].update(texts=texts, rewards=r)
+        return r
+
+    stage._sample, stage._rewards = sample_, rewards_
+    trainer.run()
+    rows = _train_rows(tmp_path / "run")
+    assert len(rows) == len(seen) == 2
+    for row, s in zip(rows, seen, strict=True):
+        eos = s["seq"].gather(1, (s["len"] - 1)[:, None])[:, 0] == stage.tokenizer.eos_id
+        tokens = (s["len"] - eos.long()).float()
+        penalty = 0.05 * (tokens - 3).abs()
+        assert row["train_length_penalty"] == pytest.approx(float(penalty.mean()), abs=1e-6)
+        assert row["train_reward_mean"] == pytest.approx(float(s["rewards"].mean()), abs=1e-6)
+        stats = caption_stats(s["texts"])
+        assert row["train_rep4_rate"] == pytest.approx(float(stats["rep4_rate"]), abs=1e-12)
+        assert row["train_caption_words"] == pytest.approx(float(stats["caption_words"]))
+        # grpo on the shaped reward: advantages are 0-mean per image (logged mean over all)
+        assert abs(row["train_adv_mean"]) < 1e-5
+    assert any(float(s["len"].float().std()) > 0 for s in seen)  # lengths vary: penalty varies
+
+
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        ({"rl.scale_rewards": "none"}, "rl.scale_rewards"),
+        ({"rl.length_target": 5}, "rl.length_target"),
+        ({"rl.baseline": "grpo", "rl.k": 1}, "rl.k"),
+        ({"rl.baseline": "rloo", "rl.k": 1}, "rl.k"),
+    ],
+)
+def test_rl_config_mistakes(rl_data: Path, tmp_path: Path, extra: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        check_config(_rl_cfg(rl_data, tmp_path / "ckpt", tmp_path / "run", **extra))
 
 
 def _init_weights(caption_ckpt: Path) -> dict[str, torch.Tensor]:

@@ -113,7 +113,9 @@ class RLStage:
         if r.baseline in ("loo", "rloo", "grpo") and r.k < 2:
             raise ConfigError(f"'rl.baseline' {r.baseline} needs 'rl.k' >= 2, got rl.k={r.k}")
         if r.scale_rewards != "group" and r.baseline != "grpo":
-            raise ConfigError(f"'rl.scale_rewards' applies to rl.baseline=grpo, not {r.baseline!r}")
+            raise ConfigError(
+                f"'rl.scale_rewards' applies to rl.baseline=grpo, not {r.baseline!r}; drop it"
+            )
         if r.length_target and not r.length_penalty:
             raise ConfigError("'rl.length_target' needs 'rl.length_penalty' > 0 (its weight)")
         if r.reward_weights and r.reward != "mix":
