@@ -110,3 +110,26 @@ def test_kill_9_and_resume_from_shards_equals_uninterrupted_run(
     assert sorted(a) == sorted(b) == list(range(1, 21))
     assert [a[s] for s in sorted(a)] == [b[s] for s in sorted(a)]  # bit for bit
     assert _max_diff(_weights(full, 20), _weights(part, 20)) == 0.0
+
+
+@pytest.mark.slow
+def test_damaged_shard_is_counted_up_to_the_threshold(shapes_dir: Path, tmp_path: Path) -> None:
+    """A shard with a bad header mid-way (tarfile.ReadError): each lost sample counts as
+    `corrupt`; above data.max_bad_fraction the run stops with one error naming the shard."""
+    shard_dir = tmp_path / "shards"
+    paths = write_shards(shapes_dir / "train.jsonl", shard_dir, 16).shards
+    broken = bytearray(Path(paths[3]).read_bytes())
+    broken[3 * 1024 + 148 : 3 * 1024 + 156] = b"0000000\0"
+    Path(paths[3]).write_bytes(bytes(broken))
+    opts = {"train.max_steps": 4, "optim.warmup_steps": 1}
+    cmd = [sys.executable, "-m", "vltrain", *_args(shapes_dir, shard_dir, tmp_path / "a", **opts)]
+    res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+    assert "vltrain: error:" in res.stderr and "corrupt:" in res.stderr
+    assert "shard-000003.tar: bad tar header checksum" in res.stderr
+
+    more = {**opts, "data.max_bad_fraction": 0.5, "data.num_workers": 1}
+    _vltrain(_args(shapes_dir, shard_dir, tmp_path / "b", **more))
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert summary["step"] == 4 and summary["bad_samples"]["corrupt"] >= 1

@@ -222,13 +222,16 @@ def read_texts(shards: list[str], limit: int) -> list[str]:
     texts: list[str] = []
     for url in shards:
         with open_shard(url) as f:
-            for sample in iter_samples(f, 0, want=("json", "txt")):
-                meta = parse_meta(sample)
-                if meta is None:
-                    continue
-                texts += [t for t in meta.get("text", []) if isinstance(t, str)]
-                if len(texts) >= limit:
-                    return texts[:limit]
+            try:
+                for sample in iter_samples(f, 0, want=("json", "txt")):
+                    meta = parse_meta(sample)
+                    if meta is None:
+                        continue
+                    texts += [t for t in meta.get("text", []) if isinstance(t, str)]
+                    if len(texts) >= limit:
+                        return texts[:limit]
+            except tarfile.ReadError:  # a damaged shard: training counts its lost samples
+                continue
     return texts
 
 
@@ -269,9 +272,18 @@ def read_index(shard: str) -> dict[str, int]:
 
 
 def count_samples(url: str) -> int:
-    """Samples in one shard, by reading its headers only (member data skipped by seeks)."""
+    """Samples in one shard, by reading its headers only (member data skipped by seeks).
+
+    A shard damaged mid-way counts its readable samples plus one for the unreadable rest:
+    the stream then meets the damage and counts that sample as bad (``corrupt``)."""
+    n = 0
     with open_shard(url) as f:
-        return sum(1 for _ in iter_samples(f, 0, want=()))
+        try:
+            for _ in iter_samples(f, 0, want=()):
+                n += 1
+        except tarfile.ReadError:
+            n += 1
+    return n
 
 
 def shard_counts(shards: list[str]) -> list[int]:
