@@ -105,6 +105,8 @@ def _kill_resume_equals_full(
     assert sorted(a) == sorted(b) == list(range(1, steps + 1))
     assert [a[s] for s in sorted(a)] == [b[s] for s in sorted(a)]  # bit for bit
     assert _max_diff(_weights(full, steps), _weights(part, steps)) == 0.0
+    for run in (full, part):  # epochs stay epochs: the doctor sees no sample twice in one
+        assert "sample_repeated" not in (run / "doctor.jsonl").read_text()
 
 
 @pytest.mark.slow
@@ -123,11 +125,12 @@ def test_kill_9_and_resume_from_shards_equals_uninterrupted_run(
     _kill_resume_equals_full(shapes_dir, shard_dir, tmp_path, opts, kill_after=9)
 
 
-REMOTE_OPTS = {
+REMOTE_OPTS = {  # shuffle buffers larger than the whole set (4 x 1000 > 128 samples)
     "train.max_steps": 12,
     "train.save_every": 3,
     "model.dropout": 0.1,
     "data.num_workers": 1,
+    "data.shuffle_buffer": 1000,
 }
 
 
