@@ -145,7 +145,9 @@ class DataOrder:
                     "derive the shuffle from (seed, epoch): call sampler.set_epoch(epoch)",
                     {"epoch": rec.epoch, "ids": rec.sample_ids[:16]},
                 ))  # fmt: skip
-        epochs = rec.sample_epochs or [rec.epoch] * len(rec.sample_ids)
+        epochs = rec.sample_epochs
+        if len(epochs) != len(rec.sample_ids):  # not carried (older doctor_steps.jsonl)
+            epochs = [rec.epoch] * len(rec.sample_ids)
         pairs = list(zip(epochs, rec.sample_ids, strict=True))
         counts = Counter(pairs)
         dup = {p for p, n in counts.items() if n > 1} | (self.seen & counts.keys())
