@@ -164,6 +164,84 @@ def test_damaged_shard_is_one_bad_sample_and_the_stream_goes_on(tmp_path: Path) 
     assert sum(b.n_good for b in batches) >= 4  # the intact shard still trains
 
 
+def _damage(path: str, how: str) -> None:
+    data = bytearray(Path(path).read_bytes())
+    if how == "truncated":
+        data = data[: len(data) // 2 + 100]
+    else:  # a header checksum mid-shard
+        data[3 * 1024 + 148 : 3 * 1024 + 156] = b"0000000\0"
+    Path(path).write_bytes(bytes(data))
+
+
+def _raw_key(entry: streaming.Entry, shard: str) -> dict:
+    """Every entry as a sample: its (epoch, key), a lost one as (epoch, "LOST")."""
+    return {"key": (entry.epoch, entry.key if entry.sample else "LOST"), "index": 0}
+
+
+@pytest.mark.parametrize("index", [True, False])
+@pytest.mark.parametrize("how", ["truncated", "checksum"])
+def test_damaged_shard_counts_each_lost_sample_and_resumes_exactly(
+    tmp_path: Path, how: str, index: bool
+) -> None:
+    """Every epoch stays N samples long, the unreadable ones one `corrupt` entry each; a
+    resume at any step (inside the damaged shard too) equals the uninterrupted stream; the
+    tokenizer's text scan skips the damage."""
+    records = write_records(tmp_path / "rec", 40)
+    paths = shards.write_shards(records, tmp_path / "wds", 8).shards
+    _damage(paths[2], how)
+    if not index:
+        (tmp_path / "wds" / shards.INDEX_NAME).unlink()
+    counts = shards.shard_counts(paths)
+    n = sum(counts)
+    # with the index the shard keeps its 8; without, its readable samples + 1 for the rest
+    assert counts[2] == 8 if index else 1 <= counts[2] < 8
+
+    def loader(state=None):
+        lo = streaming.StreamLoader(
+            paths,
+            6,
+            0,
+            1,
+            streams=2,
+            seed=0,
+            buffer=5,
+            decode=_raw_key,
+            collate=lambda g: [tuple(s["key"]) for s in g],
+            num_workers=1,
+        )
+        if state is not None:
+            lo.load_state_dict(state)
+        return lo
+
+    def run(lo, steps):
+        it = iter(lo)
+        return [next(it).data for _ in range(steps)], lo.state_dict()
+
+    steps = -(-3 * n // 6)
+    ref, _ = run(loader(), steps)
+    got, state = run(loader(), 4)
+    for stop in (7, 9, steps):
+        more, state = run(loader(state), stop - len(got))
+        got += more
+    assert got == ref
+    flat = [k for b in ref for k in b]
+    lost = []
+    for epoch in range(2):
+        chunk = flat[epoch * n : (epoch + 1) * n]
+        assert {e for e, _ in chunk} == {epoch}
+        good = [k for _, k in chunk if k != "LOST"]
+        assert len(good) == len(set(good))
+        lost.append(n - len(good))
+    assert lost[0] == lost[1] >= 1
+    # the real decoder counts them as `corrupt`, naming the shard
+    entry = streaming.ShardStream(paths, counts, 1, 0, 0, 0)
+    bad = [shard_decode.SampleDecoder(8, 0)(entry.next(), "") for _ in range(n)]
+    bad = [b for b in bad if "bad" in b]
+    assert len(bad) == lost[0] and {b["bad"] for b in bad} == {"corrupt"}
+    assert all(Path(paths[2]).name in b["path"] and "lost" in b["path"] for b in bad)
+    assert len(shards.read_texts(paths, 1000)) >= 2 * (40 - 8)
+
+
 def test_read_texts_skips_images(tmp_path: Path) -> None:
     records = write_records(tmp_path / "rec", 6)
     paths = shards.write_shards(records, tmp_path / "wds", 4).shards

@@ -263,3 +263,81 @@ def test_streams_split_each_epoch_evenly(shard_list) -> None:
         sizes.append(len(keys))
         union |= keys
     assert sizes == [75] * 4 and len(union) == N_SAMPLES
+
+
+# ---- epochs stay epochs: the run's k-th N samples are exactly epoch k --------------------
+
+
+def check_epochs(batches, n: int) -> int:
+    """Flattened in batch order, samples [k*n, (k+1)*n) are all of epoch k and hold every
+    sample once: nothing is seen twice before everything was seen once. Returns the whole
+    epochs checked."""
+    flat = [k for b in batches for k in b]
+    for epoch in range(len(flat) // n):
+        chunk = flat[epoch * n : (epoch + 1) * n]
+        assert {e for e, _ in chunk} == {epoch}, f"epoch {epoch} mixes in other epochs"
+        assert len({k for _, k in chunk}) == n, f"epoch {epoch} repeats a sample"
+    return len(flat) // n
+
+
+@pytest.mark.parametrize("buffer", [0, 100, 1000])
+def test_every_epoch_is_each_sample_once_before_any_repeat(reference, buffer: int) -> None:
+    """The grid above equals these references for every worker count and world size."""
+    batches, _ = reference[buffer]
+    assert check_epochs(batches, N_SAMPLES) == 1
+    flat = [k for b in batches for k in b]
+    with pytest.raises(AssertionError):  # negative control: one sample out of place
+        check_epochs([flat[1:]], N_SAMPLES)
+
+
+# sets smaller than the buffers (512 records, 4 streams x 1000: the streams used to read ~8
+# epochs ahead), global batches that are no multiple of data.streams, 1-2 workers and ranks
+SMALL = [  # (samples, streams, global batch, buffer, world, workers)
+    (512, 4, 16, 1000, 2, 1),
+    (60, 4, 10, 1000, 1, 2),
+    (37, 2, 6, 7, 2, 1),
+    (20, 4, 8, 3, 1, 0),
+]
+
+
+@pytest.fixture(scope="module")
+def small_shards(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[str]]:
+    root = tmp_path_factory.mktemp("small")
+    return {n: make_shards(root / str(n), n, shard_size=13) for n, *_ in SMALL}
+
+
+@pytest.mark.parametrize(("n", "streams", "batch", "buffer", "world", "workers"), SMALL)
+def test_sets_smaller_than_the_buffers_keep_epochs_through_kills(
+    small_shards, n: int, streams: int, batch: int, buffer: int, world: int, workers: int
+) -> None:
+    def loaders(w: int, k: int, state=None) -> list:
+        out = []
+        for rank in range(w):
+            lo = streaming.StreamLoader(
+                small_shards[n],
+                batch // w,
+                rank,
+                w,
+                streams=streams,
+                seed=1,
+                buffer=buffer,
+                decode=shard_decode.SampleDecoder(8, 1),
+                collate=keys_collate,
+                num_workers=k,
+            )
+            if state is not None:
+                lo.load_state_dict(state)
+            out.append(lo)
+        return out
+
+    steps = -(-5 * n // 2 // batch)  # two and a half epochs
+    ref = run_segment(loaders(1, 0), steps)
+    assert check_epochs(ref, n) == 2
+    rng = random.Random(n)
+    kills = sorted({n // batch, n // batch + 1, *rng.sample(range(1, steps), 2)})
+    got, state, done = [], None, 0
+    for stop in [*kills, steps]:
+        segment = loaders(world, workers, state)
+        got += run_segment(segment, stop - done)
+        state, done = merged_state(segment), stop
+    assert got == ref

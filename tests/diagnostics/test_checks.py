@@ -365,3 +365,42 @@ def test_a_lasting_level_change_moves_the_spike_median():
     assert max(flagged) < 200
     spike = det.update(45.0)
     assert spike is not None and 13.0 < spike["median"] < 17.0
+
+
+def test_sample_repeated_names_the_ids_and_reads_each_samples_epoch():
+    recs = _clean(16)
+    recs[2].sample_ids = [recs[2].sample_ids[0], 7, 7, 9]
+    recs[2].sample_ids[0] = 9
+    found = [f for f in _run(_cfg(), recs) if f.check == "sample_repeated"]
+    assert len(found) == 1 and found[0].evidence["ids"] == [7, 9]  # not [-1]
+    assert "ids [7, 9]" in found[0].message and "sampler" in found[0].fix
+    # a streamed run of 30 samples per epoch in batches of 4: batches straddle epochs
+    rng = random.Random(1)
+    flat = []
+    for epoch in range(3):
+        perm = list(range(30))
+        rng.shuffle(perm)
+        flat += [(epoch, i) for i in perm]
+    recs = _clean(20)
+    for r in recs:
+        part = flat[4 * r.step : 4 * r.step + 4]
+        r.sample_epochs, r.sample_ids = [e for e, _ in part], [i for _, i in part]
+        r.epoch = part[0][0]
+    assert any(len(set(r.sample_epochs)) == 2 for r in recs)
+    assert "sample_repeated" not in _checks(_run(_cfg(), recs))
+    straddle = next(r for r in recs if r.sample_epochs[-2:] == [1, 1] and r.sample_epochs[0] == 0)
+    later = recs[straddle.step + 1]
+    later.sample_ids[0] = straddle.sample_ids[-1]  # epoch 1 repeats its own first sample
+    found = [f for f in _run(_cfg(), recs) if f.check == "sample_repeated"]
+    assert found and found[0].evidence == {"ids": [later.sample_ids[0]], "epochs": [1]}
+
+
+def test_sample_repeated_on_a_stream_names_the_shard_keys(tmp_path):
+    from tests.data.stream_fixtures import make_shards
+
+    make_shards(tmp_path, 8, shard_size=4)
+    recs = _clean(4)
+    recs[3].sample_ids = list(recs[1].sample_ids)
+    found = _run(_cfg(f"data.train={tmp_path / 'shards'}", "data.batch_size=4"), recs)
+    (rep,) = [f for f in found if f.check == "sample_repeated"]
+    assert "data.shuffle_buffer" in rep.fix and "keys" in rep.fix

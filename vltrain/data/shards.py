@@ -94,8 +94,7 @@ def resolve_shards(spec: str | os.PathLike[str]) -> list[str]:
         import fsspec
 
         fs, root = fsspec.core.url_to_fs(s)
-        protocol = s.split("://", 1)[0]
-        shards = [f"{protocol}://{p}" for p in sorted(fs.glob(root.rstrip("/") + "/*.tar"))]
+        shards = [fs.unstrip_protocol(p) for p in sorted(fs.glob(root.rstrip("/") + "/*.tar"))]
     else:
         shards = [str(p) for p in sorted(Path(s.removeprefix("file://")).glob("*.tar"))]
     if not shards:
@@ -116,6 +115,52 @@ def open_shard(url: str) -> IO[bytes]:
         return open(url.removeprefix("file://"), "rb")
     except FileNotFoundError:
         raise DataError(f"shard {url} does not exist; check data.train") from None
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def check_shard_source(spec: str) -> list[str]:
+    """Pre-flight of a shard source (a folder, a brace pattern, a ``file://`` path or an fsspec
+    URL): its shards resolve, local ones all exist, and the first one opens and starts with a
+    tar header. Asks the filesystem layer nothing more (one listing, one read of 512 bytes).
+    Returns the shards; a DataError names the URL and the likely fix otherwise."""
+    try:
+        shards = resolve_shards(spec)
+    except DataError:
+        raise
+    except ImportError as e:  # fsspec names the package its protocol needs (s3fs, gcsfs, ...)
+        raise DataError(f"cannot read {spec}: {_one_line(e)}") from None
+    except Exception as e:  # a listing: network, credentials, a missing bucket
+        raise DataError(f"cannot list {spec}: {_one_line(e)}; {_REMOTE_HINT}") from None
+    if not is_url(spec):
+        missing = [u for u in shards if not Path(u.removeprefix("file://")).is_file()]
+        if missing:
+            raise DataError(
+                f"{len(missing)} of the {len(shards)} shards {spec} names do not exist "
+                f"(first: {missing[0]})"
+            )
+    first = shards[0]
+    try:
+        with open_shard(first) as f:
+            next(iter_members(f, 0, want=()), None)
+    except tarfile.ReadError as e:
+        raise DataError(f"{first} is not a readable tar shard ({e})") from None
+    except DataError:
+        raise
+    except ImportError as e:
+        raise DataError(f"cannot read {first}: {_one_line(e)}") from None
+    except Exception as e:
+        raise DataError(f"cannot read shard {first}: {_one_line(e)}; {_REMOTE_HINT}") from None
+    return shards
+
+
+_REMOTE_HINT = (
+    "check the URL and the storage's credentials and endpoint (s3: AWS_ACCESS_KEY_ID, "
+    "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL; see docs/streaming.md)"
+)
 
 
 # ---- reading -----------------------------------------------------------------------------
@@ -222,13 +267,16 @@ def read_texts(shards: list[str], limit: int) -> list[str]:
     texts: list[str] = []
     for url in shards:
         with open_shard(url) as f:
-            for sample in iter_samples(f, 0, want=("json", "txt")):
-                meta = parse_meta(sample)
-                if meta is None:
-                    continue
-                texts += [t for t in meta.get("text", []) if isinstance(t, str)]
-                if len(texts) >= limit:
-                    return texts[:limit]
+            try:
+                for sample in iter_samples(f, 0, want=("json", "txt")):
+                    meta = parse_meta(sample)
+                    if meta is None:
+                        continue
+                    texts += [t for t in meta.get("text", []) if isinstance(t, str)]
+                    if len(texts) >= limit:
+                        return texts[:limit]
+            except tarfile.ReadError:  # a damaged shard: training counts its lost samples
+                continue
     return texts
 
 
@@ -269,9 +317,18 @@ def read_index(shard: str) -> dict[str, int]:
 
 
 def count_samples(url: str) -> int:
-    """Samples in one shard, by reading its headers only (member data skipped by seeks)."""
+    """Samples in one shard, by reading its headers only (member data skipped by seeks).
+
+    A shard damaged mid-way counts its readable samples plus one for the unreadable rest:
+    the stream then meets the damage and counts that sample as bad (``corrupt``)."""
+    n = 0
     with open_shard(url) as f:
-        return sum(1 for _ in iter_samples(f, 0, want=()))
+        try:
+            for _ in iter_samples(f, 0, want=()):
+                n += 1
+        except tarfile.ReadError:
+            n += 1
+    return n
 
 
 def shard_counts(shards: list[str]) -> list[int]:

@@ -4,11 +4,14 @@ The sample order is defined by ``S`` *virtual streams* (``data.streams``), never
 size or the worker count (see docs/streaming.md):
 
 - Epoch ``e`` reads the shards in a permutation drawn from ``(seed, e)``; of that sequence's
-  ``N`` samples, stream ``s`` reads ``[s * N // S, (s + 1) * N // S)``, so every sample is
-  read once per epoch and the streams' epochs stay aligned.
+  ``N`` samples, stream ``s`` reads a contiguous range as long as the positions it fills in
+  the global batches of the epoch's ``N`` flat positions (`stream_ranges`), so every sample is
+  read once per epoch and the ``k``-th ``N`` samples of the run are exactly epoch ``k``.
 - A stream keeps a shuffle buffer of ``buffer`` raw samples: it fills the buffer, then emits
   the entry at ``rng(seed, s, n) % len(buffer)`` (``n`` = samples it emitted so far) and puts
-  the last entry in its place. So every draw is a pure function of the stream's state.
+  the last entry in its place. So every draw is a pure function of the stream's state. The
+  buffer refills only from the current epoch's range and drains before the next epoch starts
+  (the epoch fence): no sample comes twice before every sample came once.
 - Position ``p`` of each global batch of ``G`` samples comes from stream ``p * S // G``.
   Rank ``r`` of ``W`` owns streams ``[r * S / W, (r + 1) * S / W)``, which are exactly the
   streams of its slice ``[r * G / W, (r + 1) * G / W)``; DataLoader workers split a rank's
@@ -56,6 +59,27 @@ def stream_quota(streams: int, global_batch: int) -> list[int]:
     return quota
 
 
+def stream_ranges(total: int, quota: list[int], epoch: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of each stream in epoch `epoch`'s sample sequence of `total` samples.
+
+    Stream ``s`` reads as many samples as it fills positions of the global batches whose
+    flat positions (batch after batch, ``G = sum(quota)`` each) fall in
+    ``[epoch * total, (epoch + 1) * total)``. With every stream stopping at its range's end
+    until its buffer is empty (the epoch fence), the first ``total`` samples the run sees are
+    exactly one epoch, the next ``total`` the next one, whatever ``total``, the buffer and
+    the batch.
+    """
+    g = sum(quota)
+    starts = [sum(quota[:s]) for s in range(len(quota))]
+
+    def filled(s: int, flat: int) -> int:  # stream s's positions among flat positions < flat
+        return flat // g * quota[s] + min(max(flat % g - starts[s], 0), quota[s])
+
+    lengths = [filled(s, (epoch + 1) * total) - filled(s, epoch * total) for s in range(len(quota))]
+    bounds = [sum(lengths[:s]) for s in range(len(quota) + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
 @dataclass
 class Entry:
     """A raw sample in flight: which epoch read it, from where; `sample` None = bad shard."""
@@ -74,8 +98,11 @@ class ShardStream:
     """One virtual stream: its range of each epoch, a read cursor and a shuffle buffer.
 
     Epoch ``e`` orders the shards by ``perm_e``; of that sequence's ``N`` samples, stream
-    ``s`` reads ``[s * N // S, (s + 1) * N // S)``, so every stream ends every epoch within one
-    sample of the others and every sample is read exactly once per epoch.
+    ``s`` reads the contiguous range `stream_ranges` gives it (``quota``: the samples each
+    stream gives every global batch; default one each), and reads nothing of epoch ``e + 1``
+    until its buffer has emitted all of epoch ``e`` (the epoch fence). So every sample is read
+    exactly once per epoch and the run's ``k``-th ``N`` samples are exactly epoch ``k``.
+    An unreadable rest of a shard yields one bad entry (``sample`` None) per sample it held.
     """
 
     def __init__(
@@ -87,9 +114,12 @@ class ShardStream:
         seed: int,
         buffer: int,
         state: dict[str, Any] | None = None,
+        quota: list[int] | None = None,
     ) -> None:
         self.shards, self.counts, self.streams, self.stream = shards, counts, streams, stream
         self.seed, self.buffer_size = seed, buffer
+        self.quota = quota or [1] * streams
+        self._broken: str | None = None  # why the rest of the current shard is unreadable
         self.emitted = 0
         self.buffer: list[Entry] = []
         self._keys: list[list[Any]] = []  # buffer entries' keys, kept in step with `buffer`
@@ -116,6 +146,7 @@ class ShardStream:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Seek-based restore: the cursor is set, the buffered samples are re-read by offset."""
         self.close()
+        self._broken = None
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self.sample, self.offset = int(state["sample"]), int(state["offset"])
         self.remaining, self.emitted = int(state["remaining"]), int(state["emitted"])
@@ -148,12 +179,12 @@ class ShardStream:
     def _start_epoch(self, epoch: int) -> None:
         """Point the cursor at the first sample of this stream's range of `epoch`."""
         self.close()
+        self._broken = None
         self.epoch = epoch
         self._order = shard_order(len(self.shards), self.seed, epoch)
-        total = sum(self.counts)
-        lo = self.stream * total // self.streams
-        self.remaining = (self.stream + 1) * total // self.streams - lo
-        self.cursor, self.sample = 0, lo
+        lo, hi = stream_ranges(sum(self.counts), self.quota, epoch)[self.stream]
+        self.remaining = hi - lo
+        self.cursor, self.sample = 0, lo if hi > lo else 0
         while self.sample >= self.counts[self._order[self.cursor]]:
             self.sample -= self.counts[self._order[self.cursor]]
             self.cursor += 1
@@ -167,6 +198,7 @@ class ShardStream:
 
     def _next_shard(self) -> None:
         self.close()
+        self._broken = None
         self.cursor, self.sample, self.offset = self.cursor + 1, 0, 0
         if self.cursor >= len(self._order):
             raise DataError(
@@ -175,32 +207,49 @@ class ShardStream:
             )
 
     def _read(self) -> Entry:
-        """The next raw sample of this stream's range (the next epoch's range after it)."""
+        """The next raw sample of this stream's range (call it while ``remaining > 0``).
+
+        A shard that fails mid-way (a damaged header, truncated data, a read error) or ends
+        before its counted samples gives one bad entry per sample it still held, so the
+        stream's range, and so its epoch, keeps its length; a resume at any of those entries
+        fails the same way at the same byte and goes on counting.
+        """
         while True:
-            if self.remaining == 0:
-                self._start_epoch(self.epoch + 1)
             shard = self._order[self.cursor]
-            if self._reader is None:
-                self._file = open_shard(self.shards[shard])
-                self._reader = iter_samples(self._file, self.offset)
-            try:
-                raw = next(self._reader, None)
-            except (tarfile.ReadError, OSError) as e:  # the rest of this shard is unreadable
-                lost = min(self.counts[shard] - self.sample, self.remaining)
-                entry = Entry(self.epoch, shard, -1, f"{self.shards[shard]}: {e} ({lost} lost)")
-                self.remaining -= lost
-                if self.remaining:
-                    self._next_shard()
-                return entry
-            if raw is None:
+            if self.sample >= self.counts[shard]:  # samples past the count are never read
                 self._next_shard()
                 continue
+            if self._broken is None and self._reader is None:
+                try:
+                    self._file = open_shard(self.shards[shard])
+                    self._reader = iter_samples(self._file, self.offset)
+                except OSError as e:
+                    self._broken = str(e) or type(e).__name__
+            raw = None
+            if self._broken is None:
+                try:
+                    raw = next(self._reader, None) if self._reader is not None else None
+                except (tarfile.ReadError, OSError) as e:  # the rest of this shard is unreadable
+                    self._broken = str(e) or type(e).__name__
+                if raw is None and self._broken is None:
+                    self._broken = f"ends before its {self.counts[shard]} counted samples"
+            if self._broken is not None:
+                self.close()
+                self.sample, self.remaining = self.sample + 1, self.remaining - 1
+                why = f"{self.shards[shard]}: {self._broken}; the samples after it are lost"
+                return Entry(self.epoch, shard, -1, why)
+            assert raw is not None
             self.sample, self.offset, self.remaining = self.sample + 1, raw.end, self.remaining - 1
             return Entry(self.epoch, shard, raw.offset, raw.key, raw)
 
     def next(self) -> Entry:
-        """The next sample this stream emits (through the shuffle buffer)."""
-        while len(self.buffer) < self.buffer_size:
+        """The next sample this stream emits (through the shuffle buffer).
+
+        The epoch fence: the buffer refills only from the current epoch's range; once that is
+        read, the buffer drains, and only an empty buffer starts the next epoch."""
+        while not self.buffer and self.remaining == 0:
+            self._start_epoch(self.epoch + 1)
+        while len(self.buffer) < self.buffer_size and self.remaining:
             entry = self._read()
             self.buffer.append(entry)
             self._keys.append(entry.as_key())
@@ -242,7 +291,14 @@ class _StreamSet(IterableDataset):
         mine = self.owned[worker :: self.n_workers]
         streams = {
             s: ShardStream(
-                self.shards, self.counts, self.streams, s, self.seed, self.buffer, self.state.get(s)
+                self.shards,
+                self.counts,
+                self.streams,
+                s,
+                self.seed,
+                self.buffer,
+                self.state.get(s),
+                quota=self.quota,
             )
             for s in mine
         }
@@ -340,7 +396,9 @@ class StreamLoader:
         """This rank's streams' states (what `gather` exchanges)."""
         for s in self.owned:  # a stream not read yet: where it will start
             if s not in self.position:
-                stream = ShardStream(self.shards, self.counts, self.streams, s, self.seed, 0)
+                stream = ShardStream(
+                    self.shards, self.counts, self.streams, s, self.seed, 0, quota=self.quota
+                )
                 self.position[s] = stream.state_dict()
         return {"streams": {s: self.position[s] for s in self.owned}}
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 
 from vltrain.config.schema import Config
 from vltrain.core.files import file_version
+from vltrain.data.shards import is_shard_source
 from vltrain.diagnostics.record import Finding, StepRecord
 
 
@@ -113,22 +114,26 @@ class BatchComposition:
 
 class DataOrder:
     """Each epoch's order differs from the last (set_epoch not forgotten), and no sample
-    comes twice within an epoch (this rank's view; shards are compared in RankConsistency)."""
+    comes twice within an epoch (this rank's view; shards are compared in RankConsistency).
+    A sample is ``(epoch, id)``: each sample's own epoch where the record carries it (a
+    streamed batch may hold the end of one epoch and the start of the next)."""
 
     name = "data_order"
 
     def __init__(self, cfg: Config) -> None:
         self.first: dict[int, list[int]] = {}  # epoch -> its first batch's ids
-        self.seen: set[int] = set()
+        self.seen: set[tuple[int, int]] = set()  # (epoch, id) of this epoch and the last
         self.epoch = -1
         self.reported: set[str] = set()
+        self.streamed = is_shard_source(cfg.data.train)
 
     def observe(self, rec: StepRecord) -> list[Finding]:
         if not rec.sample_ids or rec.epoch < 0:
             return []
         out = []
         if rec.epoch != self.epoch:
-            self.epoch, self.seen = rec.epoch, set()
+            self.epoch = rec.epoch
+            self.seen = {(e, i) for e, i in self.seen if e >= rec.epoch - 1}
             self.first[rec.epoch] = list(rec.sample_ids)
             prev = self.first.get(rec.epoch - 1)
             if prev == rec.sample_ids and "replay" not in self.reported:
@@ -140,19 +145,35 @@ class DataOrder:
                     "derive the shuffle from (seed, epoch): call sampler.set_epoch(epoch)",
                     {"epoch": rec.epoch, "ids": rec.sample_ids[:16]},
                 ))  # fmt: skip
-        dup = self.seen.intersection(rec.sample_ids) or (
-            len(set(rec.sample_ids)) < len(rec.sample_ids) and {-1} or set()
-        )
+        epochs = rec.sample_epochs
+        if len(epochs) != len(rec.sample_ids):  # not carried (older doctor_steps.jsonl)
+            epochs = [rec.epoch] * len(rec.sample_ids)
+        pairs = list(zip(epochs, rec.sample_ids, strict=True))
+        counts = Counter(pairs)
+        dup = {p for p, n in counts.items() if n > 1} | (self.seen & counts.keys())
         if dup and "dup" not in self.reported:
             self.reported.add("dup")
+            ids = sorted({i for _, i in dup})
             out.append(Finding(
                 "error", "sample_repeated", rec.step,
-                f"{len(dup)} sample(s) seen twice within epoch {rec.epoch}",
-                "the sampler must draw each index once per epoch",
-                {"ids": sorted(dup)[:20]},
+                f"{len(ids)} sample(s) seen twice within epoch "
+                f"{min(e for e, _ in dup)}: ids {ids[:8]}{' ...' if len(ids) > 8 else ''}",
+                self._hint(),
+                {"ids": ids[:20], "epochs": sorted({e for e, _ in dup})},
             ))  # fmt: skip
-        self.seen.update(rec.sample_ids)
+        self.seen.update(counts)
         return out
+
+    def _hint(self) -> str:
+        if self.streamed:  # the epoch fence rules out the shuffle buffers and the streams
+            return (
+                "a streamed epoch reads every sample once (data.shuffle_buffer and "
+                "data.streams cannot repeat one), so two samples share an id: shards "
+                "written separately restart their keys at 000000000 (write them in one "
+                "`vltrain data shard` call or give them distinct keys), or data.train lists a "
+                "shard twice"
+            )
+        return "the sampler must draw each index once per epoch"
 
     def finish(self) -> list[Finding]:
         return []

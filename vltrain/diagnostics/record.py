@@ -33,6 +33,7 @@ class StepRecord:
     time_s: float = 0.0  # wall time of the step
     sample_ids: list[int] = field(default_factory=list)  # this rank's dataset indices
     epoch: int = -1  # the loader epoch of the step's first batch (-1: unknown)
+    sample_epochs: list[int] = field(default_factory=list)  # each sample's epoch, when carried
     lengths: list[int] = field(default_factory=list)  # per-sample token lengths, when carried
     bucket: int | None = None  # the sampler's length bucket of the step's first batch, if any
     chance_loss: float | None = None  # the loss's value without information (contrastive)
@@ -56,6 +57,7 @@ class StepRecord:
         d = asdict(self)
         d.pop("rank_ids")
         d.pop("sample_ids")
+        d.pop("sample_epochs")
         d["n_samples"] = len(self.sample_ids)
         if self.lengths:
             d["mean_len"] = sum(self.lengths) / len(self.lengths)

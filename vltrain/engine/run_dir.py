@@ -29,6 +29,8 @@ import yaml
 from vltrain.config.core import ConfigError, to_dict
 from vltrain.config.schema import Config
 from vltrain.core import checkpoint
+from vltrain.data.readers import DataError
+from vltrain.data.shards import check_shard_source, is_shard_source, is_url
 from vltrain.engine import trackers
 
 #: keys that may differ on resume without permission: they change neither the model, nor the
@@ -149,6 +151,14 @@ def check_data_files(cfg: Config) -> None:
     for key in ("train", "eval", "test"):
         value = getattr(cfg.data, key)
         if not value:
+            continue
+        if (is_url(value) or "{" in value or value.startswith("file://")) and is_shard_source(
+            value
+        ):  # tar shards by URL or pattern: fsspec lists them and opens the first
+            try:
+                check_shard_source(value)
+            except DataError as e:
+                raise ConfigError(f"'data.{key}': {e}") from None
             continue
         p = Path(value)
         if not p.exists() and ("://" in value and not value.startswith("file://")):
