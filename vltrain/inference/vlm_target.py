@@ -37,8 +37,7 @@ class HFVLMTarget(HFTarget):
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int] = (), **kwargs: Any) -> None:
         super().__init__(model, layer_ids, **kwargs)
-        text = model.config.get_text_config(decoder=True)
-        self.max_positions: int | None = getattr(text, "max_position_embeddings", None)
+        self.max_positions = max_positions(model.config)
 
     @torch.no_grad()
     def prefill(
@@ -56,6 +55,12 @@ class HFVLMTarget(HFTarget):
     def room(self, prompt_len: int) -> int | None:
         """New tokens that fit after a prompt of ``prompt_len`` positions (None: no limit)."""
         return None if self.max_positions is None else self.max_positions - prompt_len
+
+
+def max_positions(config: Any) -> int | None:
+    """The language model's ``max_position_embeddings`` of an HF config (None: unbounded)."""
+    value = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+    return value if isinstance(value, int) else None
 
 
 def left_align(inputs: Mapping[str, Any]) -> dict[str, Any]:
@@ -127,12 +132,12 @@ def decode_vlm_captions(
 def is_hf_vlm(path: str | Path) -> bool:
     """Whether the local directory ``path`` holds an ``AutoModelForImageTextToText`` model
     (by its config.json; a ``.gguf`` file or a causal LM is not one)."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
     p = Path(path)
     if not (p / "config.json").is_file():
         return False
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
     cfg = AutoConfig.from_pretrained(p, local_files_only=True)
     return cfg.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
