@@ -24,7 +24,7 @@ from vltrain.inference.decoding import generate
 from vltrain.inference.speculative import speculative_generate
 from vltrain.inference.vlm_target import HFVLMTarget, load_hf_vlm, max_positions, vlm_inputs
 
-DEFAULT_PROMPT = "Describe the image."
+DEFAULT_PROMPT = "describe the image."  # caption.instruction's default (a drafter's prompts)
 
 
 def vlm_command(args: Any, sampling: dict[str, Any]) -> int:
