@@ -142,7 +142,7 @@ def test_decode_vlm_captions_refuses_a_prompt_past_the_positions(vlms) -> None:
 
 
 @pytest.mark.parametrize("budget", [0, 6])
-@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_vl", "llava"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_speculative_greedy_is_lossless(vlms, kind: str, budget: int, monkeypatch) -> None:
     """Chain (0) and DDTree (6 nodes) verification with a random drafter, and with an oracle
     drafter (long accepted paths: the cache and M-RoPE positions are compacted every round)."""

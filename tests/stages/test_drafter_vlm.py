@@ -77,6 +77,12 @@ def test_hf_vlm_drafter_end_to_end(vlm_dir, shapes_dir, tmp_path, capsys) -> Non
         got = capsys.readouterr()
         assert got.out == plain  # lossless (--prompt's default: the stage's instruction)
         assert json.loads(got.err.strip().splitlines()[-1])["rounds"] > 0
+    export = tmp_path / "export"  # vltrain's own format: drafter.json names the VLM
+    assert main(["export", str(run), "--out", str(export)]) == 0
+    assert json.loads((export / "drafter.json").read_text())["target"]["kind"] == "hf_vlm"
+    capsys.readouterr()
+    assert main([*base, "--draft", str(export), "--tree-budget", "6"]) == 0
+    assert capsys.readouterr().out == plain
 
 
 def test_hf_vlm_drafter_batches_hold_the_image_inputs(vlm_dir, shapes_dir, tmp_path) -> None:
