@@ -43,23 +43,9 @@ def vlm_command(args: Any, sampling: dict[str, Any]) -> int:
 
     collate = HFCollate(args.model, "vlm")
     tok = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-    prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
-    rows: dict[int, dict[str, str]] = {}
-    batches = []
     paths = list(args.images)
-    for start in range(0, len(paths), args.batch_size):
-        good, pils = [], []
-        for i in range(start, min(start + args.batch_size, len(paths))):
-            try:
-                pils.append(to_pil(paths[i]))
-                good.append(i)
-            except BadSample as e:
-                rows[i] = {"image": paths[i], "error": e.reason, "detail": e.detail}
-        if good:
-            try:  # HFCollate checks the model family and its chat template
-                batches.append((good, vlm_inputs(collate, pils, prompt)))
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
+    rows: dict[int, dict[str, str]] = {}
+    batches = _batches(args, collate, paths, rows)
     _check_room(args, max((b[1]["input_ids"].shape[1] for b in batches), default=0))
     drafter, meta = _drafter(args)
     model = load_hf_vlm(args.model)
@@ -74,26 +60,7 @@ def vlm_command(args: Any, sampling: dict[str, Any]) -> int:
         attach(drafter, target)
     stats, n_tok, t0 = [], 0, time.perf_counter()
     for good, inputs in batches:
-        if drafter is None:
-            out = generate(
-                target,
-                inputs,
-                args.strategy,
-                max_new_tokens=args.max_new_tokens,
-                num_beams=args.beams,
-                **sampling,
-            )
-            seqs = [s[: int(n)].tolist() for s, n in zip(out.sequences, out.lengths, strict=True)]
-        else:
-            seqs, st = speculative_generate(
-                target,
-                drafter,
-                inputs,
-                args.max_new_tokens,
-                tree_budget=args.tree_budget,
-                tree_shape=args.tree_shape,
-            )
-            stats.append(st)
+        seqs = _decode(target, drafter, inputs, args, sampling, stats)
         n_tok += sum(map(len, seqs))
         caps = [c.strip() for c in tok.batch_decode(seqs, skip_special_tokens=True)]
         rows.update({i: {"image": paths[i], "caption": c} for i, c in zip(good, caps, strict=True)})
@@ -108,6 +75,59 @@ def vlm_command(args: Any, sampling: dict[str, Any]) -> int:
 
         report(stats, time.perf_counter() - t0, n_tok, args.stats)
     return 0
+
+
+def _batches(
+    args: Any, collate: HFCollate, paths: list[str], rows: dict[int, dict[str, str]]
+) -> list[tuple[list[int], dict[str, Any]]]:
+    """(image indices, left-padded inputs) of every batch; unreadable images go to ``rows``."""
+    prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    batches = []
+    for start in range(0, len(paths), args.batch_size):
+        good, pils = [], []
+        for i in range(start, min(start + args.batch_size, len(paths))):
+            try:
+                pils.append(to_pil(paths[i]))
+                good.append(i)
+            except BadSample as e:
+                rows[i] = {"image": paths[i], "error": e.reason, "detail": e.detail}
+        if good:
+            try:  # HFCollate checks the model family and its chat template
+                batches.append((good, vlm_inputs(collate, pils, prompt)))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+    return batches
+
+
+def _decode(
+    target: HFVLMTarget,
+    drafter: Any,
+    inputs: dict[str, Any],
+    args: Any,
+    sampling: dict[str, Any],
+    stats: list[Any],
+) -> list[list[int]]:
+    """New tokens per row (EOS included): the strategy's, or speculative greedy's."""
+    if drafter is None:
+        out = generate(
+            target,
+            inputs,
+            args.strategy,
+            max_new_tokens=args.max_new_tokens,
+            num_beams=args.beams,
+            **sampling,
+        )
+        return [s[: int(n)].tolist() for s, n in zip(out.sequences, out.lengths, strict=True)]
+    seqs, st = speculative_generate(
+        target,
+        drafter,
+        inputs,
+        args.max_new_tokens,
+        tree_budget=args.tree_budget,
+        tree_shape=args.tree_shape,
+    )
+    stats.append(st)
+    return seqs
 
 
 def _drafter(args: Any) -> tuple[Any, dict]:
