@@ -249,6 +249,12 @@ case("generate_missing_checkpoint", "no_such_run")(
     lambda c: ["generate", "--checkpoint", str(c.tmp / "no_such_run"), "--images", "x.png"]
 )
 case("generate_out_is_a_folder", "is a directory")(lambda c: _generate(c, "--out", str(c.tmp)))
+case("generate_temperature_without_sampling", "--strategy sample")(
+    lambda c: _generate(c, "--temperature", "0.7")
+)
+case("generate_top_p_zero", "--top-p")(
+    lambda c: _generate(c, "--strategy", "sample", "--top-p", "0")
+)
 
 
 def _lm_generate(c: Ctx, *more: str) -> list[str]:

@@ -53,6 +53,22 @@ def probability(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    """A finite float > 0 (a temperature, a scale)."""
+    value = finite_float(text)
+    if value <= 0.0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+def positive_probability(text: str) -> float:
+    """A float in (0, 1] (a nucleus mass: 0 would keep no token)."""
+    value = finite_float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+    return value
+
+
 def path_arg(text: str) -> str:
     """A non-empty path (an empty one would silently mean the current directory)."""
     if not text.strip():

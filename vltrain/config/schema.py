@@ -229,9 +229,9 @@ class ModelConfig:
     )
     target: str = option(
         "",
-        "Drafter stage: the frozen target, a caption run / checkpoint (model.kind=captioner) or "
+        "Drafter stage: the frozen target, a caption run / checkpoint (model.kind=captioner), "
         "a local HF causal-LM directory, .gguf file or hub id ORG/NAME in the HF cache "
-        "(model.kind=hf_lm).",
+        "(model.kind=hf_lm), or a local HF image-text-to-text directory (model.kind=hf_vlm).",
     )
     init_from: str = option(
         "",

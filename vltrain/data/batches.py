@@ -74,6 +74,7 @@ class DraftBatch(TypedDict):
     anchor_valid: Tensor  # (B, J)
     index: Tensor  # (B,)
     images: NotRequired[Tensor]  # (B, 3, S, S) a captioner target's images
+    vision: NotRequired[dict[str, Tensor]]  # an HF VLM target's image inputs (pixel_values, ...)
 
 
 def to_device(obj: Any, device: torch.device) -> Any:

@@ -7,6 +7,11 @@ The training sequence is the chat template's prompt (user turn + generation prom
 by ``completion_ids``; only the completion is supervised (``chat_example``), so the supervised
 tokens are exactly the ones the target produced after its generation prompt.
 
+``VLMCaptionRecords`` are caption records for an HF image-text-to-text target: the model's chat
+prompt (the image, then an instruction; ``data.hf_collate.HFCollate`` expands the image tokens),
+then the caption and EOS, with only the caption and EOS supervised; the image inputs travel
+under the sample's ``vision`` key.
+
 ``DraftDataset`` wraps a base dataset (these records, or the caption dataset for a captioner
 target) and samples the row's anchors from (seed, epoch, index): never from the world size.
 """
@@ -22,9 +27,11 @@ from torch import Tensor
 
 from vltrain.data.batches import DraftBatch
 from vltrain.data.chat import IGNORE_INDEX
+from vltrain.data.images import BadSample
 from vltrain.data.readers import DataError
 from vltrain.data.records import as_key
 from vltrain.data.rng import sample_generator
+from vltrain.data.sources import load_source_image
 
 
 def sample_anchors(loss_mask: Tensor, n: int, generator: torch.Generator | None) -> Tensor:
@@ -109,6 +116,78 @@ class ChatRecords:
         return {"input_ids": ids, "labels": labels, "index": index, "key": key}
 
 
+# image inputs aligned with the tokens (padded like them); the others are concatenated
+SEQUENCE_VISION_KEYS = ("mm_token_type_ids", "token_type_ids")
+
+
+class VLMCaptionRecords:
+    """Caption records (``{"image", "text"}``) as an HF VLM target reads them (module doc)."""
+
+    def __init__(
+        self, source: Any, collate: Any, tokenizer: Any, instruction: str, max_len: int
+    ) -> None:
+        self.source, self.collate, self.tokenizer = source, collate, tokenizer
+        self.instruction, self.max_len = instruction, max_len
+        self.eos_id = int(tokenizer.eos_token_id)
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        return self.source.records
+
+    @records.setter
+    def records(self, value: list[dict[str, Any]]) -> None:
+        self.source.records = value
+
+    def __len__(self) -> int:
+        return len(self.source.records)
+
+    def caption_ids(self, index: int) -> list[int]:
+        """The first caption's ids, cut to ``max_len - 1``, then EOS."""
+        text = (self.source.records[index].get("text") or [""])[0]
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: self.max_len - 1]
+        return [*ids, self.eos_id]
+
+    def token_length(self, index: int) -> int:
+        """Caption tokens (the image prompt, about the same for every record, is not counted:
+        its image tokens are known once the image is read)."""
+        return len(self.caption_ids(index))
+
+    def label_ids(self, index: int) -> list[int]:
+        return self.caption_ids(index)
+
+    def image(self, index: int) -> Any:
+        """The record's image at its own size (RGB PIL); BadSample when unusable."""
+        rec = self.source.records[index]
+        return load_source_image(self.source, rec["image"], 0, f"id={rec['id']}", native=True)
+
+    def __getitem__(self, key: Any) -> dict[str, Any]:
+        _, _, index = as_key(key)
+        try:
+            pil = self.image(index)
+        except BadSample as e:
+            return {"bad": e.reason, "path": e.path, "detail": e.detail, "key": key, "index": index}
+        inputs, _ = self.collate.image_batch([pil], instructions=[self.instruction])
+        prompt = inputs.pop("input_ids")[0].tolist()
+        inputs.pop("attention_mask")
+        cap = self.caption_ids(index)
+        ids, labels = prompt + cap, [IGNORE_INDEX] * len(prompt) + cap
+        return {"input_ids": ids, "labels": labels, "vision": inputs, "index": index, "key": key}
+
+
+def collate_vision(samples: list[dict[str, Any]], t: int) -> dict[str, Tensor]:
+    """The samples' image inputs as one batch's: token-aligned keys right-padded to ``t`` with
+    0, the others (pixel values, grids) concatenated along their first dim."""
+    out = {}
+    for key in samples[0]["vision"]:
+        parts = [s["vision"][key] for s in samples]
+        if key in SEQUENCE_VISION_KEYS:
+            pad = [torch.nn.functional.pad(v, (0, t - v.shape[1])) for v in parts]
+            out[key] = torch.cat(pad)  # (B, T)
+        else:
+            out[key] = torch.cat(parts)
+    return out
+
+
 class DraftDataset:
     """A base dataset's samples plus ``anchors`` (J,) drawn from (seed, epoch, index)."""
 
@@ -133,7 +212,8 @@ class DraftDataset:
 
 
 class DraftCollate:
-    """Right-pad ids (pad id), labels (-100), anchors (0, invalid); stack images if any."""
+    """Right-pad ids (pad id), labels (-100), anchors (0, invalid); stack images (a
+    captioner's) or batch image inputs (an HF VLM's, `collate_vision`) if any."""
 
     def __init__(self, pad_id: int) -> None:
         self.pad_id = pad_id
@@ -166,4 +246,6 @@ class DraftCollate:
         }
         if "image" in samples[0]:
             out["images"] = torch.stack([s["image"] for s in samples])
+        if "vision" in samples[0]:
+            out["vision"] = collate_vision(samples, t)
         return out

@@ -35,6 +35,9 @@ def decode_captions(
     num_beams: int = 3,
     max_new_tokens: int = 24,
     length_penalty: float = 1.0,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> list[str]:
     """Captions for images (B, 3, S, S) continuing each prompt (``<bos>`` + prompt tokens)."""
@@ -53,6 +56,9 @@ def decode_captions(
         max_new_tokens=min(max_new_tokens, room),
         num_beams=num_beams,
         length_penalty=length_penalty,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
         generator=generator,
     )
     rows = [s[: int(n)].tolist() for s, n in zip(out.sequences, out.lengths, strict=True)]

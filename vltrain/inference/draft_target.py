@@ -1,14 +1,16 @@
 """The frozen target a drafter trains against, as the drafter stage holds it (composition).
 
 Targets (``model.kind``): ``hf_lm`` (a local HF causal LM directory or ``.gguf`` file: Llama,
-Qwen2, Qwen3 families) or ``captioner`` (a vltrain caption/rl run; the image prefix is in the
-context, text is drafted); ``model.target`` names it. `DraftTarget` loads it, reads its
-records the way it tokenizes them, and turns a batch into the drafter's step inputs: the
-target's features at ``drafter.layer_ids`` and its logits (or top-k tokens), computed online
-under ``no_grad`` in every step, or once per sequence with ``drafter.cache_target`` (kept in
-memory, `vltrain.inference.feature_cache`; anchors are still drawn per epoch, over the cached
-features) and also on disk for later runs of the same target with ``drafter.cache_dir``. For
-evaluation it also decodes held-out prompts speculatively with the target (``tau_decode``).
+Qwen2, Qwen3 families), ``captioner`` (a vltrain caption/rl run) or ``hf_vlm`` (a local HF
+image-text-to-text directory: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA; `HFVLMTarget`): for the
+last two the image prefix is in the context and text is drafted; ``model.target`` names it.
+`DraftTarget` loads it, reads its records the way it tokenizes them, and turns a batch into
+the drafter's step inputs: the target's features at ``drafter.layer_ids`` and its logits (or
+top-k tokens), computed online under ``no_grad`` in every step, or once per sequence with
+``drafter.cache_target`` (kept in memory, `vltrain.inference.feature_cache`; anchors are still
+drawn per epoch, over the cached features; not for ``hf_vlm``) and also on disk for later runs
+of the same target with ``drafter.cache_dir``. For evaluation it also decodes held-out prompts
+speculatively with the target (``tau_decode``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from vltrain.core import distributed
 from vltrain.data.batches import DraftBatch
 from vltrain.data.caption_data import CaptionDataset, read_caption_source
 from vltrain.data.chat import IGNORE_INDEX
-from vltrain.data.draft_data import ChatRecords, chat_prompt_ids
+from vltrain.data.draft_data import ChatRecords, VLMCaptionRecords, chat_prompt_ids
+from vltrain.data.images import BadSample
 from vltrain.inference.captioner_target import CaptionerTarget, load_captioner
 from vltrain.inference.captioning import left_pad
 from vltrain.inference.feature_cache import FeatureCache, TopK, greedy_tokens, top_logprobs
@@ -34,10 +37,28 @@ from vltrain.inference.hf_target import HFTarget, load_hf_causal_lm
 from vltrain.inference.native_llama import NativeTarget, causal_lm_target
 from vltrain.inference.speculative import speculative_generate
 from vltrain.inference.target import Context
+from vltrain.inference.vlm_target import HFVLMTarget, is_hf_vlm, load_hf_vlm, vlm_inputs
 from vltrain.models.drafter import target_layer_ids
 from vltrain.objectives.drafter import block_labels, block_soft_labels
 
-TARGET_KINDS = ("hf_lm", "captioner")
+TARGET_KINDS = ("hf_lm", "captioner", "hf_vlm")
+
+
+def check_target(cfg: Config) -> None:
+    """Load-time checks of an ``hf_vlm`` target: a VLM directory, features computed online."""
+    m, d = cfg.model, cfg.drafter
+    if m.kind != "hf_vlm":
+        return
+    if not is_hf_vlm(m.target):
+        raise ConfigError(
+            f"'model.target' {m.target} is not an HF image-text-to-text model directory "
+            "(model.kind=hf_vlm): pass one, or set model.kind to hf_lm or captioner"
+        )
+    if d.cache_target or d.cache_dir:
+        raise ConfigError(
+            "'drafter.cache_target' / 'drafter.cache_dir' do not support model.kind=hf_vlm "
+            "(its features are computed online): turn them off"
+        )
 
 
 @dataclass
@@ -78,6 +99,12 @@ class DraftTarget:
             # tau_decode runs the speculative loop the way `vltrain generate` does: through
             # the native forward where the model has one (same logits, fewer ms a round)
             self.decode_target: Any = causal_lm_target(self.model.model, ids, "auto", self.pad_id)
+        elif m.kind == "hf_vlm":
+            check_target(cfg)
+            model, n_layers = self._load_vlm(m.target)
+            ids = list(d.layer_ids) or target_layer_ids(n_layers, d.target_layers)
+            self.model = self.decode_target = HFVLMTarget(model.to(device), ids)
+            self.pad_id = self.model.pad_token_id
         else:
             model, self.tokenizer, self.target_cfg = load_captioner(m.target)
             n_layers = len(model.decoder.blocks)
@@ -92,12 +119,30 @@ class DraftTarget:
                 f"'drafter.layer_ids' {bad} are not layers of a {n_layers}-layer target"
             )
 
+    def _load_vlm(self, path: str) -> tuple[Any, int]:
+        """(model, its language model's layer count) of an HF VLM directory; its tokenizer and
+        prompt builder (``HFCollate``) go on ``self``."""
+        from transformers import AutoTokenizer
+
+        from vltrain.data.hf_collate import HFCollate
+
+        self.collate = HFCollate(path, "vlm")
+        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = load_hf_vlm(path)
+        return model, model.config.get_text_config(decoder=True).num_hidden_layers
+
     def records(self, path: str, train: bool) -> Any:
         """The records of `path` as the target reads them: chats in its template (hf_lm), or
         caption records at the captioner's image size and text length."""
         d = self.cfg.data
         if self.cfg.model.kind == "hf_lm":
             return ChatRecords(path, self.tokenizer, d.max_text_len)
+        if self.cfg.model.kind == "hf_vlm":
+            source = read_caption_source(path, d.image_column, d.text_column)
+            instruction = self.cfg.caption.instruction
+            return VLMCaptionRecords(
+                source, self.collate, self.tokenizer, instruction, d.max_text_len
+            )
         tc = self.target_cfg
         return CaptionDataset(
             read_caption_source(path, d.image_column, d.text_column),
@@ -130,7 +175,9 @@ class DraftTarget:
             ctx, greedy, p, top = self.caches[split].features(batch)
             return ctx, top, greedy, p
         mask = batch["attention_mask"]
-        if "images" in batch:
+        if "vision" in batch:
+            ctx, tlogits, p = self.model.features(batch["input_ids"], mask, **batch["vision"])
+        elif "images" in batch:
             ctx, tlogits, p = self.model.features(batch["images"], batch["input_ids"], mask)
         else:
             ctx, tlogits, p = self.model.features(batch["input_ids"], mask)
@@ -179,11 +226,12 @@ class DraftTarget:
                 continue
             acc = torch.zeros(2, dtype=torch.float64)
             if mine:
+                prompts = self.prompts(base, mine)
                 _, stats = speculative_generate(
                     self.decode_target,
                     drafter,
-                    self.prompts(base, mine),
-                    max_new_tokens=self._room(d.eval_max_new_tokens),
+                    prompts,
+                    max_new_tokens=self._room(d.eval_max_new_tokens, prompts),
                     tree_budget=budget,
                 )
                 acc += torch.tensor([sum(map(sum, stats.accepted)), stats.rounds])
@@ -200,6 +248,15 @@ class DraftTarget:
             rows = [chat_prompt_ids(self.tokenizer, base.records[i]["prompt"]) for i in idx]
             ids, mask = left_pad(rows, self.pad_id)
             return {"input_ids": ids.to(dev), "attention_mask": mask.to(dev)}
+        if self.cfg.model.kind == "hf_vlm":
+            pils = []
+            for i in idx:
+                try:
+                    pils.append(base.image(i))
+                except BadSample:
+                    continue
+            inputs = vlm_inputs(self.collate, pils, self.cfg.caption.instruction)
+            return {k: v.to(dev) for k, v in inputs.items()}
         samples = [base[(0, 0, i)] for i in idx]
         samples = [s for s in samples if "bad" not in s]
         prompt = [self.tokenizer.bos_id] + (
@@ -209,9 +266,12 @@ class DraftTarget:
         images = torch.stack([s["image"] for s in samples])
         return {"images": images.to(dev), "input_ids": ids.to(dev), "attention_mask": mask.to(dev)}
 
-    def _room(self, want: int) -> int:
+    def _room(self, want: int, prompts: dict[str, Tensor]) -> int:
         if self.cfg.model.kind == "hf_lm":
             return want
+        if self.cfg.model.kind == "hf_vlm":
+            room = self.model.room(prompts["input_ids"].shape[1] + self.cfg.drafter.block_size)
+            return want if room is None else max(1, min(want, room))
         m = self.model.model
         return max(1, min(want, m.max_text_len - 2 - self.cfg.drafter.block_size))
 

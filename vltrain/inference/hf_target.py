@@ -12,12 +12,14 @@ HF ``generate`` feeds it, so that logits (and therefore tokens) agree bit for bi
 ``verify`` feeds a tree of N nodes (a chain is one) after the cache in one forward, with
 positions by depth and a 4-D ancestor mask over cached + new positions
 (``vltrain.models.layers.tree_mask``) and ``logits_to_keep=N``; HF uses a 4-D mask as given (no
-causal or padding mask is added), so the mask hides cached padding itself. Limits: the 4-D mask
-needs the ``sdpa`` or ``eager`` attention implementation (not flash / flex), and ``verify`` /
-``select`` a text model whose positions are (B, T) (not M-RoPE) and a full-attention
-``DynamicCache``. ``select`` moves only the positions after the longest kept prefix, in place (a
-speculative round copies its accepted nodes, not the whole cache: 0.4 instead of 2.0 ms a round
-for SmolLM2-135M on a Xeon).
+causal or padding mask is added), so the mask hides cached padding itself. Multi-channel
+positions (Qwen-VL's (4, B, T): the text position, then M-RoPE's three) step together after the
+prompt: every channel keeps its offset to the text channel (channel 0), which is the position
+that ``next_positions`` and the drafter's ``Context`` count. Limits: the 4-D mask needs the
+``sdpa`` or ``eager`` attention implementation (not flash / flex), and ``verify`` / ``select``
+a full-attention ``DynamicCache``. ``select`` moves only the positions after the longest kept
+prefix, in place (a speculative round copies its accepted nodes, not the whole cache: 0.4
+instead of 2.0 ms a round for SmolLM2-135M on a Xeon).
 
 Drafter features are read *after* block i: HF's ``hidden_states[i + 1]`` (index 0 holds the
 embeddings), except the last block: HF's last hidden state has the final norm applied, so
@@ -159,7 +161,8 @@ class HFTarget:
         self._check_positions(cache, "verify")
         n = tokens.shape[1]
         key_mask = self._key_mask(cache).to(tokens.device)
-        pos = self.next_positions(cache)[:, None] + tree_depths(parents)  # (B, N)
+        text_pos = self.next_positions(cache)[:, None] + tree_depths(parents)  # (B, N)
+        pos = _with_channels(text_pos, cache.position_ids)  # (B, N) or (C, B, N)
         attn = self._mask_4d(tree_mask(parents, key_mask.shape[1], key_mask=key_mask), n)
         mask2d = cache.attention_mask
         if mask2d is not None:
@@ -174,7 +177,8 @@ class HFTarget:
         # HF's last hidden state is after the final norm: what the head reads
         scores = out.logits[:, -keep:].float() if logits else out.hidden_states[-1][:, -n:]
         ones = torch.ones_like(tokens, dtype=torch.bool)
-        return scores, HFCache(out.cache, mask2d, pos[..., -1:]), Context(feats, pos, ones)
+        ctx = Context(feats, text_pos, ones)
+        return scores, HFCache(out.cache, mask2d, pos[..., -1:]), ctx
 
     def select(self, cache: HFCache, index: Tensor, valid: Tensor | None = None) -> HFCache:
         """Keep cached positions ``index`` (B, N) per row (in place on the KV tensors).
@@ -209,7 +213,9 @@ class HFTarget:
         mask = mask.gather(1, index)  # (B, N)
         if valid is not None:
             mask = mask * valid.to(mask.device).expand_as(mask).to(mask.dtype)
-        pos = None if cache.position_ids is None else mask.long().sum(-1, keepdim=True) - 1
+        pos = cache.position_ids
+        if pos is not None:
+            pos = _with_channels(mask.long().sum(-1, keepdim=True) - 1, pos)  # (B, 1) / (C, B, 1)
         keep = None if bool((mask == 1).all()) else mask
         return HFCache(cache.kv, keep, pos)
 
@@ -237,8 +243,10 @@ class HFTarget:
         return HFCache(cache.kv, mask, pos)
 
     def next_positions(self, cache: HFCache) -> Tensor:
+        """(B,) the text position of each row's next token (channel 0 of M-RoPE ids)."""
         self._check_positions(cache, "next_positions")
-        return cache.position_ids[:, 0] + 1
+        pos = cache.position_ids
+        return (pos if pos.dim() == 2 else pos[0])[:, 0] + 1
 
     # ----------------------------------------------------------------------- drafter
 
@@ -253,11 +261,17 @@ class HFTarget:
         return lin.weight, getattr(lin, "bias", None)
 
     @torch.no_grad()
-    def features(self, input_ids: Tensor, attention_mask: Tensor):
-        """(Context of every position, logits (B, T, V), prefix length 0) of right-padded rows."""
+    def features(self, input_ids: Tensor, attention_mask: Tensor, **inputs: Any):
+        """(Context of every position, logits (B, T, V), prefix length 0) of right-padded rows;
+        ``inputs``: an image-text model's image inputs (its placeholders are in ``input_ids``)."""
         with self._reading():
             out = self.model(
-                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                output_hidden_states=True,
+                use_cache=False,
+                **self.static_inputs,
+                **inputs,
             )
             feats = self._taps(out.hidden_states)
         mask = attention_mask.bool()
@@ -303,13 +317,13 @@ class HFTarget:
 
     @staticmethod
     def _check_positions(cache: HFCache, what: str) -> None:
-        if cache.position_ids is None or cache.position_ids.dim() != 2:
-            raise ValueError(f"{what} supports (B, T) position ids only (not M-RoPE)")
+        if cache.position_ids is None or cache.position_ids.dim() not in (2, 3):
+            raise ValueError(f"{what} needs a model whose forward takes position ids")
 
     def _key_mask(self, cache: HFCache) -> Tensor:
         n = cache.kv.get_seq_length()
         if cache.attention_mask is None:
-            return torch.ones(cache.position_ids.shape[0], n, dtype=torch.bool)
+            return torch.ones(cache.position_ids.shape[-2], n, dtype=torch.bool)
         return cache.attention_mask.bool()
 
     def _mask_4d(self, mask: Tensor, n: int) -> Tensor:
@@ -351,6 +365,14 @@ class HFTarget:
         return self.model(
             input_ids=ids, attention_mask=mask, cache=kv, use_cache=True, return_dict=True, **call
         )
+
+
+def _with_channels(text_pos: Tensor, last: Tensor) -> Tensor:
+    """Text positions (B, N) in the layout of ``last``, the cache's last position ids: (B, 1)
+    as they are, (C, B, 1) (M-RoPE) with each channel's offset to channel 0 added."""
+    if last.dim() == 2:
+        return text_pos
+    return text_pos[None] + (last - last[:1])  # (C, B, N)
 
 
 def _concat(hidden_states: tuple[Tensor, ...], ids: list[int], offset: int) -> Tensor:

@@ -7,7 +7,9 @@ and ``next_positions``, and the drafter shares the target's ``embed`` and ``head
 classes implement it, each directly:
 
 - ``hf_target.HFTarget``: an HF ``*ForCausalLM`` / ``*ForConditionalGeneration`` model through
-  its own forward, fed what HF ``generate`` feeds it (bit-identical logits);
+  its own forward, fed what HF ``generate`` feeds it (bit-identical logits), and
+  ``vlm_target.HFVLMTarget``, the same for ``AutoModelForImageTextToText`` models (images at
+  the prefill, M-RoPE positions kept per channel);
 - ``native_llama.NativeTarget``: an HF Llama-family causal LM through vltrain's lean forward
   over the same weights (``native_llama.causal_lm_target`` picks native or HF);
 - ``captioner_target.CaptionerTarget``: the built-in captioner, either connector.
@@ -38,7 +40,7 @@ F = ``len(layer_ids) * W`` features (0 without a drafter). Logits are float32.
 - ``embed(ids)``, ``head(hidden)``, ``head_params()`` (the head's weight and bias): the frozen
   token embedding and LM head a drafter shares; ``num_layers``, ``width``, ``vocab_size`` and
   ``layer_ids`` (the blocks whose outputs the features concatenate) size it.
-- ``features(...)`` (optional; the HF and captioner targets): ``(Context, logits (B, T, V),
+- ``features(...)`` (optional; the HF, HF VLM and captioner targets): ``(Context, logits (B, T, V),
   prefix length)`` of whole training sequences, without a cache (drafter training).
 
 Caches are each target's own (``HFCache``, ``NativeCache``, ``CaptionerCache``) and opaque to

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from vltrain.config.core import ConfigError, check_choice
 from vltrain.config.schema import Config
 from vltrain.core import distributed
-from vltrain.data.batches import DraftBatch
+from vltrain.data.batches import DraftBatch, to_device
 from vltrain.data.chat import IGNORE_INDEX
 from vltrain.data.draft_data import DraftCollate, DraftDataset
 from vltrain.data.loaders import Loader, MapLoader
@@ -35,7 +35,12 @@ from vltrain.data.samplers import EvalShardSampler, LengthBucketBatchSampler, Sh
 from vltrain.engine.parallel import ParallelModel
 from vltrain.engine.runtime import RunContext
 from vltrain.engine.task import StepOutput
-from vltrain.inference.draft_target import TARGET_KINDS, DraftTarget, FeatureNoise
+from vltrain.inference.draft_target import (
+    TARGET_KINDS,
+    DraftTarget,
+    FeatureNoise,
+    check_target,
+)
 from vltrain.models.drafter import (
     DRAFTER_ARCHS,
     Drafter,
@@ -80,6 +85,7 @@ class DrafterStage:
             raise ConfigError("stage drafter needs 'model.target' (the frozen target model)")
         if cfg.model.init_from and not Path(cfg.model.init_from).exists():
             raise ConfigError(f"'model.init_from' {cfg.model.init_from} does not exist")
+        check_target(cfg)
         d = cfg.drafter
         if (d.cache_target or d.cache_dir) and d.soft_labels and not d.soft_top_k:
             which = "cache_dir' (it implies cache_target)" if d.cache_dir else "cache_target'"
@@ -245,7 +251,7 @@ class DrafterStage:
             good, _ = split_bad([data[k] for k in keys])
             if not good:
                 continue
-            batch = {k: v.to(dev) for k, v in collate(good).items()}
+            batch = to_device(collate(good), dev)
             inp = self.target.inputs(batch, split)
             soft = self.target.soft_labels(inp)
             loss, weight, s = model(*inp.drafter_args(), inp.labels, inp.valid, soft)

@@ -32,6 +32,27 @@ def generation_prompt(cfg: Config, text: str | None) -> list[chat.Segment]:
     return [(text, False)] if text else []
 
 
+def sampling_options(args: Any) -> dict[str, Any]:
+    """``temperature``, ``top_k``, ``top_p`` of the command line (defaults: no warping), refused
+    unless ``--strategy sample`` uses them."""
+    given = {
+        "--temperature": args.temperature,
+        "--top-k": args.top_k,
+        "--top-p": args.top_p,
+    }
+    named = [flag for flag, value in given.items() if value is not None]
+    if named and args.strategy != "sample":
+        raise ConfigError(
+            f"{', '.join(named)} apply to --strategy sample only (got --strategy "
+            f"{args.strategy}); add --strategy sample or drop them"
+        )
+    return {
+        "temperature": 1.0 if args.temperature is None else args.temperature,
+        "top_k": 0 if args.top_k is None else args.top_k,
+        "top_p": 1.0 if args.top_p is None else args.top_p,
+    }
+
+
 def load_for_generation(
     checkpoint: str, config: str = ""
 ) -> tuple[Captioner, TextTokenizer, Config]:
@@ -87,16 +108,22 @@ def score_records(
 def generate_command(args: Any) -> int:
     """`vltrain generate`: caption image files (JSON lines), or score a caption file."""
     torch.manual_seed(args.seed)
-    if args.model:
-        from vltrain.tools.speculate import lm_command
-
-        if not args.prompts:
-            raise ConfigError("vltrain generate --model needs --prompts FILE.jsonl")
-        return lm_command(args)
-    if not args.checkpoint:
-        raise ConfigError("vltrain generate needs --checkpoint (a captioner) or --model (an LM)")
+    sampling = sampling_options(args)
     if args.draft and args.strategy != "greedy":
         raise ConfigError("--draft decodes greedily (lossless); drop --strategy")
+    if args.model:
+        from vltrain.inference.vlm_target import is_hf_vlm
+        from vltrain.tools.speculate import lm_command
+
+        if is_hf_vlm(args.model):
+            from vltrain.tools.generate_vlm import vlm_command
+
+            return vlm_command(args, sampling)
+        if not args.prompts:
+            raise ConfigError("vltrain generate --model needs --prompts FILE.jsonl")
+        return lm_command(args, sampling)
+    if not args.checkpoint:
+        raise ConfigError("vltrain generate needs --checkpoint (a captioner) or --model (an LM)")
     if bool(args.images) == bool(args.eval_data):
         raise ConfigError("vltrain generate needs exactly one of --images or --eval-data")
     if args.out:
@@ -104,7 +131,7 @@ def generate_command(args: Any) -> int:
         check_not_input(args.out, [*args.images, *([args.eval_data] if args.eval_data else [])])
     model, tok, cfg = load_for_generation(args.checkpoint, args.config)
     if args.eval_data:
-        decode = {"strategy": args.strategy, "num_beams": args.beams}
+        decode = {"strategy": args.strategy, "num_beams": args.beams, **sampling}
         decode["max_new_tokens"] = args.max_new_tokens
         scores = score_records(model, tok, cfg, args.eval_data, args.batch_size, **decode)
         print(json.dumps(scores))
@@ -141,6 +168,7 @@ def generate_command(args: Any) -> int:
                 strategy=args.strategy,
                 num_beams=args.beams,
                 max_new_tokens=args.max_new_tokens,
+                **sampling,
             )
         rows.update({i: {"image": paths[i], "caption": c} for i, c in zip(good, caps, strict=True)})
     lines = [json.dumps(rows[i]) for i in range(len(paths))]

@@ -93,8 +93,9 @@ def caption_speculative(
     return tok.decode_batch([r[: r.index(eos) + 1] if eos in r else r for r in rows])
 
 
-def lm_command(args: Any) -> int:
-    """``--model DIR_OR_GGUF --prompts FILE.jsonl [--draft D] [--tree-budget N]``."""
+def lm_command(args: Any, sampling: dict[str, Any] | None = None) -> int:
+    """``--model DIR_OR_GGUF --prompts FILE.jsonl [--strategy S] [--draft D] [--tree-budget N]``;
+    ``sampling``: temperature / top_k / top_p of ``--strategy sample``."""
     if args.out:
         check_output_path(args.out)
         check_not_input(args.out, [args.prompts])
@@ -120,7 +121,14 @@ def lm_command(args: Any) -> int:
         ids, mask = left_pad([chat_prompt_ids(tok, r["prompt"]) for r in batch], pad)
         inputs = {"input_ids": ids, "attention_mask": mask}
         if drafter is None:
-            out = generate(target, inputs, "greedy", max_new_tokens=args.max_new_tokens)
+            out = generate(
+                target,
+                inputs,
+                args.strategy,
+                max_new_tokens=args.max_new_tokens,
+                num_beams=args.beams,
+                **(sampling or {}),
+            )
             rows = [s[: int(n)].tolist() for s, n in zip(out.sequences, out.lengths, strict=True)]
         else:
             rows, st = speculative_generate(
