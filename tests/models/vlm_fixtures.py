@@ -1,0 +1,185 @@
+"""Tiny random generative VLMs and their parts, built from config objects and saved to a folder
+like hub models (weights + tokenizer with a chat template + image processor), for the hf_vlm and
+llava model kinds of the caption stage. Not part of the package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.fixtures import make_tiny_qwen3vl
+from tests.models.test_hf_embedders import _qwen_ids, _save, _tokenizer, tiny_llava
+
+# a chat template for string contents (a text LM's): role header, content, end of turn
+TEXT_CHAT = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_qwen2vl(out: Path) -> str:
+    """A random Qwen2-VL (hidden 32, patch 4, merge 2) with a chat-template tokenizer."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    tok = _tokenizer("<|vision_start|><|image_pad|><|vision_end|>")
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    text = dict(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rope_parameters=rope,
+        bos_token_id=None,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    vision = dict(
+        depth=1,
+        embed_dim=16,
+        hidden_size=32,
+        num_heads=2,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
+    cfg = Qwen2VLConfig(text_config=text, vision_config=vision, **_qwen_ids(tok))
+    torch.manual_seed(0)
+    ip = Qwen2VLImageProcessorPil(
+        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8, max_pixels=32 * 32
+    )
+    return _save(Qwen2VLForConditionalGeneration(cfg), tok, ip, out)
+
+
+def tiny_qwen3vl(out: Path) -> str:
+    """The shared tiny Qwen3-VL (tests/fixtures.py)."""
+    return make_tiny_qwen3vl(out)
+
+
+def tiny_hf_llava(out: Path, processor_patch: int = 8) -> str:
+    """A tiny LlavaForConditionalGeneration (CLIP tower reading layer -2 of 2, Qwen2 LM) with
+    its LlavaProcessor; `processor_patch` other than the tower's 8 makes the processor's
+    image-token count disagree with the model's features."""
+    from transformers import AutoImageProcessor, AutoTokenizer, LlavaProcessor
+
+    path = tiny_llava(out, vision_layers=2, feature_layer=-2)
+    tok = AutoTokenizer.from_pretrained(path)
+    ip = AutoImageProcessor.from_pretrained(path, backend="pil")
+    LlavaProcessor(
+        image_processor=ip,
+        tokenizer=tok,
+        patch_size=processor_patch,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=tok.chat_template,
+    ).save_pretrained(path)
+    return path
+
+
+def tiny_idefics3(out: Path) -> str:
+    """A tiny Idefics3 (SmolVLM-style: SigLIP tower, pixel-shuffle connector, Llama LM),
+    images resized to 32 px without splitting: 4 image tokens each."""
+    from transformers import (
+        AddedToken,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+    )
+
+    tok = _tokenizer("<image>")
+    extra = ["<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]
+    tok.add_special_tokens(
+        {"additional_special_tokens": [AddedToken(t, special=True) for t in extra]}
+    )
+    tok.chat_template = (
+        "<|im_start|>{% for m in messages %}{{ m['role'] | capitalize }}:"
+        "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>{% else %}"
+        "{{ c['text'] }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+        "{% if add_generation_prompt %}Assistant:{% endif %}"
+    )
+    text = dict(
+        model_type="llama",
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        pad_token_id=0,
+        eos_token_id=0,
+        bos_token_id=None,
+    )
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
+    cfg = Idefics3Config(
+        text_config=text,
+        vision_config=vision,
+        scale_factor=2,
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+    )
+    torch.manual_seed(0)
+    ip = Idefics3ImageProcessorPil(
+        do_image_splitting=False,
+        size={"longest_edge": 32},
+        max_image_size={"longest_edge": 32},
+    )
+    path = _save(Idefics3ForConditionalGeneration(cfg), tok, ip, out)
+    from transformers import Idefics3Processor
+
+    Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=4).save_pretrained(path)
+    return path
+
+
+def tiny_clip_vision(out: Path, image_size: int = 32, patch: int = 8) -> str:
+    """A tiny CLIPVisionModel directory with its image processor (no text side)."""
+    from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel
+
+    cfg = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=image_size,
+        patch_size=patch,
+    )
+    torch.manual_seed(1)
+    CLIPVisionModel(cfg).save_pretrained(out)
+    size = {"height": image_size, "width": image_size}
+    CLIPImageProcessorPil(size={"shortest_edge": image_size}, crop_size=size).save_pretrained(out)
+    return str(out)
+
+
+def tiny_causal_lm_dir(out: Path, chat_template: bool = True) -> str:
+    """A tiny Qwen2 causal LM with a byte-level BPE tokenizer (and a string-content chat
+    template unless `chat_template=False`)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = _tokenizer()
+    tok.chat_template = TEXT_CHAT if chat_template else None
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=0,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(2)
+    Qwen2ForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
