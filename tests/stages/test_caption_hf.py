@@ -311,7 +311,6 @@ def test_llava_two_processes_equal_one(models: dict, data: Path, tmp_path: Path)
     assert max(float((w1[k] - w3[k]).abs().max()) for k in w1) > 1e-4
 
 
-@pytest.mark.slow
 def test_llava_exact_mid_epoch_resume(
     models: dict, data: Path, tmp_path: Path, monkeypatch
 ) -> None:

@@ -210,7 +210,9 @@ def vision_config(path: str) -> Any:
         return cfg.vision_config
     if cfg.model_type in ("clip_vision_model", "siglip_vision_model"):
         return cfg
-    raise ValueError(
+    from vltrain.config.core import ConfigError
+
+    raise ConfigError(
         f"model.vision_path {path} holds a {cfg.model_type!r} model; the llava kind takes an HF "
         "CLIP or SigLIP model (or its vision model), or a contrastive run of hf_clip / hf_siglip"
     )

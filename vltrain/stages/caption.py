@@ -299,7 +299,7 @@ class CaptionStage:
     def export_hf(self, model: nn.Module, out: Path) -> Path:
         """HF kinds: a folder plain transformers loads (the model and its processor)."""
         if not isinstance(self.core, HFCaptionCore):
-            raise ValueError(
+            raise ConfigError(
                 f"--format hf exports caption runs of model.kind {' or '.join(HF_CAPTION_KINDS)}"
                 f"; this run trains model.kind={self.cfg.model.kind} (use --format vltrain)"
             )

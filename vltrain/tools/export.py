@@ -7,6 +7,7 @@ from pathlib import Path
 
 from safetensors.torch import save_model
 
+from vltrain.config.core import ConfigError
 from vltrain.core.checkpoint import resolve_checkpoint
 from vltrain.core.files import check_not_input
 from vltrain.tools import export_drafter, export_st
@@ -41,7 +42,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, force: bool = False) -> P
     export_drafter.check_out(out, force)
     _, stage, model = load_trained(ckpt)
     if not hasattr(stage, "export_hf"):
-        raise ValueError("--format hf exports caption runs of model.kind hf_vlm or llava")
+        raise ConfigError("--format hf exports caption runs of model.kind hf_vlm or llava")
     export_drafter.clear_out(out)
     return stage.export_hf(model, out)
 
