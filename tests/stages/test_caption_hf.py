@@ -336,3 +336,44 @@ def test_llava_exact_mid_epoch_resume(
     assert [a[s] for s in a] == [b[s] for s in a]
     wa, wb = _weights(full, 6), _weights(part, 6)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_llava_tower_from_a_vltrain_hf_clip_run(
+    models: dict, data: Path, shapes_dir: Path, tmp_path: Path
+) -> None:
+    """model.vision_path may name a contrastive run of hf_clip: its trained tower is copied."""
+    from transformers import CLIPModel
+
+    from tests.conftest import tiny_overrides
+    from tests.models.test_hf_embedders import _tokenizer
+
+    clip = tmp_path / "clip_src"
+    from transformers import CLIPConfig, CLIPImageProcessorPil
+
+    tok = _tokenizer(eos_template=True)
+    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    text |= dict(num_attention_heads=2, max_position_embeddings=32, eos_token_id=0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    vision |= dict(image_size=32, patch_size=8)
+    CLIPModel(
+        CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    ).save_pretrained(clip)
+    tok.save_pretrained(clip)
+    size = {"height": 32, "width": 32}
+    CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size=size).save_pretrained(clip)
+    run = tmp_path / "clip_run"
+    extra = {"model.path": clip, "train.max_steps": 2, "train.save_every": 2, "data.eval": ""}
+    extra |= {"data.batch_size": 4, "optim.lr": 1e-3, "optim.warmup_steps": 0}
+    extra["data.max_text_len"] = 16
+    over = tiny_overrides(shapes_dir, run, **extra)
+    over = [o for o in over if not o.startswith("data.tokenizer_vocab")]
+    assert main(["train", str(REPO / "configs" / "hf_clip.yaml"), *over]) == 0
+    _, stage = _llava_stage(models, data, tmp_path / "r", **{"model.vision_path": run})
+    tower = stage.build_model().base_model().model.vision_tower.state_dict()
+    from transformers import CLIPVisionModel
+
+    want = CLIPVisionModel.from_pretrained(run / "checkpoints" / "step_2" / "hf_model").state_dict()
+    assert tower.keys() == want.keys()
+    assert all(torch.equal(tower[k], v) for k, v in want.items())
+    start = CLIPVisionModel.from_pretrained(clip).state_dict()
+    assert any(not torch.equal(start[k], v) for k, v in want.items())  # the run trained it
