@@ -377,3 +377,32 @@ def test_llava_tower_from_a_vltrain_hf_clip_run(
     assert all(torch.equal(tower[k], v) for k, v in want.items())
     start = CLIPVisionModel.from_pretrained(clip).state_dict()
     assert any(not torch.equal(start[k], v) for k, v in want.items())  # the run trained it
+
+
+@pytest.mark.parametrize("kind", ["llava", "hf_vlm"])
+def test_multi_turn_chat_records_learn_every_assistant_turn(
+    kind: str, models: dict, data: Path, tmp_path: Path
+) -> None:
+    from vltrain.engine.runtime import RunContext
+    from vltrain.stages import check_config
+
+    extra = {
+        "caption.mode": "sft",
+        "data.train": data / "chat_train.jsonl",
+        "data.max_text_len": 200,
+    }
+    cfg = load_config(PRESET[kind], overrides(kind, models, data, tmp_path / "r", **extra))
+    ctx = RunContext(torch.device("cpu"), rank=0, world_size=1, precision="fp32", seed=0)
+    stage = check_config(cfg)(cfg, tmp_path / "r", ctx)
+    stage.prepare()
+    batch = next(iter(stage.build_loader())).data
+    tok = stage.tokenizer
+    for ids, labels in zip(batch["input_ids"], batch["labels"], strict=True):
+        text = tok.decode([t for t in labels.tolist() if t != -100])
+        assert ("yes" in text or "no" in text) and "is it red" not in text
+        assert "what do you see" in tok.decode(ids.tolist())  # the prompt is there, unlabelled
+    model = stage.build_model()
+    out = model(batch["images"], batch["input_ids"], batch["attention_mask"], batch["labels"])
+    assert torch.isfinite(out["loss"]) and int(out["n_tokens"]) == int(
+        (batch["labels"][:, 1:] != -100).sum()
+    )

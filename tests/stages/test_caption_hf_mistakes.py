@@ -135,3 +135,26 @@ def test_gguf_without_the_gguf_package_names_it(monkeypatch) -> None:
     monkeypatch.setattr("vltrain.config.extras.installed", lambda name: False)
     with pytest.raises(ConfigError, match="pip install gguf"):
         hf_vlm.check_gguf("lm.gguf")
+
+
+def test_freeze_naming_a_part_the_model_lacks(
+    parts: dict, shapes_dir: Path, tmp_path: Path
+) -> None:
+    """A VLM whose parameters hold no connector (projector, merger) cannot freeze one."""
+    from torch import nn
+
+    from vltrain.config import load_config
+    from vltrain.stages import caption_hf_checks
+
+    class NoConnector(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.vision_tower = nn.Linear(2, 2)
+            self.language_model = nn.Linear(2, 2)
+
+    args = _run("llava", shapes_dir, tmp_path / "r", parts, **{"model.freeze": "[connector]"})
+    cfg = load_config(args[1], args[2:])
+    with pytest.raises(ConfigError, match=r"names \['connector'\], which model.kind=llava"):
+        caption_hf_checks._check_parts_and_lora(cfg, NoConnector())
+    cfg.model.freeze = ["vision"]  # control: a part it has
+    caption_hf_checks._check_parts_and_lora(cfg, NoConnector())

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from vltrain.data.batches import CaptionBatch
 from vltrain.data.caption_data import read_caption_source
 from vltrain.data.hf_collate import to_pil
 from vltrain.data.images import BadSample, check_text
@@ -261,7 +262,7 @@ class VLMCaptionCollate:
         text = text.replace(st["image_token"], replacement, 1)
         return tok(text, add_special_tokens=False)["input_ids"]
 
-    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    def __call__(self, samples: list[dict[str, Any]]) -> CaptionBatch:
         st = self._load()
         pixel, reps = self.images([s["image"] for s in samples])
         rows, visual = [], []
@@ -282,7 +283,7 @@ class VLMCaptionCollate:
                 torch.tensor(b),
                 1,
             )
-        batch: dict[str, Any] = {
+        batch: CaptionBatch = {
             "images": pixel,
             "input_ids": ids,
             "attention_mask": mask,

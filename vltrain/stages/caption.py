@@ -280,6 +280,9 @@ class CaptionStage:
         weight = (self.ctx.world_size * n / n_all).to(out["loss"].dtype)
         (out["loss"] * weight * scale).backward()
         metrics = {"token_acc": float(total[1] / n_all), "tokens": float(total[2])}
+        if batch.get("visual_tokens") is not None:  # HF kinds: image tokens per image
+            metrics["visual_tokens_mean"] = float(batch["visual_tokens"].float().mean())
+            metrics["visual_tokens_max"] = float(batch["visual_tokens"].max())
         return StepOutput((total[0] / n_all).float(), metrics)
 
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
