@@ -158,3 +158,24 @@ def test_freeze_naming_a_part_the_model_lacks(
         caption_hf_checks._check_parts_and_lora(cfg, NoConnector())
     cfg.model.freeze = ["vision"]  # control: a part it has
     caption_hf_checks._check_parts_and_lora(cfg, NoConnector())
+
+
+def test_gguf_check_on_real_files(tmp_path: Path) -> None:
+    """With the real gguf package: a Q8_0 tensor passes, a Q8_1 one (no dequantiser) is refused."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    qtype = gguf.GGMLQuantizationType
+    for name, kind in (("ok", qtype.Q8_0), ("bad", qtype.Q8_1)):
+        w = gguf.GGUFWriter(str(tmp_path / f"{name}.gguf"), "qwen2")
+        w.add_tensor("a.weight", np.ones((4, 32), np.float32))
+        w.add_tensor(
+            "b.weight", np.zeros((4, gguf.GGML_QUANT_SIZES[kind][1]), np.uint8), raw_dtype=kind
+        )
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    hf_vlm.check_gguf(str(tmp_path / "ok.gguf"))
+    with pytest.raises(ConfigError, match=r"\['Q8_1'\]"):
+        hf_vlm.check_gguf(str(tmp_path / "bad.gguf"))
