@@ -160,6 +160,24 @@ def tiny_clip_vision(out: Path, image_size: int = 32, patch: int = 8) -> str:
     return str(out)
 
 
+def tiny_siglip_vision(out: Path, image_size: int = 32, patch: int = 8) -> str:
+    """A tiny SiglipVisionModel directory with its image processor (no class token)."""
+    from transformers import SiglipImageProcessorPil, SiglipVisionConfig, SiglipVisionModel
+
+    cfg = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=image_size,
+        patch_size=patch,
+    )
+    torch.manual_seed(3)
+    SiglipVisionModel(cfg).save_pretrained(out)
+    SiglipImageProcessorPil(size={"height": image_size, "width": image_size}).save_pretrained(out)
+    return str(out)
+
+
 def tiny_causal_lm_dir(out: Path, chat_template: bool = True) -> str:
     """A tiny Qwen2 causal LM with a byte-level BPE tokenizer (and a string-content chat
     template unless `chat_template=False`)."""

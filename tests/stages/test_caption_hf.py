@@ -406,3 +406,27 @@ def test_multi_turn_chat_records_learn_every_assistant_turn(
     assert torch.isfinite(out["loss"]) and int(out["n_tokens"]) == int(
         (batch["labels"][:, 1:] != -100).sum()
     )
+
+
+def test_llava_on_a_siglip_tower_keeps_every_patch(
+    models: dict, data: Path, tmp_path: Path
+) -> None:
+    """SigLIP has no class token: the default select strategy is full, 16 tokens for 16 patches,
+    and the processor saved with the run agrees with the model's features."""
+    from transformers import LlavaProcessor, SiglipVisionModel
+
+    (tmp_path / "siglip").mkdir()
+    siglip = vlm_fixtures.tiny_siglip_vision(tmp_path / "siglip")
+    _, stage = _llava_stage(models, data, tmp_path / "r", **{"model.vision_path": siglip})
+    model = stage.build_model()
+    base = model.base_model()
+    assert base.config.vision_feature_select_strategy == "full"
+    want = SiglipVisionModel.from_pretrained(siglip).state_dict()
+    got = base.model.vision_tower.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    batch = next(iter(stage.build_loader())).data
+    assert batch["visual_tokens"].tolist() == [16] * 4
+    out = model(batch["images"], batch["input_ids"], batch["attention_mask"], batch["labels"])
+    assert torch.isfinite(out["loss"])
+    proc = LlavaProcessor.from_pretrained(tmp_path / "r" / "processor")
+    assert proc.num_additional_image_tokens == 0 and proc.vision_feature_select_strategy == "full"

@@ -36,8 +36,8 @@ from vltrain.models import hf_vlm
 from vltrain.models.hf_embedders import copy_processor_files
 from vltrain.stages.caption_hf_checks import (
     HF_CAPTION_KINDS,
-    LLAVA_OPTIONS,
     check_hf_caption_config,
+    llava_options,
     vision_dir,
 )
 
@@ -70,7 +70,7 @@ class HFCaptionCore:
             copy_processor_files(m.path, tmp)
             shutil.copy2(Path(m.path) / "config.json", tmp / "config.json")
         else:
-            strategy = {**LLAVA_OPTIONS, **m.connector_options}["select_strategy"]
+            strategy = llava_options(self.cfg)["select_strategy"]
             hf_vlm.save_llava_processor(
                 vision_dir(m.vision_path), m.path, self.cfg.data.image_size, strategy, tmp
             )
@@ -124,7 +124,7 @@ class HFCaptionCore:
 
         m, tok = self.cfg.model, self.tokenizer
         where, kw = hf_vlm.lm_tokenizer_source(m.path)
-        opts = {**LLAVA_OPTIONS, **m.connector_options}
+        opts = llava_options(self.cfg)
         image_id = tok.convert_tokens_to_ids("<image>")
         vis = vision_dir(m.vision_path)
         config = hf_vlm.llava_config(

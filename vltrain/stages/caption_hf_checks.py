@@ -20,7 +20,9 @@ from vltrain.data.vlm_caption_data import VLMCaptionCollate
 from vltrain.models import hf_vlm
 
 HF_CAPTION_KINDS = ("hf_vlm", "llava")
-LLAVA_OPTIONS = {"feature_layer": -2, "select_strategy": "default"}
+#: llava connector options; select_strategy defaults to the tower's: CLIP "default" (its class
+#: token dropped), SigLIP "full" (no class token: "default" would drop a patch)
+LLAVA_OPTIONS = {"feature_layer": -2, "select_strategy": None}
 _DATA = ("train", "eval", "test", "batch_size", "max_train_samples", "eval_batch_size")
 _DATA += ("num_workers", "max_text_len", "max_bad_fraction", "image_column", "text_column")
 
@@ -65,6 +67,22 @@ def vision_dir(path: str) -> str:
     return str(hf)
 
 
+def llava_options(cfg: Config) -> dict:
+    """model.connector_options of the llava kind, defaults filled in and values checked."""
+    opts = {**LLAVA_OPTIONS, **cfg.model.connector_options}
+    if opts["select_strategy"] is None:
+        tower = hf_vlm.vision_config(vision_dir(cfg.model.vision_path)).model_type
+        opts["select_strategy"] = "full" if tower.startswith("siglip") else "default"
+    if opts["select_strategy"] not in ("default", "full"):
+        raise ConfigError(
+            f"model.connector_options.select_strategy={opts['select_strategy']!r}: use default "
+            "(patch tokens; CLIP's class token dropped) or full (every token)"
+        )
+    if not isinstance(opts["feature_layer"], int):
+        raise ConfigError("model.connector_options.feature_layer must be an int (e.g. -2)")
+    return opts
+
+
 def meta_model(cfg: Config) -> nn.Module:
     """The model's architecture on the meta device (no weights read)."""
     m = cfg.model
@@ -75,7 +93,7 @@ def meta_model(cfg: Config) -> nn.Module:
 
     where, kw = hf_vlm.lm_tokenizer_source(m.path)
     text = AutoConfig.from_pretrained(where, **kw)
-    opts = {**LLAVA_OPTIONS, **m.connector_options}
+    opts = llava_options(cfg)
     config = hf_vlm.llava_config(
         vision_dir(m.vision_path), text, 0, opts["select_strategy"], opts["feature_layer"]
     )
