@@ -30,6 +30,7 @@ from vltrain.data.batches import CaptionBatch
 from vltrain.data.caption_data import read_caption_source
 from vltrain.data.hf_collate import to_pil
 from vltrain.data.images import BadSample, check_text
+from vltrain.data.readers import DataError
 from vltrain.data.records import as_key, caption_index
 from vltrain.data.sources import Source, load_source_image
 from vltrain.data.visual_tokens import read_patch_grid, resize_for_budget
@@ -53,6 +54,10 @@ class VLMCaptionDataset(Dataset):
         instruction: str = "describe the image.",
         train: bool = True,
     ) -> None:
+        if mode != "sft" and any("messages" in r for r in source.records):
+            raise DataError(
+                f"{source.path} holds chat records ('messages'); train them with caption.mode=sft"
+            )
         self.source, self.seed, self.mode, self.train = source, seed, mode, train
         self.user_text = instruction if mode == "sft" else prompt
 
@@ -277,12 +282,10 @@ class VLMCaptionCollate:
         ids = torch.full((len(rows), t), pad, dtype=torch.long)  # (B, T)
         labels = torch.full((len(rows), t), IGNORE_INDEX, dtype=torch.long)  # (B, T)
         mask = torch.zeros((len(rows), t), dtype=torch.long)  # (B, T)
-        for i, (a, b) in enumerate(rows):
-            ids[i, : len(a)], labels[i, : len(b)], mask[i, : len(a)] = (
-                torch.tensor(a),
-                torch.tensor(b),
-                1,
-            )
+        for i, (row_ids, row_labels) in enumerate(rows):
+            ids[i, : len(row_ids)] = torch.tensor(row_ids)
+            labels[i, : len(row_labels)] = torch.tensor(row_labels)
+            mask[i, : len(row_ids)] = 1
         batch: CaptionBatch = {
             "images": pixel,
             "input_ids": ids,
