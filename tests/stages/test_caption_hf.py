@@ -282,17 +282,25 @@ class Interrupt(Exception):
     pass
 
 
+DDP_OPTS = {
+    "llava": {"model.freeze": "[]", "caption.mode": "finetune", "optim.lr_scale.vision": 0.1},
+    "hf_vlm": {"caption.mode": "sft", "model.lora_r": 4, "model.lora_alpha": 64},
+}
+
+
 @pytest.mark.slow
-def test_llava_two_processes_equal_one(models: dict, data: Path, tmp_path: Path) -> None:
-    opts = {"model.freeze": "[]", "caption.mode": "finetune", "optim.lr_scale.vision": 0.1}
-    opts |= {"train.max_steps": 3, "train.save_every": 3, "train.eval_every": 3}
+@pytest.mark.parametrize("kind", ["llava", "hf_vlm"])
+def test_two_processes_equal_one(kind: str, models: dict, data: Path, tmp_path: Path) -> None:
+    """llava: full finetune, the tower at 0.1x; hf_vlm: Qwen2-VL (mm_token_type_ids, a 4-token
+    budget) with LoRA, SFT. Captions of different lengths pad differently per rank."""
+    opts = {**DDP_OPTS[kind], "train.max_steps": 3, "train.save_every": 3, "train.eval_every": 3}
     one = load_config(
-        PRESET["llava"],
-        overrides("llava", models, data, tmp_path / "one", **opts, **{"data.batch_size": 8}),
+        PRESET[kind],
+        overrides(kind, models, data, tmp_path / "one", **opts, **{"data.batch_size": 8}),
     )
     one_summary = train(one)
-    args = overrides("llava", models, data, tmp_path / "two", **opts)
-    torchrun_vltrain(["train", str(PRESET["llava"]), *args], tmp_path)
+    args = overrides(kind, models, data, tmp_path / "two", **opts)
+    torchrun_vltrain(["train", str(PRESET[kind]), *args], tmp_path)
     two_summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert sorted(a) == sorted(b) == [1, 2, 3]
@@ -303,8 +311,8 @@ def test_llava_two_processes_equal_one(models: dict, data: Path, tmp_path: Path)
     assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 3e-5
     # control: one rank's half batch alone trains elsewhere
     alone = load_config(
-        PRESET["llava"],
-        overrides("llava", models, data, tmp_path / "alone", **{**opts, "data.eval": ""}),
+        PRESET[kind],
+        overrides(kind, models, data, tmp_path / "alone", **{**opts, "data.eval": ""}),
     )
     train(alone)
     w3 = _weights(tmp_path / "alone", 3)
