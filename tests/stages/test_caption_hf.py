@@ -251,6 +251,7 @@ def test_export_reloads_in_plain_transformers_with_identical_greedy_captions(
     exported = tmp_path / "export"
     assert main(["export", str(run), "--format", "hf", "--out", str(exported)]) == 0
     assert not (exported / "adapter_config.json").exists()  # LoRA merged
+    assert str(tmp_path) not in (exported / "config.json").read_text()  # no absolute paths
     recs = read_jsonl(data / "val.jsonl")
     images = [Image.open(data / r["image"]).convert("RGB") for r in recs]
     assert len(images) == 16

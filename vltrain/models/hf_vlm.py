@@ -225,12 +225,18 @@ def llava_config(
     select_strategy: str = "default",
     feature_layer: int = -2,
 ) -> Any:
-    """The ``LlavaConfig`` joining a vision tower and an LM (the projector: Linear-GELU-Linear)."""
+    """The ``LlavaConfig`` joining a vision tower and an LM (the projector: Linear-GELU-Linear).
+    The parts name their source by folder name, never by an absolute path (the export keeps
+    them)."""
     from transformers import LlavaConfig
 
+    vision, text = vision_config(vision_path).to_dict(), text_config.to_dict()
+    for part in (vision, text):
+        if part.get("_name_or_path"):
+            part["_name_or_path"] = Path(part["_name_or_path"]).name
     return LlavaConfig(
-        vision_config=vision_config(vision_path).to_dict(),
-        text_config=text_config.to_dict(),
+        vision_config=vision,
+        text_config=text,
         image_token_id=image_token_id,
         vision_feature_select_strategy=select_strategy,
         vision_feature_layer=feature_layer,
