@@ -201,3 +201,67 @@ def tiny_causal_lm_dir(out: Path, chat_template: bool = True) -> str:
     Qwen2ForCausalLM(cfg).save_pretrained(out)
     tok.save_pretrained(out)
     return str(out)
+
+
+def tiny_gguf_lm(out: Path) -> str:
+    """`tiny_causal_lm_dir` converted to an F32 GGUF file (``out/lm.gguf``, llama.cpp's
+    qwen2 tensor names and tokenizer keys); needs the ``gguf`` package."""
+    import json
+
+    import gguf
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    src = out / "hf"
+    src.mkdir()
+    tiny_causal_lm_dir(src)
+    model = Qwen2ForCausalLM.from_pretrained(src)
+    tok = AutoTokenizer.from_pretrained(src)
+    c = model.config
+    w = gguf.GGUFWriter(str(out / "lm.gguf"), "qwen2")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    spec = json.loads((src / "tokenizer.json").read_text())
+    vocab = sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1])
+    added = {t["content"] for t in spec["added_tokens"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in added else 1 for t, _ in vocab])
+    merges = spec["model"]["merges"]
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_eos_token_id(c.eos_token_id)
+    w.add_pad_token_id(tok.pad_token_id)
+    w.add_chat_template(tok.chat_template)
+    names = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    for key, value in model.state_dict().items():
+        if key == "model.embed_tokens.weight":
+            name = "token_embd.weight"
+        elif key == "model.norm.weight":
+            name = "output_norm.weight"
+        elif key == "lm_head.weight":
+            name = "output.weight"
+        else:
+            _, _, layer, rest = key.split(".", 3)
+            module, leaf = rest.rsplit(".", 1)
+            name = f"blk.{layer}.{names[module]}.{leaf}"
+        w.add_tensor(name, value.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(out / "lm.gguf")

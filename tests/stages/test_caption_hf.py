@@ -439,3 +439,27 @@ def test_llava_on_a_siglip_tower_keeps_every_patch(
     assert torch.isfinite(out["loss"])
     proc = LlavaProcessor.from_pretrained(tmp_path / "r" / "processor")
     assert proc.num_additional_image_tokens == 0 and proc.vision_feature_select_strategy == "full"
+
+
+def test_llava_from_a_gguf_language_model(models: dict, data: Path, tmp_path: Path) -> None:
+    """model.path may be a .gguf file: transformers dequantises it (needs the gguf package)."""
+    pytest.importorskip("gguf")
+    from transformers import Qwen2ForCausalLM
+
+    lm = vlm_fixtures.tiny_gguf_lm(tmp_path)
+    run = tmp_path / "run"
+    assert (
+        main(
+            [
+                "train",
+                str(PRESET["llava"]),
+                *overrides("llava", models, data, run, **{"model.path": lm}),
+            ]
+        )
+        == 0
+    )
+    ref = Qwen2ForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    after = _weights(run)
+    layer = "layers.1.mlp.down_proj.weight"
+    assert torch.equal(after["model.model.language_model." + layer], ref["model." + layer])
+    assert "<image>" in (run / "processor" / "tokenizer.json").read_text()
