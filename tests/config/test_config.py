@@ -103,7 +103,7 @@ def test_the_preset_list_is_every_shipped_file() -> None:
     files = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
     assert len(files) > 0, f"no presets in {folder}"
     assert [p.name for p in PRESETS] == files  # a .yml or stray file would be skipped silently
-    assert len(PRESETS) == 16  # the presets shipped today; update when adding one
+    assert len(PRESETS) == 18  # the presets shipped today; update when adding one
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)

@@ -25,6 +25,7 @@ HF_FIXTURE = {"hf_clip.yaml": "clip_dir", "hf_siglip.yaml": "siglip_dir"}
 # the tiny Qwen2-VL stands in for the preset's VLM; its width (32) caps the matryoshka dims
 # the drafter presets train against a captioner run / a tiny random HF LM instead of the real ones
 DRAFTER_TARGET = {"drafter.yaml": "caption_run", "drafter_smollm2.yaml": "tiny_lm_dir"}
+HF_CAPTION = ("caption_hf_vlm.yaml", "caption_llava.yaml")  # tiny stand-ins below
 VLM = {
     "vlm_embed.yaml": {"model.matryoshka_dims": "[8]", "data.max_visual_tokens": 4},
     "qwen3vl_embed_pages.yaml": {"data.max_visual_tokens": 4},
@@ -54,6 +55,21 @@ def caption_run(shapes_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     preset = next(p for p in PRESETS if p.name == "caption_finetune.yaml")
     assert main(["train", str(preset), *[f"{k}={v}" for k, v in over.items()]]) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def llava_parts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """A tiny CLIP vision tower and causal LM: what caption_llava.yaml assembles."""
+    from tests.models import vlm_fixtures
+
+    root = tmp_path_factory.mktemp("llava_parts")
+    (root / "clip").mkdir()
+    (root / "lm").mkdir()
+    return {
+        "model.vision_path": vlm_fixtures.tiny_clip_vision(root / "clip"),
+        "model.path": vlm_fixtures.tiny_causal_lm_dir(root / "lm"),
+        "data.image_size": 32,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +127,11 @@ def test_every_shipped_preset_builds_its_model(
     if preset.name == "pages.yaml":  # its reading loss needs records that list word boxes
         pages = request.getfixturevalue("pages_dir")
         over |= {"data.train": pages / "train.jsonl", "data.eval": pages / "val"}
-    if preset.name in HF_FIXTURE or preset.name in VLM:
+    if preset.name == "caption_hf_vlm.yaml":  # the tiny Qwen2-VL stands in for the preset's
+        over |= {"model.path": request.getfixturevalue("qwen2vl_dir"), "data.max_visual_tokens": 4}
+    if preset.name == "caption_llava.yaml":
+        over |= request.getfixturevalue("llava_parts")
+    if preset.name in HF_FIXTURE or preset.name in VLM or preset.name in HF_CAPTION:
         del over["data.tokenizer_vocab"]  # HF backbones bring their tokenizer: the key is refused
     cfg = load_config(preset, [f"{k}={v}" for k, v in over.items()])
     model = build_preset_model(cfg, tmp_path / "run")

@@ -19,9 +19,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument(
         "--format",
         default="vltrain",
-        choices=("vltrain", "speculators", "dflash", "sentence-transformers"),
+        choices=("vltrain", "hf", "speculators", "dflash", "sentence-transformers"),
         help="vltrain (default): the checkpoint as above; speculators: a drafter vLLM serves "
-        "(vllm serve OUT); dflash: z-lab's DFlash format (SGLang --speculative-algorithm DFLASH); "
+        "(vllm serve OUT); hf: a caption run of model.kind hf_vlm or llava as a transformers "
+        "folder (AutoModelForImageTextToText + AutoProcessor, LoRA merged); dflash: z-lab's "
+        "DFlash format (SGLang --speculative-algorithm DFLASH); "
         "sentence-transformers: a model.kind=vlm embedder SentenceTransformer(OUT) loads",
     )
     e.add_argument(

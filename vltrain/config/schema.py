@@ -80,7 +80,7 @@ class DataConfig:
     )
     max_visual_tokens: int = option(
         0,
-        "vlm with a patch grid (Qwen2/2.5/3-VL): resize each image, aspect kept, to the "
+        "vlm / hf_vlm with a patch grid (Qwen2/2.5/3-VL): resize each image, aspect kept, to the "
         "largest size with at most this many visual tokens (0: the processor's own rule).",
         ge=0,
     )
@@ -136,7 +136,9 @@ class ModelConfig:
     kind: str = option(
         "dual_encoder",
         "Model registry key: dual_encoder (built-in CLIP), hf_clip / hf_siglip (HF CLIPModel / "
-        "SiglipModel from model.path), vlm (HF image-text-to-text embedder), captioner. "
+        "SiglipModel from model.path), vlm (HF image-text-to-text embedder), captioner, hf_vlm "
+        "(caption stage: an HF image-text-to-text model from model.path), llava (caption stage: "
+        "model.vision_path's tower + model.path's LM + a projector; docs/captioning.md). "
         "Which kinds a stage trains comes from the stage (vltrain.stages.STAGES).",
     )
     path: str = option(
@@ -163,6 +165,11 @@ class ModelConfig:
     lora_dropout: float = option(0.0, "LoRA dropout.", ge=0.0, le=0.9)
     lora_targets: list[str] = option(
         ["q_proj", "k_proj", "v_proj", "o_proj"], "LoRA target module names."
+    )
+    vision_path: str = option(
+        "",
+        "model.kind=llava: the vision tower, an HF CLIP or SigLIP folder (or its vision model), "
+        "or a contrastive run of model.kind hf_clip / hf_siglip (its checkpoint's hf_model/).",
     )
     vision: str = option(
         "tiny",
@@ -216,7 +223,9 @@ class ModelConfig:
     connector_options: dict[str, Any] = option(
         {},
         "Captioner: the connector's own options, e.g. {pool: 2, projector_layers: 2} or "
-        "{n_latents: 16, resampler_layers: 1, xattn_every: 1}.",
+        "{n_latents: 16, resampler_layers: 1, xattn_every: 1}. llava: {feature_layer: -2 (the "
+        "tower layer the projector reads), select_strategy: default (patch tokens) or full "
+        "(CLIP's class token too)}.",
     )
     vision_init_from: str = option(
         "",
@@ -225,7 +234,8 @@ class ModelConfig:
     )
     freeze: list[str] = option(
         [],
-        "Captioner parts to freeze (no gradient, no optimizer state): vision, connector, decoder.",
+        "Captioner / hf_vlm / llava parts to freeze (no gradient, no optimizer state): vision, "
+        "connector, decoder (the language model).",
     )
     target: str = option(
         "",
@@ -843,8 +853,10 @@ def validate_cross_fields(cfg: Config) -> None:
     for key, scale in cfg.optim.lr_scale.items():
         if scale < 0:
             raise ConfigError(f"'optim.lr_scale.{key}' must be >= 0, got {scale}")
-    if cfg.data.max_visual_tokens and cfg.model.kind != "vlm":
-        raise ConfigError("'data.max_visual_tokens' applies to model.kind=vlm (patch-grid VLMs)")
+    if cfg.data.max_visual_tokens and cfg.model.kind not in ("vlm", "hf_vlm"):
+        raise ConfigError(
+            "'data.max_visual_tokens' applies to model.kind vlm or hf_vlm (patch-grid VLMs)"
+        )
     if cfg.model.matryoshka_dims and cfg.model.kind != "vlm":
         raise ConfigError("'model.matryoshka_dims' applies to model.kind=vlm")
     dims = cfg.model.matryoshka_dims

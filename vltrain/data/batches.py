@@ -53,15 +53,17 @@ class PairBatch(TypedDict):
 
 
 class CaptionBatch(TypedDict):
-    """Caption and chat records (`vltrain.data.caption_data.CaptionCollate`)."""
+    """Caption and chat records (`vltrain.data.caption_data.CaptionCollate`; the HF kinds:
+    `vltrain.data.vlm_caption_data.VLMCaptionCollate`)."""
 
-    images: Tensor  # (B, 3, S, S)
+    images: Any  # (B, 3, S, S); HF kinds: a dict of pixel inputs (pixel_values, ...)
     input_ids: Tensor  # (B, T) right-padded
     attention_mask: Tensor  # (B, T)
     labels: Tensor  # (B, T), -100 where nothing is learned
     index: Tensor  # (B,)
     prompt_ids: NotRequired[list[list[int]]]  # eval-style samples: the prompt to decode from
     refs: NotRequired[list[list[str]]]  # eval-style samples: every reference caption
+    visual_tokens: NotRequired[Tensor]  # (B,) HF kinds: image tokens of each image
 
 
 class DraftBatch(TypedDict):

@@ -37,25 +37,31 @@ def _matches(name: str, module: str) -> bool:
     return f".{module}." in f".{name}."
 
 
-def _lr_scale_for(name: str, lr_scale: dict[str, float]) -> float:
-    """The multiplier of the longest matching module path (1.0 when none matches)."""
+def _lr_scale_for(name: str, lr_scale: dict[str, float], part: str | None = None) -> float:
+    """The multiplier of the longest matching module path, or of the parameter's `part`
+    (1.0 when none matches)."""
     best, scale = -1, 1.0
     for module, s in lr_scale.items():
-        if _matches(name, module) and len(module) > best:
+        if (_matches(name, module) or module == part) and len(module) > best:
             best, scale = len(module), s
     return scale
 
 
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
-    """Group trainable parameters by (lr multiplier, weight decay on/off)."""
+    """Group trainable parameters by (lr multiplier, weight decay on/off).
+
+    A model with a ``part_of(name) -> str`` method (the HF VLM wrapper) lets ``optim.lr_scale``
+    name its parts (``vision``) as well as module paths."""
     no_decay = no_decay_names(model)
+    part_of = getattr(model, "part_of", None)
     used_prefixes: set[str] = set()
     groups: dict[tuple[float, bool], dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        scale = _lr_scale_for(name, cfg.lr_scale)
-        used_prefixes.update(m for m in cfg.lr_scale if _matches(name, m))
+        part = part_of(name) if callable(part_of) else None
+        scale = _lr_scale_for(name, cfg.lr_scale, part)
+        used_prefixes.update(m for m in cfg.lr_scale if _matches(name, m) or m == part)
         decay = name not in no_decay
         g = groups.setdefault(
             (scale, decay),

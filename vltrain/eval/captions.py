@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from vltrain.core import distributed
+from vltrain.data.batches import to_device
 from vltrain.data.caption_data import CaptionCollate, CaptionDataset
 from vltrain.data.records import split_bad
 from vltrain.data.samplers import EvalShardSampler
@@ -81,7 +82,7 @@ class CaptionEvaluator:
             if not good:
                 continue
             b = self.collate(good)
-            images = b["images"].to(dev)
+            images = to_device(b["images"], dev)  # pixels, or an HF VLM's dict of them
             out = model(
                 images, b["input_ids"].to(dev), b["attention_mask"].to(dev), b["labels"].to(dev)
             )

@@ -46,6 +46,7 @@ from vltrain.eval.captions import CaptionEvaluator, metric_names
 from vltrain.inference.captioning import decode_captions
 from vltrain.models.backbones import build_captioner, load_initial_weights, load_vision_tower
 from vltrain.models.connectors import CONNECTORS
+from vltrain.stages.caption_hf import HF_CAPTION_KINDS, HFCaptionCore, check_hf_caption_config
 
 #: the captioner's parts, as model.freeze names them
 PARTS = ("vision", "connector", "decoder")
@@ -63,8 +64,9 @@ WHY = {
     "objective.*": "the contrastive stage's",
     "rl.*": "the rl stage's",
     "model.embed_dim": "the dual encoder's",
-    "model.path": "HF backbones are contrastive-stage model kinds",
-    "model.lora_*": "HF backbones are contrastive-stage model kinds",
+    "model.path": "HF models are model.kind hf_vlm or llava here",
+    "model.lora_*": "LoRA applies to model.kind hf_vlm or llava",
+    "model.vision_path": "model.kind=llava's",
 }
 
 
@@ -212,14 +214,23 @@ class CaptionStage:
 
     def __init__(self, cfg: Config, out_dir: Path, ctx: RunContext) -> None:
         self.cfg, self.ctx = cfg, ctx
-        self.core = CaptionCore(cfg, out_dir, ctx)
+        hf = cfg.model.kind in HF_CAPTION_KINDS
+        self.core: Any = (HFCaptionCore if hf else CaptionCore)(cfg, out_dir, ctx)
 
     @classmethod
     def check_config(cls, cfg: Config) -> None:
-        check_captioner_config(cfg, "caption")
+        """The built-in captioner's rules, or those of the HF kinds (`caption_hf`)."""
+        check_choice(
+            "model.kind", cfg.model.kind, ("captioner", *HF_CAPTION_KINDS), "stage caption"
+        )
+        if cfg.model.kind in HF_CAPTION_KINDS:
+            check_hf_caption_config(cfg)
+        else:
+            check_captioner_config(cfg, "caption")
 
     @property
-    def tokenizer(self) -> TextTokenizer:
+    def tokenizer(self) -> Any:
+        """The run's tokenizer (a `TextTokenizer`, or an HF tokenizer for the HF kinds)."""
         return self.core.tokenizer
 
     @classmethod
@@ -269,6 +280,9 @@ class CaptionStage:
         weight = (self.ctx.world_size * n / n_all).to(out["loss"].dtype)
         (out["loss"] * weight * scale).backward()
         metrics = {"token_acc": float(total[1] / n_all), "tokens": float(total[2])}
+        if batch.get("visual_tokens") is not None:  # HF kinds: image tokens per image
+            metrics["visual_tokens_mean"] = float(batch["visual_tokens"].float().mean())
+            metrics["visual_tokens_max"] = float(batch["visual_tokens"].max())
         return StepOutput((total[0] / n_all).float(), metrics)
 
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
@@ -282,7 +296,17 @@ class CaptionStage:
         return self.core.checkpoint_files()
 
     def export(self, model: nn.Module, folder: Path) -> None:
-        """Nothing beyond the weights and the tokenizer."""
+        """Nothing beyond the weights and the tokenizer (or processor); the HF kinds export
+        for transformers with `vltrain export RUN --format hf` (`export_hf`)."""
+
+    def export_hf(self, model: nn.Module, out: Path) -> Path:
+        """HF kinds: a folder plain transformers loads (the model and its processor)."""
+        if not isinstance(self.core, HFCaptionCore):
+            raise ConfigError(
+                f"--format hf exports caption runs of model.kind {' or '.join(HF_CAPTION_KINDS)}"
+                f"; this run trains model.kind={self.cfg.model.kind} (use --format vltrain)"
+            )
+        return self.core.export_hf(model, out)
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from safetensors.torch import save_model
 
+from vltrain.config.core import ConfigError
 from vltrain.core.checkpoint import resolve_checkpoint
 from vltrain.core.files import check_not_input
 from vltrain.tools import export_drafter, export_st
@@ -33,6 +34,19 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, force: bool = Fal
     return out
 
 
+def export_hf(checkpoint: str | Path, out: str | Path, force: bool = False) -> Path:
+    """A caption run of model.kind hf_vlm / llava as a folder plain transformers loads
+    (``AutoModelForImageTextToText`` + ``AutoProcessor``), LoRA merged."""
+    ckpt = resolve_checkpoint(checkpoint)
+    out = Path(out)
+    export_drafter.check_out(out, force)
+    _, stage, model = load_trained(ckpt)
+    if not hasattr(stage, "export_hf"):
+        raise ConfigError("--format hf exports caption runs of model.kind hf_vlm or llava")
+    export_drafter.clear_out(out)
+    return stage.export_hf(model, out)
+
+
 def export_command(
     checkpoint: str,
     out: str,
@@ -44,6 +58,10 @@ def export_command(
     check_not_input(out, [checkpoint], "--out")
     if fmt == "vltrain":
         path = export_checkpoint(checkpoint, out, force)
+    elif fmt == "hf":
+        path = export_hf(checkpoint, out, force)
+        print(f"vltrain: exported {checkpoint} as {fmt} to {path} (transformers from_pretrained)")
+        return 0
     elif fmt == export_st.FORMAT:
         path = export_st.export_sentence_transformers(checkpoint, out, force)
         print(f"vltrain: exported {checkpoint} as {fmt} to {path} (SentenceTransformer(path))")

@@ -1,0 +1,323 @@
+"""Caption and chat records as inputs of a Hugging Face VLM (model kinds hf_vlm and llava).
+
+`VLMCaptionDataset` reads the records the caption stage reads (`read_caption_source`) and
+yields the image at its native size plus a chat: a chat record's ``messages``, or a caption as
+a one-turn chat (user: ``caption.instruction`` in sft, ``caption.prompt`` otherwise; assistant:
+the caption drawn for (seed, epoch, index)). `VLMCaptionCollate` turns a batch into model inputs
+with the model's own tokenizer and image processor, loaded lazily from a local folder:
+
+- ``chat`` format (sft; every mode of hf_vlm): the model's chat template; loss on the assistant
+  turns only (`vlm_sft_labels`).
+- ``plain`` format (llava pretrain/finetune): ``[bos] <image tokens>\\n{prompt}{caption}{eos}``;
+  loss on the caption and its eos.
+
+Image placeholders are expanded to each image's count of visual tokens by the processor's own
+rule (patch-grid VLMs: `vltrain.data.visual_tokens`, with ``data.max_visual_tokens`` enforced
+by construction), and the text is tokenised segment by segment (prompt / target), so the label
+boundary is exact and a prompt tokenises as generation sees it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from vltrain.data.batches import CaptionBatch
+from vltrain.data.caption_data import read_caption_source
+from vltrain.data.hf_collate import to_pil
+from vltrain.data.images import BadSample, check_text
+from vltrain.data.readers import DataError
+from vltrain.data.records import as_key, caption_index
+from vltrain.data.sources import Source, load_source_image
+from vltrain.data.visual_tokens import read_patch_grid, resize_for_budget
+
+IGNORE_INDEX = -100
+GRID_VLMS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+Message = dict[str, str]
+
+
+class VLMCaptionDataset(Dataset):
+    """``{"image": PIL, "messages", "index", "key"}``; eval samples add ``refs``. Bad content
+    becomes the ``{"bad": reason, ...}`` marker the engine counts."""
+
+    def __init__(
+        self,
+        source: Source,
+        *,
+        seed: int,
+        mode: str,
+        prompt: str = "",
+        instruction: str = "describe the image.",
+        train: bool = True,
+    ) -> None:
+        if mode != "sft" and any("messages" in r for r in source.records):
+            raise DataError(
+                f"{source.path} holds chat records ('messages'); train them with caption.mode=sft"
+            )
+        self.source, self.seed, self.mode, self.train = source, seed, mode, train
+        self.user_text = instruction if mode == "sft" else prompt
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        return self.source.records
+
+    @records.setter
+    def records(self, value: list[dict[str, Any]]) -> None:
+        self.source.records = value
+
+    def __len__(self) -> int:
+        return len(self.source.records)
+
+    def __getitem__(self, key: Any) -> dict[str, Any]:
+        epoch, _, index = as_key(key)
+        rec = self.source.records[index]
+        label = f"{self.source.path}:id={rec['id']}"
+        try:
+            out: dict[str, Any] = {"index": index, "key": key}
+            if "messages" in rec:
+                msgs = [
+                    {"role": m["role"], "content": check_text(m["content"], label)}
+                    for m in rec["messages"]
+                ]
+                refs = [
+                    msgs[max(i for i, m in enumerate(msgs) if m["role"] == "assistant")]["content"]
+                ]
+            else:
+                refs = [check_text(t, label) for t in rec["text"]]
+                if not refs:
+                    raise BadSample("bad_text", label, "record has no captions")
+                pick = 0
+                if self.train and len(refs) > 1:
+                    pick = caption_index(len(refs), self.seed, epoch, index)
+                msgs = [
+                    {"role": "user", "content": self.user_text},
+                    {"role": "assistant", "content": refs[pick]},
+                ]
+            out["messages"] = msgs
+            if not self.train:
+                out["refs"] = refs
+            out["image"] = load_source_image(self.source, rec["image"], 0, label, native=True)
+            return out
+        except BadSample as e:
+            where = e.path or str(rec["image"])
+            return {"bad": e.reason, "path": where, "detail": e.detail, "key": key, "index": index}
+
+
+def read_vlm_dataset(path: str | os.PathLike[str], **kw: Any) -> VLMCaptionDataset:
+    """A `VLMCaptionDataset` over any source the caption stage reads."""
+    return VLMCaptionDataset(read_caption_source(path), **kw)
+
+
+# ---- chat rendering and labels -----------------------------------------------------------
+
+
+def _render(tok: Any, messages: Sequence[Message], image_markup: str | None, gen: bool) -> str:
+    """The chat template over `messages`, the image in the first user turn: a content list
+    ``[{"type": "image"}, {"type": "text"}]`` (VLM templates), or, when `image_markup` is a
+    string, that text prepended to the first user turn (text-LM templates)."""
+    conv: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        first = i == 0
+        if image_markup is None:
+            content: Any = [{"type": "image"}] if first else []
+            if m["content"]:
+                content.append({"type": "text", "text": m["content"]})
+        else:
+            content = (image_markup if first else "") + m["content"]
+        conv.append({"role": m["role"], "content": content})
+    return tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen)
+
+
+def chat_segments(
+    tok: Any, messages: Sequence[Message], image_markup: str | None = None
+) -> list[tuple[str, bool]]:
+    """The rendered chat cut into (text, is_target) segments: each assistant turn (its content
+    and end-of-turn text, up to the next turn) is a target; found by rendering the chat's
+    prefixes, so any template whose prefixes render as prefixes of the whole works."""
+    full = _render(tok, messages, image_markup, gen=False)
+    segments, pos = [], 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start = len(_render(tok, messages[:i], image_markup, gen=True))
+        end = len(_render(tok, messages[: i + 1], image_markup, gen=False))
+        prefix = _render(tok, messages[: i + 1], image_markup, gen=False)
+        if not full.startswith(prefix) or start < pos or start > end:
+            raise ValueError(
+                "the chat template does not render a conversation's prefixes as prefixes of it "
+                "(it rewrites earlier turns), so assistant tokens cannot be told apart; use a "
+                "template without history rewriting"
+            )
+        segments += [(full[pos:start], False), (full[start:end], True)]
+        pos = end
+    if pos < len(full):
+        segments.append((full[pos:], False))
+    return [s for s in segments if s[0]]
+
+
+def encode_segments(tok: Any, segments: Sequence[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+    """Token ids and labels (-100 off target) of segments tokenised one by one."""
+    ids: list[int] = []
+    labels: list[int] = []
+    for text, target in segments:
+        t = tok(text, add_special_tokens=False)["input_ids"]
+        ids += t
+        labels += t if target else [IGNORE_INDEX] * len(t)
+    return ids, labels
+
+
+def vlm_sft_labels(
+    tok: Any,
+    messages: Sequence[Message],
+    image_token: str,
+    image_replacement: str,
+    image_markup: str | None = None,
+) -> tuple[list[int], list[int]]:
+    """SFT input ids and labels of one chat with one image: the model's chat template, the
+    image placeholder expanded to `image_replacement` (its visual tokens), labels on the
+    assistant turns only (IGNORE_INDEX elsewhere). `image_markup`: None for VLM templates
+    (content lists), else the text an image is in a text-LM template (llava kind)."""
+    segs = chat_segments(tok, messages, image_markup)
+    segs = [(t.replace(image_token, image_replacement, 1), g) for t, g in segs]
+    return encode_segments(tok, segs)
+
+
+# ---- collate -----------------------------------------------------------------------------
+
+
+class VLMCaptionCollate:
+    """Picklable collate: samples -> ``images`` (dict of pixel inputs), ``input_ids``,
+    ``attention_mask``, ``labels`` (right-padded), ``index``, ``visual_tokens``; eval samples
+    add ``prompt_ids`` and ``refs``."""
+
+    def __init__(
+        self,
+        processor_dir: str,
+        model_type: str,
+        fmt: str,
+        max_text_len: int,
+        max_visual_tokens: int | None = None,
+        image_markup: str | None = None,
+    ) -> None:
+        self.dir, self.model_type, self.fmt = str(processor_dir), model_type, fmt
+        self.image_markup = image_markup
+        self.max_text_len, self.max_visual_tokens = max_text_len, max_visual_tokens
+        self._st: dict[str, Any] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_st": None}
+
+    def _load(self) -> dict[str, Any]:
+        if self._st is None:
+            self._st = load_processor(self.dir, self.model_type)
+        return self._st
+
+    def images(self, pils: list[Any]) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """Pixel inputs of a batch of images and each image's placeholder expansion."""
+        st = self._load()
+        pils = [to_pil(p) for p in pils]
+        if st["grid"] is not None:
+            g, kw = st["grid"], {}
+            if self.max_visual_tokens:
+                pils = [
+                    resize_for_budget(
+                        im, g.patch_size, g.merge_size, self.max_visual_tokens, g.min_pixels
+                    )[0]
+                    for im in pils
+                ]
+                kw["do_resize"] = False
+            out = st["image_processor"](images=pils, return_tensors="pt", **kw)
+            counts = [int(t.prod()) // g.merge_size**2 for t in out["image_grid_thw"]]
+            reps = [st["image_token"] * n for n in counts]
+            return {
+                "pixel_values": out["pixel_values"],
+                "image_grid_thw": out["image_grid_thw"],
+            }, reps
+        proc = st["processor"]
+        kw = proc._merge_kwargs(
+            tokenizer_init_kwargs=proc.tokenizer.init_kwargs, return_tensors="pt"
+        )["images_kwargs"]
+        inputs, reps = proc._process_images([[p] for p in pils], **kw)
+        keep = {k: v for k, v in inputs.items() if torch.is_tensor(v)}
+        return keep, reps
+
+    def encode(self, messages: Sequence[Message], replacement: str) -> tuple[list[int], list[int]]:
+        """Ids and labels of one sample (see the module doc for the two formats)."""
+        st = self._load()
+        tok = st["tokenizer"]
+        if self.fmt == "chat":
+            return vlm_sft_labels(tok, messages, st["image_token"], replacement, self.image_markup)
+        prompt = (tok.bos_token or "") + replacement + "\n" + messages[0]["content"]
+        caption = messages[-1]["content"] + (tok.eos_token or "")
+        return encode_segments(tok, [(prompt, False), (caption, True)])
+
+    def prompt_ids(self, messages: Sequence[Message], replacement: str) -> list[int]:
+        """What decoding continues: everything before the last assistant turn's content."""
+        st = self._load()
+        tok = st["tokenizer"]
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        if self.fmt == "chat":
+            text = _render(tok, messages[:last], self.image_markup, gen=True)
+        else:
+            text = (tok.bos_token or "") + st["image_token"] + "\n" + messages[0]["content"]
+        text = text.replace(st["image_token"], replacement, 1)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    def __call__(self, samples: list[dict[str, Any]]) -> CaptionBatch:
+        st = self._load()
+        pixel, reps = self.images([s["image"] for s in samples])
+        rows, visual = [], []
+        for s, rep in zip(samples, reps, strict=True):
+            ids, labels = self.encode(s["messages"], rep)
+            n_img = rep.count(st["image_token"])
+            cut = sum(1 for x in ids if x == st["image_token_id"]) + self.max_text_len
+            rows.append((ids[:cut], labels[:cut]))  # text beyond the image tokens is cut
+            visual.append(n_img)
+        t = max(len(r[0]) for r in rows)
+        pad = st["tokenizer"].pad_token_id or 0
+        ids = torch.full((len(rows), t), pad, dtype=torch.long)  # (B, T)
+        labels = torch.full((len(rows), t), IGNORE_INDEX, dtype=torch.long)  # (B, T)
+        mask = torch.zeros((len(rows), t), dtype=torch.long)  # (B, T)
+        for i, (row_ids, row_labels) in enumerate(rows):
+            ids[i, : len(row_ids)] = torch.tensor(row_ids)
+            labels[i, : len(row_labels)] = torch.tensor(row_labels)
+            mask[i, : len(row_ids)] = 1
+        batch: CaptionBatch = {
+            "images": pixel,
+            "input_ids": ids,
+            "attention_mask": mask,
+            "labels": labels,
+            "index": torch.tensor([s["index"] for s in samples]),
+            "visual_tokens": torch.tensor(visual),
+        }
+        if "refs" in samples[0]:
+            batch["prompt_ids"] = [
+                self.prompt_ids(s["messages"], r) for s, r in zip(samples, reps, strict=True)
+            ]
+            batch["refs"] = [s["refs"] for s in samples]
+        return batch
+
+
+def load_processor(path: str, model_type: str) -> dict[str, Any]:
+    """Tokenizer, image side and image token of a VLM's processor folder, without torchvision:
+    patch-grid VLMs read their PIL image processor (the Qwen-VL processors need torchvision
+    for their video half), the others their own ``AutoProcessor``."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    kw = {"local_files_only": True}
+    st: dict[str, Any] = {"grid": None}
+    if model_type in GRID_VLMS:
+        tok = AutoTokenizer.from_pretrained(path, **kw)
+        st["image_processor"] = AutoImageProcessor.from_pretrained(path, backend="pil", **kw)
+        st["grid"] = read_patch_grid(st["image_processor"])
+        st["image_token"] = "<|image_pad|>"
+    else:
+        proc = AutoProcessor.from_pretrained(path, **kw)
+        tok, st["processor"], st["image_token"] = proc.tokenizer, proc, proc.image_token
+    st["tokenizer"] = tok
+    st["image_token_id"] = tok.convert_tokens_to_ids(st["image_token"])
+    return st
