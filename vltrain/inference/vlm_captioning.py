@@ -1,9 +1,8 @@
 """Caption decoding for the HF VLM kinds (hf_vlm, llava) of the caption stage.
 
-`decode_vlm_captions` is the one place the caption stage decodes an HF VLM; it calls the
-transformers model's own ``generate`` (greedy or beam). It is kept apart so that the decoder
-loop's HF VLM target (`vltrain.inference.decoding.generate` over an ``HFVLMTarget``) can
-replace it without touching the stage.
+`decode_vlm_captions` is the one place the caption stage decodes an HF VLM: the one decoder
+loop (`vltrain.inference.decoding.generate`) over an ``HFVLMTarget`` of the transformers model,
+token for token what HF ``generate`` gives (tests/inference/test_vlm_target.py).
 """
 
 from __future__ import annotations
@@ -13,6 +12,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from vltrain.inference.decoding import generate
+from vltrain.inference.vlm_target import HFVLMTarget
 
 
 def left_pad_prompts(prompt_ids: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
@@ -38,32 +40,27 @@ def decode_vlm_ids(
     max_new_tokens: int = 24,
     length_penalty: float = 1.0,
 ) -> list[list[int]]:
-    """New token ids per row (up to and including the end token), decoded by HF ``generate``.
+    """New token ids per row (up to and including the end token), decoded by the one decoder
+    loop (`vltrain.inference.decoding.generate`) over an `HFVLMTarget` of the transformers model.
 
-    `model` is an `HFVLM`; greedy (``strategy="greedy"``) or beam search (``"beam"``)."""
+    `model` is an `HFVLM`; greedy (``strategy="greedy"``) or beam search (``"beam"``). The
+    target uses the model's generation config (end tokens, pad), as HF ``generate`` does."""
     if strategy not in ("greedy", "beam"):
         raise ValueError(f"strategy must be greedy or beam, got {strategy!r}")
     dev = next(model.parameters()).device
     ids, mask = left_pad_prompts(prompt_ids, pad_id)
     inputs = model.model_inputs(images, ids.to(dev), mask.to(dev))
-    beams = num_beams if strategy == "beam" else 1
-    extra = {"length_penalty": length_penalty} if beams > 1 else {}
-    out = model.model.generate(
-        **inputs,
-        do_sample=False,
-        num_beams=beams,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=pad_id,
-        **extra,
+    target = HFVLMTarget(model.base_model(), eos_token_id=_end_token(model.base_model(), pad_id))
+    room = target.room(ids.shape[1])
+    out = generate(
+        target,
+        dict(inputs),
+        strategy,  # type: ignore[arg-type]
+        max_new_tokens=max_new_tokens if room is None else max(1, min(max_new_tokens, room)),
+        num_beams=num_beams,
+        length_penalty=length_penalty,
     )
-    new = out[:, ids.shape[1] :].tolist()
-    eos = model.base_model().generation_config.eos_token_id
-    ends = set(eos if isinstance(eos, list) else [eos]) | {pad_id}
-    rows = []
-    for row in new:
-        cut = next((i + 1 for i, t in enumerate(row) if t in ends), len(row))
-        rows.append(row[:cut])
-    return rows
+    return [s[: int(n)].tolist() for s, n in zip(out.sequences, out.lengths, strict=True)]
 
 
 def decode_vlm_captions(
@@ -78,3 +75,16 @@ def decode_vlm_captions(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rows = decode_vlm_ids(model, images, prompt_ids, strategy, pad_id=pad, **kw)
     return [tokenizer.decode(r, skip_special_tokens=True).strip() for r in rows]
+
+
+def _end_token(model: Any, pad_id: int) -> int:
+    """The id that ends a caption: the generation config's (or config's) EOS; the first of a list
+    (the decoder loop stops on one id); the pad id when the model defines none, which is where
+    a caption of such a model ends in HF ``generate``'s right-padded output too."""
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return pad_id
