@@ -160,7 +160,14 @@ def test_qwen3vl_loss_with_lora_under_the_torchrun_cli_equals_one_process(
     mask masking some but not all terms at every step: each step's loss equals the 1-process
     run on the same global batch of 8 (2 x 4 per rank, GradCache chunks of 3 on the 2 ranks,
     none on 1) to LOSS_TOL (2e-5; measured <= 1e-6, masked fraction 0.78-0.82), and the final
-    weights to PARAM_TOL (measured 1.2e-7). ~16 s on one idle Xeon core: slow."""
+    weights to PARAM_TOL (measured 1.2e-7). The query prompts of a batch differ in length, so
+    the attention mask pads them too. ~16 s on one idle Xeon core: slow."""
+    from vltrain.data.hf_collate import HFCollate
+
+    records = [json.loads(x) for x in (tiny_pages / "train.jsonl").read_text().splitlines()]
+    collate = HFCollate(qwen3vl_dir, "vlm", 16, 4, "Retrieve the page. Query: ", "")
+    _, mask = collate.text_batch([r["query"]["text"] for r in records[:8]])
+    assert len(set(mask.sum(1).tolist())) > 1  # padded rows: the mask is not all ones
     opts = {
         **_extra(qwen3vl_dir, tiny_pages),
         "data.eval": "",
