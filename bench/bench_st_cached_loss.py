@@ -15,20 +15,29 @@ own subprocess (`bench_grad_cache.py`'s method: VmHWM after a reset), median of 
 
     PYTHONPATH=. python bench/bench_st_cached_loss.py [--batch 16] [--chunk 4] [--runs 5]
 
+`--parity-only` prints only the loss / gradient table, adding with `--world 2` both methods on 2
+gloo processes (each process half the batch; vltrain's InfoNCE gathers across ranks, CMNRL with
+``gather_across_devices=True``; gradients averaged over the ranks as DDP would), and with
+`--float64` everything in float64 (models, embeddings, logits: vltrain's ``.float()`` upcasts
+then keep float64). vltrain against itself with one chunk per side, and each method on 1 vs 2
+processes, show how far fp32 reduction order alone moves the numbers.
+
 Runs in the bench venv (sentence-transformers >= 5.4; no torchvision).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import math
 import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +78,37 @@ def hard_negative_pages(root: Path, batch: int, k: int) -> list[list[Path]]:
     return [[root / "pages" / r[j]["image"] for r in rows] for j in range(k)]
 
 
-def build(root: Path, batch: int, chunk: int, negatives: int = 0) -> dict[str, Callable[[], Any]]:
-    """Step functions for both methods (and the models, for the gradient check)."""
+@contextlib.contextmanager
+def keep_float64(on: bool) -> Iterator[None]:
+    """vltrain upcasts embeddings and logits with ``.float()`` (never below fp32); in the float64
+    runs that call keeps a float64 tensor float64 instead of rounding it to fp32."""
+    if not on:
+        yield
+        return
+    to_fp32 = torch.Tensor.float
+
+    def at_least_fp32(self: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
+        return self if self.dtype == torch.float64 else to_fp32(self, *args, **kw)
+
+    torch.Tensor.float = at_least_fp32
+    try:
+        yield
+    finally:
+        torch.Tensor.float = to_fp32
+
+
+def build(
+    root: Path,
+    batch: int,
+    chunk: int,
+    negatives: int = 0,
+    rank: int = 0,
+    world: int = 1,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, Callable[[], Any]]:
+    """Step functions for both methods (and the models, for the gradient check). `world` > 1:
+    this process holds rows [rank * batch / world, (rank + 1) * batch / world) of the batch and
+    both losses gather across the ranks (vltrain's InfoNCE, CMNRL's gather_across_devices)."""
     from PIL import Image
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.losses import (
@@ -81,11 +119,13 @@ def build(root: Path, batch: int, chunk: int, negatives: int = 0) -> dict[str, C
     cfg = load_config(root / "run" / "config.yaml")
     m = cfg.model
     temperature = cfg.objective.temperature
+    rows = slice(rank * batch // world, (rank + 1) * batch // world)
     images, texts = pages_and_queries(root, batch)
+    images, texts = images[rows], texts[rows]
     pils = [Image.open(p).convert("RGB") for p in images]
 
     emb = VLMEmbedder(out, instruction_query=m.instruction_query, instruction_doc=m.instruction_doc)
-    emb.train()
+    emb.to(dtype).train()
     collate = HFCollate(
         out, "vlm", cfg.data.max_text_len, None, m.instruction_query, m.instruction_doc
     )
@@ -93,19 +133,25 @@ def build(root: Path, batch: int, chunk: int, negatives: int = 0) -> dict[str, C
         [Image.open(p).convert("RGB") for p in col]
         for col in hard_negative_pages(root, batch, negatives)
     ]
+    negs = [col[rows] for col in negs]
     q_in = collate.text_batch(texts, role="query")
     d_in = collate.image_batch(pils, role="doc")[0]
     n_in = [collate.image_batch(col, role="doc")[0] for col in negs]
     ours_loss = InfoNCELoss(
-        temperature=temperature, learn_temperature=False, symmetric=False, gather=False
-    )
+        temperature=temperature, learn_temperature=False, symmetric=False, gather=world > 1
+    ).to(dtype)
+    # the buffer holds log(1 / temperature) rounded to fp32; float64 runs take it unrounded
+    ours_loss.logit_scale.fill_(math.log(1.0 / temperature))
 
     with qwen_processor_without_video():
-        st = SentenceTransformer(str(out), device="cpu").train()
+        st = SentenceTransformer(str(out), device="cpu").to(dtype).train()
     q = st.preprocess(texts, prompt=m.instruction_query)
     d = st.preprocess(pils, prompt=m.instruction_doc)
     n = [st.preprocess(col, prompt=m.instruction_doc) for col in negs]
-    cmnrl = CachedMultipleNegativesRankingLoss(st, scale=1.0 / temperature, mini_batch_size=chunk)
+    cmnrl = CachedMultipleNegativesRankingLoss(
+        st, scale=1.0 / temperature, mini_batch_size=chunk, gather_across_devices=world > 1
+    )
+    wide = dtype == torch.float64
 
     def ours(rows: int = chunk) -> torch.Tensor:
         """`rows` per chunk; `batch`: one chunk per side, the noise floor's reference."""
@@ -114,17 +160,20 @@ def build(root: Path, batch: int, chunk: int, negatives: int = 0) -> dict[str, C
         # query against every positive and every negative, as CMNRL's extra columns
         n_chunks = [c for x in n_in for c in split_rows(x, rows)]
         sides = [split_rows(q_in, rows), split_rows(d_in, rows)] + ([n_chunks] if n_in else [])
-        loss, _ = grad_cache(
-            [lambda ids, mask: emb.encode_text(ids, mask), *[emb.encode_image] * (len(sides) - 1)],
-            sides,
-            lambda e: ours_loss(e[0], e[1], e[2] if len(e) > 2 else None),
-        )
+        with keep_float64(wide):
+            loss, _ = grad_cache(
+                [lambda ids, mask: emb.encode_text(ids, mask)]
+                + [emb.encode_image] * (len(sides) - 1),
+                sides,
+                lambda e: ours_loss(e[0], e[1], e[2] if len(e) > 2 else None),
+            )
         return loss
 
     def theirs() -> torch.Tensor:
         st.zero_grad(set_to_none=False)
-        loss = cmnrl([dict(q), dict(d), *(dict(f) for f in n)], None)
-        loss.backward()
+        with keep_float64(wide):
+            loss = cmnrl([dict(q), dict(d), *(dict(f) for f in n)], None)
+            loss.backward()
         return loss.detach()
 
     return {
@@ -167,6 +216,117 @@ def agreement(steps: dict[str, Callable[[], Any]]) -> dict[str, float]:
         "grad_max_abs": biggest,
         "params_compared": compared,
     }
+
+
+def _loss_and_grads(step: Callable[[], Any], model: torch.nn.Module) -> dict[str, Any]:
+    loss = float(step())
+    return {
+        "loss": loss,
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+    }
+
+
+def _compare(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float, float]:
+    """(|loss diff|, max |grad diff| over the shared parameters by name, largest |grad|)."""
+    names = a["grads"].keys() & b["grads"].keys()
+    assert len(names) == len(a["grads"]) == len(b["grads"]), "different trainable parameters"
+    grad = max(float((a["grads"][k] - b["grads"][k]).abs().max()) for k in names)
+    biggest = max(float(g.abs().max()) for g in a["grads"].values())
+    return abs(a["loss"] - b["loss"]), grad, biggest
+
+
+def dist_worker(spec: dict[str, Any]) -> None:
+    """One rank of the 2-process run: both methods on this rank's half of the batch, gathering
+    across ranks; losses and gradients averaged over the ranks (what DDP's all-reduce makes of
+    them), written by rank 0."""
+    import torch.distributed as dist
+
+    from vltrain.core import distributed
+
+    # tests/conftest.py (imported through the test helpers) checks every collective as NCCL
+    # would; sentence-transformers' gather runs on these CPU tensors under gloo by design
+    distributed.set_strict(None)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    dtype = torch.float64 if spec["float64"] else torch.float32
+    root, batch = Path(spec["root"]), spec["batch"]
+    steps = build(root, batch, spec["chunk"], spec["negs"], rank, world, dtype)
+    models = dict(zip(("vltrain", "st_cached"), steps["_models"](), strict=True))
+    result = {}
+    for name, model in models.items():
+        r = _loss_and_grads(steps[name], model)
+        # vltrain: every rank holds the global batch's loss; CMNRL: the loss of its rows
+        loss = distributed.all_reduce_mean(torch.tensor(r["loss"], dtype=torch.float64))
+        grads = {k: distributed.all_reduce_mean(g) for k, g in r["grads"].items()}
+        result[name] = {"loss": float(loss), "grads": grads}
+    if rank == 0:
+        torch.save(result, spec["out"])
+    dist.destroy_process_group()
+
+
+def parity(batch: int, chunk: int, negatives: int, world: int, float64: bool) -> None:
+    """Loss and gradients of vltrain and CMNRL, 1 process and (`world` 2) 2 gloo processes,
+    fp32 or float64; each against the others and vltrain against itself with one chunk."""
+    import os
+
+    import sentence_transformers
+
+    dtype = torch.float64 if float64 else torch.float32
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        prepare(root)
+        steps = build(root, batch, chunk, negatives, dtype=dtype)
+        ours_model, st_model = steps["_models"]()
+        runs = {
+            "vltrain 1 process, one chunk per side": _loss_and_grads(
+                steps["_vltrain_one_chunk"], ours_model
+            )
+        }
+        runs["vltrain 1 process"] = _loss_and_grads(steps["vltrain"], ours_model)
+        runs["CMNRL 1 process"] = _loss_and_grads(steps["st_cached"], st_model)
+        if world > 1:
+            spec = {"root": str(root), "batch": batch, "chunk": chunk, "negs": negatives}
+            spec |= {"float64": float64, "out": str(root / "dist.pt")}
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+            cmd += [f"--nproc_per_node={world}", __file__, "--_dist", json.dumps(spec)]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+            res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if res.returncode:
+                raise SystemExit(res.stdout[-3000:] + res.stderr[-3000:])
+            dist_res = torch.load(root / "dist.pt", weights_only=True)
+            runs[f"vltrain {world} gloo ranks"] = dist_res["vltrain"]
+            runs[f"CMNRL {world} processes, gather_across_devices"] = dist_res["st_cached"]
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    cpu = next((x.split(":", 1)[1].strip() for x in cpu.splitlines() if "Model name" in x), "")
+    print(
+        f"\nmachine: {cpu or platform.machine()} CPU, 1 thread; {datetime.date.today()}; torch "
+        f"{torch.__version__}, sentence-transformers {sentence_transformers.__version__}; "
+        f"{'float64' if float64 else 'fp32'}; batch {batch} queries + {batch} pages + "
+        f"{negatives} page hard negatives each, chunk {chunk}, scale 50, query -> doc"
+    )
+    print(
+        f"command: PYTHONPATH=. python bench/bench_st_cached_loss.py --batch {batch} --chunk "
+        f"{chunk} --negatives {negatives} --world {world}{' --float64' if float64 else ''} "
+        "--parity-only\n"
+    )
+    print("| run | loss | vs vltrain 1 process: loss / max grad diff | vs CMNRL 1 process |")
+    print("|---|---|---|---|")
+    for name, r in runs.items():
+        a = _compare(r, runs["vltrain 1 process"])
+        b = _compare(r, runs["CMNRL 1 process"])
+        print(f"| {name} | {r['loss']:.9f} | {a[0]:.1e} / {a[1]:.1e} | {b[0]:.1e} / {b[1]:.1e} |")
+    if world > 1:
+        x = _compare(
+            runs[f"vltrain {world} gloo ranks"],
+            runs[f"CMNRL {world} processes, gather_across_devices"],
+        )
+        ok = x[0] <= TOL and x[1] <= TOL
+        print(
+            f"\nvltrain {world} ranks vs CMNRL {world} processes: loss {x[0]:.1e}, max grad "
+            f"{x[1]:.1e} (largest |grad| {x[2]:.2f}): {'ok' if ok else 'MISMATCH'} (<= {TOL})"
+        )
 
 
 def memory(root: Path, method: str, batch: int, chunk: int, negatives: int) -> float:
@@ -248,10 +408,20 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=4)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--negatives", type=int, default=0, help="page hard negatives per query (<= 2)")
+    ap.add_argument("--world", type=int, default=1, help="with --parity-only: 2 gloo processes")
+    ap.add_argument("--float64", action="store_true", help="with --parity-only: both in float64")
+    ap.add_argument("--parity-only", action="store_true", help="loss/gradient tables, no timing")
     ap.add_argument("--_mem", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--_dist", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._mem:
         memory_child(json.loads(args._mem))
+        return 0
+    if args._dist:
+        dist_worker(json.loads(args._dist))
+        return 0
+    if args.parity_only:
+        parity(args.batch, args.chunk, args.negatives, args.world, args.float64)
         return 0
     run(args.batch, args.chunk, args.runs, args.negatives)
     return 0

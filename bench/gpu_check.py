@@ -20,6 +20,10 @@ Checks (each row: check, status ok|FAILED|skipped, result, seconds):
   train.parallel=fsdp` on CUDA, bf16;
 - grad_cache_qwen3vl2b: GradCache (chunks of 8 of 32 texts) through a randomly initialised
   Qwen3-VL-2B-sized language model (no weights downloaded): step time and peak memory;
+- embed_pages_qwen3vl2b: the reference workload's step (bench/gpu_embed_pages.py) on a random
+  Qwen3-VL-Embedding-2B-sized model with LoRA r16: 64 text queries, 64 875x1024 pages capped
+  at 1,280 visual tokens and 5 page negatives each, GradCache chunks of 8: step time and peak
+  memory, next to the uncached step at the largest batch that fits;
 - clip_mfu: a CLIP ViT-B/16 training step (batch 128, bf16 autocast, AdamW): FLOPs from
   torch's FlopCounterMode, MFU against --peak-tflops, peak memory, open_clip's ViT-B-16
   side by side when open_clip is installed;
@@ -350,6 +354,17 @@ def check_grad_cache_qwen3vl(args: argparse.Namespace) -> tuple[str, str]:
     )
 
 
+def check_embed_pages_qwen3vl(args: argparse.Namespace) -> tuple[str, str]:
+    """The reference workload's step on a Qwen3-VL-Embedding-2B-sized random model, GradCache
+    vs the uncached step at the largest batch that fits (bench/gpu_embed_pages.py)."""
+    if _absent(args):
+        return _no_gpu()
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_embed_pages
+
+    return gpu_embed_pages.row(gpu_embed_pages.run(args.work / "embed_pages", args.device))
+
+
 def _clip_step_stats(model: torch.nn.Module, step: Callable[[], None]) -> tuple[float, float]:
     """(FLOPs of one step, median seconds of 5 steps after 2 warmup)."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -526,6 +541,7 @@ CHECKS: dict[str, Callable[[argparse.Namespace], tuple[str, str]]] = {
     "nccl_fsdp": check_nccl_fsdp,
     "fsdp_cli": check_fsdp_cli,
     "grad_cache_qwen3vl2b": check_grad_cache_qwen3vl,
+    "embed_pages_qwen3vl2b": check_embed_pages_qwen3vl,
     "clip_mfu": check_clip_mfu,
     "drafter_smollm2": check_drafter_smollm2,
 }

@@ -30,6 +30,7 @@ def test_gpu_check_runs_on_cpu_and_skips_gpu_parts_clearly() -> None:
         "nccl_fsdp",
         "fsdp_cli",
         "grad_cache_qwen3vl2b",
+        "embed_pages_qwen3vl2b",
         "clip_mfu",
         "drafter_smollm2",
     ]
@@ -65,6 +66,38 @@ def test_every_gpu_row_runs_its_code_on_the_cpu(tmp_path: Path) -> None:
     assert "gloo over 2 CPU ranks ok" in rows["nccl_fsdp"]
     assert "sharded checkpoint written: True" in rows["fsdp_cli"]
     assert "chain tau" in rows["drafter_smollm2"] and "DIFFERS" not in rows["drafter_smollm2"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine runs the real checks")
+def test_embed_pages_row_runs_gradcache_and_the_uncached_step_on_the_cpu(tmp_path: Path) -> None:
+    """The reference-workload row on a tiny random Qwen3-VL through VLMEmbedder, HFCollate and
+    GradCache with 5 page negatives per query: every LoRA tensor gets a gradient, the uncached
+    step fits the whole batch on the CPU and its loss equals GradCache's (fp32, <= 1e-5)."""
+    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--work", str(tmp_path)]
+    res = subprocess.run(
+        [*cmd, "--only", "embed_pages_qwen3vl2b"], capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stdout + res.stderr[-2000:]
+    row = next(r for r in res.stdout.splitlines() if r.startswith("| embed_pages_qwen3vl2b"))
+    assert "| ok |" in row, row
+    assert "4 queries + 4 pages + 20 page negatives" in row and "cap 1280" in row
+    assert "largest batch that fits 4" in row and "GradCache's differs by" in row
+    assert "without a grad" not in row
+
+
+def test_embed_pages_row_fails_when_gradcache_changes_the_loss() -> None:
+    """The row's verdict is not vacuous: a loss that GradCache moved, or a LoRA tensor left
+    without a gradient, is FAILED."""
+    mod = load_bench("gpu_embed_pages")
+    good = dict(no_grad=0, uncached_batch=4, batch=4, chunk=2, page=(35, 41), fp32=True)
+    good |= dict(params_b=5e-5, trainable_m=0.01, visual_tokens=20, gib_cached=None)
+    good |= dict(gib_uncached=None, s_cached=0.5, s_uncached=0.1)
+    good |= dict(loss_cached=3.28170, loss_uncached=3.28170)
+    assert mod.row(good)[0] == "ok"
+    assert mod.row({**good, "loss_uncached": 3.2818})[0] == "FAILED"
+    assert mod.row({**good, "no_grad": 1})[0] == "FAILED"
+    assert mod.row({**good, "uncached_batch": 0, "s_uncached": float("nan")})[0] == "FAILED"
 
 
 def _module():
