@@ -44,6 +44,7 @@ HARMLESS = (
     "train.eval_every",
     "train.save_every",
     "train.keep_last",
+    "train.checkpoint_on",
     "train.log_every",
     "train.resume",
     "train.overwrite",
