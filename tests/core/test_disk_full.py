@@ -172,6 +172,24 @@ def test_metrics_jsonl_never_holds_half_a_line(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == [1, 3]
 
 
+def test_an_atomic_rewrite_on_a_full_disk_names_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vltrain.core import files
+
+    target = tmp_path / "summary.json"
+    target.write_text("old")
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files.os, "fsync", full)
+    with pytest.raises(OSError) as info:
+        files.atomic_write_text(target, "new")
+    assert info.value.filename == str(target) and "free on" in os_error_message(info.value)
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == [target.name]
+
+
 def test_a_full_disk_during_export_is_one_error_and_leaves_no_partial_export(
     shapes_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:

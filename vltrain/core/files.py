@@ -123,8 +123,10 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, p)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None:  # a failed write: name the file
+            raise OSError(e.errno, e.strerror, str(p)) from None
         raise
 
 
