@@ -79,7 +79,12 @@ def os_error_message(e: OSError) -> str:
     reason = e.strerror or str(e)
     if not paths:  # raised with a message only, e.g. FileNotFoundError("no config.yaml ...")
         return str(e) if not e.strerror else f"{what}: {reason}"
-    hint = " (free space or write elsewhere)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    hint = ""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        from vltrain.core.files import free_space
+
+        where = e.filename if e.filename is not None else e.filename2
+        hint = f" ({free_space(where)}; free space or write elsewhere)"
     return f"{what} {paths}: {reason}{hint}"
 
 

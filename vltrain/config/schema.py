@@ -416,6 +416,12 @@ class TrainConfig:
         "saved config.yaml except for keys in train.allow_changes and harmless ones (logging, "
         "workers, eval/save cadence).",
     )
+    checkpoint_on: list[str] = option(
+        [],
+        "Signals that save a checkpoint at the next step boundary and continue training, e.g. "
+        "[SIGUSR1] for SLURM's early warning (`#SBATCH --signal=USR1@90`); one of SIGUSR1, "
+        "SIGUSR2. SIGTERM and SIGINT always save and stop.",
+    )
     allow_changes: list[str] = option(
         [],
         "Resume: keys allowed to differ from the run's saved config (e.g. [train.max_steps]); "
@@ -829,6 +835,10 @@ def _check_epochs(cfg: Config) -> None:
         raise ConfigError("'optim.warmup_epochs' needs 'train.epochs'; else use optim.warmup_steps")
 
 
+#: signals `train.checkpoint_on` may name (a checkpoint, then training goes on)
+CHECKPOINT_SIGNALS = ("SIGUSR1", "SIGUSR2")
+
+
 def validate_cross_fields(cfg: Config) -> None:
     """Rules that involve more than one field."""
     if not cfg.run.out_dir.strip():
@@ -850,6 +860,12 @@ def validate_cross_fields(cfg: Config) -> None:
         )
     if cfg.train.best_metric and not cfg.data.eval:
         raise ConfigError("'train.best_metric' is set but 'data.eval' is empty: nothing to rank")
+    bad = [s for s in cfg.train.checkpoint_on if s not in CHECKPOINT_SIGNALS]
+    if bad:
+        raise ConfigError(
+            f"'train.checkpoint_on' takes signal names from {list(CHECKPOINT_SIGNALS)}, got "
+            f"{bad}; SIGTERM and SIGINT always save and stop"
+        )
     for key, scale in cfg.optim.lr_scale.items():
         if scale < 0:
             raise ConfigError(f"'optim.lr_scale.{key}' must be >= 0, got {scale}")

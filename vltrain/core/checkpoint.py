@@ -10,13 +10,14 @@ complete checkpoint intact; the loader only considers folders holding the COMPLE
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import random
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from vltrain.core import distributed
+from vltrain.core.files import write_failure
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 MARKER = "COMPLETE"
@@ -113,22 +115,28 @@ def write_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    try:
+    with _cleaned_on_failure(tmp, ckpt_root / f"step_{step}"):
         save_model(model, str(tmp / "model.safetensors"))
         torch.save(trainer_state, tmp / "trainer_state.pt")
-    except RuntimeError as e:  # torch reports a full disk as "enforce fail ... PytorchStreamWriter"
+        _copy_files(extra_files or {}, tmp)
+        if writer is not None:  # e.g. an HF save_pretrained export beside the weights
+            writer(tmp)
+        return _commit(ckpt_root, tmp, step)
+
+
+@contextlib.contextmanager
+def _cleaned_on_failure(tmp: Path, final: Path) -> Iterator[None]:
+    """Writing `final` through `tmp`: on any failure (a full disk above all: safetensors,
+    torch and copytree each say it their own way) remove `tmp` at once, so the next save has
+    the space back, and raise one CheckpointError naming `final` and the free space."""
+    try:
+        yield
+    except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        free = shutil.disk_usage(ckpt_root).free
-        hint = "disk full? " if free < 64 * 2**20 else ""
         raise CheckpointError(
-            f"cannot write checkpoint {ckpt_root / f'step_{step}'} ({hint}{free / 2**20:.0f} MiB "
-            f"free): {_short(e)}; "
-            "the previous checkpoints are intact"
+            f"{write_failure(final, e)}; the previous checkpoints are intact: free space, then "
+            "resume with train.resume=true"
         ) from None
-    _copy_files(extra_files or {}, tmp)
-    if writer is not None:  # e.g. an HF save_pretrained export beside the weights
-        writer(tmp)
-    return _commit(ckpt_root, tmp, step)
 
 
 def _copy_files(files: dict[str, Path], folder: Path) -> None:
@@ -177,9 +185,10 @@ def write_sharded_checkpoint(
     distributed.barrier()
     if not distributed.is_main():
         return None
-    torch.save(trainer_state, tmp / "trainer_state.pt")
-    _copy_files(extra_files or {}, tmp)
-    return _commit(ckpt_root, tmp, step)
+    with _cleaned_on_failure(tmp, ckpt_root / f"step_{step}"):
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+        _copy_files(extra_files or {}, tmp)
+        return _commit(ckpt_root, tmp, step)
 
 
 def complete_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
@@ -209,15 +218,46 @@ def prune(ckpt_root: Path, keep_last: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+_STALE = re.compile(r"^\.(tmp|old)_(step_\d+|best)_(\d+)$")
+
+
+def clean_stale(ckpt_root: Path) -> list[str]:
+    """Remove the temp and old folders a killed save left in `ckpt_root` (rank 0, under the
+    run's lock: no other process writes there); returns what it did, for the log.
+
+    A kill between the two renames of `update_best` leaves no `best`: the complete new copy
+    (its `best.json` is written last) becomes `best`, else the old one is put back.
+    """
+    if not ckpt_root.is_dir():
+        return []
+    mine = str(os.getpid())
+    stale = [p for p in ckpt_root.iterdir() if (m := _STALE.match(p.name)) and m[3] != mine]
+    done = []
+    best = ckpt_root / "best"
+    if not best.exists():
+        for p in sorted(stale, key=lambda p: p.name.startswith(".old")):  # new copies first
+            if p.name.startswith((".tmp_best_", ".old_best_")) and (p / "best.json").is_file():
+                p.rename(best)
+                stale.remove(p)
+                done.append(f"checkpoints/best restored from {p.name} (a save was killed)")
+                break
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+        done.append(f"removed {p}, left by a killed or failed save")
+    return done
+
+
 def update_best(ckpt_root: Path, src: Path, metric: str, value: float, step: int) -> None:
     """Replace `checkpoints/best` with a copy of `src`, atomically."""
     tmp = ckpt_root / f".tmp_best_{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    shutil.copytree(src, tmp)
-    (tmp / "best.json").write_text(json.dumps({"metric": metric, "value": value, "step": step}))
-    _fsync_tree(tmp)
     best = ckpt_root / "best"
+    with _cleaned_on_failure(tmp, best):
+        shutil.copytree(src, tmp)
+        info = {"metric": metric, "value": value, "step": step}
+        (tmp / "best.json").write_text(json.dumps(info))
+        _fsync_tree(tmp)
     if best.exists():
         old = ckpt_root / f".old_best_{os.getpid()}"
         best.rename(old)

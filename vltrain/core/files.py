@@ -6,7 +6,9 @@ one, and `vltrain mine --out X --data X` is refused instead of reading a file it
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -64,6 +66,52 @@ def check_not_input(
             )
 
 
+#: errnos of a full disk or an exhausted quota
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# how the writers that do not raise OSError say it: safetensors ("IoError(Os { code: 28, kind:
+# StorageFull, ...})"), shutil.copytree (a list of (src, dst, "[Errno 28] No space ...")) and
+# strerror itself
+_DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "StorageFull", "code: 28,")
+
+
+def is_disk_full(e: BaseException | None) -> bool:
+    """Whether `e`, or an exception it was raised from, reports a full disk or quota."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_FULL:
+            return True
+        if any(text in str(e) for text in _DISK_FULL_TEXT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def free_space(path: str | os.PathLike[str]) -> str:
+    """The free space of the file system holding `path` (its nearest existing folder), e.g.
+    `3.2 MiB free on /mnt/runs`."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        free = shutil.disk_usage(p).free
+    except OSError:
+        return "free space unknown"
+    size = f"{free / 2**30:.1f} GiB" if free >= 2**30 else f"{free / 2**20:.1f} MiB"
+    return f"{size} free on {p}"
+
+
+def write_failure(path: str | os.PathLike[str], e: BaseException) -> str:
+    """`cannot write PATH: disk full (3.2 MiB free on /mnt/runs)`, or the error's first line
+    instead of "disk full" when it is something else."""
+    if is_disk_full(e):
+        reason = "disk full"
+    else:
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        reason = lines[0][:300]
+    return f"cannot write {path}: {reason} ({free_space(path)})"
+
+
 def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> None:
     """Write `text` to `path` through a temp file in the same folder, fsync, then rename."""
     p = Path(path)
@@ -75,8 +123,10 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, p)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None:  # a failed write: name the file
+            raise OSError(e.errno, e.strerror, str(p)) from None
         raise
 
 

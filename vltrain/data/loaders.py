@@ -8,7 +8,10 @@ batches. A streaming source implements the same three methods with its own opaqu
 
 from __future__ import annotations
 
+import contextlib
 import random
+import signal
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -72,15 +75,42 @@ class PositionSampler(Protocol):
     def position_after(self, key: tuple[int, int, int]) -> tuple[int, int]: ...
 
 
-def worker_init(worker_id: int) -> None:
-    """Seed numpy/python in a DataLoader worker from torch's per-worker seed.
+# The signals the trainer owns: stop (SIGTERM, SIGINT) and checkpoint-and-continue (SIGUSR1/2,
+# `train.checkpoint_on`). A cluster sends them to the whole process group; a DataLoader worker
+# that died of one (torch's worker handler re-raises an outside SIGTERM) took the run with it.
+TRAINER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
-    vltrain's own per-sample randomness does not use these (it derives from seed, epoch and
-    index), but user transforms might.
+
+def worker_init(worker_id: int) -> None:
+    """Ignore the trainer's signals in a DataLoader worker, then seed numpy/python from torch's
+    per-worker seed.
+
+    The worker exits when the trainer shuts its loader down (or its parent is gone). The
+    signals were blocked since the fork (`workers_starting`): one sent in between is discarded
+    here, not fatal. vltrain's own per-sample randomness does not use the seeds (it derives
+    from seed, epoch and index), but user transforms might.
     """
+    for sig in TRAINER_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, TRAINER_SIGNALS)
     s = torch.initial_seed() % (2**32)
     np.random.seed(s)
     random.seed(s)
+
+
+@contextlib.contextmanager
+def workers_starting() -> Iterator[None]:
+    """Hold the trainer's signals while DataLoader workers fork (they inherit the mask and
+    ignore the signals before unblocking them, in `worker_init`); the trainer receives a
+    signal that arrived meanwhile as soon as the workers exist."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, TRAINER_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 class BatchCollate:
@@ -146,7 +176,9 @@ class MapLoader:
             prefetch_factor=4 if self.num_workers > 0 else None,
         )
         bucket_of = getattr(self.sampler, "bucket_of_batch", None)
-        for batch in loader:
+        with workers_starting():
+            batches = iter(loader)
+        for batch in batches:
             if bucket_of is not None:  # position is still the batch's last key here
                 batch.bucket = bucket_of(int(batch.position[0]), int(batch.position[1]))
             self.position = self.sampler.position_after(batch.position)

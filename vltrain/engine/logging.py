@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -53,7 +54,7 @@ class RunLogger:
         if not enabled:
             return
         truncate_metrics(self.path, start_step)
-        self.file = open(self.path, "a", buffering=1)
+        self.file = open(self.path, "ab", buffering=0)  # unbuffered: see _append
         if cfg.log.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -89,13 +90,25 @@ class RunLogger:
         if not self.enabled:
             return
         row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
-        self.file.write(json.dumps(row) + "\n")
+        self._append(json.dumps(row) + "\n")
         numeric = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
         if self.tb is not None:
             for k, v in numeric.items():
                 self.tb.add_scalar(k, v, step)
         for tracker in self.trackers:
             tracker.log(step, numeric)
+
+    def _append(self, line: str) -> None:
+        """Append one whole line: a failed write (a full disk) is cut back off, so the history
+        never holds half a line, and raised naming the file."""
+        data, start = line.encode(), self.file.tell()
+        try:
+            while data:
+                data = data[self.file.write(data) :]
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                self.file.truncate(start)
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
 
     def progress(self, step: int, loss: float, lr: float, samples_per_s: float) -> None:
         """Advance the bar to `step` and show loss, lr and throughput."""

@@ -37,29 +37,33 @@ class TrainingAborted(RuntimeError):
 
 
 class TrainingStopped(TrainingAborted):
-    """SIGTERM or SIGINT: every rank stopped at the same step boundary and a checkpoint was
-    written; `signal` is the signal number."""
+    """SIGTERM or SIGINT (to this rank, another rank, the process group or torchrun): every
+    rank stopped at the same step boundary and a checkpoint was written; `signal` is the
+    signal number (SIGTERM on a rank that was stopped by another rank's signal)."""
 
     def __init__(self, message: str, signal: int) -> None:
         super().__init__(message)
         self.signal = signal
 
 
-def _vote(batches: list[Batch], tracker: BadSampleTracker, signal: int) -> tuple[int, int]:
-    """Reduce this step's bad-sample counts and stop requests over ranks (one all-reduce), so
-    every rank decides alike.
+def _vote(
+    batches: list[Batch], tracker: BadSampleTracker, stop: int, save: int
+) -> tuple[int, int, int]:
+    """Reduce this step's bad-sample counts, stop and checkpoint requests over ranks (one
+    all-reduce), so every rank decides alike.
 
     Returns how many micro-batches, over all ranks, hold no valid sample at all (every rank
-    then skips the step together), and how many ranks received SIGTERM/SIGINT (then every rank
-    stops at this boundary).
+    then skips the step together), how many ranks received SIGTERM/SIGINT (then every rank
+    stops at this boundary) and how many received a `train.checkpoint_on` signal (then every
+    rank saves after this step and goes on).
     """
     bad = [pair for b in batches for pair in b.bad]
     vec = BadSampleTracker.step_vector(sum(b.n_seen for b in batches), bad)
-    vec += [sum(1 for b in batches if b.n_good == 0), int(signal != 0)]
+    vec += [sum(1 for b in batches if b.n_good == 0), int(stop != 0), int(save != 0)]
     total = distributed.all_reduce_sum(torch.tensor(vec, dtype=torch.int64)).tolist()
-    tracker.merge_counts(total[:-2], examples=bad)
+    tracker.merge_counts(total[:-3], examples=bad)
     tracker.check()
-    return int(total[-2]), int(total[-1])
+    return int(total[-3]), int(total[-2]), int(total[-1])
 
 
 def _is_better(value: float, best: float | None, mode: str) -> bool:
@@ -110,6 +114,7 @@ class Trainer:
         distributed.barrier()
         self.stage: Stage = stage(cfg, self.out_dir, self.ctx)
         self._signal, self._saved_step = 0, -1  # a stop request; the step last checkpointed
+        self._save_signal, self._save_requested = 0, ""  # train.checkpoint_on
 
     def run(self) -> dict[str, Any]:
         """Train to `train.max_steps` (resuming if asked); return the final summary."""
@@ -196,18 +201,33 @@ class Trainer:
         return {**parts, "rng": RngState()}
 
     def _loop(self, model: ParallelModel, logger: RunLogger) -> None:
-        cfg, state = self.cfg, self.state
         batches = iter(self.loader)
+        try:
+            self._steps(batches, model, logger)
+        finally:  # shut the DataLoader workers down now (they ignore the stop signals)
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
+
+    def _steps(self, batches: Iterator[Batch], model: ParallelModel, logger: RunLogger) -> None:
+        cfg, state = self.cfg, self.state
         window = {"t": time.time(), "samples": 0}
         model.train()
         while state.step < cfg.train.max_steps:
             t_step = time.time()
             position = self.loader.state_dict()  # before this step's batches
             micro = [next(batches) for _ in range(cfg.optim.accum_steps)]
-            n_empty, n_stop = _vote(micro, self.tracker, self._signal)
+            save_signal, self._save_signal = self._save_signal, 0
+            n_empty, n_stop, n_save = _vote(micro, self.tracker, self._signal, save_signal)
             if n_stop:  # every rank stops here, before the step: save, then say so
                 self.loader.load_state_dict(position)
                 self._stop(model, logger)
+            if n_save:  # every rank saves after this step (a clean boundary), then goes on
+                self._save_requested = (
+                    f"{signal.Signals(save_signal).name} received"
+                    if save_signal
+                    else "another rank got a checkpoint signal"
+                )
             if n_empty:  # a rank has nothing to forward: every rank skips (no DDP hang)
                 loss, metrics, grad_norm, finite = torch.tensor(float("nan")), {}, None, False
                 overflow = False
@@ -230,9 +250,11 @@ class Trainer:
         if self._saved_step != step:  # the same answer on every rank (no file-system read)
             self._save(model, improved=False)
         sig = self._signal or signal.SIGTERM
-        name = signal.Signals(sig).name
+        what = (
+            f"{signal.Signals(sig).name} received" if self._signal else "another rank got a signal"
+        )
         raise TrainingStopped(
-            f"{name} received: stopped at step {step} of {self.cfg.train.max_steps} and saved "
+            f"{what}: stopped at step {step} of {self.cfg.train.max_steps} and saved "
             f"{self.ckpt_root / f'step_{step}'}; continue with `vltrain train "
             f"{self.out_dir / 'config.yaml'} train.resume=true`",
             sig,
@@ -240,8 +262,10 @@ class Trainer:
 
     @contextlib.contextmanager
     def _stop_on_signals(self) -> Iterator[None]:
-        """SIGTERM/SIGINT only set a flag: the loop stops at the next step boundary."""
-        self._signal, self._saved_step = 0, -1
+        """SIGTERM/SIGINT only set a flag: the loop stops at the next step boundary. The
+        `train.checkpoint_on` signals set another: a checkpoint after the next step, then on.
+        (DataLoader workers ignore all of them: `vltrain.data.loaders.worker_init`.)"""
+        self._signal, self._saved_step, self._save_signal = 0, -1, 0
         if threading.current_thread() is not threading.main_thread():
             yield  # signal handlers can only be installed from the main thread
             return
@@ -249,7 +273,13 @@ class Trainer:
         def handler(signum: int, frame: Any) -> None:
             self._signal = signum
 
+        def save_handler(signum: int, frame: Any) -> None:
+            self._save_signal = signum
+
         old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+        for name in self.cfg.train.checkpoint_on:
+            sig = signal.Signals[name]
+            old[sig] = signal.signal(sig, save_handler)
         try:
             yield
         finally:
@@ -389,6 +419,7 @@ class Trainer:
         do_save = last or (cfg.train.save_every and state.step % cfg.train.save_every == 0)
         epoch_end = bool(cfg.train.epochs) and state.step % self.steps_per_epoch == 0
         do_save = do_save or (cfg.train.save_every_epoch and epoch_end)
+        requested, self._save_requested = self._save_requested, ""
         improved = False
         if do_eval:
             try:
@@ -409,8 +440,13 @@ class Trainer:
             improved = _is_better(value, state.best_value, self.best_mode)
             if improved:
                 state.best_value, state.best_step = value, state.step
-        if do_save or improved:
+        if do_save or improved or requested:
             self._save(model, improved)
+        if requested:
+            logger.message(
+                f"{requested}: saved {self.ckpt_root / f'step_{state.step}'} at step "
+                f"{state.step} of {cfg.train.max_steps}; training continues"
+            )
 
     def _save(self, model: ParallelModel, improved: bool) -> None:
         """Every rank takes part (a sharded mode gathers here); rank 0 writes."""

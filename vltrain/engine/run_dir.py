@@ -46,6 +46,7 @@ HARMLESS = (
     "train.eval_every",
     "train.save_every",
     "train.keep_last",
+    "train.checkpoint_on",
     "train.log_every",
     "train.resume",
     "train.overwrite",
@@ -317,3 +318,17 @@ def apply_plan(plan: RunPlan) -> None:
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
+    if plan.lock is not None:  # ours now: what a killed process left half-written goes
+        plan.messages += clean_stale(plan.lock.parent)
+
+
+def clean_stale(out: Path) -> list[str]:
+    """Remove the temp folders and files a killed or failed write left in the run folder
+    `out` (checkpoint and best temp copies, `.metrics.jsonl.*.tmp`, `config.yaml.tmp`), so
+    they do not keep the disk full; returns what it did."""
+    done = checkpoint.clean_stale(out / "checkpoints")
+    for p in [*out.glob(".*.tmp"), out / "config.yaml.tmp"]:
+        if p.is_file():
+            p.unlink()
+            done.append(f"removed {p}, left by a killed or failed write")
+    return done

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -9,7 +10,7 @@ from safetensors.torch import save_model
 
 from vltrain.config.core import ConfigError
 from vltrain.core.checkpoint import resolve_checkpoint
-from vltrain.core.files import check_not_input
+from vltrain.core.files import OutputError, check_not_input, is_disk_full, write_failure
 from vltrain.tools import export_drafter, export_st
 from vltrain.tools.loading import load_trained, run_config_for
 
@@ -56,6 +57,20 @@ def export_command(
     target_id: str = "",
 ) -> int:
     check_not_input(out, [checkpoint], "--out")
+    try:
+        return _export(checkpoint, out, fmt, force, target, target_id)
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        # the partial export goes (the user's other files stay), so the space is back and
+        # nothing half-written looks like a model
+        with contextlib.suppress(OSError):
+            export_drafter.clear_out(Path(out))
+            Path(out).rmdir()  # only when nothing else is in it
+        raise OutputError(f"{write_failure(out, e)}; nothing was exported") from None
+
+
+def _export(checkpoint: str, out: str, fmt: str, force: bool, target: str, target_id: str) -> int:
     if fmt == "vltrain":
         path = export_checkpoint(checkpoint, out, force)
     elif fmt == "hf":
