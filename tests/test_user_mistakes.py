@@ -1031,6 +1031,24 @@ def test_user_mistake_is_a_clear_error(
     assert not changed, f"{name} wrote or changed {sorted(changed)[:5]}"
 
 
+def test_a_refused_new_run_leaves_its_folder_to_the_corrected_command(
+    shapes_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A data error found after config.yaml and the tokenizer were written used to leave them
+    behind, and the corrected command was then refused until train.overwrite=true."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"image": "a.png", "text": "x"}\n{"image": \n')
+    over = {"train.max_steps": 1, "optim.warmup_steps": 0}
+    assert main(["train", CLIP, *tiny_overrides(shapes_dir, out, **over), f"data.train={bad}"]) == 2
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert "bad.jsonl:2" in capsys.readouterr().err
+    assert main(["train", CLIP, *tiny_overrides(shapes_dir, out, **over)]) == 0
+    assert (out / "config.yaml").is_file() and (out / "notes.txt").read_text() == "mine"
+
+
 def _files(root: Path) -> dict[str, tuple[int, int]]:
     """(size, mtime_ns) of every file under `root`: what "nothing written" compares."""
     return {
