@@ -8,7 +8,6 @@ query/positive records, corpus evaluation and the reading loss.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from vltrain.config.core import ConfigError, check_choice, reject_unused
@@ -20,10 +19,10 @@ from vltrain.data.readers import DataError
 from vltrain.data.shards import is_shard_source
 from vltrain.data.streaming import check_stream_layout
 from vltrain.eval import corpus
+from vltrain.models import preflight
 from vltrain.models.backbones import (
     ENCODER_KINDS,
     HF_KINDS,
-    dual_encoder_params,
     vision_options,
 )
 from vltrain.models.presets import VISION_PRESETS
@@ -88,46 +87,6 @@ def used_keys(cfg: Config) -> tuple[str, ...]:
     return tuple(used)
 
 
-def check_backbone(cfg: Config) -> None:
-    """An HF backbone fits the config, read from its config.json before any weights load:
-    its family matches model.kind (hf_siglip on a CLIP folder), its text positions hold
-    data.max_text_len, its embedding is as wide as model.matryoshka_dims."""
-    m = cfg.model
-    if m.kind not in HF_KINDS or not m.path:
-        return
-    from transformers import AutoConfig
-
-    from vltrain.models.hf_embedders import EMBEDDERS
-
-    try:
-        hf = AutoConfig.from_pretrained(m.path, local_files_only=m.local_files_only)
-        text = hf.get_text_config()
-    except (OSError, ValueError, AttributeError):
-        return  # loading the model reports a bad model.path
-    families = EMBEDDERS[m.kind].model_types
-    if families and hf.model_type not in families:
-        fits = [k for k in HF_KINDS if hf.model_type in EMBEDDERS[k].model_types]
-        raise ConfigError(
-            f"model.path={m.path} holds a {hf.model_type!r} model but model.kind={m.kind} "
-            f"loads {' or '.join(families)}; set model.kind="
-            + (fits[0] if fits else "the kind of that family")
-            + " (or point model.path at a "
-            + f"{families[0]} model)"
-        )
-    positions = getattr(text, "max_position_embeddings", None)
-    if m.kind != "vlm" and positions and cfg.data.max_text_len > positions:
-        raise ConfigError(
-            f"data.max_text_len={cfg.data.max_text_len} is longer than the text positions of "
-            f"{m.path} (max_position_embeddings={positions}); set data.max_text_len<={positions}"
-        )
-    width = int(getattr(text, "hidden_size", 0) or 0)
-    if m.kind == "vlm" and m.matryoshka_dims and width and m.matryoshka_dims[-1] > width:
-        raise ConfigError(
-            f"'model.matryoshka_dims' {m.matryoshka_dims} go beyond the embedding width {width} "
-            f"of {m.path}; keep every prefix <= {width}"
-        )
-
-
 def tower_patch(cfg: Config) -> int:
     """The built-in vision tower's patch size: model.vision_options' or the preset's."""
     m = cfg.model
@@ -150,7 +109,7 @@ def check_config(cfg: Config) -> None:
         )
     if m.kind in HF_KINDS and not m.path:
         raise ConfigError(f"model.kind={m.kind} needs 'model.path' (a local HF model dir)")
-    check_backbone(cfg)
+    preflight.check_backbone(cfg)
     if m.kind in HF_KINDS and cfg.data.image_cache_mb:
         raise ConfigError(
             f"data.image_cache_mb keeps images decoded at data.image_size for the built-in "
@@ -168,7 +127,7 @@ def check_config(cfg: Config) -> None:
         )
     if m.kind == "dual_encoder":
         _check_tower(cfg)
-        _check_memory(cfg)
+        preflight.check_memory(cfg)
     _check_shards(cfg)
     _check_pairs(cfg)
 
@@ -196,43 +155,6 @@ def _check_tower(cfg: Config) -> None:
             "model.vision_options.pool: none leaves the image tower without a pooled "
             "feature; only model.head=word_pairs reads such a tower"
         )
-
-
-def _check_memory(cfg: Config) -> None:
-    """Sizes that cannot fit are refused before anything is allocated: the weights, gradients
-    and Adam moments (16 bytes a parameter, counted on the meta device) plus one batch of
-    images must fit in this machine's memory (the GPU's when training on one)."""
-    try:
-        n = dual_encoder_params(cfg)
-    except ConfigError:
-        raise
-    except (RuntimeError, NotImplementedError, TypeError, ValueError, AssertionError):
-        return  # an option the meta device cannot build with: building the model reports it
-    d = cfg.data
-    need = 16 * n + 4 * d.batch_size * 3 * d.image_size**2
-    have, where = _memory(cfg.run.device)
-    if have and need > have:
-        m = cfg.model
-        raise ConfigError(
-            f"the dual encoder would hold {n / 1e6:,.0f}M parameters and a batch of "
-            f"{d.batch_size} images of {d.image_size}px: ~{need / 2**30:,.0f} GiB with its "
-            f"gradients and optimizer state, more than the {have / 2**30:,.0f} GiB of {where}; "
-            f"lower the sizes (model.embed_dim={m.embed_dim}, model.vision_width="
-            f"{m.vision_width}, model.text_width={m.text_width}, data.image_size={d.image_size}, "
-            f"data.max_text_len={d.max_text_len}, data.tokenizer_vocab={d.tokenizer_vocab})"
-        )
-
-
-def _memory(device: str) -> tuple[int, str]:
-    """(bytes, name) of the memory a run on `device` trains in (0 when unknown)."""
-    import torch
-
-    if device != "cpu" and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory, "GPU memory"
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "memory on this machine"
-    except (ValueError, OSError, AttributeError):
-        return 0, ""
 
 
 def _check_shards(cfg: Config) -> None:
