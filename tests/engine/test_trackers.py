@@ -167,6 +167,65 @@ def test_wandb_offline_names_tags_group_and_resume_into_the_same_run(
         wandb.teardown()  # stop the W&B service process this test started
 
 
+def _no_wandb_credentials(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:
+    """As on a fresh cluster node: no API key, no `wandb login` (.netrc), no WANDB_MODE."""
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_IDENTITY_TOKEN_FILE", "NETRC"):
+        monkeypatch.delenv(var, raising=False)
+    home.mkdir(exist_ok=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+@pytest.mark.slow  # two W&B service starts (~25 s)
+def test_wandb_without_credentials_logs_offline_with_a_warning_and_resumes_the_same_run(
+    shapes_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """A resumed run with log.wandb=true on a machine without W&B credentials was an
+    11-frame UsageError; now both runs log offline into the run folder, under one run id."""
+    wandb = pytest.importorskip("wandb")
+    _no_wandb_credentials(monkeypatch, tmp_path / "home")
+    run = tmp_path / "run"
+    try:
+        _train(shapes_dir, run, **{"log.wandb": True, "train.max_steps": 1})
+        err = capsys.readouterr().err
+        assert "vltrain: warning: log.wandb=true but no W&B credentials" in err
+        assert "Traceback" not in err
+        run_id = json.loads((run / "trackers.json").read_text())["wandb"]
+        assert glob.glob(str(run / "wandb" / f"offline-run-*-{run_id}"))
+        _resume(run, 2)
+        assert "no W&B credentials" in capsys.readouterr().err
+        assert json.loads((run / "trackers.json").read_text())["wandb"] == run_id
+        folders = glob.glob(str(run / "wandb" / "offline-run-*"))
+        assert len(folders) == 2 and all(f.endswith(f"-{run_id}") for f in folders)
+    finally:
+        wandb.teardown()
+
+
+@pytest.mark.parametrize("how", ["log.wandb_mode=online", "WANDB_MODE=online"])
+def test_wandb_online_without_credentials_is_refused_at_load(
+    how: str, shapes_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    pytest.importorskip("wandb")
+    _no_wandb_credentials(monkeypatch, tmp_path / "home")
+    run = tmp_path / "run"
+    over = tiny_overrides(shapes_dir, run, **{"log.wandb": True})
+    if how.startswith("WANDB_MODE"):
+        monkeypatch.setenv("WANDB_MODE", "online")
+    else:
+        over.append(how)
+    assert main(["train", CLIP, *over]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vltrain: error: log.wandb=true with ") and err.count("\n") == 1
+    assert "no W&B credentials" in err and "log.wandb_mode=offline" in err
+    assert not run.exists()
+    # a netrc entry for the W&B host (what `wandb login` writes) is a credential
+    (tmp_path / "home" / ".netrc").write_text("machine api.wandb.ai login user password k\n")
+    (tmp_path / "home" / ".netrc").chmod(0o600)
+    from vltrain.engine.trackers import wandb_credentials
+
+    assert wandb_credentials()
+
+
 @pytest.mark.parametrize("logger", ["mlflow", "wandb"])
 def test_a_logger_without_its_package_is_refused_at_load_naming_the_extra(
     logger: str, shapes_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys

@@ -56,7 +56,7 @@ def test_init_from_mismatch_and_missing_are_explained(shapes_dir: Path, tmp_path
     bad = tiny_overrides(
         shapes_dir, tmp_path / "bad", **{"model.init_from": src, "model.embed_dim": 48}
     )
-    with pytest.raises(ConfigError, match="does not fit this model"):
+    with pytest.raises(ConfigError, match="do not fit the model: encoder"):
         train(load_config(None, bad))
     gone = tiny_overrides(shapes_dir, tmp_path / "gone", **{"model.init_from": tmp_path / "nope"})
     with pytest.raises(ConfigError, match="model.init_from"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from vltrain.cli.options import positive_int
 from vltrain.curation.filters import CaptionRules, ImageRules
 
 #: subcommand -> (steps it runs, help)
@@ -36,10 +37,10 @@ def _add_args(p: argparse.ArgumentParser, steps: tuple[str, ...]) -> None:
     p.add_argument("input", help="input JSONL")
     p.add_argument("--out", required=True, help="output JSONL")
     p.add_argument("--report", help="folder for summary.json and report.html")
-    p.add_argument("--workers", type=int, default=1, help="feature processes")
+    p.add_argument("--workers", type=int, default=1, help="feature processes")  # checked
     p.add_argument("--seed", type=int, default=d.seed, help="seed of every hash")
     p.add_argument("--checkpoint", help="contrastive run/checkpoint: semantic dedup, CLIP score")
-    p.add_argument("--batch-size", type=int, default=128, help="embedding batch size")
+    p.add_argument("--batch-size", type=positive_int, default=128, help="embedding batch size")
     if "decontam" in steps:
         p.add_argument("--against", nargs="+", default=[], help="eval JSONL files")
         p.add_argument("--leak-n", type=int, default=d.leak_n, help="shared word n-gram = leak")

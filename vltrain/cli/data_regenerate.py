@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from vltrain.cli.options import add_forward_option
+from vltrain.cli.options import (
+    add_forward_option,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,9 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--model", default="", help="HF causal LM directory or .gguf file")
     s.add_argument("--checkpoint", default="", help="captioner run dir or checkpoint")
     s.add_argument("--strategy", default="greedy", choices=("greedy", "sample"))
-    s.add_argument("--temperature", type=float, default=1.0)
-    s.add_argument("--max-new-tokens", type=int, default=128)
-    s.add_argument("--batch-size", type=int, default=8)
+    s.add_argument("--temperature", type=positive_float, default=1.0)
+    s.add_argument("--max-new-tokens", type=positive_int, default=128)
+    s.add_argument("--batch-size", type=positive_int, default=8)
     s.add_argument("--seed", type=int, default=0)
     add_forward_option(s)
     s.add_argument(
@@ -30,8 +35,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="auto",
         help="auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu, cuda, cuda:N",
     )
-    s.add_argument("--rank", type=int, default=0, help="this shard (or RANK of torchrun)")
-    s.add_argument("--world-size", type=int, default=1, help="shards (or WORLD_SIZE)")
+    s.add_argument(
+        "--rank", type=non_negative_int, default=0, help="this shard (or RANK of torchrun)"
+    )
+    s.add_argument("--world-size", type=positive_int, default=1, help="shards (or WORLD_SIZE)")
     s.set_defaults(fn=run)
 
 

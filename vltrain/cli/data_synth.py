@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import argparse
 
-from vltrain.cli.options import image_size, non_negative_int, path_arg, positive_int, probability
+from vltrain.cli.options import (
+    image_size,
+    non_negative_int,
+    path_arg,
+    positive_int,
+    probability,
+    record_count,
+)
+
+
+def train_count(text: str) -> int:
+    """--n-train: a record count >= 1."""
+    return positive_int(str(record_count(text)))
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,9 +31,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--kind", choices=("shapes", "pages"), default="shapes")
     s.add_argument("--out", required=True, type=path_arg, help="output folder (empty or new)")
-    s.add_argument("--n-train", type=positive_int, default=2000, help="training records")
-    s.add_argument("--n-val", type=non_negative_int, default=300, help="validation records")
-    s.add_argument("--n-test", type=non_negative_int, default=300, help="test records")
+    s.add_argument("--n-train", type=train_count, default=2000, help="training records")
+    s.add_argument("--n-val", type=record_count, default=300, help="validation records")
+    s.add_argument("--n-test", type=record_count, default=300, help="test records")
     s.add_argument("--seed", type=non_negative_int, default=0)
     s.add_argument(
         "--image-size", type=image_size, default=None, help="pixels (>= 32; shapes 64, pages 96)"
@@ -54,7 +66,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--negatives", type=non_negative_int, default=3, help="pages: hard-negative pages each"
     )
     s.add_argument(
-        "--distractors", type=non_negative_int, default=1000, help="pages: extra corpus pages"
+        "--distractors", type=record_count, default=1000, help="pages: extra corpus pages"
     )
     s.set_defaults(fn=run)
 

@@ -45,6 +45,24 @@ def finite_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    """A finite float > 0 (budgets, rates, deltas)."""
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated integers, e.g. ``0,1,2``."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be comma-separated integers like 0,1,2, got {text!r}"
+        ) from None
+
+
 def probability(text: str) -> float:
     """A float in [0, 1]."""
     value = finite_float(text)
@@ -76,11 +94,30 @@ def path_arg(text: str) -> str:
     return text
 
 
+#: the largest synthetic image side and record count: beyond them a set is a typo, not a plan
+MAX_SYNTH_SIDE = 4096
+MAX_SYNTH_RECORDS = 10_000_000
+
+
 def image_size(text: str) -> int:
-    """An image side in pixels, >= 32 (the synthetic scenes need room for three shapes)."""
+    """An image side in pixels, in [32, 4096] (the synthetic scenes need room for three shapes;
+    a larger one is a typo that would allocate gigabytes per image)."""
     value = _int(text)
-    if value < 32:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 32 (pixels), got {text!r}")
+    if not 32 <= value <= MAX_SYNTH_SIDE:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer in [32, {MAX_SYNTH_SIDE}] (pixels), got {text!r}"
+        )
+    return value
+
+
+def record_count(text: str) -> int:
+    """A synthetic record count, in [0, 10,000,000]."""
+    value = non_negative_int(text)
+    if value > MAX_SYNTH_RECORDS:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_SYNTH_RECORDS:,} records (write larger sets in parts with "
+            f"--seed), got {text!r}"
+        )
     return value
 
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
+
+from vltrain.cli.options import int_list, non_negative_int, positive_float, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,13 +29,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--out", required=True, help="sweep folder")
     w.add_argument(
         "--jobs",
-        type=int,
+        type=positive_int,
         default=1,
         help="train this many runs at once, each its own process (2 cores: --jobs 2 with "
         "run.threads=1); same results as one at a time",
     )
     w.add_argument(
         "--seeds",
+        type=int_list,
         help="train every point once per seed, e.g. 0,1,2 (run.seed; folders ..._s<seed>): "
         "the seed-to-seed noise a fit and a check are judged against",
     )
@@ -44,17 +48,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "flops) groups isoFLOP runs for approach 2.",
     )
     f.add_argument("runs", help="a sweep folder (its runs.csv) or a CSV file")
-    f.add_argument("--exclude-worst", type=int, default=0, help="drop the K worst-fit runs")
+    f.add_argument(
+        "--exclude-worst", type=non_negative_int, default=0, help="drop the K worst-fit runs"
+    )
     f.add_argument(
         "--exclude-by",
         default="residual",
         help="what makes a run 'worst': residual (approach 3's fit, default) or loss (the "
         "highest losses, Besiroglu et al.'s protocol)",
     )
-    f.add_argument("--bootstrap", type=int, default=0, help="bootstrap resamples (e.g. 200)")
+    f.add_argument(
+        "--bootstrap", type=non_negative_int, default=0, help="bootstrap resamples (e.g. 200)"
+    )
     f.add_argument("--json", help="write the fit here")
     f.add_argument("--plots", help="folder for isoflop.png, nopt.png, contours.png")
-    f.add_argument("--predict", type=float, help="a budget C: print N_opt, D_opt; write a config")
+    f.add_argument(
+        "--predict", type=positive_float, help="a budget C: print N_opt, D_opt; write a config"
+    )
     f.add_argument(
         "--predict-with",
         default="narrower",
@@ -76,9 +86,12 @@ def _floats(text: str) -> list[float]:
     from vltrain.config.core import ConfigError
 
     try:
-        return [float(x) for x in text.split(",") if x.strip()]
+        values = [float(x) for x in text.split(",") if x.strip()]
+        if not values or not all(math.isfinite(v) and v > 0 for v in values):
+            raise ValueError
+        return values
     except ValueError:
-        raise ConfigError(f"--budgets {text!r}: expected numbers like 1e12,2e12") from None
+        raise ConfigError(f"--budgets {text!r}: expected FLOP budgets > 0 like 1e12,2e12") from None
 
 
 def _delta(text: str) -> float | str:
@@ -87,9 +100,14 @@ def _delta(text: str) -> float | str:
     if text == "auto":
         return text
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        raise ConfigError(f"--huber-delta {text!r}: expected a number like 1e-3, or auto") from None
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(
+            f"--huber-delta {text!r}: expected a number like 1e-3, or auto (finite, > 0)"
+        )
+    return value
 
 
 def run_sweep(args: argparse.Namespace) -> int:
@@ -103,7 +121,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         parse_sizes([args.sizes]),
         Path(args.out),
         jobs=args.jobs,
-        seeds=None if args.seeds is None else [int(x) for x in args.seeds.split(",")],
+        seeds=args.seeds,
     )
     print(f"scaling sweep: {len(rows)} runs in {Path(args.out) / 'runs.csv'}")
     return 0

@@ -294,9 +294,11 @@ def load_yaml(path: str | Path) -> dict:
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
-        data = safe_load_unique(p.read_text(), str(p)) or {}
+        data = safe_load_unique(p.read_text(encoding="utf-8"), str(p)) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p} is not UTF-8 text (offset {e.start}); save it as UTF-8") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{p} is not valid YAML: {e}") from None
+        raise ConfigError(f"{p} is not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p} must hold a mapping of config sections, got {type(data).__name__}")
     return data

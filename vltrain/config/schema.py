@@ -457,6 +457,13 @@ class LogConfig:
     progress: bool = option(True, "Show a progress bar on rank 0.")
     tensorboard: bool = option(True, "Write TensorBoard events (if tensorboard is installed).")
     wandb: bool = option(False, "Log to Weights & Biases (WANDB_MODE=offline works offline).")
+    wandb_mode: str = option(
+        "auto",
+        "W&B mode: auto (WANDB_MODE if set, else online when credentials exist and offline "
+        "with a warning when not), online (refused at load without credentials), offline, "
+        "disabled.",
+        choices=("auto", "online", "offline", "disabled"),
+    )
     wandb_project: str = option("vltrain", "W&B project name.")
     wandb_entity: str = option("", "W&B entity (team or user; '' = your default entity).")
     wandb_name: str = option("", "W&B run name ('' = the run folder's name).")

@@ -282,10 +282,22 @@ def load_weights(model: torch.nn.Module, ckpt: Path, strict: bool = True) -> Non
         missing, unexpected = load_model(model, str(path), strict=strict)
     except Exception as e:
         if "Missing key" in str(e) or "Unexpected key" in str(e) or "size mismatch" in str(e):
-            raise RuntimeError(f"{ckpt}: {e}") from None  # a model mismatch, not a bad file
+            raise CheckpointMismatch(ckpt, mismatched_keys(model, ckpt)) from None
         raise CheckpointError(f"cannot read {path}: {_short(e)} (truncated or corrupt?)") from None
     if strict and (missing or unexpected):
-        raise RuntimeError(f"{ckpt}: missing keys {missing}, unexpected keys {unexpected}")
+        diffs = [f"{k}: not in the checkpoint" for k in missing]
+        raise CheckpointMismatch(ckpt, diffs + [f"{k}: not in the model" for k in unexpected])
+
+
+class CheckpointMismatch(CheckpointError):
+    """Weights of another architecture or size: the message names the first differing keys
+    and shapes, on one line (callers add the config keys that decide them)."""
+
+    def __init__(self, ckpt: Path, diffs: list[str]) -> None:
+        self.ckpt, self.diffs = ckpt, diffs
+        more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
+        shown = "; ".join(diffs[:3]) or "the parameter names differ"
+        super().__init__(f"the weights of {ckpt} do not fit the model: {shown}{more}")
 
 
 def mismatched_keys(model: torch.nn.Module, ckpt: Path) -> list[str]:

@@ -144,7 +144,7 @@ def write_outputs(
     out.parent.mkdir(parents=True, exist_ok=True)
     copy_images = out.parent.resolve() != inp.parent.resolve()
     tmp, tmp_rm = Path(f"{out}.tmp"), Path(f"{removed_path(out)}.tmp")
-    with open(tmp, "wb") as fo, open(tmp_rm, "w", encoding="utf-8") as fr:
+    with open(tmp, "wb") as fo, open(tmp_rm, "w", encoding="utf-8", errors="surrogateescape") as fr:
         for index, raw, rec in iter_lines(inp):
             d = decisions[index]
             if d.reason is None:

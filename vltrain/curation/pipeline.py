@@ -38,6 +38,8 @@ from vltrain.data.readers import DataError, normalise_record
 
 #: the curate steps; `vltrain data dedup|decontam|filter` run subsets
 STEPS = ("filter", "decontam", "dedup")
+#: more MinHash permutations than this only cost memory (N records x num_perm x 8 bytes)
+MAX_PERM = 4096
 
 
 @dataclass
@@ -96,6 +98,40 @@ class CurateOptions:
             raise DataError(f"--workers must be >= 1, got {self.workers}")
         if self.leak_n < 1:  # every caption shares the empty 0-gram: every record a leak
             raise DataError(f"--leak-n is a word n-gram size, >= 1 (default 8), got {self.leak_n}")
+        if not 1 <= self.num_perm <= MAX_PERM:
+            raise DataError(
+                f"--num-perm must be in [1, {MAX_PERM}] (default 128), got {self.num_perm}"
+            )
+        if self.shingle_n < 1:
+            raise DataError(
+                f"--shingle-n is a word n-gram size >= 1 (default 3), got {self.shingle_n}"
+            )
+        ranges = {  # option: (low, high, high included); low is excluded, nan fails both
+            "caption_threshold": (0.0, 1.0, False),
+            "bloom_fp_rate": (0.0, 1.0, False),
+            "leak_jaccard": (0.0, 1.0, True),
+            "semantic_eps": (0.0, 2.0, True),
+        }
+        for name, (low, high, closed) in ranges.items():
+            value = getattr(self, name)
+            if not (low < value < high or (closed and value == high)):
+                flag = "--" + name.replace("_", "-")
+                span = f"({low:g}, {high:g}{']' if closed else ')'}"
+                raise DataError(f"{flag} must be in {span}, got {value}")
+        c, i = self.caption_rules, self.image_rules
+        if not 0 <= c.min_words <= c.max_words:
+            raise DataError(
+                f"--min-words {c.min_words} and --max-words {c.max_words}: need 0 <= min <= max "
+                "(every record would be removed)"
+            )
+        if i.min_side < 0:
+            raise DataError(f"--min-side is a size in pixels, >= 0, got {i.min_side}")
+        if self.clip_threshold is not None and not -1.0 <= self.clip_threshold <= 1.0:
+            raise DataError(f"--clip-threshold is a cosine in [-1, 1], got {self.clip_threshold}")
+        if self.clip_top_fraction is not None and not 0.0 < self.clip_top_fraction <= 1.0:
+            raise DataError(
+                f"--clip-top-fraction is a fraction in (0, 1], got {self.clip_top_fraction}"
+            )
         for name in ("phash_radius", "dhash_radius", "crop_radius"):
             if not 0 <= getattr(self, name) < 64:
                 flag = "--" + name.replace("_", "-")

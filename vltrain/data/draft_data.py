@@ -63,13 +63,30 @@ def chat_example(
     return p + list(completion_ids), [IGNORE_INDEX] * len(p) + list(completion_ids)
 
 
+def require_chat_template(tokenizer: Any, model: str | Path) -> None:
+    """A DataError naming `model` when its tokenizer has no chat template to wrap prompts in."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"{model} has no chat template (tokenizer_config.json 'chat_template' or "
+            "chat_template.jinja): prompts are wrapped in it as a user turn; use a chat/"
+            "instruct model, or add the template its base model was trained with"
+        )
+
+
 def read_prompts(path: str | Path) -> list[dict[str, Any]]:
     """JSONL records with a "prompt" (str); "id" defaults to the line number."""
     rows = []
-    for n, line in enumerate(Path(path).read_text().splitlines()):
+    try:
+        text = Path(path).read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (offset {e.start}); save it as UTF-8") from None
+    for n, line in enumerate(text.splitlines()):
         if not line.strip():
             continue
-        rec = json.loads(line)
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{n + 1}: not valid JSON ({e.msg}); fix or delete it") from None
         if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
             raise DataError(f"{path}:{n + 1}: each line needs a 'prompt' string, got {line[:80]!r}")
         rec.setdefault("id", str(n))

@@ -112,14 +112,27 @@ class Trainer:
             if not self.plan.changed:  # else once the checkpoint is known to fit (run)
                 dump_config(cfg, self.out_dir / "config.yaml")
         distributed.barrier()
-        self.stage: Stage = stage(cfg, self.out_dir, self.ctx)
+        self._started = False  # the first step began: a later error leaves the folder as is
+        try:
+            self.stage: Stage = stage(cfg, self.out_dir, self.ctx)
+        except Exception:
+            self._undo_fresh()
+            raise
         self._signal, self._saved_step = 0, -1  # a stop request; the step last checkpointed
         self._save_signal, self._save_requested = 0, ""  # train.checkpoint_on
+
+    def _undo_fresh(self) -> None:
+        """A new run refused before its first step leaves its folder as it found it."""
+        if self.ctx.is_main and not self._started:
+            run_dir.undo_fresh(self.plan)
 
     def run(self) -> dict[str, Any]:
         """Train to `train.max_steps` (resuming if asked); return the final summary."""
         try:
             return self._run()
+        except Exception:
+            self._undo_fresh()
+            raise
         finally:
             if self.ctx.is_main:
                 run_dir.release_lock(self.out_dir)
@@ -161,6 +174,7 @@ class Trainer:
                 distributed.all_gather_object,
                 start_step=self.state.step if ckpt is not None else 0,
             )
+        self._started = True
         logger = RunLogger(cfg, self.out_dir, ctx.is_main, self.state.step)
         if ckpt is not None:
             for line in plan.messages:

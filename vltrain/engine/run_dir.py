@@ -15,6 +15,7 @@ Decided before anything is written (every rank reads, rank 0 writes afterwards):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -75,6 +76,8 @@ class RunPlan:
     lock: Path | None = None  # created by rank 0 in apply_plan, removed by release_lock
     stale_lock: str | None = None  # the message apply_plan prints when it takes a lock over
     changed: list[str] = field(default_factory=list)  # keys train.allow_changes let change
+    fresh: bool = False  # a new run: a refusal before its first step undoes what it wrote
+    kept: frozenset[str] | None = None  # a fresh run's folder before it wrote (None: new)
 
 
 #: the file that marks a run folder as in use: {"host", "pid"} of the training process
@@ -223,7 +226,7 @@ def _plan_fresh(cfg: Config, out: Path) -> RunPlan:
             "train.overwrite=true (deletes its checkpoints, tokenizer and metrics), or pick "
             "another run.out_dir"
         )
-    return RunPlan(clear=[out / name for name in used])
+    return RunPlan(clear=[out / name for name in used], fresh=True)
 
 
 def _plan_resume(cfg: Config, out: Path, world_size: int) -> RunPlan:
@@ -306,6 +309,9 @@ def _create_lock(path: Path) -> None:
 
 def apply_plan(plan: RunPlan) -> None:
     """Rank 0: lock the folder, then delete what train.overwrite replaces."""
+    if plan.fresh and plan.lock is not None and plan.lock.parent.is_dir():
+        kept = set(os.listdir(plan.lock.parent)) - {p.name for p in plan.clear} - {LOCK}
+        plan.kept = frozenset(kept)
     if plan.lock is not None:
         plan.lock.parent.mkdir(parents=True, exist_ok=True)
         if plan.stale_lock:
@@ -332,3 +338,23 @@ def clean_stale(out: Path) -> list[str]:
             p.unlink()
             done.append(f"removed {p}, left by a killed or failed write")
     return done
+
+
+def undo_fresh(plan: RunPlan) -> None:
+    """Rank 0, a new run refused before its first step (a data file, a model option, a
+    backbone that does not fit the config): remove what it wrote (config.yaml, the tokenizer,
+    the lock; the folder itself when it made it), so that the corrected command starts there
+    without ``train.overwrite``. A resumed run's folder is never touched."""
+    if not plan.fresh or plan.lock is None or not plan.lock.parent.is_dir():
+        return
+    out = plan.lock.parent
+    for path in out.iterdir():
+        if plan.kept is not None and path.name in plan.kept:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    if plan.kept is None:
+        with contextlib.suppress(OSError):
+            out.rmdir()

@@ -6,18 +6,26 @@ folder (``trackers.json``), so ``train.resume=true`` continues the same W&B run
 next run starts new ones. MLflow also gets the resolved config, flattened, as params at the
 start, and the run's summary.json, config.yaml, run_card.json and doctor.jsonl (those written)
 as artifacts at the end. The packages are checked when the config loads (`check_trackers`).
+
+W&B without credentials (no ``WANDB_API_KEY``, no ``wandb login`` entry in ~/.netrc) logs
+offline into the run folder with a warning, unless online was asked for explicitly
+(``log.wandb_mode=online`` or ``WANDB_MODE=online``): then the config is refused at load.
 """
 
 from __future__ import annotations
 
 import json
+import netrc
+import os
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from vltrain.config import extras
-from vltrain.config.core import to_dict
+from vltrain.config.core import ConfigError, to_dict
 from vltrain.config.schema import Config
 from vltrain.core.files import atomic_write_text
 
@@ -43,8 +51,45 @@ def check_trackers(cfg: Config) -> None:
     extra otherwise)."""
     if cfg.log.wandb:
         extras.require("wandb", "'log.wandb'=true")
+        if wandb_mode(cfg) == "online" and not wandb_credentials():
+            how = (
+                "log.wandb_mode=online"
+                if cfg.log.wandb_mode == "online"
+                else "WANDB_MODE=online (environment)"
+            )
+            raise ConfigError(
+                f"log.wandb=true with {how} but no W&B credentials are set (WANDB_API_KEY, or "
+                "`wandb login`): log in, or log offline with log.wandb_mode=offline and "
+                "upload later with `wandb sync`"
+            )
     if cfg.log.mlflow:
         extras.require("mlflow", "'log.mlflow'=true")
+
+
+def wandb_mode(cfg: Config) -> str:
+    """online, offline or disabled as asked (log.wandb_mode, else WANDB_MODE); auto when
+    neither says: online with credentials, offline without (`WandbTracker`)."""
+    mode = cfg.log.wandb_mode
+    if mode == "auto":
+        env = os.environ.get("WANDB_MODE", "").strip().lower()
+        mode = {"dryrun": "offline", "run": "online", "": "auto"}.get(env, env)
+    return mode
+
+
+def wandb_credentials() -> bool:
+    """An API key in the environment, or a ~/.netrc entry for the W&B host (`wandb login`)."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    home = Path.home()
+    path = os.environ.get("NETRC") or next(
+        (str(p) for p in (home / ".netrc", home / "_netrc") if p.is_file()), ""
+    )
+    try:
+        entry = netrc.netrc(path).authenticators(host) if path else None
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(entry and entry[2])
 
 
 def flat_config(cfg: Config) -> dict[str, Any]:
@@ -100,7 +145,19 @@ class WandbTracker:
 
         log = cfg.log
         self.run_id = run_id or generate_id()
+        mode = wandb_mode(cfg)
+        if mode == "auto":
+            mode = "online" if wandb_credentials() else "offline"
+            if mode == "offline":
+                print(
+                    "vltrain: warning: log.wandb=true but no W&B credentials (WANDB_API_KEY or "
+                    f"`wandb login`): logging offline to {out_dir / 'wandb'}; upload it later "
+                    "with `wandb sync`, or set log.wandb_mode=online to require a login",
+                    file=sys.stderr,
+                )
+        self.mode = mode
         self.run = wandb.init(
+            mode=mode,
             project=log.wandb_project,
             entity=log.wandb_entity or None,
             name=log.wandb_name or run_name(cfg),

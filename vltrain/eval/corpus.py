@@ -101,23 +101,26 @@ def is_corpus_dir(path: str | os.PathLike[str]) -> bool:
 
 def read_qrels(path: str | os.PathLike[str]) -> list[tuple[str, str, int]]:
     """(query id, doc id, grade) rows of a BEIR qrels.tsv (header line optional)."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8-sig").splitlines()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (offset {e.start}); save it as UTF-8") from None
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            parts = line.split()
-            if not parts:
-                continue
-            if len(parts) == 4:  # TREC layout: qid 0 docid score
-                parts = [parts[0], parts[2], parts[3]]
-            if len(parts) != 3:
-                raise DataError(f"{path}:{lineno}: expected 'query-id corpus-id score'")
-            try:
-                grade = int(float(parts[2]))
-            except ValueError:
-                if lineno == 1:
-                    continue  # the header
-                raise DataError(f"{path}:{lineno}: score {parts[2]!r} is not a number") from None
-            rows.append((parts[0], parts[1], grade))
+    for lineno, line in enumerate(lines, start=1):
+        parts = line.split()
+        if not parts:
+            continue
+        if len(parts) == 4:  # TREC layout: qid 0 docid score
+            parts = [parts[0], parts[2], parts[3]]
+        if len(parts) != 3:
+            raise DataError(f"{path}:{lineno}: expected 'query-id corpus-id score'")
+        try:
+            grade = int(float(parts[2]))
+        except ValueError:
+            if lineno == 1:
+                continue  # the header
+            raise DataError(f"{path}:{lineno}: score {parts[2]!r} is not a number") from None
+        rows.append((parts[0], parts[1], grade))
     return rows
 
 
@@ -145,6 +148,17 @@ def read_split(
         else:
             zeros.setdefault(qid, []).append(doc_row[did])
     kept = [qid for qid in q if qid in grades]
+    if not kept:
+        why = (
+            f"{queries} holds no queries"
+            if not q
+            else f"no query of {queries} ({len(q)}) has a relevant document (score > 0) in "
+            f"{qrels} that {corpus} holds"
+        )
+        raise DataError(
+            f"nothing to evaluate: {why}; check that the query and document ids of the qrels "
+            "match the two files"
+        )
     return CorpusSplit(
         query_ids=kept,
         queries=[q[qid] for qid in kept],

@@ -180,6 +180,17 @@ def _sized(make: Any, preset: str, n_layers: int, n_width: int, /, **dims: Any) 
     return make(preset, **dims)
 
 
+def dual_encoder_params(cfg: Config) -> int:
+    """Parameters of the built-in dual encoder `cfg` describes, counted on the meta device (no
+    memory allocated), with data.tokenizer_vocab as the vocabulary size."""
+    from types import SimpleNamespace
+
+    stub = SimpleNamespace(vocab_size=cfg.data.tokenizer_vocab)
+    with torch.device("meta"):
+        encoder = build_encoder(cfg, stub)  # type: ignore[arg-type]
+    return sum(p.numel() for p in encoder.parameters())
+
+
 def build_batcher(cfg: Config, tokenizer: TextTokenizer | None) -> Any:
     """The collate/batcher matching `build_encoder`."""
     if cfg.model.kind == "dual_encoder":
@@ -247,7 +258,7 @@ def load_initial_weights(model: Captioner, ckpt: Path) -> None:
         load_weights(model, ckpt)
     except RuntimeError as e:
         raise ConfigError(
-            f"model.init_from={ckpt} does not fit this model ({str(e)[:300]}...); model.vision, "
+            f"model.init_from={ckpt}: {str(e).splitlines()[0][:400]}; model.vision, "
             "model.text, model.connector(_options) and data.max_text_len must match the "
             "source run's config.yaml"
         ) from None

@@ -128,14 +128,19 @@ def build_connector(kind: str, dims: ConnectorDims, **kwargs: Any) -> Connector:
         close = difflib.get_close_matches(kind, list(CONNECTORS), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"unknown connector {kind!r}; choose one of {sorted(CONNECTORS)}.{hint}")
+    check_connector_options(kind, kwargs)
+    return CONNECTORS[kind](dims, **kwargs)
+
+
+def check_connector_options(kind: str, options: dict[str, Any]) -> None:
+    """ValueError naming the options connector ``kind`` does not take (checked at load)."""
     cls = CONNECTORS[kind]
     allowed = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "dims")]
-    unknown = sorted(set(kwargs) - set(allowed))
+    unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise ValueError(
             f"connector {kind!r} has no option(s) {unknown}; its options are {allowed}"
         )
-    return cls(dims, **kwargs)
 
 
 # --------------------------------------------------------------------------- projector (LLaVA)

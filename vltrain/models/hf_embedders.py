@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vltrain.config.core import ConfigError
 from vltrain.config.hub_ids import is_model_id
 from vltrain.core import hub
 
@@ -89,10 +90,16 @@ def apply_lora(
     try:
         return get_peft_model(model, cfg)
     except ValueError as e:
-        raise ValueError(
-            f"LoRA could not attach to {type(model).__name__}: {e}. Set lora.target_modules to "
-            "names of nn.Linear modules in this model (e.g. q_proj, v_proj)."
+        linear = sorted({n.rsplit(".", 1)[-1] for n, x in model.named_modules() if _is_linear(x)})
+        raise ConfigError(
+            f"model.lora_targets={sorted(cfg.target_modules)} match no module LoRA can wrap in "
+            f"{type(model).__name__} ({str(e).split('. ')[0]}); name some of its linear "
+            f"layers instead: {', '.join(linear[:12])}"
         ) from None
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, (nn.Linear, nn.Conv1d)) or type(module).__name__ == "Conv1D"
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
@@ -138,7 +145,7 @@ class _HFEmbedder(nn.Module):
         config = AutoConfig.from_pretrained(self.path, local_files_only=local_files_only)
         mt = config.model_type
         if self.model_types and mt not in self.model_types:  # checked before loading weights
-            raise ValueError(
+            raise ConfigError(
                 f"{self.path} holds a {mt!r} model, but embedder kind {self.kind!r} expects "
                 f"{' or '.join(self.model_types)}; pick the matching kind ({sorted(EMBEDDERS)})."
             )

@@ -56,8 +56,14 @@ class Runs:
 def read_runs_csv(path: str | Path) -> Runs:
     """Columns `params`, `tokens` (or `flops`: tokens = flops / (6 params)) and `loss`;
     optional `budget` names each run's isoFLOP group (else `flops`, grouped within 5%)."""
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            rows = list(csv.DictReader(f))
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); save "
+            "it as UTF-8 CSV"
+        ) from None
     if not rows:
         raise ConfigError(f"{path} holds no runs")
     cols = set(rows[0])
@@ -68,7 +74,17 @@ def read_runs_csv(path: str | Path) -> Runs:
         )
 
     def col(name: str) -> np.ndarray:
-        return np.array([float(r[name]) for r in rows])
+        values = []
+        for row, r in enumerate(rows, start=2):  # the header is line 1
+            cell = r.get(name)
+            try:
+                values.append(float(cell))  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                what = "is missing" if cell in (None, "") else f"is {cell!r}, not a number"
+                raise ConfigError(
+                    f"{path}:{row}: column {name!r} {what}; fill in the value or delete the row"
+                ) from None
+        return np.array(values)
 
     params, loss = col("params"), col("loss")
     tokens = col("tokens") if "tokens" in cols else col("flops") / (6 * params)
@@ -78,7 +94,8 @@ def read_runs_csv(path: str | Path) -> Runs:
     bad = ~(np.isfinite(params) & np.isfinite(tokens) & np.isfinite(loss))
     bad |= (params <= 0) | (tokens <= 0) | (loss <= 0)
     if bad.any():
-        raise ConfigError(f"{path}: rows {list(np.nonzero(bad)[0] + 2)} hold non-positive values")
+        rows_bad = [int(i) + 2 for i in np.nonzero(bad)[0]]  # CSV line numbers
+        raise ConfigError(f"{path}: rows {rows_bad} hold non-positive or infinite values")
     return Runs(params, tokens, loss, budget)
 
 
@@ -360,13 +377,14 @@ def fit_all(
     if not (huber_delta == "auto" or (isinstance(huber_delta, float) and huber_delta > 0)):
         raise ConfigError(f"--huber-delta {huber_delta!r}: expected a positive number or auto")
     excluded: list[int] = []
+    if exclude_worst and exclude_worst >= len(runs) - 4:  # before any fit
+        raise ConfigError(
+            f"--exclude-worst {exclude_worst} leaves {max(len(runs) - exclude_worst, 0)} of "
+            f"{len(runs)} runs; approach 3 needs at least 5: lower it to at most "
+            f"{max(len(runs) - 5, 0)}"
+        )
     p3 = fit_parametric(runs)
     if exclude_worst:
-        if exclude_worst >= len(runs) - 4:
-            raise ConfigError(
-                f"--exclude-worst {exclude_worst} leaves {len(runs) - exclude_worst} of "
-                f"{len(runs)} runs; approach 3 needs at least 5"
-            )
         excluded = EXCLUSION_RULES[exclude_by](runs, p3, exclude_worst)
         runs = runs.take(np.setdiff1d(np.arange(len(runs)), excluded))
         p3 = fit_parametric(runs)

@@ -45,7 +45,7 @@ from vltrain.engine.task import StepOutput
 from vltrain.eval.captions import CaptionEvaluator, metric_names
 from vltrain.inference.captioning import decode_captions
 from vltrain.models.backbones import build_captioner, load_initial_weights, load_vision_tower
-from vltrain.models.connectors import CONNECTORS
+from vltrain.models.connectors import CONNECTORS, check_connector_options
 from vltrain.stages.caption_hf import HF_CAPTION_KINDS, HFCaptionCore, check_hf_caption_config
 
 #: the captioner's parts, as model.freeze names them
@@ -82,6 +82,10 @@ def check_captioner_config(cfg: Config, stage: str, used: tuple[str, ...] = CAPT
             "data.train names tar shards, which stream in stage contrastive; pass the JSONL here"
         )
     check_choice("model.connector", m.connector, CONNECTORS)
+    try:  # before the run folder is written
+        check_connector_options(m.connector, m.connector_options)
+    except ValueError as e:
+        raise ConfigError(f"model.connector / model.connector_options: {e}") from None
     for part in m.freeze:
         if part not in PARTS:
             raise ConfigError(f"'model.freeze' entry {part!r} is not one of {list(PARTS)}")

@@ -148,8 +148,8 @@ class ContrastiveStage:
                 load_weights(model, self.init_ckpt)
             except RuntimeError as e:
                 raise ConfigError(
-                    f"model.init_from={self.init_ckpt} does not fit this model "
-                    f"({str(e)[:300]}...); model.kind, model.vision, model.text, "
+                    f"model.init_from={self.init_ckpt}: {str(e).splitlines()[0][:400]}; "
+                    "model.kind, model.vision, model.text, "
                     "model.embed_dim, model.head, objective.loss, objective.reading (on or "
                     "off: its head is part of the weights) and the LoRA options must match the "
                     "source run's "

@@ -19,7 +19,12 @@ from vltrain.data.readers import DataError
 from vltrain.data.shards import is_shard_source
 from vltrain.data.streaming import check_stream_layout
 from vltrain.eval import corpus
-from vltrain.models.backbones import ENCODER_KINDS, HF_KINDS, vision_options
+from vltrain.models import preflight
+from vltrain.models.backbones import (
+    ENCODER_KINDS,
+    HF_KINDS,
+    vision_options,
+)
 from vltrain.models.presets import VISION_PRESETS
 from vltrain.objectives.contrastive import LOSSES
 
@@ -82,26 +87,6 @@ def used_keys(cfg: Config) -> tuple[str, ...]:
     return tuple(used)
 
 
-def check_matryoshka_width(cfg: Config) -> None:
-    """model.matryoshka_dims no wider than the VLM's embedding (its hidden size), read from
-    the model's config before any weights load."""
-    m = cfg.model
-    if m.kind != "vlm" or not m.matryoshka_dims or not m.path:
-        return
-    from transformers import AutoConfig
-
-    try:
-        width = AutoConfig.from_pretrained(m.path, local_files_only=m.local_files_only)
-        width = int(width.get_text_config().hidden_size)
-    except (OSError, ValueError, AttributeError):
-        return  # loading the model reports a bad model.path
-    if m.matryoshka_dims[-1] > width:
-        raise ConfigError(
-            f"'model.matryoshka_dims' {m.matryoshka_dims} go beyond the embedding width {width} "
-            f"of {m.path}; keep every prefix <= {width}"
-        )
-
-
 def tower_patch(cfg: Config) -> int:
     """The built-in vision tower's patch size: model.vision_options' or the preset's."""
     m = cfg.model
@@ -122,9 +107,9 @@ def check_config(cfg: Config) -> None:
             f"its own loss (objective.loss={'siglip' if m.kind == 'hf_siglip' else 'infonce'}"
             "); use qwen3vl with model.kind=vlm or dual_encoder"
         )
-    check_matryoshka_width(cfg)
     if m.kind in HF_KINDS and not m.path:
         raise ConfigError(f"model.kind={m.kind} needs 'model.path' (a local HF model dir)")
+    preflight.check_backbone(cfg)
     if m.kind in HF_KINDS and cfg.data.image_cache_mb:
         raise ConfigError(
             f"data.image_cache_mb keeps images decoded at data.image_size for the built-in "
@@ -142,6 +127,7 @@ def check_config(cfg: Config) -> None:
         )
     if m.kind == "dual_encoder":
         _check_tower(cfg)
+        preflight.check_memory(cfg)
     _check_shards(cfg)
     _check_pairs(cfg)
 

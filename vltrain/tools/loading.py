@@ -10,7 +10,12 @@ from torch import nn
 
 from vltrain.config import Config
 from vltrain.config.schema import load_config
-from vltrain.core.checkpoint import load_weights, resolve_loadable
+from vltrain.core.checkpoint import (
+    CheckpointError,
+    CheckpointMismatch,
+    load_weights,
+    resolve_loadable,
+)
 from vltrain.data.tokenizer import require_tokenizer
 from vltrain.engine.runtime import RunContext
 from vltrain.engine.task import Stage
@@ -41,7 +46,8 @@ def load_trained(
     ckpt, skipped = resolve_loadable(checkpoint)
     if skipped:
         print(f"vltrain: {skipped}", file=sys.stderr)
-    cfg = load_config(run_config_for(ckpt), overrides)
+    config_path = run_config_for(ckpt)
+    cfg = load_config(config_path, overrides)
     cfg.model.init_from = cfg.model.vision_init_from = ""
     if cfg.model.kind in ("dual_encoder", "captioner") and cfg.stage != "drafter":
         # a drafter's model.kind names its target, whose own folder carries the tokenizer
@@ -56,5 +62,12 @@ def load_trained(
     stage = get_stage("caption" if cfg.stage == "rl" else cfg.stage)(cfg, ckpt, ctx)
     stage.prepare()
     model = stage.build_model()
-    load_weights(model, ckpt)
+    try:
+        load_weights(model, ckpt)
+    except CheckpointMismatch as e:
+        raise CheckpointError(
+            f"{e}. The model is built from {config_path}, whose model.* keys (kind, vision, "
+            "text, embed_dim, head, connector) and data.tokenizer_vocab decide these shapes: "
+            "the weights or config.yaml were replaced; put back the run's own pair"
+        ) from None
     return cfg, stage, model.to(ctx.device).eval()

@@ -137,6 +137,12 @@ def mine_command(checkpoint: str, data: str, out: str, opts: MineOptions) -> dic
         )
     _, stage, model = load_trained(checkpoint)
     records, img, owners, txt, texts, txt_owner = _embed(stage, model, data_p, opts.batch_size)
+    if not owners or txt.shape[0] < 2:
+        raise DataError(
+            f"--data {data}: {len(owners)} of its {len(records)} records have an image that "
+            f"decodes and {txt.shape[0]} captions: too few to mine negatives from; check the "
+            "image paths (relative to the file) and that it is UTF-8 JSONL"
+        )
     mined = mine_negatives(img, owners, txt, texts, txt_owner, opts)
     counts = [len(mined.get(i, [])) for i in range(len(records))]
     rows = (

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from vltrain.config.core import ConfigError
-from vltrain.data.draft_data import chat_prompt_ids, read_prompts
+from vltrain.core.files import check_not_input, check_output_path
+from vltrain.data.draft_data import chat_prompt_ids, read_prompts, require_chat_template
 from vltrain.engine.runtime import resolve_device
 from vltrain.inference.captioner_target import load_captioner
 from vltrain.inference.captioning import decode_captions, left_pad
@@ -84,15 +85,26 @@ def regenerate(args: Any) -> int:
     """Answer every record not yet in the output; returns how many were written now."""
     rank = int(os.environ.get("RANK", args.rank))
     world = int(os.environ.get("WORLD_SIZE", args.world_size))
+    if not 0 <= rank < world:
+        raise ConfigError(f"--rank {rank} is not one of the {world} shards (0..{world - 1})")
     out = _shard(Path(args.out), rank, world)
+    check_output_path(str(out), "--out")
+    check_not_input(str(out), [args.data], "--out")
     done = _done_ids(out)
     if bool(args.model) == bool(args.checkpoint):
         raise ConfigError("vltrain data regenerate needs exactly one of --model or --checkpoint")
     dev = resolve_device(getattr(args, "device", "auto"), "--device")
     if args.model:
-        model, tok = load_hf_causal_lm(args.model)
-        model = model.to(dev)
         recs = read_prompts(args.data)
+        model, tok = load_hf_causal_lm(args.model)
+        require_chat_template(tok, args.model)
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if isinstance(limit, int) and args.max_new_tokens >= limit:
+            raise ConfigError(
+                f"--max-new-tokens {args.max_new_tokens} does not fit {args.model}: its "
+                f"max_position_embeddings is {limit} (prompt + completion); give fewer"
+            )
+        model = model.to(dev)
     else:
         model, tok, cfg = load_captioner(args.checkpoint)
         model = model.to(dev)

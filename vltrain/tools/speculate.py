@@ -18,7 +18,7 @@ import torch
 
 from vltrain.config.core import ConfigError
 from vltrain.core.files import check_not_input, check_output_path
-from vltrain.data.draft_data import chat_prompt_ids, read_prompts
+from vltrain.data.draft_data import chat_prompt_ids, read_prompts, require_chat_template
 from vltrain.inference.captioner_target import CaptionerTarget
 from vltrain.inference.captioning import left_pad
 from vltrain.inference.decoding import generate
@@ -101,6 +101,7 @@ def lm_command(args: Any, sampling: dict[str, Any] | None = None) -> int:
         check_not_input(args.out, [args.prompts])
     drafter, meta = load_drafter(args.draft) if args.draft else (None, {})  # refused first
     model, tok = load_hf_causal_lm(args.model)
+    require_chat_template(tok, args.model)
     dflash_format.check_verifier(meta, model, args.draft)
     limit = getattr(model.config, "max_position_embeddings", None)
     if isinstance(limit, int) and args.max_new_tokens >= limit:  # decoding would never end well
