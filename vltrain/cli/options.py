@@ -46,7 +46,7 @@ def finite_float(text: str) -> float:
 
 
 def positive_float(text: str) -> float:
-    """A finite float > 0 (budgets, rates, deltas)."""
+    """A finite float > 0 (budgets, rates, deltas, temperatures)."""
     value = finite_float(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
@@ -68,14 +68,6 @@ def probability(text: str) -> float:
     value = finite_float(text)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """A finite float > 0 (a temperature, a scale)."""
-    value = finite_float(text)
-    if value <= 0.0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
     return value
 
 
