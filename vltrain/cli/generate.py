@@ -50,6 +50,14 @@ def add_generate_options(p: argparse.ArgumentParser) -> None:
         help="DDTree: the argmax chain placed first (a round never accepts less than the chain) "
         "or the paper's pure best-first tree (more tokens a round on average)",
     )
+    p.add_argument(
+        "--spec",
+        default="auto",
+        choices=("auto", "chain", "tree", "none"),
+        help="--draft with --model: auto (default) predicts from the drafter's measured tau and "
+        "this machine's measured verify costs whether chain, tree or no drafter is fastest, and "
+        "says which; chain / tree / none force one (captioners: auto decodes as asked)",
+    )
     p.add_argument("--model", default="", help="instead: an HF causal LM dir or .gguf file")
     p.add_argument("--prompts", default="", help="--model: prompts JSONL ({'prompt'} per line)")
     p.add_argument("--stats", default="", help="--draft: write acceptance statistics here")

@@ -8,7 +8,6 @@ refusals (before anything is written) and the files.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -20,7 +19,14 @@ from safetensors.torch import save_file
 
 from vltrain.config.core import ConfigError
 from vltrain.models import dflash_format
-from vltrain.models.drafter import Drafter, SharedParts, load_drafter
+from vltrain.models.drafter import (
+    Drafter,
+    SharedParts,
+    check_target_config,
+    config_sha256,
+    load_drafter,
+    target_name,
+)
 
 FORMATS = ("speculators", "dflash")
 TARGET_TYPES = {"llama": "Llama", "qwen3": "Qwen3"}
@@ -60,14 +66,6 @@ def clear_out(out: Path) -> None:
             shutil.rmtree(p)
         else:
             p.unlink()
-
-
-def _config_sha256(path: Path, config: Any) -> str:
-    """sha256 of the target's config.json bytes (of its config dict for a GGUF file)."""
-    if path.is_dir() and (path / "config.json").is_file():
-        return hashlib.sha256((path / "config.json").read_bytes()).hexdigest()
-    text = json.dumps(config.to_dict(), sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def load_target(path: str, target_id: str, out: Path) -> tuple[dflash_format.TargetInfo, Any]:
@@ -111,7 +109,7 @@ def load_target(path: str, target_id: str, out: Path) -> tuple[dflash_format.Tar
         width=c.hidden_size,
         max_positions=c.max_position_embeddings,
         tie_word_embeddings=bool(getattr(model.config, "tie_word_embeddings", False)),
-        config_sha256=_config_sha256(p, model.config),
+        config_sha256=config_sha256(model.config),
     )
     return info, model
 
@@ -181,7 +179,8 @@ def export_drafter(
             "drafters of HF causal LMs (Llama, Qwen3)"
         )
     check_out(out, force)
-    info, model = load_target(target or meta["path"], target_id, out)
+    info, model = load_target(target or target_name(meta), target_id, out)
+    check_target_config(meta, info.config_sha256, str(checkpoint))
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     drafter.share(
         SharedParts(
