@@ -93,6 +93,23 @@ def test_dflash_export_gives_zlab_logits_and_the_offset_control_fails(qwen3, tmp
     assert bench.dflash_diff(qwen3, out, offset=2)[0] > bench.DETECT  # negative control
 
 
+def test_plain_transformers_loads_the_dflash_export_with_its_modelling_file(
+    qwen3, tmp_path
+) -> None:
+    """`AutoModel.from_pretrained(EXPORT, trust_remote_code=True)`: the modelling file the
+    export carries, read by plain transformers, gives vltrain's logits (<= 1e-5, fp32) with no
+    missing or unexpected key; the offset control still fails."""
+    out = bench.export(qwen3, tmp_path / "dflash", "dflash")
+    c = json.loads((out / "config.json").read_text())
+    assert c["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+    assert (out / export_drafter.MODELING_FILE).is_file()
+    model, problems = bench.transformers_load(out)
+    assert type(model).__name__ == "DFlashDraftModel" and "vltrain" not in type(model).__module__
+    diff, problems = bench.dflash_diff(qwen3, out, loader=bench.transformers_load)
+    assert not problems and diff <= bench.TOL, (diff, problems)
+    assert bench.dflash_diff(qwen3, out, 2, loader=bench.transformers_load)[0] > bench.DETECT
+
+
 def test_speculators_loads_the_export_and_reproduces_the_logits(llama48, tmp_path) -> None:
     pytest.importorskip("speculators")
     out = bench.export(llama48, tmp_path / "spec", "speculators")

@@ -29,6 +29,8 @@ from vltrain.models.drafter import (
 )
 
 FORMATS = ("speculators", "dflash")
+MODELING_FILE = "modeling_dflash.py"
+"""A dflash export's modelling file (`vltrain.models.dflash_modeling`), named in auto_map."""
 TARGET_TYPES = {"llama": "Llama", "qwen3": "Qwen3"}
 """HF model types whose drafters the formats cover (SmolLM2 is a Llama)."""
 EXPORT_FILES = (
@@ -39,6 +41,7 @@ EXPORT_FILES = (
     "config.yaml",
     "hf_model",
     "tokenizer",
+    "modeling_dflash.py",
 )
 """What any `vltrain export` writes: a folder holding one of them holds an export."""
 
@@ -152,8 +155,12 @@ def write_export(
         state = dflash_format.speculators_state(drafter)
     else:
         config = dflash_format.dflash_config(drafter.cfg, target)
+        config["auto_map"] = {"AutoModel": f"{MODELING_FILE[:-3]}.DFlashDraftModel"}
         state = dflash_format.body_state(drafter)
     out.mkdir(parents=True, exist_ok=True)
+    if fmt == "dflash":  # plain transformers: AutoModel.from_pretrained(out, trust_remote_code)
+        source = Path(dflash_format.__file__).with_name("dflash_modeling.py")  # not imported
+        shutil.copyfile(source, out / MODELING_FILE)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
