@@ -249,6 +249,7 @@ case("generate_missing_checkpoint", "no_such_run")(
     lambda c: ["generate", "--checkpoint", str(c.tmp / "no_such_run"), "--images", "x.png"]
 )
 case("generate_out_is_a_folder", "is a directory")(lambda c: _generate(c, "--out", str(c.tmp)))
+case("generate_spec_without_draft", "--spec chain")(lambda c: _generate(c, "--spec", "chain"))
 
 
 def _lm_generate(c: Ctx, *more: str) -> list[str]:
