@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -125,14 +124,16 @@ def cache_path() -> Path:
     return Path(root) / "vltrain" / CACHE_FILE
 
 
-def _median_seconds(fn: Callable[[], Any], reps: int) -> float:
-    fn()  # warm up (packing, allocations)
+def _seconds(fn: Callable[[], Any], reps: int) -> float:
+    """The fastest of ``reps`` calls after a warm-up (packing, allocations): the least
+    disturbed by other work on a shared machine, and alike for every cost compared."""
+    fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 @torch.no_grad()
@@ -162,9 +163,9 @@ def measure_costs(target: Any, drafter: Any, inputs: dict[str, Any], reps: int =
 
     dcache = DraftContextCache()
     costs = SpecCosts(
-        step=_median_seconds(step, reps),
-        draft=_median_seconds(lambda: _draft(drafter, ctx, root, anchor, dcache), reps),
-        verify={n: _median_seconds(verify(n), reps) for n in VERIFY_SIZES},
+        step=_seconds(step, reps),
+        draft=_seconds(lambda: _draft(drafter, ctx, root, anchor, dcache), reps),
+        verify={n: _seconds(verify(n), reps) for n in VERIFY_SIZES},
     )
     return costs
 
