@@ -104,6 +104,7 @@ def main() -> None:
             name = f"{Path(run).name}_b{b}{shape}"
             stats = out / f"{name}.json"
             draft = ["--draft", run, "--tree-budget", str(b), "--stats", str(stats)]
+            draft += ["--spec", "tree" if b else "chain"]  # measured as asked, not auto
             draft += ["--tree-shape", args.tree_shape]
             secs = generate(out, name, prompts, args, *draft)
             st = json.loads(stats.read_text())

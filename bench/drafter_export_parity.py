@@ -229,10 +229,11 @@ def speculators_diff(case: Case, out: Path) -> tuple[float, list[str], list[str]
 
 
 @torch.no_grad()
-def dflash_diff(case: Case, out: Path, offset: int = 1) -> tuple[float, list[str]]:
+def dflash_diff(case: Case, out: Path, offset: int = 1, loader=None) -> tuple[float, list[str]]:
     """(max |diff|, key problems) of z-lab-format logits against vltrain's, one block per
-    anchor at the end of its context, as z-lab's decoding drafts."""
-    model, problems = dflash_reference.load(out)
+    anchor at the end of its context, as z-lab's decoding drafts; ``loader`` (default: the
+    z-lab-facts loader) gives (model, problems) of the export folder."""
+    model, problems = (loader or dflash_reference.load)(out)
     k = case.drafter.cfg.block_size
     hs = hidden_states(case)
     s = case.ids.shape[1]
@@ -249,6 +250,23 @@ def dflash_diff(case: Case, out: Path, offset: int = 1) -> tuple[float, list[str
         peer = head(hidden[:, 1 - k :])[0]  # slots 1..K-1 draft positions a+1..a+K-1
         diff = max(diff, float((peer - ours[j, 1:]).abs().max()))
     return diff, problems
+
+
+def transformers_load(folder: Path):
+    """(model, key problems) of a dflash export read by plain transformers through the
+    modelling file it carries (``trust_remote_code=True``), as z-lab's checkpoints load."""
+    from transformers import AutoModel
+
+    model, info = AutoModel.from_pretrained(
+        folder,
+        trust_remote_code=True,
+        dtype=torch.float32,
+        local_files_only=True,
+        output_loading_info=True,
+    )
+    problems = [f"missing {k}" for k in info["missing_keys"]]
+    problems += [f"unexpected {k}" for k in info["unexpected_keys"]]
+    return model.eval(), problems
 
 
 def rows(root: Path) -> list[tuple[str, str, float, str]]:
@@ -290,6 +308,13 @@ def rows(root: Path) -> list[tuple[str, str, float, str]]:
                 not problems,
             )
             control("dflash read with speculators' offset", case.name, dflash_diff(case, zl, 2)[0])
+            diff, problems = dflash_diff(case, zl, loader=transformers_load)
+            parity(
+                "dflash via AutoModel(trust_remote_code) logits",
+                case.name + (f" {problems}" if problems else ""),
+                diff,
+                not problems,
+            )
     return out
 
 

@@ -19,6 +19,14 @@ os.environ.setdefault("VLTRAIN_STRICT_COLLECTIVES", "cuda")
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _spec_costs(tmp_path_factory: pytest.TempPathFactory, monkeypatch) -> None:
+    """`vltrain generate --spec auto` caches measured costs in the user's cache dir: in tests,
+    in a temporary file of the session instead."""
+    path = tmp_path_factory.getbasetemp() / "spec_costs.json"
+    monkeypatch.setenv("VLTRAIN_SPEC_COSTS", str(path))
+
+
 @pytest.fixture
 def one_thread() -> Iterator[None]:
     """Run the test on one torch thread, restoring the count afterwards: tiny models run fastest

@@ -326,6 +326,7 @@ case("generate_temperature_without_sampling", "--strategy sample")(
 case("generate_top_p_zero", "--top-p")(
     lambda c: _generate(c, "--strategy", "sample", "--top-p", "0")
 )
+case("generate_spec_without_draft", "--spec chain")(lambda c: _generate(c, "--spec", "chain"))
 
 
 def _lm_generate(c: Ctx, *more: str, model: Path | None = None) -> list[str]:

@@ -157,6 +157,8 @@ def test_train_and_generate_with_the_drafter(lm, answers, trained, tmp_path, cap
                     str(run),
                     "--tree-budget",
                     budget,
+                    "--spec",
+                    "tree" if int(budget) else "chain",
                     "--stats",
                     str(stats),
                 ]

@@ -8,7 +8,6 @@ written from z-lab's modelling facts (bench/dflash_reference.py).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import sys
@@ -21,6 +20,7 @@ pytest.importorskip("transformers")
 
 from vltrain.cli import main
 from vltrain.config.core import ConfigError
+from vltrain.models.drafter import config_sha256
 from vltrain.tools import export_drafter
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,7 +71,7 @@ def test_speculators_config_fields_and_weight_names(llama48, tmp_path: Path) -> 
     assert verifier["architectures"] == ["LlamaForCausalLM"]
     assert not Path(verifier["name_or_path"]).is_absolute()  # self-contained
     assert (out / verifier["name_or_path"]).resolve() == llama48.target_dir.resolve()
-    sha = hashlib.sha256((llama48.target_dir / "config.json").read_bytes()).hexdigest()
+    sha = config_sha256(json.loads((llama48.target_dir / "config.json").read_text()))
     assert c["vltrain"]["target"]["config_sha256"] == sha
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
@@ -91,6 +91,23 @@ def test_dflash_export_gives_zlab_logits_and_the_offset_control_fails(qwen3, tmp
     diff, problems = bench.dflash_diff(qwen3, out)
     assert not problems and diff <= bench.TOL
     assert bench.dflash_diff(qwen3, out, offset=2)[0] > bench.DETECT  # negative control
+
+
+def test_plain_transformers_loads_the_dflash_export_with_its_modelling_file(
+    qwen3, tmp_path
+) -> None:
+    """`AutoModel.from_pretrained(EXPORT, trust_remote_code=True)`: the modelling file the
+    export carries, read by plain transformers, gives vltrain's logits (<= 1e-5, fp32) with no
+    missing or unexpected key; the offset control still fails."""
+    out = bench.export(qwen3, tmp_path / "dflash", "dflash")
+    c = json.loads((out / "config.json").read_text())
+    assert c["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+    assert (out / export_drafter.MODELING_FILE).is_file()
+    model, problems = bench.transformers_load(out)
+    assert type(model).__name__ == "DFlashDraftModel" and "vltrain" not in type(model).__module__
+    diff, problems = bench.dflash_diff(qwen3, out, loader=bench.transformers_load)
+    assert not problems and diff <= bench.TOL, (diff, problems)
+    assert bench.dflash_diff(qwen3, out, 2, loader=bench.transformers_load)[0] > bench.DETECT
 
 
 def test_speculators_loads_the_export_and_reproduces_the_logits(llama48, tmp_path) -> None:
@@ -231,3 +248,55 @@ def test_an_exported_drafter_imports_and_decodes_like_the_original(tmp_path, cap
     export_drafter.write_export(original, info, tmp_path / "off", "speculators", layer_offset=0)
     off, _ = load_drafter(tmp_path / "off")
     assert off.cfg.target_layer_ids != original.cfg.target_layer_ids  # the control differs
+
+
+def test_a_vltrain_drafter_export_travels_with_its_target_and_checks_its_config(
+    tmp_path, capsys
+) -> None:
+    """`vltrain export RUN` (vltrain's format): drafter.json names the target by its path
+    relative to the export (or --target-id) with its config hash; moved together, the export
+    decodes; a target whose config differs is refused in one line; a re-saved config.json
+    (another transformers version) is the same target."""
+    import shutil
+
+    from tests.stages.drafter_fixtures import TEXTS, tiny_lm
+    from tests.stages.test_drafter_stage import _train_args
+    from vltrain.models.drafter import load_drafter
+
+    home = tmp_path / "home"
+    lm = tiny_lm(home / "lm", layers=4)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": t, "completion": t}) + "\n" for t in TEXTS))
+    run = tmp_path / "run"
+    args = _train_args(lm, tmp_path, run, "train.max_steps=2", "drafter.eval_prompts=0")
+    assert main([a.replace(f"{tmp_path}/answers.jsonl", str(data)) for a in args]) == 0
+    assert main(["export", str(run), "--out", str(home / "export")]) == 0
+    target = json.loads((home / "export" / "drafter.json").read_text())["target"]
+    cfg = json.loads((lm / "config.json").read_text())
+    assert target == {"kind": "hf_lm", "path": "../lm", "config_sha256": config_sha256(cfg)}
+    out = tmp_path / "by-id"  # named by its HF id instead of a path
+    assert main(["export", str(run), "--out", str(out), "--target-id", "org/tiny-lm"]) == 0
+    target = json.loads((out / "drafter.json").read_text())["target"]
+    assert target["id"] == "org/tiny-lm" and "path" not in target
+
+    moved = tmp_path / "moved"
+    shutil.move(home, moved)
+    assert load_drafter(moved / "export")[1]["path"] == str((moved / "lm").resolve())
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in TEXTS[:2]))
+    gen = ["generate", "--prompts", str(prompts), "--max-new-tokens", "8"]
+    gen += ["--draft", str(moved / "export")]
+    capsys.readouterr()
+    assert main([*gen, "--model", str(moved / "lm")]) == 0
+    resaved = tmp_path / "resaved"
+    shutil.copytree(moved / "lm", resaved)
+    (resaved / "config.json").write_text(json.dumps({**cfg, "transformers_version": "0.0.1"}))
+    assert main([*gen, "--model", str(resaved)]) == 0
+    other = tmp_path / "other"
+    shutil.copytree(moved / "lm", other)
+    (other / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-3}))
+    capsys.readouterr()
+    assert main([*gen, "--model", str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the loading bar
+    assert err.startswith("vltrain: error: the drafter") and "another target" in err, err
+    assert "config sha256" in err and str(moved / "lm") in err

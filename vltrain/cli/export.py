@@ -29,8 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument(
         "--target-id",
         default="",
-        help="speculators/dflash: name the target by this HF id (default: its path relative "
-        "to OUT; required for a GGUF target)",
+        help="a drafter: name its target by this HF id (default: its path relative to OUT; "
+        "speculators/dflash: required for a GGUF target)",
     )
     e.add_argument(
         "--target", default="", help="speculators/dflash: the target's path, if it moved"

@@ -77,6 +77,13 @@ def add_generate_options(p: argparse.ArgumentParser) -> None:
         "or the paper's pure best-first tree (more tokens a round on average)",
     )
     p.add_argument(
+        "--spec",
+        default="auto",
+        choices=("auto", "chain", "tree", "none"),
+        help="--draft with --model: auto (default) predicts from the drafter's measured tau and "
+        "this machine's measured verify costs whether chain, tree or no drafter is fastest, and "
+        "says which; chain / tree / none force one (captioners: auto decodes as asked)",
+    )
         "--model",
         default="",
         help="instead: an HF causal LM dir or .gguf file (with --prompts), or an HF "

@@ -38,7 +38,7 @@ from vltrain.inference.native_llama import NativeTarget, causal_lm_target
 from vltrain.inference.speculative import speculative_generate
 from vltrain.inference.target import Context
 from vltrain.inference.vlm_target import HFVLMTarget, is_hf_vlm, load_hf_vlm, vlm_inputs
-from vltrain.models.drafter import target_layer_ids
+from vltrain.models.drafter import config_sha256, run_config_sha256, target_layer_ids
 from vltrain.objectives.drafter import block_labels, block_soft_labels
 
 TARGET_KINDS = ("hf_lm", "captioner", "hf_vlm")
@@ -91,6 +91,7 @@ class DraftTarget:
         m, d = cfg.model, cfg.drafter
         if m.kind == "hf_lm":
             model, self.tokenizer = load_hf_causal_lm(m.target)
+            self.config_sha256 = config_sha256(model.config)  # before HFTarget sets switches
             model.requires_grad_(False)
             n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
             ids = list(d.layer_ids) or target_layer_ids(n_layers, d.target_layers)
@@ -107,12 +108,14 @@ class DraftTarget:
             self.pad_id = self.model.pad_token_id
         else:
             model, self.tokenizer, self.target_cfg = load_captioner(m.target)
+            self.config_sha256 = run_config_sha256(self.target_cfg)
             n_layers = len(model.decoder.blocks)
             ids = list(d.layer_ids) or target_layer_ids(n_layers, d.target_layers)
             self.model = CaptionerTarget(model.to(device), ids)
             self.decode_target = self.model
             self.pad_id = self.tokenizer.pad_id
         self.caches: dict[str, FeatureCache] = {}
+        self.last_decode: dict[str, float] = {}
         bad = [i for i in ids if not 0 <= i < n_layers]
         if bad:
             raise ConfigError(
@@ -239,6 +242,8 @@ class DraftTarget:
             out[f"tau_decode{name}"] = float(acc[0] / acc[1].clamp(min=1))
         if isinstance(self.decode_target, NativeTarget):
             self.decode_target.release()  # ~2 copies of the target's weights until next eval
+        if n:  # what `vltrain generate --spec auto` predicts from (drafter.json "eval")
+            self.last_decode = {**out, "tree_budget": d.eval_tree_budget, "prompts": n}
         return out
 
     def prompts(self, base: Any, idx: list[int]) -> dict[str, Tensor]:

@@ -327,6 +327,11 @@ def _drafter_from(
     return drafter.eval(), state
 
 
+def _relative_to(folder: Path, name: str) -> str:
+    """A verifier path relative to the checkpoint resolved (a hub id, or nothing, as is)."""
+    return str((folder / name).resolve()) if name and (folder / name).exists() else name
+
+
 def load_speculators(path: str | Path) -> tuple[Drafter, dict]:
     """(vltrain drafter in eval mode, its target dict) of a speculators DFlash checkpoint."""
     folder = Path(path)
@@ -348,9 +353,10 @@ def load_speculators(path: str | Path) -> tuple[Drafter, dict]:
     verifier = c["speculators_config"]["verifier"]
     target = {
         "kind": "hf_lm",
-        "path": verifier.get("name_or_path"),
+        "path": _relative_to(folder, verifier.get("name_or_path") or ""),
         "format": "speculators",
         "verifier": {"architectures": list(verifier.get("architectures") or []), "vocab": vocab},
+        "config_sha256": ((c.get("vltrain") or {}).get("target") or {}).get("config_sha256"),
     }
     return drafter, target
 
@@ -380,13 +386,14 @@ def load_dflash(path: str | Path) -> tuple[Drafter, dict]:
     made = (c.get("vltrain") or {}).get("target") or {}
     target = {
         "kind": "hf_lm",
-        "path": made.get("name_or_path", ""),
+        "path": _relative_to(folder, made.get("name_or_path", "")),
         "format": "dflash",
         "verifier": {
             "architectures": list(made.get("architectures") or []),
             "vocab": vocab,
             "layers": c.get("num_target_layers"),
         },
+        "config_sha256": made.get("config_sha256"),
     }
     return drafter, target
 

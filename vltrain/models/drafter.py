@@ -454,11 +454,96 @@ DRAFTER_FILE = "drafter.json"
 """Written beside ``model.safetensors`` in every drafter checkpoint: config + target."""
 
 
-def save_drafter_meta(folder: Path, cfg: DrafterConfig, target: dict) -> None:
-    """Write the drafter's config and its target (kind, path) into a checkpoint folder."""
-    (Path(folder) / DRAFTER_FILE).write_text(
-        json.dumps({"drafter": cfg.to_dict(), "target": target}, indent=2)
-    )
+#: config keys that name the file, the dtype, the library version or runtime switches, not the
+#: network: left out of `config_sha256` (as is every key starting with "_")
+VOLATILE_CONFIG_KEYS = frozenset(
+    {
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "use_cache",
+        "output_hidden_states",
+        "output_attentions",
+        "return_dict",
+    }
+)
+
+
+def _network_keys(value: object) -> object:
+    if isinstance(value, dict):
+        return {
+            k: _network_keys(v)
+            for k, v in value.items()
+            if k not in VOLATILE_CONFIG_KEYS and not str(k).startswith("_")
+        }
+    return value
+
+
+def config_sha256(config: object) -> str:
+    """sha256 of a target's config (an HF config's ``to_diff_dict()``, the keys its config.json
+    holds, or a dict) as sorted JSON, without `VOLATILE_CONFIG_KEYS`: the same for one model
+    wherever its folder lies, whichever transformers version saved it."""
+    import hashlib
+
+    if hasattr(config, "to_diff_dict"):  # what save_pretrained writes to config.json
+        tree = config.to_diff_dict()
+    else:
+        tree = dict(config)  # type: ignore[call-overload]
+    text = json.dumps(_network_keys(tree), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def run_config_sha256(cfg: object) -> str:
+    """`config_sha256` of a vltrain captioner's run config: the sections that make its network
+    (``model``, ``caption``, ``data.image_size``, ``data.max_text_len``)."""
+    from vltrain.config.core import to_dict
+
+    d = to_dict(cfg)
+    net = {"model": d["model"], "caption": d.get("caption")}
+    net.update({k: d["data"][k] for k in ("image_size", "max_text_len")})
+    return config_sha256(net)
+
+
+def target_record(kind: str, target: str, folder: Path, sha: str) -> dict:
+    """What ``drafter.json`` says of its target: its kind, its HF id (a hub id target) or its
+    path relative to ``folder`` (the export travels with its target), and `config_sha256`."""
+    import os
+
+    from vltrain.config.hub_ids import is_model_id
+
+    if is_model_id(target):
+        return {"kind": kind, "id": str(target), "config_sha256": sha}
+    rel = os.path.relpath(Path(target).resolve(), Path(folder).resolve())
+    return {"kind": kind, "path": rel, "config_sha256": sha}
+
+
+def target_name(target: dict) -> str:
+    """The target a loaded ``drafter.json`` names (its HF id, or its resolved path)."""
+    return str(target.get("id") or target.get("path") or "")
+
+
+def check_target_config(target: dict, sha: str, where: str) -> None:
+    """Refuse a drafter whose recorded target config hash is not ``sha`` (one line)."""
+    from vltrain.config.core import ConfigError
+
+    want = target.get("config_sha256")
+    if want and want != sha:
+        raise ConfigError(
+            f"the drafter {where} was trained for another target: its config sha256 "
+            f"{want[:12]} is not this model's ({sha[:12]}); pass the target it names "
+            f"({target_name(target) or 'see its drafter.json'})"
+        )
+
+
+def save_drafter_meta(
+    folder: Path, cfg: DrafterConfig, target: dict, decode: dict | None = None
+) -> None:
+    """Write the drafter's config, its target (`target_record`) and its latest measured
+    decoding (``eval``: tau_decode, tau_decode_tree, tree_budget) into a checkpoint folder."""
+    tree = {"drafter": cfg.to_dict(), "target": target}
+    if decode:
+        tree["eval"] = decode
+    (Path(folder) / DRAFTER_FILE).write_text(json.dumps(tree, indent=2))
 
 
 def load_drafter(path: str | Path) -> tuple[Drafter, dict]:
@@ -482,6 +567,11 @@ def load_drafter(path: str | Path) -> tuple[Drafter, dict]:
     if not meta_path.is_file():
         raise FileNotFoundError(f"{ckpt} holds no {DRAFTER_FILE}: not a drafter checkpoint")
     meta = json.loads(meta_path.read_text())
+    target = meta["target"]
+    if target.get("path") and not target.get("id"):  # relative to the folder (older: absolute)
+        target["path"] = str((ckpt / target["path"]).resolve())
+    if meta.get("eval"):
+        target["eval"] = meta["eval"]  # the measured tau `generate --spec auto` predicts from
     drafter = Drafter(DrafterConfig(**meta["drafter"]))
     state = load_file(str(ckpt / "model.safetensors"))
     own = {k.removeprefix("drafter."): v for k, v in state.items() if k.startswith("drafter.")}

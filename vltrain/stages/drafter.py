@@ -49,6 +49,7 @@ from vltrain.models.drafter import (
     draft_vocab_ids,
     drafter_to_continue,
     save_drafter_meta,
+    target_record,
 )
 from vltrain.objectives.drafter import BlockDraftLoss, default_gamma, summarize_metrics
 
@@ -303,8 +304,9 @@ class DrafterStage:
 
     def export(self, model: nn.Module, folder: Path) -> None:
         """drafter.json: the drafter config and its target, read by ``--draft``."""
-        target = {"kind": self.cfg.model.kind, "path": str(Path(self.cfg.model.target).resolve())}
-        save_drafter_meta(folder, model.drafter.cfg, target)
+        m = self.cfg.model
+        target = target_record(m.kind, m.target, folder, self.target.config_sha256)
+        save_drafter_meta(folder, model.drafter.cfg, target, self.target.last_decode)
 
     def state_dict(self) -> dict[str, Any]:
         return self.noise.state_dict()

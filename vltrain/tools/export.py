@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 from pathlib import Path
 
@@ -11,11 +12,14 @@ from safetensors.torch import save_model
 from vltrain.config.core import ConfigError
 from vltrain.core.checkpoint import resolve_checkpoint
 from vltrain.core.files import OutputError, check_not_input, is_disk_full, write_failure
+from vltrain.models.drafter import DRAFTER_FILE
 from vltrain.tools import export_drafter, export_st
 from vltrain.tools.loading import load_trained, run_config_for
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, force: bool = False) -> Path:
+def export_checkpoint(
+    checkpoint: str | Path, out: str | Path, force: bool = False, target_id: str = ""
+) -> Path:
     """Write `out/model.safetensors` (the keys a single-process run saves), the stage's own
     export (`hf_model/` via save_pretrained for HF backbones), the tokenizer and config.yaml.
 
@@ -29,6 +33,16 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, force: bool = Fal
     out.mkdir(parents=True, exist_ok=True)
     save_model(model, str(out / "model.safetensors"))  # the same writer as every checkpoint
     stage.export(model, out)
+    meta = out / DRAFTER_FILE
+    if meta.is_file():  # a drafter: its measured tau travels; --target-id names the target
+        tree = json.loads(meta.read_text())
+        if (ckpt / DRAFTER_FILE).is_file():
+            measured = json.loads((ckpt / DRAFTER_FILE).read_text()).get("eval")
+            tree.update({"eval": measured} if measured else {})
+        if target_id:
+            tree["target"] = {**tree["target"], "id": target_id}
+            tree["target"].pop("path", None)
+        meta.write_text(json.dumps(tree, indent=2))
     if (ckpt / "tokenizer").is_dir():
         shutil.copytree(ckpt / "tokenizer", out / "tokenizer", dirs_exist_ok=True)
     shutil.copy2(run_config_for(ckpt), out / "config.yaml")
@@ -72,7 +86,7 @@ def export_command(
 
 def _export(checkpoint: str, out: str, fmt: str, force: bool, target: str, target_id: str) -> int:
     if fmt == "vltrain":
-        path = export_checkpoint(checkpoint, out, force)
+        path = export_checkpoint(checkpoint, out, force, target_id)
     elif fmt == "hf":
         path = export_hf(checkpoint, out, force)
         print(f"vltrain: exported {checkpoint} as {fmt} to {path} (transformers from_pretrained)")

@@ -8,7 +8,6 @@ refusals (before anything is written) and the files.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -20,9 +19,18 @@ from safetensors.torch import save_file
 
 from vltrain.config.core import ConfigError
 from vltrain.models import dflash_format
-from vltrain.models.drafter import Drafter, SharedParts, load_drafter
+from vltrain.models.drafter import (
+    Drafter,
+    SharedParts,
+    check_target_config,
+    config_sha256,
+    load_drafter,
+    target_name,
+)
 
 FORMATS = ("speculators", "dflash")
+MODELING_FILE = "modeling_dflash.py"
+"""A dflash export's modelling file (`vltrain.models.dflash_modeling`), named in auto_map."""
 TARGET_TYPES = {"llama": "Llama", "qwen3": "Qwen3"}
 """HF model types whose drafters the formats cover (SmolLM2 is a Llama)."""
 EXPORT_FILES = (
@@ -33,6 +41,7 @@ EXPORT_FILES = (
     "config.yaml",
     "hf_model",
     "tokenizer",
+    "modeling_dflash.py",
 )
 """What any `vltrain export` writes: a folder holding one of them holds an export."""
 
@@ -60,14 +69,6 @@ def clear_out(out: Path) -> None:
             shutil.rmtree(p)
         else:
             p.unlink()
-
-
-def _config_sha256(path: Path, config: Any) -> str:
-    """sha256 of the target's config.json bytes (of its config dict for a GGUF file)."""
-    if path.is_dir() and (path / "config.json").is_file():
-        return hashlib.sha256((path / "config.json").read_bytes()).hexdigest()
-    text = json.dumps(config.to_dict(), sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def load_target(path: str, target_id: str, out: Path) -> tuple[dflash_format.TargetInfo, Any]:
@@ -111,7 +112,7 @@ def load_target(path: str, target_id: str, out: Path) -> tuple[dflash_format.Tar
         width=c.hidden_size,
         max_positions=c.max_position_embeddings,
         tie_word_embeddings=bool(getattr(model.config, "tie_word_embeddings", False)),
-        config_sha256=_config_sha256(p, model.config),
+        config_sha256=config_sha256(model.config),
     )
     return info, model
 
@@ -154,8 +155,12 @@ def write_export(
         state = dflash_format.speculators_state(drafter)
     else:
         config = dflash_format.dflash_config(drafter.cfg, target)
+        config["auto_map"] = {"AutoModel": f"{MODELING_FILE[:-3]}.DFlashDraftModel"}
         state = dflash_format.body_state(drafter)
     out.mkdir(parents=True, exist_ok=True)
+    if fmt == "dflash":  # plain transformers: AutoModel.from_pretrained(out, trust_remote_code)
+        source = Path(dflash_format.__file__).with_name("dflash_modeling.py")  # not imported
+        shutil.copyfile(source, out / MODELING_FILE)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
@@ -181,7 +186,8 @@ def export_drafter(
             "drafters of HF causal LMs (Llama, Qwen3)"
         )
     check_out(out, force)
-    info, model = load_target(target or meta["path"], target_id, out)
+    info, model = load_target(target or target_name(meta), target_id, out)
+    check_target_config(meta, info.config_sha256, str(checkpoint))
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     drafter.share(
         SharedParts(

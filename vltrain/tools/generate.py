@@ -109,6 +109,10 @@ def generate_command(args: Any) -> int:
     """`vltrain generate`: caption image files (JSON lines), or score a caption file."""
     torch.manual_seed(args.seed)
     sampling = sampling_options(args)
+    if getattr(args, "spec", "auto") != "auto" and not args.draft:
+        raise ConfigError(
+            f"--spec {args.spec} chooses how --draft decodes: give --draft or drop it"
+        )
     if args.draft and args.strategy != "greedy":
         raise ConfigError("--draft decodes greedily (lossless); drop --strategy")
     if args.model:
@@ -141,10 +145,15 @@ def generate_command(args: Any) -> int:
     rows: dict[int, dict[str, str]] = {}
     drafter, stats, t0 = None, [], time.perf_counter()
     if args.draft:
-        from vltrain.models.drafter import load_drafter
-        from vltrain.tools.speculate import caption_speculative, report
+        from vltrain.models.drafter import check_target_config, load_drafter, run_config_sha256
+        from vltrain.tools.speculate import caption_speculative, pick_spec, report
 
-        drafter, _ = load_drafter(args.draft)
+        drafter, meta = load_drafter(args.draft)
+        check_target_config(meta, run_config_sha256(cfg), args.draft)
+        spec = getattr(args, "spec", "auto")  # a captioner's auto decodes as asked
+        if spec != "auto":
+            args.tree_budget = pick_spec(args, drafter, meta, None, {}, "")[1]
+            drafter = None if spec == "none" else drafter
     for start in range(0, len(paths), args.batch_size):
         good, images = [], []
         for i in range(start, min(start + args.batch_size, len(paths))):

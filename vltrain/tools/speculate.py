@@ -19,6 +19,7 @@ import torch
 from vltrain.config.core import ConfigError
 from vltrain.core.files import check_not_input, check_output_path
 from vltrain.data.draft_data import chat_prompt_ids, read_prompts, require_chat_template
+from vltrain.inference import spec_cost
 from vltrain.inference.captioner_target import CaptionerTarget
 from vltrain.inference.captioning import left_pad
 from vltrain.inference.decoding import generate
@@ -27,7 +28,13 @@ from vltrain.inference.native_llama import causal_lm_target
 from vltrain.inference.speculative import SpecStats, speculative_generate
 from vltrain.inference.target import DecodeTarget
 from vltrain.models import dflash_format
-from vltrain.models.drafter import Drafter, SharedParts, load_drafter
+from vltrain.models.drafter import (
+    Drafter,
+    SharedParts,
+    check_target_config,
+    config_sha256,
+    load_drafter,
+)
 
 
 def attach(drafter: Drafter, target: DecodeTarget) -> Drafter:
@@ -44,11 +51,49 @@ def attach(drafter: Drafter, target: DecodeTarget) -> Drafter:
     return drafter.share(SharedParts(target.embed, target.head, target.head_params))
 
 
-def report(stats: list[SpecStats], seconds: float, tokens: int, path: str) -> None:
+DEFAULT_TREE_BUDGET = 16
+"""--spec tree with neither --tree-budget nor a measured tree budget (bench/RESULTS.md's best
+on SmolLM2-135M)."""
+
+
+def pick_spec(
+    args: Any, drafter: Drafter, meta: dict, target: Any, inputs: dict, sha: str
+) -> tuple[str, int]:
+    """(none / chain / tree, tree budget) for ``--spec`` (module doc of `spec_cost`); auto
+    prints one line saying what it picked and why."""
+    measured = meta.get("eval") or {}
+    asked = getattr(args, "spec", "auto")
+    own = int(measured.get("tree_budget") or 0)
+    budget = args.tree_budget or own or DEFAULT_TREE_BUDGET
+    if asked != "auto":
+        return asked, budget if asked == "tree" else 0
+    tau_chain = float(measured.get("tau_decode") or 0.0)
+    if tau_chain <= 0:
+        way = "tree" if args.tree_budget else "chain"
+        print(
+            f"vltrain: --spec auto: {args.draft} records no measured tau (a drafter run "
+            f"evaluated with drafter.eval_prompts > 0 does): {way} as asked; --spec none "
+            "decodes without it",
+            file=sys.stderr,
+        )
+        return way, args.tree_budget
+    tau_tree = float(measured.get("tau_decode_tree") or 0.0) if budget == own else 0.0
+    key = spec_cost.machine_key(sha, type(target).__name__, drafter.cfg.to_dict())
+    costs, _ = spec_cost.cached_costs(key, lambda: spec_cost.measure_costs(target, drafter, inputs))
+    predicted = spec_cost.predict(costs, drafter.cfg.block_size, tau_chain, tau_tree, budget)
+    way = spec_cost.choose(predicted)
+    taus = {"chain": tau_chain, "tree": tau_tree}
+    taus.update(chain_fed=drafter.cfg.block_size, tree_fed=budget + 1)
+    print(f"vltrain: {spec_cost.explain(way, predicted, costs, taus)}", file=sys.stderr)
+    return way, budget if way == "tree" else 0
+
+
+def report(stats: list[SpecStats], seconds: float, tokens: int, path: str, spec: str = "") -> None:
     """Acceptance statistics as JSON on stderr, or into ``path``."""
     acc = [a for s in stats for a in s.accepted]
     rounds = sum(len(a) for a in acc)
     out = {
+        **({"spec": spec} if spec else {}),
         "tau": sum(map(sum, acc)) / max(rounds, 1),
         "rounds": rounds,
         "target_calls": sum(s.target_calls for s in stats),
@@ -103,6 +148,9 @@ def lm_command(args: Any, sampling: dict[str, Any] | None = None) -> int:
     model, tok = load_hf_causal_lm(args.model)
     require_chat_template(tok, args.model)
     dflash_format.check_verifier(meta, model, args.draft)
+    sha = config_sha256(model.config)
+    if drafter is not None:
+        check_target_config(meta, sha, args.draft)
     limit = getattr(model.config, "max_position_embeddings", None)
     if isinstance(limit, int) and args.max_new_tokens >= limit:  # decoding would never end well
         raise ConfigError(
@@ -113,8 +161,13 @@ def lm_command(args: Any, sampling: dict[str, Any] | None = None) -> int:
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     layer_ids = drafter.cfg.target_layer_ids if drafter is not None else []
     target = causal_lm_target(model, layer_ids, getattr(args, "forward", "auto"), pad)
+    way = ""
     if drafter is not None:
         attach(drafter, target)
+        ids, mask = left_pad([chat_prompt_ids(tok, recs[0]["prompt"])], pad)
+        one = {"input_ids": ids, "attention_mask": mask}
+        way, args.tree_budget = pick_spec(args, drafter, meta, target, one, sha)
+        drafter = None if way == "none" else drafter
     lines, stats, n_tok, t0 = [], [], 0, time.perf_counter()
     bs = 1 if drafter is not None and args.batch_size <= 0 else max(1, args.batch_size)
     for lo in range(0, len(recs), bs):
@@ -151,6 +204,6 @@ def lm_command(args: Any, sampling: dict[str, Any] | None = None) -> int:
         Path(args.out).write_text(text)
     else:
         sys.stdout.write(text)
-    if drafter is not None:
-        report(stats, seconds, n_tok, args.stats)
+    if way:
+        report(stats, seconds, n_tok, args.stats, way)
     return 0
