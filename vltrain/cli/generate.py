@@ -84,6 +84,7 @@ def add_generate_options(p: argparse.ArgumentParser) -> None:
         "this machine's measured verify costs whether chain, tree or no drafter is fastest, and "
         "says which; chain / tree / none force one (captioners: auto decodes as asked)",
     )
+    p.add_argument(
         "--model",
         default="",
         help="instead: an HF causal LM dir or .gguf file (with --prompts), or an HF "
