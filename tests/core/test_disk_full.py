@@ -270,3 +270,19 @@ def test_a_real_small_file_system_fills_up(
         checkpoint.check_loadable(run / "checkpoints" / "step_4")
     finally:
         subprocess.run(["umount", "-l", str(fs)], check=False)
+
+
+def test_a_bug_in_what_is_saved_is_not_reported_as_a_write_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the file system's failures become 'cannot write ... free': a bug (here an
+    AttributeError while saving) surfaces as itself, and the temp folder still goes."""
+    import torch
+
+    def buggy(obj, f, *a, **k):
+        raise AttributeError("'DraftTarget' object has no attribute 'config_sha256'")
+
+    monkeypatch.setattr(checkpoint.torch, "save", buggy)
+    with pytest.raises(AttributeError, match="config_sha256"):
+        checkpoint.write_checkpoint(tmp_path, 3, torch.nn.Linear(2, 2), {"x": 1})
+    assert list(tmp_path.iterdir()) == []

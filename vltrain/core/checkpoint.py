@@ -28,7 +28,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from vltrain.core import distributed
-from vltrain.core.files import write_failure
+from vltrain.core.files import is_write_failure, write_failure
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 MARKER = "COMPLETE"
@@ -128,11 +128,14 @@ def write_checkpoint(
 def _cleaned_on_failure(tmp: Path, final: Path) -> Iterator[None]:
     """Writing `final` through `tmp`: on any failure (a full disk above all: safetensors,
     torch and copytree each say it their own way) remove `tmp` at once, so the next save has
-    the space back, and raise one CheckpointError naming `final` and the free space."""
+    the space back, and raise one CheckpointError naming `final` and the free space. Anything
+    that is not a write failure (a bug in what is being saved) is re-raised as it is."""
     try:
         yield
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not is_write_failure(e):
+            raise
         raise CheckpointError(
             f"{write_failure(final, e)}; the previous checkpoints are intact: free space, then "
             "resume with train.resume=true"

@@ -87,6 +87,18 @@ def is_disk_full(e: BaseException | None) -> bool:
     return False
 
 
+#: how serialisers report an I/O failure that is not an OSError (torch's zip writer)
+_WRITE_FAILED_TEXT = ("PytorchStreamWriter failed", "file write failed")
+
+
+def is_write_failure(e: BaseException) -> bool:
+    """Whether `e` is the file system failing a write (an OSError, a full disk however the
+    serialiser words it, safetensors' or torch's writer failing), not a bug in what is written."""
+    if isinstance(e, OSError) or is_disk_full(e) or type(e).__name__ == "SafetensorError":
+        return True
+    return any(text in str(e) for text in _WRITE_FAILED_TEXT)
+
+
 def free_space(path: str | os.PathLike[str]) -> str:
     """The free space of the file system holding `path` (its nearest existing folder), e.g.
     `3.2 MiB free on /mnt/runs`."""

@@ -105,6 +105,7 @@ class DraftTarget:
             model, n_layers = self._load_vlm(m.target)
             ids = list(d.layer_ids) or target_layer_ids(n_layers, d.target_layers)
             self.model = self.decode_target = HFVLMTarget(model.to(device), ids)
+            self.config_sha256 = config_sha256(model.config)
             self.pad_id = self.model.pad_token_id
         else:
             model, self.tokenizer, self.target_cfg = load_captioner(m.target)
