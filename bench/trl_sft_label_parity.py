@@ -331,10 +331,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data = args.data
         if data is None:
-            from vltrain.data.synth import make_shapes_dataset
+            from vltrain.data.synth import write_shapes_dataset
 
             data = Path(tmp) / "shapes"
-            make_shapes_dataset(data, n_train=args.n, n_val=2, n_test=2, image_size=32)
+            write_shapes_dataset(data, n_train=args.n, n_val=2, n_test=2, image_size=32)
         res = label_parity(data, Path(tmp) / "models", args.n)
     print(json.dumps(res, indent=1))
 
