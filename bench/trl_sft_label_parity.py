@@ -50,18 +50,25 @@ QUESTIONS = ("describe the image.", "what do you see?", "caption this picture.")
 # ---- tiny models -------------------------------------------------------------------------
 
 
-def tokenizer(texts: list[str], eos: str, chat_template: str) -> Any:
-    """A byte-level BPE tokenizer trained on `texts`, with the chat specials."""
+def tokenizer(texts: list[str], eos: str, chat_template: str, metaspace: bool = False) -> Any:
+    """A BPE tokenizer trained on `texts`, with the chat specials: byte-level (GPT-2 / Qwen
+    style), or with `metaspace` SentencePiece-style (Llama / Mistral: spaces become ``▁``, one
+    prepended to the text, pieces split at words)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    if metaspace:
+        kw = {"replacement": "\u2581", "prepend_scheme": "first", "split": True}
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(**kw)
+        tok.decoder = decoders.Metaspace(**kw)
+        alphabet = []
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
-        vocab_size=600,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=600, special_tokens=SPECIALS, initial_alphabet=alphabet
     )
     tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(
@@ -122,9 +129,12 @@ def build_qwen2vl(out: Path, texts: list[str], hidden: int = 32, layers: int = 2
     return out
 
 
-def build_llava(out: Path, texts: list[str], hidden: int = 32, layers: int = 1) -> Path:
+def build_llava(
+    out: Path, texts: list[str], hidden: int = 32, layers: int = 1, metaspace: bool = False
+) -> Path:
     """A random LLaVA (CLIP tower 32 px / patch 8: 16 image tokens; Qwen2 LM) saved with its
-    LlavaProcessor and LLaVA-NeXT's chat template (``[INST] ... [/INST] answer</s>``)."""
+    LlavaProcessor and LLaVA-NeXT's chat template (``[INST] ... [/INST] answer</s>``); a
+    SentencePiece-style tokenizer with `metaspace` (as LLaVA-NeXT-Mistral's), else byte-level."""
     from transformers import (
         CLIPImageProcessorPil,
         LlavaConfig,
@@ -133,7 +143,9 @@ def build_llava(out: Path, texts: list[str], hidden: int = 32, layers: int = 1) 
     )
     from trl.chat_template_utils import llava_next_chat_template
 
-    tok = tokenizer(texts, "</s>", llava_next_chat_template)
+    if metaspace:  # the template's words are in a real tokenizer's vocabulary (``▁[INST]``)
+        texts = texts + ["[INST] [/INST] answer</s> [INST] question [/INST]"] * 50
+    tok = tokenizer(texts, "</s>", llava_next_chat_template, metaspace)
     cfg = LlavaConfig(
         vision_config=dict(
             model_type="clip_vision_model",
@@ -312,13 +324,14 @@ def label_parity(data: Path, work: Path, n: int = 100) -> dict[str, dict]:
     recs = chat_records(data, n)
     texts = texts_of(recs)
     out = {}
-    for name, build, model_type in (
-        ("qwen2_vl", build_qwen2vl, "qwen2_vl"),
-        ("llava", build_llava, "llava"),
+    for name, build, model_type, kw in (
+        ("qwen2_vl", build_qwen2vl, "qwen2_vl", {}),
+        ("llava", build_llava, "llava", {}),
+        ("llava_metaspace", build_llava, "llava", {"metaspace": True}),
     ):
         path = work / name
         path.mkdir(parents=True, exist_ok=True)
-        build(path, texts)
+        build(path, texts, **kw)
         out[name] = compare(path, model_type, recs)
     return out
 
