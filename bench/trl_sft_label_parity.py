@@ -2,7 +2,8 @@
 
 For a tiny Qwen2-VL and a tiny LLaVA built from config objects, each with the real chat
 template TRL knows how to train (``qwen2_5_vl``, byte-identical to Qwen2-VL's, and
-``llava_next``), the same chat records (shape captions: one-turn chats, and two-turn chats with
+``llava_next``; the LLaVA twice, with a byte-level and a SentencePiece-style tokenizer), the
+same chat records (shape captions: one-turn chats, and two-turn chats with
 two assistant turns) go through
 
 - vltrain: `VLMCaptionCollate` in ``chat`` format, as the caption stage builds it for
