@@ -97,3 +97,34 @@ def test_a_template_that_rewrites_history_is_refused(tokenizers: dict) -> None:
             vlm_sft_labels(tok, CHAT, "<image>", "<image>", "<image>\n")
     finally:
         tok.chat_template = old
+
+
+def test_ids_are_the_whole_chat_under_a_sentencepiece_style_tokenizer() -> None:
+    """LLaVA-NeXT's template writes ``</s> `` after an answer; a Metaspace (Llama / Mistral)
+    tokenizer reads ``</s> [INST]`` as ``</s>``, ``▁[INST]``. Tokenising turn by turn gave an
+    extra ``▁`` before every later user turn (ids unlike decoding's and transformers'); the
+    ids are the whole chat's, and the boundary token is no target."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    kw = {"replacement": "\u2581", "prepend_scheme": "first", "split": True}
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(**kw)
+    corpus = [m["content"] for m in CHAT] + ["[INST] q [/INST] a</s> [INST] <image>\n"]
+    raw.train_from_iterator(corpus * 20, trainers.BpeTrainer(special_tokens=["</s>", "<image>"]))
+    template = (
+        "{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+        "{% else %} {{ m['content'] }}</s> {% endif %}{% endfor %}"
+    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", chat_template=template)
+    ids, labels = vlm_sft_labels(tok, CHAT, "<image>", "<image>" * 3, "<image>\n")
+    whole = tok.apply_chat_template(_conversation(CHAT, "<image>\n"), tokenize=False)
+    assert (
+        ids == tok(whole.replace("<image>", "<image>" * 3), add_special_tokens=False)["input_ids"]
+    )
+    inst = tok.convert_tokens_to_ids("\u2581[INST]")
+    assert ids.count(inst) == 2 and inst not in labels  # the second follows "</s>" directly
+    assert ids[ids.index(tok.eos_token_id) + 1] == inst
+    learned = "".join(tok.convert_ids_to_tokens([t for t in labels if t != IGNORE_INDEX]))
+    assert learned.startswith("\u2581a\u2581red\u2581cat\u2581on\u2581a\u2581mat</s>")
+    assert "\u2581yes</s>" in learned and "see" not in learned and "INST" not in learned

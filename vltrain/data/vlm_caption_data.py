@@ -13,8 +13,9 @@ with the model's own tokenizer and image processor, loaded lazily from a local f
 
 Image placeholders are expanded to each image's count of visual tokens by the processor's own
 rule (patch-grid VLMs: `vltrain.data.visual_tokens`, with ``data.max_visual_tokens`` enforced
-by construction), and the text is tokenised segment by segment (prompt / target), so the label
-boundary is exact and a prompt tokenises as generation sees it.
+by construction). A chat is tokenised whole (as decoding, transformers and TRL tokenise it; a
+fast tokenizer's offsets place each token in its prompt or target span); the plain format, and
+chats under a slow tokenizer, segment by segment (prompt / target).
 """
 
 from __future__ import annotations
@@ -183,7 +184,30 @@ def vlm_sft_labels(
     (content lists), else the text an image is in a text-LM template (llava kind)."""
     segs = chat_segments(tok, messages, image_markup)
     segs = [(t.replace(image_token, image_replacement, 1), g) for t, g in segs]
-    return encode_segments(tok, segs)
+    if not getattr(tok, "is_fast", False):  # no offsets
+        return encode_segments(tok, segs)
+    return encode_whole(tok, segs)
+
+
+def encode_whole(tok: Any, segments: Sequence[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+    """Token ids of the segments' text tokenised whole, labels on the tokens lying entirely
+    inside a target segment (by the fast tokenizer's offsets). Unlike `encode_segments`, the ids
+    are those of the whole chat even where a tokenizer joins text across a turn boundary
+    (a Metaspace tokenizer's ``</s> [INST]`` is ``</s>``, ``▁[INST]``, not ``</s>``, ``▁``,
+    ``▁[INST]``); a token straddling a boundary is not a target."""
+    spans, pos = [], 0
+    for text, target in segments:
+        if target:
+            spans.append((pos, pos + len(text)))
+        pos += len(text)
+    enc = tok(
+        "".join(t for t, _ in segments), add_special_tokens=False, return_offsets_mapping=True
+    )
+    labels = [
+        t if any(s <= a and b <= e for s, e in spans) else IGNORE_INDEX
+        for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"], strict=True)
+    ]
+    return list(enc["input_ids"]), labels
 
 
 # ---- collate -----------------------------------------------------------------------------
