@@ -236,8 +236,9 @@ def _vltrain_greedy(run: Path, images: list) -> tuple[list[list[int]], list]:
 
 @pytest.mark.parametrize("kind", ["llava", "hf_vlm"])
 def test_export_reloads_in_plain_transformers_with_identical_greedy_captions(
-    kind: str, models: dict, data: Path, tmp_path: Path
+    kind: str, models: dict, data: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
+    """... and `vltrain generate --checkpoint RUN` (LoRA run) prints those captions too."""
     from PIL import Image
 
     extra: dict[str, object] = {"caption.mode": "sft", "model.lora_r": 4, "model.lora_alpha": 64}
@@ -268,6 +269,24 @@ def test_export_reloads_in_plain_transformers_with_identical_greedy_captions(
     theirs = plain_transformers_greedy(str(exported), images, prompt, 6)
     assert ours == theirs
     assert sum(len(r) for r in ours) > 16  # captions, not just end tokens
+    want = [c.strip() for c in tok.batch_decode(ours, skip_special_tokens=True)]
+    paths = [str(data / r["image"]) for r in recs]
+    gen = ["generate", "--checkpoint", str(run), "--images", *paths, "--max-new-tokens", "6"]
+    for extra in ([], ["--batch-size", "5"], ["--strategy", "sample", "--top-k", "1"]):
+        capsys.readouterr()
+        assert main([*gen, *extra]) == 0
+        rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+        assert [r["image"] for r in rows] == paths and [r["caption"] for r in rows] == want
+    capsys.readouterr()  # control: sampling at full temperature gives other captions
+    assert main([*gen, "--strategy", "sample", "--temperature", "3"]) == 0
+    assert [json.loads(x)["caption"] for x in capsys.readouterr().out.splitlines()] != want
+    from vltrain.eval.caption_metrics import caption_scores
+
+    assert main(["generate", "--checkpoint", str(run), "--eval-data", str(data / "val.jsonl"),
+                 "--max-new-tokens", "6"]) == 0  # fmt: skip
+    scores = json.loads(capsys.readouterr().out)
+    refs = {i: r["text"] for i, r in enumerate(recs)}
+    assert scores == {**caption_scores(dict(enumerate(want)), refs), "n_images": 16.0}
     # control: the export holds the LoRA-merged weights, not the base ones
     held = load_file(exported / "model.safetensors")
     key = next(k for k in held if "vision" not in k and k.endswith("0.self_attn.q_proj.weight"))
