@@ -287,6 +287,11 @@ def test_export_reloads_in_plain_transformers_with_identical_greedy_captions(
     scores = json.loads(capsys.readouterr().out)
     refs = {i: r["text"] for i, r in enumerate(recs)}
     assert scores == {**caption_scores(dict(enumerate(want)), refs), "n_images": 16.0}
+    refused = [(["--draft", str(run)], "--draft captions"), (["--config", "x"], "--config")]
+    for bad, words in refused:
+        assert main([*gen[:3], "--eval-data", str(data / "val.jsonl"), *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("vltrain: error:") and words in err, err
     # control: the export holds the LoRA-merged weights, not the base ones
     held = load_file(exported / "model.safetensors")
     key = next(k for k in held if "vision" not in k and k.endswith("0.self_attn.q_proj.weight"))

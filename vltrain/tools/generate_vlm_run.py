@@ -17,35 +17,23 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from vltrain.config.core import ConfigError
-from vltrain.config.schema import load_config
-from vltrain.core.checkpoint import resolve_loadable
 from vltrain.core.files import atomic_write_text, check_not_input, check_output_path
 from vltrain.data.hf_collate import to_pil
 from vltrain.data.images import BadSample
 from vltrain.eval.caption_metrics import caption_scores
 from vltrain.inference.vlm_captioning import caption_target, prompt_inputs
-from vltrain.stages.caption_hf_checks import HF_CAPTION_KINDS
+from vltrain.inference.vlm_target import vlm_run
 from vltrain.tools.generate_vlm import decode_batch, load_draft
-from vltrain.tools.loading import load_trained, run_config_for
+from vltrain.tools.loading import load_trained
 
 
-def is_vlm_run(checkpoint: str, config: str = "") -> bool:
+def is_vlm_run(checkpoint: str) -> bool:
     """Whether ``checkpoint`` (a run dir, checkpoints/ or a step folder) is a caption or rl run
-    of an HF VLM kind (by its run's config.yaml, or ``config``)."""
-    if config:
-        path = Path(config)
-    else:
-        try:
-            path = run_config_for(resolve_loadable(checkpoint)[0])
-        except (FileNotFoundError, ConfigError):
-            return False  # the captioner path reports it
-    if not path.is_file():
-        return False
-    return load_config(path).model.kind in HF_CAPTION_KINDS
+    of an HF VLM kind (by its run's config.yaml)."""
+    return bool(checkpoint) and vlm_run(checkpoint) is not None
 
 
 def vlm_run_command(args: Any, sampling: dict[str, Any]) -> int:
@@ -54,6 +42,11 @@ def vlm_run_command(args: Any, sampling: dict[str, Any]) -> int:
         raise ConfigError("vltrain generate needs exactly one of --images or --eval-data")
     if args.draft and args.eval_data:
         raise ConfigError("--draft captions --images; drop it with --eval-data")
+    if args.config:
+        raise ConfigError(
+            f"--config is for built-in captioner runs; {args.checkpoint} (model.kind hf_vlm or "
+            "llava) is rebuilt from its own config.yaml: drop --config"
+        )
     if args.out:
         check_output_path(args.out)
         check_not_input(args.out, [*args.images, *([args.eval_data] if args.eval_data else [])])
