@@ -32,7 +32,11 @@ Checks (each row: check, status ok|FAILED|skipped, result, seconds):
   (`vltrain data regenerate`), a block-8 drafter trains --drafter-steps steps on those answers
   (`vltrain train configs/drafter_smollm2.yaml`), then 8 held-out prompts are decoded greedily
   by HF `generate` and by speculative decoding (chain, DDTree 32 nodes), alternating: tau,
-  tokens/s, speed-up and whether every output equals HF's.
+  tokens/s, speed-up and whether every output equals HF's;
+- sft_rl_hf_vlm_qwen2vl2b, sft_rl_llava_qwen2vl2b: one SFT step and one RL step (K=4 samples
+  an image, REINFORCE) of the caption stage's model kinds hf_vlm (Qwen2-VL) and llava (CLIP
+  ViT-L/14-336 + the same language model) at Qwen2-VL-2B's sizes, random weights, bf16
+  (bench/gpu_vlm_steps.py): step times and peak memory.
 
 `--device cpu` runs every row's code on the CPU to check its logic on a machine with no GPU:
 stage rows in fp32, the distributed rows on 2 gloo ranks (no CPU offload: it needs CUDA),
@@ -522,6 +526,17 @@ def check_drafter_smollm2(args: argparse.Namespace) -> tuple[str, str]:
     return ("ok" if lossless else "FAILED"), "; ".join(said)
 
 
+def check_vlm_steps(args: argparse.Namespace, kind: str) -> tuple[str, str]:
+    """One SFT and one RL step of caption model kind ``kind`` (hf_vlm, llava) on a Qwen2-VL-2B-
+    sized random model, bf16 (bench/gpu_vlm_steps.py; on the CPU a tiny one, same code)."""
+    if _absent(args):
+        return _no_gpu()
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_vlm_steps
+
+    return gpu_vlm_steps.row(gpu_vlm_steps.run(kind, args.device))
+
+
 CHECKS: dict[str, Callable[[argparse.Namespace], tuple[str, str]]] = {
     "env": check_env,
     "stage_contrastive": _stage_check("clip.yaml", "contrastive"),
@@ -544,6 +559,8 @@ CHECKS: dict[str, Callable[[argparse.Namespace], tuple[str, str]]] = {
     "embed_pages_qwen3vl2b": check_embed_pages_qwen3vl,
     "clip_mfu": check_clip_mfu,
     "drafter_smollm2": check_drafter_smollm2,
+    "sft_rl_hf_vlm_qwen2vl2b": lambda args: check_vlm_steps(args, "hf_vlm"),
+    "sft_rl_llava_qwen2vl2b": lambda args: check_vlm_steps(args, "llava"),
 }
 
 

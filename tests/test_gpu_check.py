@@ -33,6 +33,8 @@ def test_gpu_check_runs_on_cpu_and_skips_gpu_parts_clearly() -> None:
         "embed_pages_qwen3vl2b",
         "clip_mfu",
         "drafter_smollm2",
+        "sft_rl_hf_vlm_qwen2vl2b",
+        "sft_rl_llava_qwen2vl2b",
     ]
     for name in gpu_only:
         assert "skipped" in by_name[name] and "no CUDA" in by_name[name], by_name[name]
@@ -66,6 +68,9 @@ def test_every_gpu_row_runs_its_code_on_the_cpu(tmp_path: Path) -> None:
     assert "gloo over 2 CPU ranks ok" in rows["nccl_fsdp"]
     assert "sharded checkpoint written: True" in rows["fsdp_cli"]
     assert "chain tau" in rows["drafter_smollm2"] and "DIFFERS" not in rows["drafter_smollm2"]
+    for kind in ("hf_vlm", "llava"):
+        row = rows[f"sft_rl_{kind}_qwen2vl2b"]
+        assert "SFT step (AdamW)" in row and "K=4 samples" in row and "without a grad" not in row
 
 
 @pytest.mark.slow
@@ -109,3 +114,14 @@ def test_gpu_check_rejects_an_unknown_check() -> None:
         [sys.executable, str(SCRIPT), "--only", "clip_mfux"], capture_output=True, text=True
     )
     assert res.returncode == 2 and "unknown check" in res.stderr
+
+
+def test_vlm_steps_row_runs_both_kinds_and_its_verdict_can_fail() -> None:
+    """The sft_rl rows' code on a tiny model of each kind (bf16, CPU): a finite SFT loss, sampled
+    tokens, every trainable tensor with an RL gradient; a row without them is FAILED."""
+    mod = load_bench("gpu_vlm_steps")
+    r = mod.run("llava", "cpu")
+    assert r["visual_tokens"] == 16 and r["rl_rows"] == 4 and r["rl_tokens"] > 0
+    assert mod.row(r)[0] == "ok", mod.row(r)
+    assert mod.row({**r, "rl_no_grad": 2})[0] == "FAILED"
+    assert mod.row({**r, "sft_loss": float("nan")})[0] == "FAILED"

@@ -39,6 +39,15 @@ for p in presets:
             from vltrain.runs.pipeline import load_pipeline
 
             assert load_pipeline(path), p.name
+        elif p.name.startswith("pipeline_"):  # its stages need model parts (pipeline_llava)
+            from vltrain.config.core import ConfigError
+            from vltrain.runs.pipeline import load_pipeline
+
+            try:
+                load_pipeline(path)
+                raise AssertionError(p.name + " loaded without its model parts")
+            except ConfigError as e:
+                assert "does not exist" in str(e), (p.name, str(e))
         else:
             assert load_config(path).train.max_steps >= 1, p.name
 assert resources.files("vltrain").joinpath("py.typed").is_file(), "py.typed not shipped"

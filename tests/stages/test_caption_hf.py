@@ -236,8 +236,9 @@ def _vltrain_greedy(run: Path, images: list) -> tuple[list[list[int]], list]:
 
 @pytest.mark.parametrize("kind", ["llava", "hf_vlm"])
 def test_export_reloads_in_plain_transformers_with_identical_greedy_captions(
-    kind: str, models: dict, data: Path, tmp_path: Path
+    kind: str, models: dict, data: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
+    """... and `vltrain generate --checkpoint RUN` (LoRA run) prints those captions too."""
     from PIL import Image
 
     extra: dict[str, object] = {"caption.mode": "sft", "model.lora_r": 4, "model.lora_alpha": 64}
@@ -268,6 +269,29 @@ def test_export_reloads_in_plain_transformers_with_identical_greedy_captions(
     theirs = plain_transformers_greedy(str(exported), images, prompt, 6)
     assert ours == theirs
     assert sum(len(r) for r in ours) > 16  # captions, not just end tokens
+    want = [c.strip() for c in tok.batch_decode(ours, skip_special_tokens=True)]
+    paths = [str(data / r["image"]) for r in recs]
+    gen = ["generate", "--checkpoint", str(run), "--images", *paths, "--max-new-tokens", "6"]
+    for extra in ([], ["--batch-size", "5"], ["--strategy", "sample", "--top-k", "1"]):
+        capsys.readouterr()
+        assert main([*gen, *extra]) == 0
+        rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+        assert [r["image"] for r in rows] == paths and [r["caption"] for r in rows] == want
+    capsys.readouterr()  # control: sampling at full temperature gives other captions
+    assert main([*gen, "--strategy", "sample", "--temperature", "3"]) == 0
+    assert [json.loads(x)["caption"] for x in capsys.readouterr().out.splitlines()] != want
+    from vltrain.eval.caption_metrics import caption_scores
+
+    assert main(["generate", "--checkpoint", str(run), "--eval-data", str(data / "val.jsonl"),
+                 "--max-new-tokens", "6"]) == 0  # fmt: skip
+    scores = json.loads(capsys.readouterr().out)
+    refs = {i: r["text"] for i, r in enumerate(recs)}
+    assert scores == {**caption_scores(dict(enumerate(want)), refs), "n_images": 16.0}
+    refused = [(["--draft", str(run)], "--draft captions"), (["--config", "x"], "--config")]
+    for bad, words in refused:
+        assert main([*gen[:3], "--eval-data", str(data / "val.jsonl"), *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("vltrain: error:") and words in err, err
     # control: the export holds the LoRA-merged weights, not the base ones
     held = load_file(exported / "model.safetensors")
     key = next(k for k in held if "vision" not in k and k.endswith("0.self_attn.q_proj.weight"))
@@ -463,3 +487,48 @@ def test_llava_from_a_gguf_language_model(models: dict, data: Path, tmp_path: Pa
     layer = "layers.1.mlp.down_proj.weight"
     assert torch.equal(after["model.model.language_model." + layer], ref["model." + layer])
     assert "<image>" in (run / "processor" / "tokenizer.json").read_text()
+
+
+# ---- the shipped llava pipeline: pretrain (projector) -> finetune (tower at 0.1x) -> sft ------
+
+
+def test_llava_pipeline_preset_chains_the_stages_and_a_rerun_skips_them(
+    models: dict, data: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from vltrain.runs.pipeline import run_pipeline
+
+    over = [o for o in overrides("llava", models, data, tmp_path / "x") if "out_dir" not in o]
+    over += ["train.eval_every=0", "data.eval="]
+    preset = REPO / "configs" / "pipeline_llava.yaml"
+    root = tmp_path / "root"
+    rows = run_pipeline(preset, over, root=root, report=False)
+    assert [(r["name"], r["action"]) for r in rows] == [
+        ("pretrain", "train"),
+        ("finetune", "train"),
+        ("sft", "train"),
+    ]
+    cfgs = {n: load_config(root / n / "config.yaml") for n in ("pretrain", "finetune", "sft")}
+    assert cfgs["finetune"].model.init_from == str(root / "pretrain")
+    assert cfgs["sft"].model.init_from == str(root / "finetune")
+    assert cfgs["finetune"].optim.lr_scale == {"vision": 0.1}
+    assert [c.caption.mode for c in cfgs.values()] == ["pretrain", "finetune", "sft"]
+    pre, ft, sft = (_weights(root / n) for n in ("pretrain", "finetune", "sft"))
+    init = stage_start(models, data, tmp_path)
+    moved = {k.split(".")[2] for k in pre if not torch.equal(pre[k], init[k])}
+    assert moved == {"multi_modal_projector"}  # pretrain: the projector only
+    tower = [k for k in ft if ".vision_tower." in k]
+    assert any(not torch.equal(ft[k], pre[k]) for k in tower)  # finetune: the tower trains too
+    assert all(torch.equal(sft[k], ft[k]) for k in tower)  # sft: the tower frozen again
+    rerun = run_pipeline(preset, over, root=root, report=False)
+    assert [r["action"] for r in rerun] == ["skip"] * 3
+    capsys.readouterr()
+    image = str(data / read_jsonl(data / "val.jsonl")[0]["image"])
+    assert main(["generate", "--checkpoint", str(root / "sft"), "--images", image]) == 0
+    assert json.loads(capsys.readouterr().out)["caption"]
+
+
+def stage_start(models: dict, data: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+    """The llava model a pretrain stage starts from (the projector's init is seeded)."""
+    cfg, stage = _llava_stage(models, data, tmp_path / "start")
+    torch.manual_seed(cfg.run.seed)
+    return {"model." + k: v for k, v in stage.build_model().model.state_dict().items()}

@@ -19,7 +19,8 @@ from tests.config.test_config import PRESETS
 from tests.models.test_hf_embedders import clip_dir, qwen2vl_dir, siglip_dir  # noqa: F401
 from vltrain.config import load_config
 
-PIPELINES = ("pipeline.yaml", "quickstart_pipeline.yaml")  # lists of stages, not configs
+# lists of stages, not configs
+PIPELINES = ("pipeline.yaml", "pipeline_llava.yaml", "quickstart_pipeline.yaml")
 MODEL_PRESETS = [p for p in PRESETS if p.name not in PIPELINES]
 HF_FIXTURE = {"hf_clip.yaml": "clip_dir", "hf_siglip.yaml": "siglip_dir"}
 # the tiny Qwen2-VL stands in for the preset's VLM; its width (32) caps the matryoshka dims

@@ -274,8 +274,14 @@ class HFCollate:
         content: list[dict[str, str]] = [{"type": "image"}] if image_token else []
         if text:
             content.append({"type": "text", "text": text})
-        msgs = [{"role": "user", "content": content}]
-        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": content}]
+        out = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        if image_token and image_token not in out:
+            # a text-only template (a causal LM's, as model.kind=llava runs keep): the image is
+            # a "<image>\n" line before the text, the LLaVA-1.5 convention the llava kind uses
+            msgs = [{"role": "user", "content": f"{image_token}\n{text}"}]
+            out = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return out
 
     def _clip_text(self, tok: Any, text: str) -> str:
         """Cut a caption to max_text_len tokens BEFORE templating, so the prompt's end

@@ -37,7 +37,13 @@ from vltrain.inference.hf_target import HFTarget, load_hf_causal_lm
 from vltrain.inference.native_llama import NativeTarget, causal_lm_target
 from vltrain.inference.speculative import speculative_generate
 from vltrain.inference.target import Context
-from vltrain.inference.vlm_target import HFVLMTarget, is_hf_vlm, load_hf_vlm, vlm_inputs
+from vltrain.inference.vlm_target import (
+    HFVLMTarget,
+    is_hf_vlm,
+    load_hf_vlm,
+    vlm_inputs,
+    vlm_run,
+)
 from vltrain.models.drafter import config_sha256, run_config_sha256, target_layer_ids
 from vltrain.objectives.drafter import block_labels, block_soft_labels
 
@@ -49,10 +55,11 @@ def check_target(cfg: Config) -> None:
     m, d = cfg.model, cfg.drafter
     if m.kind != "hf_vlm":
         return
-    if not is_hf_vlm(m.target):
+    if not is_hf_vlm(m.target) and vlm_run(m.target) is None:
         raise ConfigError(
-            f"'model.target' {m.target} is not an HF image-text-to-text model directory "
-            "(model.kind=hf_vlm): pass one, or set model.kind to hf_lm or captioner"
+            f"'model.target' {m.target} is not an HF image-text-to-text model directory nor a "
+            "caption run of model.kind hf_vlm or llava (model.kind=hf_vlm): pass one, or set "
+            "model.kind to hf_lm or captioner"
         )
     if d.cache_target or d.cache_dir:
         raise ConfigError(
@@ -86,7 +93,9 @@ class DraftTarget:
     `CaptionerTarget`), ``decode_target`` decodes speculatively (the native forward where the
     model has one, as `vltrain generate` does), ``tokenizer`` and ``pad_id`` are its own."""
 
-    def __init__(self, cfg: Config, device: torch.device, is_main: bool) -> None:
+    def __init__(
+        self, cfg: Config, device: torch.device, is_main: bool, vlm: tuple | None = None
+    ) -> None:
         self.cfg, self.device, self.is_main = cfg, device, is_main
         m, d = cfg.model, cfg.drafter
         if m.kind == "hf_lm":
@@ -102,7 +111,7 @@ class DraftTarget:
             self.decode_target: Any = causal_lm_target(self.model.model, ids, "auto", self.pad_id)
         elif m.kind == "hf_vlm":
             check_target(cfg)
-            model, n_layers = self._load_vlm(m.target)
+            model, n_layers = self._load_vlm(m.target, vlm)
             ids = list(d.layer_ids) or target_layer_ids(n_layers, d.target_layers)
             self.model = self.decode_target = HFVLMTarget(model.to(device), ids)
             self.config_sha256 = config_sha256(model.config)
@@ -123,16 +132,18 @@ class DraftTarget:
                 f"'drafter.layer_ids' {bad} are not layers of a {n_layers}-layer target"
             )
 
-    def _load_vlm(self, path: str) -> tuple[Any, int]:
-        """(model, its language model's layer count) of an HF VLM directory; its tokenizer and
-        prompt builder (``HFCollate``) go on ``self``."""
+    def _load_vlm(self, path: str, run: tuple | None) -> tuple[Any, int]:
+        """(model, its language model's layer count) of an HF VLM directory, or of a caption
+        run the stage resolved (``run``: its model, a folder with its processor and config, its
+        visual-token budget); the tokenizer and prompt builder (``HFCollate``) go on ``self``."""
         from transformers import AutoTokenizer
 
         from vltrain.data.hf_collate import HFCollate
 
-        self.collate = HFCollate(path, "vlm")
-        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = load_hf_vlm(path)
+        model, folder, budget = run if run is not None else (None, path, None)
+        self.collate = HFCollate(folder, "vlm", max_visual_tokens=budget)
+        self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model = load_hf_vlm(path) if model is None else model
         return model, model.config.get_text_config(decoder=True).num_hidden_layers
 
     def records(self, path: str, train: bool) -> Any:

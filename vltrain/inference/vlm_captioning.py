@@ -28,6 +28,23 @@ def left_pad_prompts(prompt_ids: list[list[int]], pad_id: int) -> tuple[Tensor, 
     return ids, mask
 
 
+def prompt_inputs(
+    model: Any, images: Mapping[str, Tensor], prompt_ids: list[list[int]], pad_id: int
+) -> dict[str, Any]:
+    """`HFVLMTarget.prefill` inputs of a batch: the prompts left-padded, on the model's device,
+    with the collate's image inputs (``images``) and the model's own keys (`HFVLM.model_inputs`)."""
+    dev = next(model.parameters()).device
+    ids, mask = left_pad_prompts(prompt_ids, pad_id)
+    return dict(model.model_inputs(images, ids.to(dev), mask.to(dev)))
+
+
+def caption_target(model: Any, pad_id: int, layer_ids: tuple[int, ...] = ()) -> HFVLMTarget:
+    """The `HFVLMTarget` of an `HFVLM` the caption stage decodes with (its end token, `end_token`);
+    ``layer_ids``: the blocks a drafter reads."""
+    base = model.base_model()
+    return HFVLMTarget(base, layer_ids, eos_token_id=end_token(base, pad_id))
+
+
 @torch.no_grad()
 def decode_vlm_ids(
     model: Any,
@@ -39,26 +56,27 @@ def decode_vlm_ids(
     num_beams: int = 3,
     max_new_tokens: int = 24,
     length_penalty: float = 1.0,
+    **sampling: Any,
 ) -> list[list[int]]:
     """New token ids per row (up to and including the end token), decoded by the one decoder
     loop (`vltrain.inference.decoding.generate`) over an `HFVLMTarget` of the transformers model.
 
-    `model` is an `HFVLM`; greedy (``strategy="greedy"``) or beam search (``"beam"``). The
-    target uses the model's generation config (end tokens, pad), as HF ``generate`` does."""
-    if strategy not in ("greedy", "beam"):
-        raise ValueError(f"strategy must be greedy or beam, got {strategy!r}")
-    dev = next(model.parameters()).device
-    ids, mask = left_pad_prompts(prompt_ids, pad_id)
-    inputs = model.model_inputs(images, ids.to(dev), mask.to(dev))
-    target = HFVLMTarget(model.base_model(), eos_token_id=_end_token(model.base_model(), pad_id))
-    room = target.room(ids.shape[1])
+    `model` is an `HFVLM`; greedy (``strategy="greedy"``), beam search (``"beam"``) or sampling
+    (``"sample"``, with ``temperature`` / ``top_k`` / ``top_p`` / ``generator`` in ``sampling``).
+    The target uses the model's generation config (end tokens, pad), as HF ``generate`` does."""
+    if strategy not in ("greedy", "beam", "sample"):
+        raise ValueError(f"strategy must be greedy, beam or sample, got {strategy!r}")
+    target = caption_target(model, pad_id)
+    inputs = prompt_inputs(model, images, prompt_ids, pad_id)
+    room = target.room(inputs["input_ids"].shape[1])
     out = generate(
         target,
-        dict(inputs),
+        inputs,
         strategy,  # type: ignore[arg-type]
         max_new_tokens=max_new_tokens if room is None else max(1, min(max_new_tokens, room)),
         num_beams=num_beams,
         length_penalty=length_penalty,
+        **sampling,
     )
     return [s[: int(n)].tolist() for s, n in zip(out.sequences, out.lengths, strict=True)]
 
@@ -77,7 +95,7 @@ def decode_vlm_captions(
     return [tokenizer.decode(r, skip_special_tokens=True).strip() for r in rows]
 
 
-def _end_token(model: Any, pad_id: int) -> int:
+def end_token(model: Any, pad_id: int) -> int:
     """The id that ends a caption: the generation config's (or config's) EOS; the first of a list
     (the decoder loop stops on one id); the pad id when the model defines none, which is where
     a caption of such a model ends in HF ``generate``'s right-padded output too."""

@@ -142,6 +142,26 @@ def is_hf_vlm(path: str | Path) -> bool:
     return cfg.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
+#: model.kind of caption runs whose model is an HF VLM (vltrain.stages.caption_hf)
+VLM_RUN_KINDS = ("hf_vlm", "llava")
+
+
+def vlm_run(path: str | Path) -> tuple[Path, Any] | None:
+    """(checkpoint folder, run config) when ``path`` is a caption or rl run of an HF VLM kind
+    (a run dir, its checkpoints/ or a step folder); None for anything else."""
+    from vltrain.config.schema import load_config
+    from vltrain.core.checkpoint import resolve_loadable
+
+    p = Path(path)
+    found = [q / "config.yaml" for q in (p, *p.parents[:3]) if (q / "config.yaml").is_file()]
+    if not p.exists() or not found:
+        return None
+    cfg = load_config(found[0])
+    if cfg.stage not in ("caption", "rl") or cfg.model.kind not in VLM_RUN_KINDS:
+        return None
+    return resolve_loadable(p)[0], cfg
+
+
 def load_hf_vlm(path: str | Path, attn: str = "sdpa") -> nn.Module:
     """The ``AutoModelForImageTextToText`` model of a local directory, fp32, in eval mode."""
     from transformers import AutoModelForImageTextToText

@@ -12,10 +12,13 @@ The load-time rules are `vltrain.stages.caption_hf_checks`.
 
 from __future__ import annotations
 
+import atexit
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from vltrain.config.core import ConfigError
@@ -31,7 +34,8 @@ from vltrain.data.vlm_caption_data import (
 )
 from vltrain.engine.runtime import RunContext
 from vltrain.eval.captions import CaptionEvaluator
-from vltrain.inference.vlm_captioning import decode_vlm_captions
+from vltrain.inference.vlm_captioning import decode_vlm_captions, end_token
+from vltrain.inference.vlm_target import vlm_run
 from vltrain.models import hf_vlm
 from vltrain.models.hf_embedders import copy_processor_files
 from vltrain.stages.caption_hf_checks import (
@@ -41,7 +45,7 @@ from vltrain.stages.caption_hf_checks import (
     vision_dir,
 )
 
-__all__ = ["HF_CAPTION_KINDS", "HFCaptionCore", "check_hf_caption_config"]
+__all__ = ["HF_CAPTION_KINDS", "HFCaptionCore", "check_hf_caption_config", "run_target"]
 
 
 class HFCaptionCore:
@@ -200,9 +204,37 @@ class HFCaptionCore:
 
     def export_hf(self, model: hf_vlm.HFVLM, out: Path) -> Path:
         """A folder plain transformers loads: the model (LoRA merged) and its processor."""
+        self.export_hf_files(out)
+        return model.save_pretrained(out)
+
+    def export_hf_files(self, out: Path) -> None:
+        """The processor's files (not its config.json: the model's goes beside them)."""
         out.mkdir(parents=True, exist_ok=True)
-        src = self.processor_dir
-        for f in sorted(src.iterdir()):
+        for f in sorted(self.processor_dir.iterdir()):
             if f.is_file() and f.name != "config.json":
                 shutil.copy2(f, out / f.name)
-        return model.save_pretrained(out)
+
+
+def run_target(cfg: Config) -> tuple[nn.Module, str, int | None] | None:
+    """A drafter's ``model.target`` that is a caption (or rl) run of kind hf_vlm or llava, as the
+    HF-VLM-directory path takes it: the run's transformers model (LoRA merged, in memory, frozen),
+    a temporary folder with its processor and config.json (``HFCollate`` reads it) and its
+    ``data.max_visual_tokens``; None when the target is a directory."""
+    found = vlm_run(cfg.model.target)
+    if found is None:
+        return None
+    ckpt, run_cfg = found
+    run_cfg.model.init_from = ""  # the weights are all in the checkpoint
+    ctx = RunContext(torch.device("cpu"), rank=0, world_size=1, precision="fp32", seed=0)
+    core = HFCaptionCore(run_cfg, ckpt, ctx)
+    core.prepare()  # reads ckpt/processor (saved with every checkpoint)
+    model = core.build_model()
+    load_weights(model, ckpt)
+    base = model.model.merge_and_unload() if model.lora else model.model
+    pad = core.tokenizer.pad_token_id if core.tokenizer.pad_token_id is not None else 0
+    base.generation_config.eos_token_id = end_token(base, pad)  # the stage's one end token
+    folder = tempfile.mkdtemp(prefix="vltrain-target-")
+    atexit.register(shutil.rmtree, folder, True)
+    core.export_hf_files(Path(folder))
+    base.config.save_pretrained(folder)
+    return base.requires_grad_(False).eval(), folder, run_cfg.data.max_visual_tokens or None

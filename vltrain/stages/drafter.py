@@ -115,7 +115,10 @@ class DrafterStage:
 
     def prepare(self) -> None:
         """Load the frozen target (and its tokenizer) onto this rank's device."""
-        self.target = DraftTarget(self.cfg, self.ctx.device, self.ctx.is_main)
+        from vltrain.stages.caption_hf import run_target
+
+        vlm = run_target(self.cfg) if self.cfg.model.kind == "hf_vlm" else None
+        self.target = DraftTarget(self.cfg, self.ctx.device, self.ctx.is_main, vlm)
         self.tokenizer = self.target.tokenizer
 
     def build_model(self) -> nn.Module:

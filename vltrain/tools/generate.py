@@ -128,6 +128,10 @@ def generate_command(args: Any) -> int:
         return lm_command(args, sampling)
     if not args.checkpoint:
         raise ConfigError("vltrain generate needs --checkpoint (a captioner) or --model (an LM)")
+    from vltrain.tools.generate_vlm_run import is_vlm_run, vlm_run_command
+
+    if is_vlm_run(args.checkpoint):
+        return vlm_run_command(args, sampling)
     if bool(args.images) == bool(args.eval_data):
         raise ConfigError("vltrain generate needs exactly one of --images or --eval-data")
     if args.out:

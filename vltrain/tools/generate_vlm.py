@@ -47,7 +47,7 @@ def vlm_command(args: Any, sampling: dict[str, Any]) -> int:
     rows: dict[int, dict[str, str]] = {}
     batches = _batches(args, collate, paths, rows)
     _check_room(args, max((b[1]["input_ids"].shape[1] for b in batches), default=0))
-    drafter, meta = _drafter(args)
+    drafter, meta = load_draft(args)
     model = load_hf_vlm(args.model)
     if drafter is not None:
         from vltrain.models import dflash_format
@@ -60,7 +60,7 @@ def vlm_command(args: Any, sampling: dict[str, Any]) -> int:
         attach(drafter, target)
     stats, n_tok, t0 = [], 0, time.perf_counter()
     for good, inputs in batches:
-        seqs = _decode(target, drafter, inputs, args, sampling, stats)
+        seqs = decode_batch(target, drafter, inputs, args, sampling, stats)
         n_tok += sum(map(len, seqs))
         caps = [c.strip() for c in tok.batch_decode(seqs, skip_special_tokens=True)]
         rows.update({i: {"image": paths[i], "caption": c} for i, c in zip(good, caps, strict=True)})
@@ -99,7 +99,7 @@ def _batches(
     return batches
 
 
-def _decode(
+def decode_batch(
     target: HFVLMTarget,
     drafter: Any,
     inputs: dict[str, Any],
@@ -130,7 +130,8 @@ def _decode(
     return seqs
 
 
-def _drafter(args: Any) -> tuple[Any, dict]:
+def load_draft(args: Any) -> tuple[Any, dict]:
+    """The ``--draft`` drafter and its metadata (None, {} without one)."""
     if not args.draft:
         return None, {}
     from vltrain.models.drafter import load_drafter
