@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -81,10 +82,12 @@ def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path: Path) -> N
 
 def test_os_errors_name_the_path_and_say_what_happened() -> None:
     full = OSError(errno.ENOSPC, "No space left on device", "/runs/a/model.safetensors")
-    assert os_error_message(full) == (
-        "disk full /runs/a/model.safetensors: No space left on device (free space or write "
-        "elsewhere)"
-    )
+    msg = os_error_message(full)
+    assert re.fullmatch(
+        r"disk full /runs/a/model\.safetensors: No space left on device "
+        r"\([0-9.]+ [KMGT]?i?B free on /[^;]*; free space or write elsewhere\)",
+        msg,
+    ), msg
     denied = PermissionError(errno.EACCES, "Permission denied", "/runs/b")
     assert os_error_message(denied) == "permission denied /runs/b: Permission denied"
     moved = OSError(errno.EXDEV, "Invalid cross-device link", "/a", None, "/b")
