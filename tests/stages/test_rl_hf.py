@@ -13,7 +13,7 @@ import torch
 
 from tests.conftest import REPO, torchrun_vltrain
 from tests.stages.test_caption_hf import PRESET as CAPTION_PRESET
-from tests.stages.test_caption_hf import data, models, overrides  # noqa: F401  (fixtures)
+from tests.stages.test_caption_hf import _weights, data, models, overrides  # noqa: F401  (fixtures)
 from vltrain.cli import main
 from vltrain.config import load_config
 from vltrain.engine import loop
@@ -46,7 +46,12 @@ def llava_caption_run(models: dict, data: Path, tmp_path_factory) -> Path:  # no
 
 
 def rl_overrides(
-    kind: str, models: dict, data: Path, out: Path, init: Path | None = None, **extra: object
+    kind: str,
+    models: dict,  # noqa: F811
+    data: Path,  # noqa: F811
+    out: Path,
+    init: Path | None = None,
+    **extra: object,
 ) -> list[str]:
     opts: dict[str, object] = {**RL_OPTS}
     if kind == "hf_vlm":  # straight from model.path, LoRA on (the preset's)
@@ -89,3 +94,148 @@ def test_rl_trains_from_the_cli_and_logs_the_reward(
     summary = json.loads((out / "summary.json").read_text())
     assert {"eval_CIDEr-D", "eval_BLEU-4"} <= set(summary["val"])
     assert steps[-1]["train_kl"] > 0.0  # the policy moved off its reference
+
+
+# ---- the reference and the teacher-forced logits ------------------------------------------
+
+
+def _stage(cfg, out: Path):
+    from vltrain.engine.runtime import RunContext
+    from vltrain.stages import check_config
+
+    ctx = RunContext(torch.device("cpu"), rank=0, world_size=1, precision="fp32", seed=0)
+    stage = check_config(cfg)(cfg, out, ctx)
+    stage.prepare()
+    return stage
+
+
+def _batch(stage, n: int = 4):
+    """n training samples; the second one's instruction longer (the others are left-padded)."""
+    ds = stage.core.train_dataset(train=False)
+    samples = [ds[i] for i in range(n)]
+    samples[1]["messages"][0]["content"] += " use a few short words, please."
+    return stage.core.collate(samples)
+
+
+def test_lora_reference_is_the_base_model_and_teacher_forcing_is_the_decoder_loop(
+    models: dict,  # noqa: F811
+    data: Path,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Qwen2-VL (M-RoPE, prompts of different lengths: left padding) with a trained-looking
+    LoRA adapter: the adapter-disabled logits are those of the base model loaded afresh, no
+    frozen copy is built, and the teacher-forced policy logits pick the decoder loop's greedy
+    tokens."""
+    from vltrain.inference.decoding import generate
+    from vltrain.models.hf_vlm import HFVLM, load_hf_vlm
+    from vltrain.objectives.reference import reference_logits
+    from vltrain.stages import rl, rl_hf
+
+    def no_copy(model):
+        raise AssertionError("a LoRA policy needs no frozen copy")
+
+    monkeypatch.setattr(rl_hf, "frozen_reference", no_copy)
+    monkeypatch.setattr(rl, "frozen_reference", no_copy)
+    cfg = load_config(PRESET["hf_vlm"], rl_overrides("hf_vlm", models, data, tmp_path / "rl"))
+    stage = _stage(cfg, tmp_path / "rl")
+    policy = stage.build_model()
+    assert stage.reference is None
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.5)
+    batch = _batch(stage)
+    s = stage.hf.sample(policy, batch, torch.Generator().manual_seed(0))
+    assert len(set(s["pmask"].sum(1).tolist())) > 1  # left padding is exercised
+    fn = stage.hf.logits_fn(policy, batch, s, 3)
+    ref = reference_logits(fn, policy, None)
+    base = HFVLM(load_hf_vlm(models["qwen2vl"]), "hf_vlm").eval()
+    with torch.no_grad():
+        want, mine = fn(base), fn(policy)
+    mask = torch.arange(s["seq"].shape[1])[None] < s["len"][:, None]  # (N, L) sampled tokens
+    assert float((ref - want)[mask].abs().max()) < 1e-5
+    assert float((mine - want)[mask].abs().max()) > 1e-2  # control: the adapter matters
+    assert policy.training is True and any(p.requires_grad for p in policy.parameters())
+    # teacher forcing reads the distributions the decoder loop sampled from
+    target = rl_hf.CaptionTarget(policy.base_model(), stage.hf.banned, eos_token_id=stage.hf.eos_id)
+    inputs = stage.hf._inputs(policy, batch)
+    greedy = generate(target, dict(inputs), "greedy", max_new_tokens=5)
+    g = {"ids": inputs["input_ids"], "pmask": inputs["attention_mask"]}
+    g |= {"seq": greedy.sequences, "len": greedy.lengths}
+    with torch.no_grad():
+        picks = stage.hf.logits_fn(policy, batch, g, 1)(policy).argmax(-1)
+    gmask = torch.arange(g["seq"].shape[1])[None] < g["len"][:, None]
+    assert torch.equal(picks[gmask], g["seq"][gmask])
+
+
+# ---- resume and DDP -----------------------------------------------------------------------
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_hf_vlm_rl_resumes_exactly(
+    models: dict,  # noqa: F811
+    data: Path,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stopped after step 2 (saved) and resumed: rollouts (seeded by the rollout count), the
+    EMA baseline, LoRA weights and optimizer state continue bit for bit."""
+    opts = {"train.max_steps": 4, "train.save_every": 2, "train.eval_every": 0, "data.eval": ""}
+    opts["rl.baseline"] = "ema"
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(load_config(PRESET["hf_vlm"], rl_overrides("hf_vlm", models, data, full, **opts)))
+    real = loop.Trainer._maybe_eval_and_save
+
+    def stop_after_2(self, model, logger):
+        real(self, model, logger)
+        if self.state.step == 2:
+            raise Interrupt
+
+    monkeypatch.setattr(loop.Trainer, "_maybe_eval_and_save", stop_after_2)
+    with pytest.raises(Interrupt):
+        train(load_config(PRESET["hf_vlm"], rl_overrides("hf_vlm", models, data, part, **opts)))
+    monkeypatch.setattr(loop.Trainer, "_maybe_eval_and_save", real)
+    resumed = rl_overrides("hf_vlm", models, data, part, **opts, **{"train.resume": True})
+    train(load_config(PRESET["hf_vlm"], resumed))
+    keys = ("loss", "train_reward_mean", "train_kl", "train_baseline", "train_length_mean")
+    a = {r["step"]: [r[k] for k in keys] for r in _rows(full) if "loss" in r}
+    b = {r["step"]: [r[k] for k in keys] for r in _rows(part) if "loss" in r}
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert a == b
+    wa, wb, w2 = _weights(full, 4), _weights(part, 4), _weights(full, 2)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert any(not torch.equal(wa[k], w2[k]) for k in wa)  # control: steps 3-4 trained
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one(
+    models: dict,  # noqa: F811
+    data: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """hf_vlm (Qwen2-VL, LoRA): 2 processes x 4 images = 1 process x 8 images. Each rank samples
+    with its own noise, so the rollouts are made noise-free (top_p keeps the top token only) and
+    the loss a mean over sequences: what remains is the sharding, the gradient sync, the
+    all-reduced baseline and metrics, and the sharded evaluation."""
+    opts = {"rl.top_p": 1e-6, "rl.normalize": "sequence", "rl.baseline": "ema"}
+    opts |= {"train.max_steps": 3, "train.save_every": 3, "train.eval_every": 3}
+    one = rl_overrides("hf_vlm", models, data, tmp_path / "one", **opts, **{"data.batch_size": 8})
+    one_summary = train(load_config(PRESET["hf_vlm"], one))
+    two = rl_overrides("hf_vlm", models, data, tmp_path / "two", **opts)
+    torchrun_vltrain(["train", str(PRESET["hf_vlm"]), *two], tmp_path)
+    two_summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    keys = ("loss", "train_reward_mean", "train_kl", "train_baseline", "train_entropy")
+    a = {r["step"]: [r[k] for k in keys] for r in _rows(tmp_path / "one") if "loss" in r}
+    b = {r["step"]: [r[k] for k in keys] for r in _rows(tmp_path / "two") if "loss" in r}
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for step in a:
+        assert a[step] == pytest.approx(b[step], abs=2e-5)
+    for k, v in one_summary["val"].items():
+        assert abs(v - two_summary["val"][k]) < 1e-4, k
+    w1, w2 = _weights(tmp_path / "one", 3), _weights(tmp_path / "two", 3)
+    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 3e-5
