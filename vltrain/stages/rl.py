@@ -10,8 +10,7 @@ wiring rules in docs/rl.md):
    on every rank (the rollout count rides in the trainer state); for ``baseline=greedy`` one
    greedy caption per image too;
 2. reward each against all references of its image (CIDEr-D df from the training references,
-   computed once in :meth:`RLStage.prepare`);
-   minus the optional length penalty (``rl.length_penalty``);
+   computed once in :meth:`RLStage.prepare`) minus the optional ``rl.length_penalty``;
 3. advantages from the baseline; the ema baseline then folds in the all-reduced mean reward;
 4. teacher-forced logits of the policy through the (DDP-wrapped) model the engine passes, and of
    the frozen reference (no grad); ``reinforce_loss``; the engine's backward of ``loss * scale``.
@@ -19,6 +18,7 @@ wiring rules in docs/rl.md):
 The reference is rebuilt from ``model.init_from`` at every start (also on resume), lives on the
 stage (never inside the trained module), is never saved and has no optimizer state. A policy
 with peft (LoRA) adapters has none: its reference is itself with the adapters disabled.
+The HF kinds (hf_vlm, llava) sample, teacher-force and build the reference in `rl_hf`.
 """
 
 from __future__ import annotations
