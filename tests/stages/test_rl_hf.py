@@ -239,3 +239,32 @@ def test_two_processes_equal_one(
         assert abs(v - two_summary["val"][k]) < 1e-4, k
     w1, w2 = _weights(tmp_path / "one", 3), _weights(tmp_path / "two", 3)
     assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 3e-5
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra", "message"),
+    [
+        ("llava", {"model.init_from": ""}, "needs 'model.init_from'"),
+        ("hf_vlm", {"data.image_size": 48}, "data.image_size"),
+        ("hf_vlm", {"rl.baseline": "grpo", "rl.k": 1}, "needs 'rl.k' >= 2"),
+        ("hf_vlm", {"model.lora_targets": "[nothing]"}, "match no Linear"),
+    ],
+)
+def test_rl_config_mistakes_are_one_line_errors(
+    kind: str,
+    extra: dict,
+    message: str,
+    models: dict,  # noqa: F811
+    data: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    from vltrain.config.core import ConfigError
+    from vltrain.stages import check_config
+
+    init = tmp_path / "no_run" if kind == "llava" else None
+    cfg = load_config(
+        PRESET[kind], rl_overrides(kind, models, data, tmp_path / "rl", init, **extra)
+    )
+    with pytest.raises(ConfigError, match=message):
+        check_config(cfg)
+    assert not (tmp_path / "rl").exists()
