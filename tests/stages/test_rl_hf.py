@@ -126,10 +126,9 @@ def test_lora_reference_is_the_base_model_and_teacher_forcing_is_the_decoder_loo
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Qwen2-VL (M-RoPE) and LLaVA (mask-based positions), prompts of different lengths (left
-    padding), each with a trained-looking
-    LoRA adapter: the adapter-disabled logits are those of the base model loaded afresh, no
-    frozen copy is built, and the teacher-forced policy logits pick the decoder loop's greedy
-    tokens."""
+    padding), each with a trained-looking LoRA adapter: the adapter-disabled logits are those
+    of the base model loaded afresh, no frozen copy is built, and the teacher-forced policy
+    logits are the ones the decoder loop sampled from."""
     from vltrain.inference.decoding import generate
     from vltrain.models.hf_vlm import HFVLM, load_hf_vlm
     from vltrain.objectives.reference import reference_logits
