@@ -13,7 +13,14 @@ import torch
 
 from tests.conftest import REPO, torchrun_vltrain
 from tests.stages.test_caption_hf import PRESET as CAPTION_PRESET
-from tests.stages.test_caption_hf import _weights, data, models, overrides  # noqa: F401  (fixtures)
+from tests.stages.test_caption_hf import (  # noqa: F401  (data, models: fixtures)
+    _vltrain_greedy,
+    _weights,
+    data,
+    models,
+    overrides,
+    plain_transformers_greedy,
+)
 from vltrain.cli import main
 from vltrain.config import load_config
 from vltrain.engine import loop
@@ -94,6 +101,37 @@ def test_rl_trains_from_the_cli_and_logs_the_reward(
     summary = json.loads((out / "summary.json").read_text())
     assert {"eval_CIDEr-D", "eval_BLEU-4"} <= set(summary["val"])
     assert steps[-1]["train_kl"] > 0.0  # the policy moved off its reference
+
+
+def test_rl_run_exports_for_plain_transformers(
+    models: dict,  # noqa: F811
+    data: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """An hf_vlm rl run (tiny LLaVA, LoRA) exports with --format hf like a caption run: plain
+    transformers reloads it and its greedy captions are vltrain's, token for token."""
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from vltrain.data.readers import read_jsonl
+
+    extra = {"model.path": models["hf_llava"], "data.max_visual_tokens": 0}
+    extra |= {"caption.instruction": "describe the image.", "train.eval_every": 0}
+    run, exported = tmp_path / "rl", tmp_path / "export"
+    assert (
+        main(["train", str(PRESET["hf_vlm"]), *rl_overrides("hf_vlm", models, data, run, **extra)])
+        == 0
+    )
+    assert main(["export", str(run), "--format", "hf", "--out", str(exported)]) == 0
+    assert not (exported / "adapter_config.json").exists()  # LoRA merged
+    images = [Image.open(data / r["image"]).convert("RGB") for r in read_jsonl(data / "val.jsonl")]
+    ours, _ = _vltrain_greedy(run, images[:8])
+    user = [{"type": "image"}, {"type": "text", "text": "describe the image."}]
+    prompt = AutoTokenizer.from_pretrained(exported).apply_chat_template(
+        [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+    )
+    assert ours == plain_transformers_greedy(str(exported), images[:8], prompt, 6)
+    assert sum(len(r) for r in ours) > 8  # captions, not just end tokens
 
 
 # ---- the reference and the teacher-forced logits ------------------------------------------
