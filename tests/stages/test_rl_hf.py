@@ -76,17 +76,26 @@ def _rows(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("kind", ["hf_vlm", "llava"])
+RUNS = {  # kind, overrides: every baseline on one of the kinds
+    "hf_vlm-rloo": ("hf_vlm", {}),
+    "llava-ema": ("llava", {}),
+    "hf_vlm-greedy-length": ("hf_vlm", {"rl.baseline": "greedy", "rl.length_penalty": 0.1}),
+    "llava-grpo": ("llava", {"rl.baseline": "grpo", "rl.entropy_coeff": 0.01}),
+}
+
+
+@pytest.mark.parametrize("run", list(RUNS))
 def test_rl_trains_from_the_cli_and_logs_the_reward(
-    kind: str,
+    run: str,
     models: dict,  # noqa: F811
     data: Path,  # noqa: F811
     tmp_path: Path,
     request: pytest.FixtureRequest,
 ) -> None:
+    kind, extra = RUNS[run]
     init = request.getfixturevalue("llava_caption_run") if kind == "llava" else None
     out = tmp_path / "rl"
-    args = rl_overrides(kind, models, data, out, init)
+    args = rl_overrides(kind, models, data, out, init, **extra)
     assert main(["train", str(PRESET[kind]), *args]) == 0
     steps = [r for r in _rows(out) if "train_reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
@@ -94,10 +103,10 @@ def test_rl_trains_from_the_cli_and_logs_the_reward(
         assert 0.0 <= r["train_reward_mean"] and r["train_kl"] >= 0.0 and r["train_entropy"] > 0.0
         assert 0.0 <= r["train_rep4_rate"] <= 1.0 and r["train_caption_words"] >= 0.0
         assert 1.0 <= r["train_length_mean"] <= 5.0
-        if kind == "hf_vlm":  # rloo: the advantages of a group sum to zero
+        if run.endswith(("rloo", "grpo")):  # group baselines: advantages sum to zero per group
             assert abs(r["train_adv_mean"]) < 1e-5
-        else:  # ema
-            assert "train_baseline" in r
+        assert ("train_baseline" in r) == run.endswith("ema")
+        assert ("train_length_penalty" in r) == run.endswith("length")
     summary = json.loads((out / "summary.json").read_text())
     assert {"eval_CIDEr-D", "eval_BLEU-4"} <= set(summary["val"])
     assert steps[-1]["train_kl"] > 0.0  # the policy moved off its reference
