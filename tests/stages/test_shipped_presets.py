@@ -26,7 +26,7 @@ HF_FIXTURE = {"hf_clip.yaml": "clip_dir", "hf_siglip.yaml": "siglip_dir"}
 # the tiny Qwen2-VL stands in for the preset's VLM; its width (32) caps the matryoshka dims
 # the drafter presets train against a captioner run / a tiny random HF LM instead of the real ones
 DRAFTER_TARGET = {"drafter.yaml": "caption_run", "drafter_smollm2.yaml": "tiny_lm_dir"}
-HF_CAPTION = ("caption_hf_vlm.yaml", "caption_llava.yaml")  # tiny stand-ins below
+HF_CAPTION = ("caption_hf_vlm.yaml", "caption_llava.yaml", "rl_hf_vlm.yaml", "rl_llava.yaml")
 VLM = {
     "vlm_embed.yaml": {"model.matryoshka_dims": "[8]", "data.max_visual_tokens": 4},
     "qwen3vl_embed_pages.yaml": {"data.max_visual_tokens": 4},
@@ -71,6 +71,33 @@ def llava_parts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "model.path": vlm_fixtures.tiny_causal_lm_dir(root / "lm"),
         "data.image_size": 32,
     }
+
+
+@pytest.fixture(scope="module")
+def llava_caption_run(
+    llava_parts: dict, shapes_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """A 1-step caption_llava run: the `model.init_from` rl_llava.yaml needs."""
+    from vltrain.cli import main
+
+    out = tmp_path_factory.mktemp("llava_init")
+    over = {
+        "run.out_dir": out,
+        "data.train": shapes_dir / "train.jsonl",
+        "data.eval": "",
+        "data.batch_size": 2,
+        "data.num_workers": 0,
+        "train.max_steps": 1,
+        "train.save_every": 1,
+        "train.eval_every": 0,
+        "optim.warmup_steps": 0,
+        "log.progress": False,
+        "log.tensorboard": False,
+        **llava_parts,
+    }
+    preset = next(p for p in PRESETS if p.name == "caption_llava.yaml")
+    assert main(["train", str(preset), *[f"{k}={v}" for k, v in over.items()]]) == 0
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -128,10 +155,12 @@ def test_every_shipped_preset_builds_its_model(
     if preset.name == "pages.yaml":  # its reading loss needs records that list word boxes
         pages = request.getfixturevalue("pages_dir")
         over |= {"data.train": pages / "train.jsonl", "data.eval": pages / "val"}
-    if preset.name == "caption_hf_vlm.yaml":  # the tiny Qwen2-VL stands in for the preset's
+    if preset.name in ("caption_hf_vlm.yaml", "rl_hf_vlm.yaml"):  # a tiny Qwen2-VL stands in
         over |= {"model.path": request.getfixturevalue("qwen2vl_dir"), "data.max_visual_tokens": 4}
-    if preset.name == "caption_llava.yaml":
+    if preset.name in ("caption_llava.yaml", "rl_llava.yaml"):
         over |= request.getfixturevalue("llava_parts")
+    if preset.name == "rl_llava.yaml":
+        over["model.init_from"] = request.getfixturevalue("llava_caption_run")
     if preset.name in HF_FIXTURE or preset.name in VLM or preset.name in HF_CAPTION:
         del over["data.tokenizer_vocab"]  # HF backbones bring their tokenizer: the key is refused
     cfg = load_config(preset, [f"{k}={v}" for k, v in over.items()])

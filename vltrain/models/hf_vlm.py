@@ -79,7 +79,8 @@ class HFVLM(nn.Module):
     ``forward(images, input_ids, attention_mask, labels)``: ``images`` is the dict of image-side
     inputs the collate built (``pixel_values`` and, by family, ``image_grid_thw`` or
     ``pixel_attention_mask``); returns ``loss`` (mean CE over labelled next tokens),
-    ``token_acc`` and ``n_tokens``, like the built-in captioner.
+    ``token_acc`` and ``n_tokens``, like the built-in captioner; without ``labels``, ``logits``
+    (B, T, V) only (``position_ids`` as HF ``generate`` builds them, for the rl stage).
     """
 
     def __init__(self, model: nn.Module, kind: str) -> None:
@@ -150,10 +151,16 @@ class HFVLM(nn.Module):
         images: Mapping[str, Tensor],
         input_ids: Tensor,
         attention_mask: Tensor,
-        labels: Tensor,
+        labels: Tensor | None = None,
+        position_ids: Tensor | None = None,
     ) -> dict[str, Tensor]:
         inputs = self.model_inputs(images, input_ids, attention_mask)
-        logits = self.model(**inputs, use_cache=False).logits[:, :-1].float()  # (B, T-1, V)
+        if position_ids is not None:
+            inputs["position_ids"] = position_ids
+        out = self.model(**inputs, use_cache=False).logits  # (B, T, V)
+        if labels is None:  # the rl stage's teacher-forced logits
+            return {"logits": out}
+        logits = out[:, :-1].float()  # (B, T-1, V)
         target = labels[:, 1:]  # (B, T-1)
         mask = target != IGNORE_INDEX
         n = mask.sum()

@@ -186,10 +186,14 @@ def _check_processor(cfg: Config, model: nn.Module) -> None:
         )
 
 
-def check_hf_caption_config(cfg: Config) -> None:
-    """Every load-time rule of the hf_vlm / llava kinds (see the module doc)."""
+def check_hf_caption_config(
+    cfg: Config, stage: str = "caption", extra: tuple[str, ...] = ()
+) -> None:
+    """Every load-time rule of the hf_vlm / llava kinds (see the module doc); `stage` and the
+    `extra` keys it reads for the rl stage."""
     m = cfg.model
-    reject_unused(cfg, used_keys(m.kind), f"stage caption with model.kind={m.kind}", WHY)
+    why = WHY if "rl.*" in extra else {**WHY, "rl.*": "the rl stage's"}
+    reject_unused(cfg, used_keys(m.kind) + extra, f"stage {stage} with model.kind={m.kind}", why)
     _check_paths(cfg)
     if m.kind == "llava":
         _check_vision_geometry(cfg)

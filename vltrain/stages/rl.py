@@ -10,8 +10,7 @@ wiring rules in docs/rl.md):
    on every rank (the rollout count rides in the trainer state); for ``baseline=greedy`` one
    greedy caption per image too;
 2. reward each against all references of its image (CIDEr-D df from the training references,
-   computed once in :meth:`RLStage.prepare`);
-   minus the optional length penalty (``rl.length_penalty``);
+   computed once in :meth:`RLStage.prepare`) minus the optional ``rl.length_penalty``;
 3. advantages from the baseline; the ema baseline then folds in the all-reduced mean reward;
 4. teacher-forced logits of the policy through the (DDP-wrapped) model the engine passes, and of
    the frozen reference (no grad); ``reinforce_loss``; the engine's backward of ``loss * scale``.
@@ -19,6 +18,7 @@ wiring rules in docs/rl.md):
 The reference is rebuilt from ``model.init_from`` at every start (also on resume), lives on the
 stage (never inside the trained module), is never saved and has no optimizer state. A policy
 with peft (LoRA) adapters has none: its reference is itself with the adapters disabled.
+The HF kinds (hf_vlm, llava) sample, teacher-force and build the reference in `rl_hf`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from vltrain.config.core import ConfigError
 from vltrain.config.schema import Config
 from vltrain.core import distributed
 from vltrain.data.batches import CaptionBatch
-from vltrain.data.caption_data import CaptionDataset
 from vltrain.data.images import BadSample
 from vltrain.data.loaders import Loader
 from vltrain.data.samplers import ShardedBatchSampler
@@ -64,6 +63,8 @@ from vltrain.objectives.reinforce import (
     sequence_mask,
 )
 from vltrain.stages.caption import CAPTION_KEYS, CaptionCore, check_captioner_config
+from vltrain.stages.caption_hf import HF_CAPTION_KINDS, HFCaptionCore
+from vltrain.stages.rl_hf import HFRollouts, check_hf_rl_config
 
 #: metrics logged every step (all-reduced means over ranks), in this order
 RL_METRICS = (
@@ -89,23 +90,28 @@ class RLStage:
 
     def __init__(self, cfg: Config, out_dir: Path, ctx: RunContext) -> None:
         self.cfg, self.ctx = cfg, ctx
-        self.core = CaptionCore(cfg, out_dir, ctx)
+        hf = cfg.model.kind in HF_CAPTION_KINDS  # rollouts of the HF kinds: stages/rl_hf.py
+        self.core: Any = (HFCaptionCore if hf else CaptionCore)(cfg, out_dir, ctx)
+        self.hf = HFRollouts(cfg, self.core) if hf else None
 
     @classmethod
     def check_config(cls, cfg: Config) -> None:
-        """The captioner's rules plus RL's own."""
-        used = tuple(k for k in CAPTION_KEYS if k != "data.*") + ("rl.*",)
-        data = ("train", "eval", "test", "batch_size", "max_train_samples", "eval_batch_size")
-        data += ("num_workers", "image_cache_mb", "image_size", "max_text_len", "tokenizer_vocab")
-        data += ("max_bad_fraction", "image_column", "text_column")
-        check_captioner_config(cfg, "rl", used + tuple(f"data.{k}" for k in data))
+        """The captioner's (or the HF kinds') rules plus RL's own."""
+        if cfg.model.kind in HF_CAPTION_KINDS:
+            check_hf_rl_config(cfg)
+        else:
+            used = tuple(k for k in CAPTION_KEYS if k != "data.*") + ("rl.*",)
+            data = ("train", "eval", "test", "batch_size", "max_train_samples", "eval_batch_size")
+            data += ("num_workers", "image_cache_mb", "image_size", "max_text_len")
+            data += ("tokenizer_vocab", "max_bad_fraction", "image_column", "text_column")
+            check_captioner_config(cfg, "rl", used + tuple(f"data.{k}" for k in data))
         r = cfg.rl
         if cfg.train.parallel == "fsdp":
             raise ConfigError(
                 "stage 'rl' with train.parallel=fsdp: its rollouts sample outside the sharded "
                 "forward; use train.parallel=ddp (or auto) for RL"
             )
-        if not cfg.model.init_from:
+        if not cfg.model.init_from and cfg.model.kind != "hf_vlm":
             raise ConfigError(
                 "stage 'rl' needs 'model.init_from' (a trained caption run or checkpoint): RL "
                 "fine-tunes a captioner and anchors the KL to those starting weights"
@@ -156,6 +162,8 @@ class RLStage:
 
     def _training_refs(self) -> dict[int, list[str]]:
         """``{index: references}`` of the training records (no image decoding)."""
+        if self.hf is not None:
+            return self.hf.training_refs()
         ds = self.core.train_dataset(train=False)
         refs: dict[int, list[str]] = {}
         for i, rec in enumerate(ds.records):
@@ -171,7 +179,9 @@ class RLStage:
         global RNG so the policy's RNG stream is the same whether or not a copy is built."""
         model = self.core.build_model()
         self.reference = None
-        if not has_adapters(model):
+        if self.hf is not None:
+            self.reference = self.hf.reference(model)
+        elif not has_adapters(model):
             with torch.random.fork_rng(devices=[]):
                 ref = build_captioner(self.cfg, self.tokenizer)
             load_initial_weights(ref, self.core.init_ckpt)
@@ -182,7 +192,7 @@ class RLStage:
     def build_loader(self) -> Loader:
         """Training records as eval-style samples: prompt ids and all references per image."""
         d, ctx = self.cfg.data, self.ctx
-        dataset: CaptionDataset = self.core.train_dataset(train=False)
+        dataset = self.core.train_dataset(train=False)
         sampler = ShardedBatchSampler(
             len(dataset), d.batch_size, ctx.rank, ctx.world_size, self.cfg.run.seed
         )
@@ -230,8 +240,7 @@ class RLStage:
             policy.train(was_training)
         res = {"ids": ids, "pmask": pmask, "seq": out.sequences, "len": out.lengths}
         if greedy is not None:
-            texts = self._decode(greedy.sequences, greedy.lengths)
-            res["greedy"] = self._rewards(texts, batch["refs"], 1)
+            res["greedy_texts"] = self._decode(greedy.sequences, greedy.lengths)
         return res
 
     def _decode(self, seq: Tensor, lengths: Tensor) -> list[str]:
@@ -247,25 +256,27 @@ class RLStage:
     ) -> StepOutput:
         """REINFORCE on one batch: sample on the plain policy, score, then the teacher-forced
         policy forward through `model` (its backward syncs gradients) and ``loss * scale``."""
-        r, k = self.cfg.rl, self.cfg.rl.k
-        s = self._sample(model.module, batch, self.rollout_generator())
+        r, k, hf = self.cfg.rl, self.cfg.rl.k, self.hf
+        s = (hf.sample if hf else self._sample)(model.module, batch, self.rollout_generator())
         self.rollouts += 1
         seq, lengths = s["seq"], s["len"]  # (B*K, L), (B*K,)
-        texts = self._decode(seq, lengths)
+        texts = (hf.decode if hf else self._decode)(seq, lengths)
         rewards = self._rewards(texts, batch["refs"], k).to(seq.device)  # (B*K,)
-        eos = ends_with_eos(seq, lengths, self.tokenizer.eos_id)
+        eos = ends_with_eos(seq, lengths, hf.eos_id if hf else self.tokenizer.eos_id)
         pen = length_penalty(lengths - eos.long(), r.length_penalty, r.length_target)
         shaped = rewards - pen if r.length_penalty else rewards  # what the policy maximises
-        adv = advantages(shaped, k, self.baseline, s.get("greedy"))
+        g = s.get("greedy_texts")
+        greedy = None if g is None else self._rewards(g, batch["refs"], 1).to(seq.device)
+        adv = advantages(shaped, k, self.baseline, greedy)
         self.baseline.update(distributed.all_reduce_mean(shaped.mean().double()))
-        images = batch["images"].repeat_interleave(k, 0)  # (B*K, 3, S, S)
-        ids, pmask = s["ids"].repeat_interleave(k, 0), s["pmask"].repeat_interleave(k, 0)
-        logits = sequence_logits(model, images, ids, pmask, seq, lengths)  # (B*K, L, V)
-        ref_logits = reference_logits(
-            lambda m: sequence_logits(m, images, ids, pmask, seq, lengths),
-            model.module,
-            self.reference,
-        )
+        if hf is not None:
+            fn = hf.logits_fn(model.module, batch, s, k)
+        else:
+            images = batch["images"].repeat_interleave(k, 0)  # (B*K, 3, S, S)
+            ids, pmask = s["ids"].repeat_interleave(k, 0), s["pmask"].repeat_interleave(k, 0)
+            fn = lambda m: sequence_logits(m, images, ids, pmask, seq, lengths)  # noqa: E731
+        logits = fn(model)  # (B*K, L, V), through the DDP wrapper
+        ref_logits = reference_logits(fn, model.module, self.reference)
         terms = policy_terms(logits, ref_logits, seq, sequence_mask(lengths, seq.shape[1]))
         loss, m = reinforce_loss(
             terms, adv, r.kl_coeff, r.entropy_coeff, r.normalize, rewards, lengths, eos
