@@ -28,7 +28,7 @@ from vltrain.config.schema import Config
 from vltrain.data.batches import CaptionBatch
 from vltrain.data.images import BadSample, check_text
 from vltrain.inference.decoding import generate
-from vltrain.inference.vlm_captioning import _end_token, left_pad_prompts
+from vltrain.inference.vlm_captioning import end_token, left_pad_prompts
 from vltrain.inference.vlm_target import HFVLMTarget
 from vltrain.models.hf_vlm import GRID_VLMS, HFVLM
 from vltrain.objectives.reference import check_frozen_reference, frozen_reference, has_adapters
@@ -124,7 +124,7 @@ class HFRollouts:
     def reference(self, model: HFVLM) -> nn.Module | None:
         """None for a LoRA policy (its adapters disabled); else a frozen copy of the starting
         model (build_model's, before any step or resumed weights)."""
-        self.eos_id = _end_token(model.base_model(), self.pad_id)
+        self.eos_id = end_token(model.base_model(), self.pad_id)
         self.banned = placeholder_ids(model)
         if has_adapters(model):
             return None
