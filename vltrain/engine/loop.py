@@ -340,6 +340,8 @@ class Trainer:
             time_s=time.time() - t_step,
             sample_ids=[i for _, i in keys],
             epoch=keys[0][0] if keys else -1,
+            # per sample only when the step's micro-batches straddle an epoch boundary
+            sample_epochs=[e for e, _ in keys] if len({e for e, _ in keys}) > 1 else [],
             lengths=[n for b in micro for n in b.lengths],
             bucket=micro[0].bucket if micro else None,
             chance_loss=metrics.get("chance_loss"),  # a contrastive loss's no-information level
