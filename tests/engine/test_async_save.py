@@ -163,7 +163,7 @@ def test_kill_9_during_async_saves_keeps_a_loadable_checkpoint_and_exact_resume(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "vltrain", "train", str(CONFIG)]
     cmd += tiny_overrides(shapes_dir, run, **opts)
-    rng, kills, steps = random.Random(0), 0, []
+    rng, kills, interrupted, steps = random.Random(0), 0, 0, []
     root = run / "checkpoints"
     while kills < KILLS:
         resume = ["train.resume=true"] if (run / "config.yaml").exists() else []
@@ -182,6 +182,7 @@ def test_kill_9_during_async_saves_keeps_a_loadable_checkpoint_and_exact_resume(
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         kills += 1
+        interrupted += any(p.name.endswith(mine) for p in root.glob(".tmp_step_*"))
         newest, skipped = checkpoint.newest_loadable(root)
         assert newest is not None and skipped == [], f"kill {kills}: {skipped}"
         assert newest == checkpoint.latest_checkpoint(root)
@@ -192,6 +193,7 @@ def test_kill_9_during_async_saves_keeps_a_loadable_checkpoint_and_exact_resume(
             meta = json.loads((best / "best.json").read_text())
             assert meta["step"] <= steps[-1]
     assert kills == KILLS, f"the run finished after {kills} kills"
+    assert interrupted > 0, "no kill landed while a save was in flight"  # not vacuous
     assert steps == sorted(steps) and steps[-1] < opts["train.max_steps"]
     res = subprocess.run([*cmd, "train.resume=true"], env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
