@@ -247,6 +247,52 @@ def test_data_order_replay_and_repeats():
     assert {f.check: f.step for f in _run(_cfg(), recs)} == {"sample_repeated": 3}
 
 
+def _accumulated(n_steps: int, per_epoch: int = 3, accum: int = 2, size: int = 4):
+    """Steps of `accum` micro-batches over epochs of `per_epoch` micro-batches (an odd count:
+    every other step straddles an epoch boundary), a fresh permutation per epoch; each
+    sample keeps its own epoch."""
+    rng = random.Random(0)
+    micro, perms = [], {}
+    for m in range(n_steps * accum):
+        epoch, b = divmod(m, per_epoch)
+        if epoch not in perms:
+            perms[epoch] = rng.sample(range(per_epoch * size), per_epoch * size)
+        micro.append([(epoch, i) for i in perms[epoch][b * size : (b + 1) * size]])
+    recs = _clean(n_steps)
+    for r in recs:
+        keys = [k for mb in micro[r.step * accum : (r.step + 1) * accum] for k in mb]
+        r.sample_ids, r.epoch = [i for _, i in keys], keys[0][0]
+        r.sample_epochs = [e for e, _ in keys] if len({e for e, _ in keys}) > 1 else []
+    return recs
+
+
+def test_accumulation_across_an_epoch_boundary_is_not_a_repeat():
+    recs = _accumulated(12)
+    assert any(r.sample_epochs for r in recs)  # the boundary falls inside some steps
+    assert _checks(_run(_cfg(), recs), "info") == set()
+    # negative control: the same steps labelled with their first micro-batch's epoch (the old
+    # StepRecord) hold a sample twice within one "epoch"
+    for r in recs:
+        r.sample_epochs = []
+    assert "sample_repeated" in _checks(_run(_cfg(), recs))
+    # a real repeat inside a straddling step is still found, in the new epoch's part
+    recs = _accumulated(12)
+    r = next(r for r in recs if r.sample_epochs)
+    r.sample_ids[-1] = r.sample_ids[-2]
+    assert {f.check: f.step for f in _run(_cfg(), recs)} == {"sample_repeated": r.step}
+
+
+def test_ranks_straddling_an_epoch_boundary_do_not_overlap():
+    recs = _clean(4)
+    for r in recs:
+        r.rank_weights = [1.0, 1.0]
+        # rank 0 ends epoch 0 with sample 7, rank 1 starts epoch 1 with it: no overlap
+        r.rank_ids, r.rank_epochs = [[1, 7], [7, 2]], [[0, 0], [1, 1]]
+    assert _run(_cfg(), recs) == []
+    recs[2].rank_epochs = [[0, 0], [0, 1]]  # the same sample of epoch 0 on both ranks
+    assert {f.check: f.step for f in _run(_cfg(), recs)} == {"rank_overlap": 2}
+
+
 def _with_lengths(recs, homogeneous: bool, seed: int = 0):
     rng = random.Random(seed)
     for r in recs:
@@ -257,6 +303,23 @@ def _with_lengths(recs, homogeneous: bool, seed: int = 0):
         else:
             r.lengths = [rng.randint(5, 45) for _ in range(4)]
     return recs
+
+
+def test_small_per_rank_batches_are_not_homogeneous():
+    """A rank's batch of one sample has no within-batch spread; of two, little: clean runs of a
+    small batch over 2 processes got a homogeneous_batches warning at step 0."""
+    rng = random.Random(1)
+    for n in (1, 2):
+        for seed in range(20):
+            recs = _clean(24, seed=seed)
+            for r in recs:
+                r.lengths = [rng.randint(5, 45) for _ in range(n)]
+            assert "homogeneous_batches" not in _checks(_run(_cfg(), recs))
+    # negative control: batches of 2 equal lengths, the length changing between batches
+    recs = _clean(24)
+    for r in recs:
+        r.lengths = [10 + 7 * (r.step % 5)] * 2
+    assert "homogeneous_batches" in _checks(_run(_cfg(), recs))
 
 
 def test_homogeneous_batches():

@@ -405,6 +405,12 @@ class TrainConfig:
     eval_every: int = option(200, "Evaluate every N steps (0: only at the end).", ge=0)
     save_every: int = option(500, "Checkpoint every N steps (0: only at the end).", ge=0)
     keep_last: int = option(3, "Keep this many newest step checkpoints.", ge=1)
+    async_save: bool = option(
+        False,
+        "Write checkpoints in the background (one in flight): the weights and optimizer state "
+        "are copied to CPU during the next step (its optimizer step waits for the copy) and "
+        "written by a thread; fsdp: torch.distributed.checkpoint's async_save.",
+    )
     best_metric: str = option("", "Eval metric that picks checkpoints/best ('' = stage default).")
     best_mode: str = option(
         "", "'max' or 'min' for best_metric ('' = stage default).", choices=("", "max", "min")

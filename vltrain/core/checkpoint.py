@@ -118,10 +118,10 @@ def write_checkpoint(
     with _cleaned_on_failure(tmp, ckpt_root / f"step_{step}"):
         save_model(model, str(tmp / "model.safetensors"))
         torch.save(trainer_state, tmp / "trainer_state.pt")
-        _copy_files(extra_files or {}, tmp)
+        copy_files(extra_files or {}, tmp)
         if writer is not None:  # e.g. an HF save_pretrained export beside the weights
             writer(tmp)
-        return _commit(ckpt_root, tmp, step)
+        return commit(ckpt_root, tmp, step)
 
 
 @contextlib.contextmanager
@@ -142,7 +142,7 @@ def _cleaned_on_failure(tmp: Path, final: Path) -> Iterator[None]:
         ) from None
 
 
-def _copy_files(files: dict[str, Path], folder: Path) -> None:
+def copy_files(files: dict[str, Path], folder: Path) -> None:
     for name, src in files.items():
         if src.is_dir():
             shutil.copytree(src, folder / name)
@@ -150,7 +150,7 @@ def _copy_files(files: dict[str, Path], folder: Path) -> None:
             shutil.copy2(src, folder / name)
 
 
-def _commit(ckpt_root: Path, tmp: Path, step: int) -> Path:
+def commit(ckpt_root: Path, tmp: Path, step: int) -> Path:
     """Mark `tmp` complete, fsync it and rename it to `step_<step>` (replacing a re-save)."""
     final = ckpt_root / f"step_{step}"
     (tmp / MARKER).write_text(json.dumps({"step": step}))
@@ -190,8 +190,8 @@ def write_sharded_checkpoint(
         return None
     with _cleaned_on_failure(tmp, ckpt_root / f"step_{step}"):
         torch.save(trainer_state, tmp / "trainer_state.pt")
-        _copy_files(extra_files or {}, tmp)
-        return _commit(ckpt_root, tmp, step)
+        copy_files(extra_files or {}, tmp)
+        return commit(ckpt_root, tmp, step)
 
 
 def complete_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:

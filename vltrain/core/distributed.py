@@ -137,6 +137,8 @@ def shutdown(finished: bool = False) -> None:
                 barrier()
         except RuntimeError as e:  # a peer failed or left: leave anyway, say so
             print(f"[rank {rank()}] leaving without the final barrier: {e}", file=sys.stderr)
+    global _checkpoint_group
+    _checkpoint_group = None  # destroyed with the default group
     gc.collect()
     dist.destroy_process_group()
 
@@ -342,6 +344,21 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     if rank() != src:
         data = torch.zeros(n, dtype=torch.uint8)
     return _from_bytes(_broadcast("broadcast_object", data, src))
+
+
+_checkpoint_group: Any = None
+
+
+def checkpoint_group() -> Any:
+    """A gloo process group of every rank for background checkpoint writes (created on the
+    first call, which every rank makes): a thread's collectives never interleave with the
+    training group's. None outside distributed runs."""
+    global _checkpoint_group
+    if not is_distributed():
+        return None
+    if _checkpoint_group is None:
+        _checkpoint_group = dist.new_group(backend="gloo")
+    return _checkpoint_group
 
 
 def all_gather_object(obj: Any) -> list[Any]:

@@ -398,7 +398,11 @@ class RankConsistency:
                 ))  # fmt: skip
         ids = rec.rank_ids
         if len(ids) > 1 and "shards" not in self.reported:
-            shared = set(ids[0]).intersection(*map(set, ids[1:]))
+            # (epoch, id): with accumulation across an epoch boundary one step holds two
+            # epochs, and a sample of the old epoch may come again, on any rank, in the new
+            eps = rec.rank_epochs or [[]] * len(ids)
+            keys = [set(_keyed(r, e, rec.epoch)) for r, e in zip(ids, eps, strict=True)]
+            shared = {i for _, i in keys[0].intersection(*keys[1:])}
             if shared:
                 self.reported.add("shards")
                 out.append(Finding(
@@ -411,6 +415,11 @@ class RankConsistency:
 
     def finish(self) -> list[Finding]:
         return []
+
+
+def _keyed(ids: list[int], epochs: list[int], epoch: int) -> list[tuple[int, int]]:
+    """(epoch, id) per sample; `epochs` empty: every sample is of `epoch`."""
+    return list(zip(epochs or [epoch] * len(ids), ids, strict=True))
 
 
 class ScalerSkips:

@@ -130,12 +130,13 @@ class Doctor:
         if self.probe is not None:
             self.probe.fill(rec)
         if self.gather is not None:
-            rows = self.gather((rec.loss, rec.sample_ids, rec.weight_fp))
+            rows = self.gather((rec.loss, rec.sample_ids, rec.weight_fp, rec.sample_epochs))
             if len(rows) > 1:
                 losses = [r[0] for r in rows]
                 rec.loss = sum(losses) / len(losses)
                 rec.rank_ids = [r[1] for r in rows]
                 rec.rank_weights = [r[2] for r in rows]
+                rec.rank_epochs = [r[3] for r in rows]
         found = [f for c in self.checks for f in c.observe(rec)]
         for f in found:
             f.detected_at = rec.step

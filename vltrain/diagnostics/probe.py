@@ -27,6 +27,11 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
+def _sharded(p: torch.Tensor) -> bool:
+    """An FSDP2 (DTensor) parameter sharded over ranks: each rank holds a different part."""
+    return any(pl.is_shard() for pl in getattr(p, "placements", ()))
+
+
 def _sample_index(p: torch.Tensor) -> torch.Tensor:
     """Evenly spaced flat indices into `p` (at most SAMPLE)."""
     n = p.numel()
@@ -62,6 +67,14 @@ class Probe:
         self.frozen_trainable = [n for n, p in params if p.requires_grad and n.split(".")[0] in top]
         self.groups = [list(g["params"]) for g in optimizer.param_groups]
         self.index = [[_sample_index(_local(p)) for p in g] for g in self.groups]
+        # the DDP-divergence fingerprint reads replicated weights only: FSDP shards differ
+        # between ranks by design (a false ddp_divergence at step 0 of every fsdp run)
+        self.fp_mask = [
+            torch.cat([torch.full((len(i),), not _sharded(p)) for p, i in zip(g, ix, strict=True)])
+            if g
+            else torch.zeros(0, dtype=torch.bool)
+            for g, ix in zip(self.groups, self.index, strict=True)
+        ]
         self.gates = {
             n: m for n, m in module.named_modules() if getattr(m, "zero_init_gate", False) is True
         }
@@ -106,6 +119,10 @@ class Probe:
     def close(self) -> None:
         for h in self.handles:
             h.remove()
+
+    def _fingerprint(self, sampled: list[torch.Tensor]) -> float:
+        """Sum of the sampled replicated weights (equal on every rank of a healthy run)."""
+        return float(sum(float(a[m].sum()) for a, m in zip(sampled, self.fp_mask, strict=True)))
 
     def _sampled(self) -> list[torch.Tensor]:
         """Per group, the sampled weights (float64, on CPU)."""
@@ -154,7 +171,7 @@ class Probe:
             )  # zero-init: no ratio
         self._facts["update_ratio"] = ratios
         self._facts["stepped"] = True
-        self._facts["weight_fp"] = float(sum(float(a.sum()) for a in after))
+        self._facts["weight_fp"] = self._fingerprint(after)
 
     def fill(self, rec: StepRecord) -> None:
         """Add what the probe saw during this step (call after the optimizer step, before
@@ -163,7 +180,7 @@ class Probe:
         for key, value in facts.items():
             setattr(rec, key, value)
         if not rec.stepped:  # skipped step: the fingerprint is still the current weights
-            rec.weight_fp = float(sum(float(a.sum()) for a in self._sampled()))
+            rec.weight_fp = self._fingerprint(self._sampled())
         if self.stale:
             rec.stale_grads = [self.stale]
         self.first_backward, self.stale = True, ""

@@ -33,12 +33,15 @@ class StepRecord:
     time_s: float = 0.0  # wall time of the step
     sample_ids: list[int] = field(default_factory=list)  # this rank's dataset indices
     epoch: int = -1  # the loader epoch of the step's first batch (-1: unknown)
-    sample_epochs: list[int] = field(default_factory=list)  # each sample's epoch, when carried
+    # the loader epoch of each of sample_ids (a step that accumulates micro-batches across an
+    # epoch boundary holds two epochs); empty: every sample is of `epoch`
+    sample_epochs: list[int] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)  # per-sample token lengths, when carried
     bucket: int | None = None  # the sampler's length bucket of the step's first batch, if any
     chance_loss: float | None = None  # the loss's value without information (contrastive)
     scaler_skip: bool = False  # fp16: the loss scaler skipped this step (gradient overflow)
     rank_ids: list[list[int]] = field(default_factory=list)  # every rank's ids (world > 1)
+    rank_epochs: list[list[int]] = field(default_factory=list)  # and their epochs, likewise
     rank_weights: list[float] = field(default_factory=list)  # every rank's weight fingerprint
     # filled by the probe (vltrain.diagnostics.probe) from the model and the optimizer
     lr_applied: list[float] = field(default_factory=list)  # per group, read during the step
@@ -52,10 +55,16 @@ class StepRecord:
     nonfinite: dict[str, Any] = field(default_factory=dict)  # provenance of a non-finite step
     weight_fp: float = 0.0  # fingerprint of sampled weights (DDP divergence)
 
+    def keys(self) -> list[tuple[int, int]]:
+        """(epoch, sample id) per sample: a sample is a repeat only within its own epoch."""
+        epochs = self.sample_epochs or [self.epoch] * len(self.sample_ids)
+        return list(zip(epochs, self.sample_ids, strict=True))
+
     def scalars(self) -> dict[str, Any]:
         """The record without per-sample lists: what `doctor_steps.jsonl` stores per line."""
         d = asdict(self)
         d.pop("rank_ids")
+        d.pop("rank_epochs")
         d.pop("sample_ids")
         d.pop("sample_epochs")
         d["n_samples"] = len(self.sample_ids)

@@ -16,6 +16,7 @@ import torch
 
 from vltrain.config.schema import Config, dump_config
 from vltrain.core import checkpoint, distributed
+from vltrain.core.async_checkpoint import AsyncWriter
 from vltrain.core.files import atomic_write_text
 from vltrain.data.batches import to_device
 from vltrain.data.loaders import Batch
@@ -119,6 +120,7 @@ class Trainer:
             self._undo_fresh()
             raise
         self._signal, self._saved_step = 0, -1  # a stop request; the step last checkpointed
+        self.writer: AsyncWriter | None = None  # train.async_save: the background writer
         self._save_signal, self._save_requested = 0, ""  # train.checkpoint_on
 
     def _undo_fresh(self) -> None:
@@ -188,9 +190,17 @@ class Trainer:
             distributed.barrier()
             logger.message(f"resumed from {ckpt} at step {self.state.step}")
         t_start = time.time()
+        # the optimizer step waits for a save's copy of the weights (taken in the background)
+        self.writer = AsyncWriter(self.optimizer) if cfg.train.async_save else None
         try:
-            with self._stop_on_signals():
-                self._loop(model, logger)
+            try:
+                with self._stop_on_signals():
+                    self._loop(model, logger)
+            finally:  # the save in flight completes before the run ends, stops or fails
+                if self.writer is not None:
+                    self.writer.wait()
+            if self.writer is not None:
+                distributed.barrier()  # every rank reads the last checkpoint (best) complete
             if self.doctor is not None:
                 self.doctor.finish()
             summary = self._finish(model, logger, t_start)
@@ -384,7 +394,8 @@ class Trainer:
             time_s=time.time() - t_step,
             sample_ids=[i for _, i in keys],
             epoch=keys[0][0] if keys else -1,
-            sample_epochs=[e for e, _ in keys],  # a streamed batch may straddle two epochs
+            # per sample only when the step's micro-batches straddle an epoch boundary
+            sample_epochs=[e for e, _ in keys] if len({e for e, _ in keys}) > 1 else [],
             lengths=[n for b in micro for n in b.lengths],
             bucket=micro[0].bucket if micro else None,
             chance_loss=metrics.get("chance_loss"),  # a contrastive loss's no-information level
@@ -463,19 +474,22 @@ class Trainer:
             )
 
     def _save(self, model: ParallelModel, improved: bool) -> None:
-        """Every rank takes part (a sharded mode gathers here); rank 0 writes."""
+        """Every rank takes part (a sharded mode gathers here); rank 0 writes. Under
+        train.async_save the write (then best and pruning) runs in the writer's thread."""
         self._saved_step = self.state.step
         ts = trainer_state.collect(self._stateful(), world_size=self.ctx.world_size)
-        files = self.stage.checkpoint_files()
-        path = model.save_checkpoint(
-            self.ckpt_root, self.state.step, self.optimizer, ts, files, self.stage.export
-        )
-        if self.ctx.is_main:
-            if improved:
-                checkpoint.update_best(
-                    self.ckpt_root, path, self.best_metric, self.state.best_value, self.state.step
-                )
-            checkpoint.prune(self.ckpt_root, self.cfg.train.keep_last)
+        best = (self.best_metric, self.state.best_value, self.state.step) if improved else None
+        root, keep = self.ckpt_root, self.cfg.train.keep_last
+
+        def done(path: Path) -> None:  # rank 0, once `path` is complete
+            if best is not None:
+                checkpoint.update_best(root, path, *best)
+            checkpoint.prune(root, keep)
+
+        model.save_checkpoint(
+            root, self.state.step, self.optimizer, ts, self.stage.checkpoint_files(),
+            self.stage.export, done, self.writer,
+        )  # fmt: skip
         distributed.barrier()
 
     def evaluate(self, model: ParallelModel | torch.nn.Module, split: str) -> dict[str, float]:

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from vltrain.config.core import ConfigError
-from vltrain.core import checkpoint, distributed
+from vltrain.core import async_checkpoint, checkpoint, distributed
 from vltrain.engine import sharding
 
 MODES = ("auto", "none", "ddp", "fsdp")
@@ -153,31 +153,46 @@ class ParallelModel:
         trainer_state: dict[str, Any],
         extra_files: dict[str, Path],
         export: Callable[[nn.Module, Path], None],
-    ) -> Path | None:
-        """Write `step_<step>` atomically; every rank calls. The path on rank 0, else None.
+        done: Callable[[Path], None],
+        writer: async_checkpoint.AsyncWriter | None = None,
+    ) -> None:
+        """Write `step_<step>` atomically, then `done(path)` on rank 0; every rank calls.
+        With a `writer` (train.async_save) the writing (and `done`) happens in its thread once
+        the state is copied; `writer.wait()` joins it.
 
         Sharded checkpoints leave the stage's `export` (e.g. hf_model/) to `vltrain export`,
         which consolidates them in one process.
         """
         if self.sharded_checkpoints:
-            return checkpoint.write_sharded_checkpoint(
+            if writer is not None:
+                async_checkpoint.write_sharded_checkpoint_async(
+                    writer, ckpt_root, step, self.module, optimizer, trainer_state,
+                    extra_files, done,
+                )  # fmt: skip
+                return
+            path = checkpoint.write_sharded_checkpoint(
                 ckpt_root,
                 step,
                 lambda folder: checkpoint.save_shards(self.module, optimizer, folder),
                 trainer_state,
                 extra_files,
             )
+            if path is not None:
+                done(path)
+            return
         if not distributed.is_main():
-            return None
+            return
         module = self.checkpoint_module()
-        return checkpoint.write_checkpoint(
-            ckpt_root,
-            step,
-            module,
-            trainer_state,
-            extra_files,
+        if writer is not None:
+            async_checkpoint.write_checkpoint_async(
+                writer, ckpt_root, step, module, trainer_state, extra_files, export, done,
+                optimizer,
+            )  # fmt: skip
+            return
+        done(checkpoint.write_checkpoint(
+            ckpt_root, step, module, trainer_state, extra_files,
             writer=lambda folder: export(module, folder),
-        )
+        ))  # fmt: skip
 
     def load_checkpoint(self, ckpt: Path, optimizer: torch.optim.Optimizer) -> None:
         """Weights (and, for sharded checkpoints, the optimizer state) for a resume."""
