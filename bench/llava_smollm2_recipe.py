@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> dict:
                 "steps": r["summary"].get("steps"),
                 "seconds": r["seconds"],
                 "test_CIDEr-D": (r["summary"].get("test") or {}).get("CIDEr-D"),
-                "val_CIDEr-D": (r["summary"].get("val") or {}).get("CIDEr-D"),
+                "val_CIDEr-D": (r["summary"].get("val") or {}).get("eval_CIDEr-D"),
             }
             for r in rows
         },

@@ -49,6 +49,7 @@ def test_recipe_chains_clip_pretrain_finetune(shapes_dir: Path, tmp_path: Path) 
     for name in ("pretrain", "finetune"):
         assert result["stages"][name]["steps"] == 2
         assert isinstance(result["stages"][name]["test_CIDEr-D"], float)
+        assert isinstance(result["stages"][name]["val_CIDEr-D"], float)
     assert "| finetune | 2 |" in (out / "recipe.md").read_text()
     # pretrain: the clip run's tower and the LM arrive unchanged (frozen), the projector learns
     from transformers import CLIPVisionModel, Qwen2ForCausalLM
