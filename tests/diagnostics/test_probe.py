@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vltrain.diagnostics.probe import Probe
+from vltrain.diagnostics.probe import SAMPLE, Probe, _sample_index
 from vltrain.diagnostics.record import StepRecord
 
 
@@ -102,3 +102,13 @@ def test_bfloat16_weights_take_the_torch_path():
     rec = _step(net, opt, probe, x=torch.randn(8, 4, dtype=torch.bfloat16))
     assert rec.update_ratio[0] > 0
     probe.close()
+
+
+def test_sample_index_stays_inside_a_weight_past_float32_precision() -> None:
+    """SmolLM2's 49153 x 576 embedding: float32 linspace put its last index one past the end."""
+    n = 49153 * 576
+    idx = _sample_index(torch.empty(n, dtype=torch.bool))
+    assert len(idx) == SAMPLE and int(idx[0]) == 0 and int(idx[-1]) == n - 1
+    assert bool((idx[1:] > idx[:-1]).all())
+    assert _sample_index(torch.empty(1)).tolist() == [0]
+    assert _sample_index(torch.empty(5)).tolist() == [0, 1, 2, 3, 4]

@@ -532,3 +532,39 @@ def stage_start(models: dict, data: Path, tmp_path: Path) -> dict[str, torch.Ten
     cfg, stage = _llava_stage(models, data, tmp_path / "start")
     torch.manual_seed(cfg.run.seed)
     return {"model." + k: v for k, v in stage.build_model().model.state_dict().items()}
+
+
+def test_llava_grows_the_vocabulary_for_the_image_token(
+    models: dict, data: Path, tmp_path: Path
+) -> None:
+    """An LM whose tokenizer lacks <image> and whose embeddings (tied, as SmolLM2's) have one
+    row per token gets one row more; its own rows arrive unchanged."""
+    from tokenizers import Tokenizer, pre_tokenizers, trainers
+    from tokenizers import models as tok_models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(tok_models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=alphabet
+    )
+    bpe.train_from_iterator(["a red circle above a blue square"] * 3, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", pad_token="<eos>")
+    assert "<image>" not in tok.get_vocab()
+    dims = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    lm_cfg = LlamaConfig(vocab_size=len(tok), tie_word_embeddings=True, eos_token_id=0, **dims)
+    torch.manual_seed(3)
+    lm = tmp_path / "lm"
+    LlamaForCausalLM(lm_cfg).save_pretrained(lm)
+    tok.save_pretrained(lm)
+    run = tmp_path / "run"
+    over = overrides("llava", models, data, run, **{"model.path": lm})
+    assert main(["train", str(PRESET["llava"]), *over]) == 0
+    weights = _weights(run)  # tied: one of the two names is saved
+    emb = next(
+        v for k, v in weights.items() if k.endswith(("embed_tokens.weight", "lm_head.weight"))
+    )
+    ref = LlamaForCausalLM.from_pretrained(lm).model.embed_tokens.weight
+    assert emb.shape[0] == len(tok) + 1
+    assert torch.equal(emb[: len(tok)], ref)

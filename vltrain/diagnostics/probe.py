@@ -35,7 +35,11 @@ def _sharded(p: torch.Tensor) -> bool:
 def _sample_index(p: torch.Tensor) -> torch.Tensor:
     """Evenly spaced flat indices into `p` (at most SAMPLE)."""
     n = p.numel()
-    return torch.linspace(0, n - 1, min(n, SAMPLE), device=p.device).round().long()
+    k = min(n, SAMPLE)
+    # integer arithmetic: float32 linspace rounds past the last index beyond 2^24 weights
+    # (SmolLM2's 49153 x 576 embedding: index 28312128 of 28312128)
+    steps = torch.arange(k, device=p.device, dtype=torch.long)
+    return (steps * (n - 1) + (k - 1) // 2) // max(k - 1, 1)
 
 
 class Probe:

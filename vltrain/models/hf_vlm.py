@@ -265,7 +265,8 @@ def load_causal_lm(path: str) -> nn.Module:
 
 def assemble_llava(config: Any, vision_path: str, lm_path: str, vocab_size: int) -> nn.Module:
     """A ``LlavaForConditionalGeneration`` of `config` with the pretrained vision tower and LM
-    copied in; the LM's embeddings are resized to `vocab_size` (the added image token) and the
+    copied in; the LM's embeddings are resized to `vocab_size` (config.text_config's: room for
+    the added image token) and the
     projector keeps its fresh initialisation (seeded by the run)."""
     from transformers import AutoModel, LlavaForConditionalGeneration
 

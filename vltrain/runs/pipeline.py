@@ -13,7 +13,11 @@ the pipeline file) plus dotted overrides, and a shared ``root``:
 Stage ``name`` runs in ``<root>/<name>``; every stage after the first starts from the previous
 stage's best checkpoint: its ``init`` key (default ``model.init_from``; e.g.
 ``model.vision_init_from`` to take only a CLIP run's image tower; ``""`` for none) is set to
-``<root>/<previous>``. Restarting the pipeline skips a finished stage (``summary.json`` with
+``<root>/<previous>``. ``init`` may instead map keys to earlier stages by name
+(``{model.init_from: pretrain, model.vision_path: clip}``: each key set to
+``<root>/<that stage>``). A stage whose checks need an earlier stage's output that is not
+there yet (a llava stage reads its ``model.vision_path`` tower's geometry) is checked when it
+starts instead. Restarting the pipeline skips a finished stage (``summary.json`` with
 ``steps == train.max_steps`` and the same config) and resumes an interrupted one
 (``train.resume=true``); a stage whose saved config differs trains afresh. At the end a table of
 every stage's summary goes to stdout and ``<root>/report.md``. Command-line overrides apply to
@@ -31,13 +35,14 @@ from typing import Any
 
 import yaml
 
+from vltrain.config import load_config
 from vltrain.config.core import ConfigError, config_path, load_yaml, to_dict
 from vltrain.config.schema import Config
 from vltrain.core import checkpoint
 from vltrain.core.files import atomic_write_text
 from vltrain.engine import run_dir
 from vltrain.runs.report import cell, markdown_table
-from vltrain.stages import load_run_config
+from vltrain.stages import check_config, load_run_config
 
 _KEYS = {"root", "overrides", "stages"}
 _STAGE_KEYS = {"name", "config", "overrides", "init"}
@@ -52,6 +57,7 @@ class PipelineStage:
     name: str
     cfg: Config
     action: str = "train"  # train | resume | skip
+    checked: bool = True  # False: stage checks wait for an earlier stage's output
 
 
 def _overrides(value: Any, where: str) -> list[str]:
@@ -111,18 +117,38 @@ def load_pipeline(
             raise ConfigError(
                 f"{where}: config {cfg_path} not found (paths are relative to {path})"
             )
+        inputs = _inputs(st.get("init", "model.init_from"), out, names[:i], where)
         chain = [f"run.out_dir={Path(root) / name}"]
-        init = st.get("init", "model.init_from")
-        if out and init:
-            chain.append(f"{init}={Path(root) / out[-1].name}")
+        chain += [f"{key}={Path(root) / src}" for key, src in inputs.items()]
         own = _overrides(st.get("overrides"), where) + list((stage_overrides or {}).get(name, []))
         over = shared + own + list(overrides or []) + chain
+        pending = any(not (Path(root) / src).exists() for src in inputs.values())
         try:
-            cfg = load_run_config(cfg_path, over)
+            cfg, checked = load_run_config(cfg_path, over), True
         except ConfigError as e:
-            raise ConfigError(f"pipeline stage '{name}' ({cfg_path}): {e}") from None
-        out.append(PipelineStage(name, cfg))
+            if not pending:
+                raise ConfigError(f"pipeline stage '{name}' ({cfg_path}): {e}") from None
+            try:  # the keys alone now; the stage checks once its inputs exist
+                cfg, checked = load_config(cfg_path, over), False
+            except ConfigError as e2:
+                raise ConfigError(f"pipeline stage '{name}' ({cfg_path}): {e2}") from None
+        out.append(PipelineStage(name, cfg, checked=checked))
     return out
+
+
+def _inputs(init: Any, out: list[PipelineStage], earlier: list[Any], where: str) -> dict:
+    """A stage's ``init`` as {dotted key: source stage name}: a key string means the previous
+    stage kept; a mapping names earlier stages of the file."""
+    if isinstance(init, dict):
+        for key, src in init.items():
+            if src not in earlier:
+                raise ConfigError(
+                    f"{where}: init {key}: {src!r} is not an earlier stage; earlier: {earlier}"
+                )
+        return {str(k): str(v) for k, v in init.items()}
+    if init and not isinstance(init, str):
+        raise ConfigError(f"{where}: init must be a dotted key or a mapping {{key: stage}}")
+    return {init: out[-1].name} if out and init else {}
 
 
 def _same_run(cfg: Config, run: Path) -> bool:
@@ -192,6 +218,8 @@ def run_pipeline(
             print(f"vltrain pipeline: stage '{st.name}': {st.action} -> {st.cfg.run.out_dir}")
             if announce is not None:
                 announce(st)
+        if not st.checked and st.action != "skip":
+            check_config(st.cfg)  # the earlier stages it reads have run by now
         run = Path(st.cfg.run.out_dir)
         t = time.time()
         summary = (_summary(run) or {}) if st.action == "skip" else train(st.cfg)

@@ -131,14 +131,18 @@ class HFCaptionCore:
         opts = llava_options(self.cfg)
         image_id = tok.convert_tokens_to_ids("<image>")
         vis = vision_dir(m.vision_path)
+        text = AutoConfig.from_pretrained(where, **kw)
+        # the added <image> token may lie past the LM's vocabulary (SmolLM2: 49152 rows, the
+        # tokenizer then 49153); an LM padded past its tokenizer keeps its rows
+        text.vocab_size = max(text.vocab_size, len(tok))
         config = hf_vlm.llava_config(
             vis,
-            AutoConfig.from_pretrained(where, **kw),
+            text,
             image_id,
             opts["select_strategy"],
             opts["feature_layer"],
         )
-        model = hf_vlm.assemble_llava(config, vis, m.path, len(tok))
+        model = hf_vlm.assemble_llava(config, vis, m.path, text.vocab_size)
         gen = model.generation_config
         eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
         gen.eos_token_id = sorted({e for e in eos if e is not None} | {tok.eos_token_id})
