@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 import struct
 import sys
 from pathlib import Path
@@ -158,7 +159,7 @@ def test_wandb_offline_names_tags_group_and_resume_into_the_same_run(
         _resume(run, 5)
         assert json.loads((run / "trackers.json").read_text())["wandb"] == run_id
         folders = glob.glob(str(run / "wandb" / "offline-run-*"))
-        assert len(folders) == 2 and all(f.endswith(f"-{run_id}") for f in folders)
+        assert len(folders) == 2 and all(re.search(rf"-{run_id}(-\d+)?$", f) for f in folders)
         (second,) = set(folders) - {first}
         record, config, losses = _wandb_run(second)
         assert record.run_id == run_id and sorted(losses) == [4, 5]
@@ -196,7 +197,7 @@ def test_wandb_without_credentials_logs_offline_with_a_warning_and_resumes_the_s
         assert "no W&B credentials" in capsys.readouterr().err
         assert json.loads((run / "trackers.json").read_text())["wandb"] == run_id
         folders = glob.glob(str(run / "wandb" / "offline-run-*"))
-        assert len(folders) == 2 and all(f.endswith(f"-{run_id}") for f in folders)
+        assert len(folders) == 2 and all(re.search(rf"-{run_id}(-\d+)?$", f) for f in folders)
     finally:
         wandb.teardown()
 
