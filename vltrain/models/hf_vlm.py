@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vltrain.models.captioner import next_token_loss
 from vltrain.models.hf_embedders import UNUSED_VISION, _no_modules, check_model_path
 
 #: the parts of a generative VLM, as model.freeze and optim.lr_scale name them
@@ -33,7 +33,6 @@ CONNECTOR_NAMES = ("multi_modal_projector", "merger", "deepstack_merger_list", "
 VISION_NAMES = ("vision_tower", "visual", "vision_model")
 #: config.model_type of patch-grid VLMs (image tokens from the grid, see data/visual_tokens.py)
 GRID_VLMS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-IGNORE_INDEX = -100
 
 
 def part_of(name: str) -> str:
@@ -160,19 +159,8 @@ class HFVLM(nn.Module):
         out = self.model(**inputs, use_cache=False).logits  # (B, T, V)
         if labels is None:  # the rl stage's teacher-forced logits
             return {"logits": out}
-        logits = out[:, :-1].float()  # (B, T-1, V)
-        target = labels[:, 1:]  # (B, T-1)
-        mask = target != IGNORE_INDEX
-        n = mask.sum()
-        loss = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]),
-            target.reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        ) / n.clamp(min=1)
-        correct = ((logits.argmax(-1) == target) & mask).sum()
-        acc = correct.float() / n.clamp(min=1).float()
-        return {"loss": loss, "token_acc": acc.detach(), "n_tokens": n.detach()}
+        loss, acc, n = next_token_loss(out, labels)  # the captioner's loss, to the bit
+        return {"loss": loss, "token_acc": acc, "n_tokens": n}
 
     def save_pretrained(self, out_dir: str | Path) -> Path:
         """A directory plain transformers loads (LoRA merged into a copy of the model)."""

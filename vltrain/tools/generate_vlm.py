@@ -64,17 +64,22 @@ def vlm_command(args: Any, sampling: dict[str, Any]) -> int:
         n_tok += sum(map(len, seqs))
         caps = [c.strip() for c in tok.batch_decode(seqs, skip_special_tokens=True)]
         rows.update({i: {"image": paths[i], "caption": c} for i, c in zip(good, caps, strict=True)})
-    text = "".join(json.dumps(rows[i]) + "\n" for i in range(len(paths)))
-    if args.out:
-        atomic_write_text(args.out, text)
-        print(f"wrote {len(paths)} captions to {args.out}", file=sys.stderr)
-    else:
-        sys.stdout.write(text)
+    write_rows(rows, len(paths), args.out)
     if drafter is not None:
         from vltrain.tools.speculate import report
 
         report(stats, time.perf_counter() - t0, n_tok, args.stats)
     return 0
+
+
+def write_rows(rows: dict[int, dict[str, str]], n: int, out: str) -> None:
+    """The captions as JSON lines in image order: to `out` (atomically) or to stdout."""
+    text = "".join(json.dumps(rows[i]) + "\n" for i in range(n))
+    if out:
+        atomic_write_text(out, text)
+        print(f"wrote {n} captions to {out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
 
 
 def _batches(

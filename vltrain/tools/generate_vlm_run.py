@@ -15,18 +15,17 @@ drafter trained for this run.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from typing import Any
 
 from vltrain.config.core import ConfigError
-from vltrain.core.files import atomic_write_text, check_not_input, check_output_path
+from vltrain.core.files import check_not_input, check_output_path
 from vltrain.data.hf_collate import to_pil
 from vltrain.data.images import BadSample
 from vltrain.eval.caption_metrics import caption_scores
 from vltrain.inference.vlm_captioning import caption_target, prompt_inputs
 from vltrain.inference.vlm_target import vlm_run
-from vltrain.tools.generate_vlm import decode_batch, load_draft
+from vltrain.tools.generate_vlm import decode_batch, load_draft, write_rows
 from vltrain.tools.loading import load_trained
 
 
@@ -91,12 +90,7 @@ def vlm_run_command(args: Any, sampling: dict[str, Any]) -> int:
         print(json.dumps({**caption_scores(hyps, refs), "n_images": float(len(refs))}))
         return 0
     rows.update({i: {"image": args.images[i], "caption": c} for i, c in hyps.items()})
-    text = "".join(json.dumps(rows[i]) + "\n" for i in range(len(args.images)))
-    if args.out:
-        atomic_write_text(args.out, text)
-        print(f"wrote {len(args.images)} captions to {args.out}", file=sys.stderr)
-    else:
-        sys.stdout.write(text)
+    write_rows(rows, len(args.images), args.out)
     if drafter is not None:
         from vltrain.tools.speculate import report
 
