@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import threading
+import urllib.request
 from collections.abc import Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -90,6 +91,10 @@ def s3_server() -> Iterator[dict[str, str]]:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
+    # moto keeps its buckets in this process, across servers: every server starts empty
+    urllib.request.urlopen(
+        urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST")
+    ).close()
     env = {**S3_ENV, "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)

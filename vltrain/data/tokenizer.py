@@ -8,6 +8,7 @@ encodes (no unknown bytes) and decoding returns the normalised text.
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -199,8 +200,11 @@ def prepare_tokenizer(
                 f"{tok_dir} holds another tokenizer than model.init_from={init_ckpt}: token ids "
                 "would not match the weights; start over with train.overwrite=true"
             )
-        if is_main and not have:
-            shutil.copytree(src, tok_dir)
+        if is_main and not have:  # through a temp folder: another rank checking the folder
+            tmp = tok_dir.with_name(f".{tok_dir.name}.copy")  # meanwhile sees all of it or none
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(src, tmp)
+            os.replace(tmp, tok_dir)
         return
     if is_main and not have:
         trained_once(texts(), vocab_size).save(tok_dir)
