@@ -25,6 +25,7 @@ PROMPTS = ["Describe", "Say what this picture shows, please", "a"]
 
 
 def _text(vocab: int, **extra: Any) -> dict[str, Any]:
+    extra = {"max_position_embeddings": 256, **extra}
     return dict(
         vocab_size=vocab,
         hidden_size=32,
@@ -32,7 +33,6 @@ def _text(vocab: int, **extra: Any) -> dict[str, Any]:
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
-        max_position_embeddings=256,
         bos_token_id=None,
         eos_token_id=EOS,
         pad_token_id=PAD,
@@ -40,7 +40,9 @@ def _text(vocab: int, **extra: Any) -> dict[str, Any]:
     )
 
 
-def make_tiny_qwen2vl(out: Path) -> str:
+def make_tiny_qwen2vl(out: Path, max_pixels: int = 4096, max_positions: int | None = 256) -> str:
+    """A random Qwen2-VL (hidden 32, 2 layers, patch 4, merge 2) with a chat-template tokenizer;
+    `max_positions=None` keeps transformers' default text positions."""
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -57,12 +59,13 @@ def make_tiny_qwen2vl(out: Path) -> str:
         spatial_merge_size=2,
         temporal_patch_size=2,
     )
-    cfg = transformers.Qwen2VLConfig(
-        text_config=_text(len(tok), rope_parameters=rope), vision_config=vision, **_qwen_ids(tok)
-    )
+    text = _text(len(tok), rope_parameters=rope, max_position_embeddings=max_positions)
+    if max_positions is None:
+        del text["max_position_embeddings"]
+    cfg = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **_qwen_ids(tok))
     torch.manual_seed(0)
     ip = Qwen2VLImageProcessorPil(
-        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=64, max_pixels=4096
+        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=64, max_pixels=max_pixels
     )
     return _save(transformers.Qwen2VLForConditionalGeneration(cfg), tok, ip, out)
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from tests.fixtures import make_tiny_qwen3vl
-from tests.models.test_hf_embedders import _qwen_ids, _save, _tokenizer, tiny_llava
+from tests.inference.vlm_helpers import make_tiny_qwen2vl
+from tests.models.test_hf_embedders import _save, _tokenizer, tiny_llava
 
 # a chat template for string contents (a text LM's): role header, content, end of turn
 TEXT_CHAT = (
@@ -19,41 +20,9 @@ TEXT_CHAT = (
 
 
 def tiny_qwen2vl(out: Path) -> str:
-    """A random Qwen2-VL (hidden 32, patch 4, merge 2) with a chat-template tokenizer."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
-    tok = _tokenizer("<|vision_start|><|image_pad|><|vision_end|>")
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
-    text = dict(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        rope_parameters=rope,
-        bos_token_id=None,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    vision = dict(
-        depth=1,
-        embed_dim=16,
-        hidden_size=32,
-        num_heads=2,
-        patch_size=4,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-    )
-    cfg = Qwen2VLConfig(text_config=text, vision_config=vision, **_qwen_ids(tok))
-    torch.manual_seed(0)
-    ip = Qwen2VLImageProcessorPil(
-        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8, max_pixels=32 * 32
-    )
-    return _save(Qwen2VLForConditionalGeneration(cfg), tok, ip, out)
+    """The decoding tests' tiny Qwen2-VL (tests/inference/vlm_helpers.py), images up to 32 x 32
+    px, transformers' default text positions."""
+    return make_tiny_qwen2vl(out, max_pixels=32 * 32, max_positions=None)
 
 
 def tiny_qwen3vl(out: Path) -> str:
