@@ -18,8 +18,6 @@ checkpoint as the newest loadable one.
 from __future__ import annotations
 
 import copy
-import os
-import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -195,14 +193,7 @@ def write_sharded_checkpoint_async(
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     writer.wait()
-    tmp = None
-    if distributed.is_main():
-        ckpt_root.mkdir(parents=True, exist_ok=True)
-        tmp = ckpt_root / f".tmp_step_{step}_{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    tmp = Path(distributed.broadcast_object(str(tmp)))
+    tmp = checkpoint.shared_tmp(ckpt_root, step)
     model_sd, optim_sd = get_state_dict(module, optimizer)
     future = dcp.async_save(
         {"model": model_sd, "optim": optim_sd},

@@ -166,6 +166,19 @@ def commit(ckpt_root: Path, tmp: Path, step: int) -> Path:
     return final
 
 
+def shared_tmp(ckpt_root: Path, step: int) -> Path:
+    """EVERY rank: rank 0's fresh temp folder for `step_<step>` (made by rank 0, its path
+    broadcast), where every rank writes its shards."""
+    tmp = None
+    if distributed.is_main():
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        tmp = ckpt_root / f".tmp_step_{step}_{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    return Path(distributed.broadcast_object(str(tmp)))
+
+
 def write_sharded_checkpoint(
     ckpt_root: Path,
     step: int,
@@ -176,14 +189,7 @@ def write_sharded_checkpoint(
     """Write a sharded `step_<step>` atomically; EVERY rank calls (all write their shards into
     rank 0's temp folder, then rank 0 adds the trainer state, marker and rename). Returns the
     path on rank 0, None elsewhere."""
-    tmp = None
-    if distributed.is_main():
-        ckpt_root.mkdir(parents=True, exist_ok=True)
-        tmp = ckpt_root / f".tmp_step_{step}_{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    tmp = Path(distributed.broadcast_object(str(tmp)))
+    tmp = shared_tmp(ckpt_root, step)
     save_shards(tmp / SHARDS)  # collective
     distributed.barrier()
     if not distributed.is_main():
