@@ -20,9 +20,8 @@ from vltrain.config.core import ConfigError
 from vltrain.core.files import atomic_write_text, check_not_input, check_output_path
 from vltrain.data.hf_collate import HFCollate, to_pil
 from vltrain.data.images import BadSample
-from vltrain.inference.decoding import generate
-from vltrain.inference.speculative import speculative_generate
 from vltrain.inference.vlm_target import HFVLMTarget, load_hf_vlm, max_positions, vlm_inputs
+from vltrain.tools.speculate import decode_batch
 
 DEFAULT_PROMPT = "describe the image."  # caption.instruction's default (a drafter's prompts)
 
@@ -102,37 +101,6 @@ def _batches(
             except ValueError as e:
                 raise ConfigError(str(e)) from None
     return batches
-
-
-def decode_batch(
-    target: HFVLMTarget,
-    drafter: Any,
-    inputs: dict[str, Any],
-    args: Any,
-    sampling: dict[str, Any],
-    stats: list[Any],
-) -> list[list[int]]:
-    """New tokens per row (EOS included): the strategy's, or speculative greedy's."""
-    if drafter is None:
-        out = generate(
-            target,
-            inputs,
-            args.strategy,
-            max_new_tokens=args.max_new_tokens,
-            num_beams=args.beams,
-            **sampling,
-        )
-        return [s[: int(n)].tolist() for s, n in zip(out.sequences, out.lengths, strict=True)]
-    seqs, st = speculative_generate(
-        target,
-        drafter,
-        inputs,
-        args.max_new_tokens,
-        tree_budget=args.tree_budget,
-        tree_shape=args.tree_shape,
-    )
-    stats.append(st)
-    return seqs
 
 
 def load_draft(args: Any) -> tuple[Any, dict]:

@@ -25,8 +25,9 @@ from vltrain.data.images import BadSample
 from vltrain.eval.caption_metrics import caption_scores
 from vltrain.inference.vlm_captioning import caption_target, prompt_inputs
 from vltrain.inference.vlm_target import vlm_run
-from vltrain.tools.generate_vlm import decode_batch, load_draft, write_rows
+from vltrain.tools.generate_vlm import load_draft, write_rows
 from vltrain.tools.loading import load_trained
+from vltrain.tools.speculate import decode_batch
 
 
 def is_vlm_run(checkpoint: str) -> bool:

@@ -138,6 +138,38 @@ def caption_speculative(
     return tok.decode_batch([r[: r.index(eos) + 1] if eos in r else r for r in rows])
 
 
+def decode_batch(
+    target: DecodeTarget,
+    drafter: Any,
+    inputs: dict[str, Any],
+    args: Any,
+    sampling: dict[str, Any],
+    stats: list[Any],
+) -> list[list[int]]:
+    """New tokens per row (EOS included) of a batch: the strategy's (`args.strategy`, `--beams`,
+    `sampling`), or speculative greedy's when a drafter is given (its stats go to `stats`)."""
+    if drafter is None:
+        out = generate(
+            target,
+            inputs,
+            args.strategy,
+            max_new_tokens=args.max_new_tokens,
+            num_beams=args.beams,
+            **sampling,
+        )
+        return [s[: int(n)].tolist() for s, n in zip(out.sequences, out.lengths, strict=True)]
+    seqs, st = speculative_generate(
+        target,
+        drafter,
+        inputs,
+        args.max_new_tokens,
+        tree_budget=args.tree_budget,
+        tree_shape=args.tree_shape,
+    )
+    stats.append(st)
+    return seqs
+
+
 def lm_command(args: Any, sampling: dict[str, Any] | None = None) -> int:
     """``--model DIR_OR_GGUF --prompts FILE.jsonl [--strategy S] [--draft D] [--tree-budget N]``;
     ``sampling``: temperature / top_k / top_p of ``--strategy sample``."""
@@ -174,26 +206,7 @@ def lm_command(args: Any, sampling: dict[str, Any] | None = None) -> int:
         batch = recs[lo : lo + bs]
         ids, mask = left_pad([chat_prompt_ids(tok, r["prompt"]) for r in batch], pad)
         inputs = {"input_ids": ids, "attention_mask": mask}
-        if drafter is None:
-            out = generate(
-                target,
-                inputs,
-                args.strategy,
-                max_new_tokens=args.max_new_tokens,
-                num_beams=args.beams,
-                **(sampling or {}),
-            )
-            rows = [s[: int(n)].tolist() for s, n in zip(out.sequences, out.lengths, strict=True)]
-        else:
-            rows, st = speculative_generate(
-                target,
-                drafter,
-                inputs,
-                args.max_new_tokens,
-                tree_budget=args.tree_budget,
-                tree_shape=args.tree_shape,
-            )
-            stats.append(st)
+        rows = decode_batch(target, drafter, inputs, args, sampling or {}, stats)
         for r, comp in zip(batch, rows, strict=True):
             n_tok += len(comp)
             text = tok.decode(comp, skip_special_tokens=True)
