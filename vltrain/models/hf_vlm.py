@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vltrain.models.captioner import next_token_loss
+from vltrain.models.captioner import IGNORE_INDEX, token_loss
 from vltrain.models.hf_embedders import UNUSED_VISION, _no_modules, check_model_path
 
 #: the parts of a generative VLM, as model.freeze and optim.lr_scale name them
@@ -156,10 +156,13 @@ class HFVLM(nn.Module):
         inputs = self.model_inputs(images, input_ids, attention_mask)
         if position_ids is not None:
             inputs["position_ids"] = position_ids
-        out = self.model(**inputs, use_cache=False).logits  # (B, T, V)
         if labels is None:  # the rl stage's teacher-forced logits
-            return {"logits": out}
-        loss, acc, n = next_token_loss(out, labels)  # the captioner's loss, to the bit
+            return {"logits": self.model(**inputs, use_cache=False).logits}  # (B, T, V)
+        # the LM head runs only where some row predicts a label (not on the image tokens and
+        # the prompt): position t predicts labels[:, t + 1]
+        keep = (labels[:, 1:] != IGNORE_INDEX).any(0).nonzero().squeeze(1)
+        out = self.model(**inputs, use_cache=False, logits_to_keep=keep).logits  # (B, K, V)
+        loss, acc, n = token_loss(out, labels[:, keep + 1])  # the captioner's loss
         return {"loss": loss, "token_acc": acc, "n_tokens": n}
 
     def save_pretrained(self, out_dir: str | Path) -> Path:
