@@ -485,9 +485,8 @@ def stages(batch: int, chunk: int, negatives: int) -> None:
         for i in range(n):  # the worst parameter's gradient, chunk by chunk (float64)
             one = [x if j == i else torch.zeros_like(x) for j, x in enumerate(g64)]
             terms.append(exact(one)[worst].abs())
-        fp32 = {  # the encoder backward in fp32 from given cached gradients, CMNRL's chunk order
-            k: _grads(vm, lambda k=k: back(enc["vltrain"], g[k])) for k in ("vltrain", "st_cached")
-        }
+        # the fp32 encoder backward from vltrain's cached gradients, in CMNRL's chunk order
+        fp32 = {"vltrain": _grads(vm, lambda: back(enc["vltrain"], g["vltrain"]))}
         loss_only = {k: exact(g[k]) for k in ("vltrain", "st_cached")}
         emb_diff = max(float((a - b).abs().max()) for a, b in zip(ev, es, strict=True))
         rows = [
