@@ -14,13 +14,21 @@ methods alternated A B A B, medians. Memory: peak RSS growth over two steps, eac
 own subprocess (`bench_grad_cache.py`'s method: VmHWM after a reset), median of 3.
 
     PYTHONPATH=. python bench/bench_st_cached_loss.py [--batch 16] [--chunk 4] [--runs 5]
+        [--negatives 2] [--parity-only [--world 2] [--float64] | --stages]
 
 `--parity-only` prints only the loss / gradient table, adding with `--world 2` both methods on 2
 gloo processes (each process half the batch; vltrain's InfoNCE gathers across ranks, CMNRL with
 ``gather_across_devices=True``; gradients averaged over the ranks as DDP would), and with
 `--float64` everything in float64 (models, embeddings, logits: vltrain's ``.float()`` upcasts
 then keep float64). vltrain against itself with one chunk per side, and each method on 1 vs 2
-processes, show how far fp32 reduction order alone moves the numbers.
+processes, show how far fp32 reduction order alone moves the numbers; fp32 runs are also compared
+with the same runs in float64 (the same weights cast up), and with 2 processes the gradients are
+compared per rank too, before the average.
+
+`--stages` (1 process) shows where the fp32 difference enters: the chunk embeddings, the cached
+embedding gradients of each library's loss stage (against a float64 loss on the same embeddings,
+through a float64 encoder backward), the encoder backward from the same cached gradients (same
+chunk order, and `grad_cache`'s order against CMNRL's) and its sensitivity to a 1-ulp change.
 
 Runs in the bench venv (sentence-transformers >= 5.4; no torchvision).
 """
@@ -111,6 +119,7 @@ def build(
     both losses gather across the ranks (vltrain's InfoNCE, CMNRL's gather_across_devices)."""
     from PIL import Image
     from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.losses.gradcache import _create_minibatch
     from sentence_transformers.sentence_transformer.losses import (
         CachedMultipleNegativesRankingLoss,
     )
@@ -176,11 +185,65 @@ def build(
             loss.backward()
         return loss.detach()
 
+    # The stage-by-stage view (`stages`): both libraries' chunks in one flat order (queries,
+    # positives, then each negatives column), so embeddings and cached gradients line up
+    v_flat = [c for x in (q_in, d_in, *n_in) for c in split_rows(x, chunk)]
+    per_side = [len(split_rows(x, chunk)) for x in (q_in, d_in, *n_in)]
+    s_flat = [(f, b) for f in (q, d, *n) for b in range(0, len(texts), chunk)]
+
+    def v_encode(i: int) -> torch.Tensor:
+        c = v_flat[i]
+        with keep_float64(wide):
+            return emb.encode_text(*c) if i < per_side[0] else emb.encode_image(c)
+
+    def s_encode(i: int) -> torch.Tensor:
+        f, b = s_flat[i]
+        return st(_create_minibatch(dict(f), b, b + chunk))["sentence_embedding"]
+
+    def cached_vltrain(flat: list[torch.Tensor]) -> list[torch.Tensor]:
+        """vltrain's InfoNCE on these chunk embeddings: each chunk's cached gradient."""
+        sides, k = [], 0
+        for n_side in per_side[:2] + ([sum(per_side[2:])] if n_in else []):
+            sides.append(torch.cat(flat[k : k + n_side]).detach().requires_grad_())
+            k += n_side
+        with keep_float64(wide):
+            loss, _ = ours_loss(sides[0], sides[1], sides[2] if n_in else None)
+        loss.backward()
+        return [g for x in sides for g in x.grad.split(chunk)]
+
+    def cached_st(flat: list[torch.Tensor]) -> list[torch.Tensor]:
+        """CMNRL's loss stage (`calculate_loss`, mini-batched, backward) on the same embeddings."""
+        reps, k = [], 0
+        for n_side in per_side:
+            reps.append([x.detach().clone().requires_grad_() for x in flat[k : k + n_side]])
+            k += n_side
+        cmnrl.calculate_loss(reps, None, with_backward=True)
+        return [x.grad for side in reps for x in side]
+
+    def backward(
+        encode: Callable[[int], torch.Tensor], grads: list[torch.Tensor], reverse: bool = False
+    ) -> None:
+        """The encoder backward of GradCache's step 3 from the given cached gradients, chunk by
+        chunk into ``.grad``: CMNRL's order (first chunk first), or `reverse` (vltrain's
+        `grad_cache`, which starts with the last chunk, whose graph it kept)."""
+        for i in reversed(range(len(grads))) if reverse else range(len(grads)):
+            out = encode(i)
+            out.backward(grads[i].to(out.dtype))
+
+    def parts() -> dict[str, Any]:
+        return {
+            "n_chunks": len(v_flat),
+            "encode": {"vltrain": v_encode, "st_cached": s_encode},
+            "cached": {"vltrain": cached_vltrain, "st_cached": cached_st},
+            "backward": backward,
+        }
+
     return {
         "vltrain": ours,
         "st_cached": theirs,
         "_vltrain_one_chunk": lambda: ours(batch),
         "_models": lambda: (emb.base_model().model, st[0].model),
+        "_parts": parts,
     }
 
 
@@ -253,9 +316,20 @@ def dist_worker(spec: dict[str, Any]) -> None:
     root, batch = Path(spec["root"]), spec["batch"]
     steps = build(root, batch, spec["chunk"], spec["negs"], rank, world, dtype)
     models = dict(zip(("vltrain", "st_cached"), steps["_models"](), strict=True))
-    result = {}
-    for name, model in models.items():
-        r = _loss_and_grads(steps[name], model)
+    local = {name: _loss_and_grads(steps[name], model) for name, model in models.items()}
+    if dtype == torch.float32:  # the same ranks in float64: the reference for both
+        wide = build(root, batch, spec["chunk"], spec["negs"], rank, world, torch.float64)
+        local["float64"] = _loss_and_grads(wide["vltrain"], wide["_models"]()[0])
+    # before the all-reduce: each rank's gradient is `world` x its rows' share of the global
+    # loss's gradient, in both libraries (vltrain's gather backward sums the ranks' identical
+    # copies, CMNRL sums the ranks' local losses), so the per-rank gradients compare as they are
+    v, st = local["vltrain"], local["st_cached"]
+    per_rank = [_compare(v, st)[1], max(_compare(v, st)[2], _compare(st, v)[2])]
+    if "float64" in local:
+        per_rank += [_compare(v, local["float64"])[1], _compare(st, local["float64"])[1]]
+    per_rank_max = distributed.all_reduce_max(torch.tensor(per_rank, dtype=torch.float64))
+    result: dict[str, Any] = {"per_rank": per_rank_max.tolist()}
+    for name, r in local.items():
         # vltrain: every rank holds the global batch's loss; CMNRL: the loss of its rows
         loss = distributed.all_reduce_mean(torch.tensor(r["loss"], dtype=torch.float64))
         grads = {k: distributed.all_reduce_mean(g) for k, g in r["grads"].items()}
@@ -286,6 +360,12 @@ def parity(batch: int, chunk: int, negatives: int, world: int, float64: bool) ->
         }
         runs["vltrain 1 process"] = _loss_and_grads(steps["vltrain"], ours_model)
         runs["CMNRL 1 process"] = _loss_and_grads(steps["st_cached"], st_model)
+        # fp32: every run also against float64 (the same weights cast up; vltrain's float64
+        # step, which CMNRL's float64 step equals to ~1e-15)
+        truth, dist_runs = {}, set()
+        if not float64:
+            wide = build(root, batch, chunk, negatives, dtype=torch.float64)
+            truth[1] = _loss_and_grads(wide["vltrain"], wide["_models"]()[0])
         if world > 1:
             spec = {"root": str(root), "batch": batch, "chunk": chunk, "negs": negatives}
             spec |= {"float64": float64, "out": str(root / "dist.pt")}
@@ -297,11 +377,16 @@ def parity(batch: int, chunk: int, negatives: int, world: int, float64: bool) ->
                 raise SystemExit(res.stdout[-3000:] + res.stderr[-3000:])
             dist_res = torch.load(root / "dist.pt", weights_only=True)
             runs[f"vltrain {world} gloo ranks"] = dist_res["vltrain"]
+            dist_runs = {
+                f"vltrain {world} gloo ranks",
+                f"CMNRL {world} processes, gather_across_devices",
+            }
             runs[f"CMNRL {world} processes, gather_across_devices"] = dist_res["st_cached"]
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    cpu = next((x.split(":", 1)[1].strip() for x in cpu.splitlines() if "Model name" in x), "")
+            truth[world] = dist_res.get("float64")
+            per_rank = dist_res["per_rank"]
+    cpu = _cpu()
     print(
-        f"\nmachine: {cpu or platform.machine()} CPU, 1 thread; {datetime.date.today()}; torch "
+        f"\nmachine: {cpu} CPU, 1 thread; {datetime.date.today()}; torch "
         f"{torch.__version__}, sentence-transformers {sentence_transformers.__version__}; "
         f"{'float64' if float64 else 'fp32'}; batch {batch} queries + {batch} pages + "
         f"{negatives} page hard negatives each, chunk {chunk}, scale 50, query -> doc"
@@ -311,12 +396,20 @@ def parity(batch: int, chunk: int, negatives: int, world: int, float64: bool) ->
         f"{chunk} --negatives {negatives} --world {world}{' --float64' if float64 else ''} "
         "--parity-only\n"
     )
-    print("| run | loss | vs vltrain 1 process: loss / max grad diff | vs CMNRL 1 process |")
-    print("|---|---|---|---|")
+    print(
+        "| run | loss | vs vltrain 1 process: loss / max grad diff | vs CMNRL 1 process | vs "
+        "float64, same processes: loss / max grad diff |"
+    )
+    print("|---|---|---|---|---|")
     for name, r in runs.items():
         a = _compare(r, runs["vltrain 1 process"])
         b = _compare(r, runs["CMNRL 1 process"])
-        print(f"| {name} | {r['loss']:.9f} | {a[0]:.1e} / {a[1]:.1e} | {b[0]:.1e} / {b[1]:.1e} |")
+        ref = truth.get(world if name in dist_runs else 1)
+        c = f"{_compare(r, ref)[0]:.1e} / {_compare(r, ref)[1]:.1e}" if ref else "-"
+        print(
+            f"| {name} | {r['loss']:.9f} | {a[0]:.1e} / {a[1]:.1e} | {b[0]:.1e} / {b[1]:.1e} "
+            f"| {c} |"
+        )
     if world > 1:
         x = _compare(
             runs[f"vltrain {world} gloo ranks"],
@@ -327,6 +420,132 @@ def parity(batch: int, chunk: int, negatives: int, world: int, float64: bool) ->
             f"\nvltrain {world} ranks vs CMNRL {world} processes: loss {x[0]:.1e}, max grad "
             f"{x[1]:.1e} (largest |grad| {x[2]:.2f}): {'ok' if ok else 'MISMATCH'} (<= {TOL})"
         )
+        line = (
+            f"per rank, before the all-reduce: max grad diff {per_rank[0]:.1e} (largest |grad| "
+            f"{per_rank[1]:.2f})"
+        )
+        if len(per_rank) > 2:
+            line += f"; vs float64: vltrain {per_rank[2]:.1e}, CMNRL {per_rank[3]:.1e}"
+        print(line)
+
+
+def _cpu() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    name = next((x.split(":", 1)[1].strip() for x in out.splitlines() if "Model name" in x), "")
+    return name or platform.machine()
+
+
+def _grads(model: torch.nn.Module, fill: Callable[[], Any]) -> dict[str, torch.Tensor]:
+    """`model`'s parameter gradients (float64 copies) after `fill()` backpropagates into them."""
+    model.zero_grad(set_to_none=False)
+    fill()
+    return {n: p.grad.double().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def stages(batch: int, chunk: int, negatives: int) -> None:
+    """Where the fp32 gradient difference of one process enters: embeddings, the loss stage
+    (cached embedding gradients) and the encoder backward, each against float64 (the same
+    weights cast up; in float64 the two libraries agree to ~1e-15)."""
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        prepare(root)
+        s32, s64 = (
+            build(root, batch, chunk, negatives, dtype=t) for t in (torch.float32, torch.float64)
+        )
+        (vm, sm), (vm64, _) = s32["_models"](), s64["_models"]()
+        p32, p64 = s32["_parts"](), s64["_parts"]()
+        enc, back, n = p32["encode"], p32["backward"], p32["n_chunks"]
+        with torch.no_grad():
+            ev = [enc["vltrain"](i) for i in range(n)]
+            es = [enc["st_cached"](i) for i in range(n)]
+        g = {k: f(ev) for k, f in p32["cached"].items()}
+        g64 = p64["cached"]["vltrain"]([e.double() for e in ev])  # float64 loss, fp32 embeddings
+
+        def exact(grads: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+            return _grads(vm64, lambda: back(p64["encode"]["vltrain"], grads))
+
+        truth = _grads(vm64, s64["vltrain"])
+        full = {"vltrain": _grads(vm, s32["vltrain"]), "st_cached": _grads(sm, s32["st_cached"])}
+        ref = exact(g64)
+        rounded = [x.float() for x in g64]
+        torch.manual_seed(0)
+        ulp = [
+            torch.where(torch.rand_like(x) < 0.5, x.nextafter(x + 1), x.nextafter(x - 1))
+            for x in rounded
+        ]
+        worst = max(
+            truth, key=lambda k: float((full["vltrain"][k] - full["st_cached"][k]).abs().max())
+        )
+        terms = []
+        for i in range(n):  # the worst parameter's gradient, chunk by chunk (float64)
+            one = [x if j == i else torch.zeros_like(x) for j, x in enumerate(g64)]
+            terms.append(exact(one)[worst].abs())
+        # the fp32 encoder backward from vltrain's cached gradients, in CMNRL's chunk order
+        fp32 = {"vltrain": _grads(vm, lambda: back(enc["vltrain"], g["vltrain"]))}
+        loss_only = {k: exact(g[k]) for k in ("vltrain", "st_cached")}
+        emb_diff = max(float((a - b).abs().max()) for a, b in zip(ev, es, strict=True))
+        rows = [
+            ("chunk embeddings (fp32), vltrain vs CMNRL", emb_diff),
+            ("full fp32 step: vltrain vs CMNRL", _max_diff(full["vltrain"], full["st_cached"])),
+            ("full fp32 step: vltrain vs float64", _max_diff(full["vltrain"], truth)),
+            ("full fp32 step: CMNRL vs float64", _max_diff(full["st_cached"], truth)),
+            (
+                "encoder backward from the same cached gradients, same chunk order: vltrain's "
+                "model vs CMNRL's (`dot(out, g).backward()`)",
+                _max_diff(
+                    fp32["vltrain"], _grads(sm, lambda: back(enc["st_cached"], g["vltrain"]))
+                ),
+            ),
+            (
+                "encoder backward from the same cached gradients: `grad_cache`'s chunk order "
+                "(last first) vs CMNRL's (first first)",
+                _max_diff(
+                    _grads(vm, lambda: back(enc["vltrain"], g["vltrain"], True)), fp32["vltrain"]
+                ),
+            ),
+            (
+                "loss stage only (each library's cached gradients, float64 backward): vltrain vs "
+                "float64 loss / CMNRL vs float64 loss / vltrain vs CMNRL",
+                (
+                    _max_diff(loss_only["vltrain"], ref),
+                    _max_diff(loss_only["st_cached"], ref),
+                    _max_diff(loss_only["vltrain"], loss_only["st_cached"]),
+                ),
+            ),
+            (
+                "fp32 encoder backward alone: float64 cached gradients rounded to fp32, fp32 vs "
+                "float64 backward",
+                _max_diff(_grads(vm, lambda: back(enc["vltrain"], rounded)), ref),
+            ),
+            (
+                "every cached gradient moved by 1 ulp (random sign), float64 backward",
+                _max_diff(exact(ulp), exact(rounded)),
+            ),
+        ]
+    cpu = _cpu()
+    print(
+        f"\nmachine: {cpu} CPU, 1 thread; {datetime.date.today()}; torch {torch.__version__}; "
+        f"1 process, fp32 against float64 (the same weights cast up); batch {batch}, chunk "
+        f"{chunk}, {negatives} page hard negatives each"
+    )
+    print(
+        f"command: PYTHONPATH=. python bench/bench_st_cached_loss.py --batch {batch} --chunk "
+        f"{chunk} --negatives {negatives} --stages\n"
+    )
+    print("| parameter gradients, max abs difference | |\n|---|---|")
+    for name, v in rows:
+        shown = " / ".join(f"{x:.1e}" for x in v) if isinstance(v, tuple) else f"{v:.1e}"
+        print(f"| {name} | {shown} |")
+    print(
+        f"\nlargest |grad| (float64) {max(float(x.abs().max()) for x in truth.values()):.3f}; the "
+        f"worst parameter {worst}: |grad| {float(truth[worst].abs().max()):.3f}, the sum over the "
+        f"{n} chunks of |chunk contribution| {float(sum(terms).max()):.1f}"
+    )
 
 
 def memory(root: Path, method: str, batch: int, chunk: int, negatives: int) -> float:
@@ -411,6 +630,7 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, default=1, help="with --parity-only: 2 gloo processes")
     ap.add_argument("--float64", action="store_true", help="with --parity-only: both in float64")
     ap.add_argument("--parity-only", action="store_true", help="loss/gradient tables, no timing")
+    ap.add_argument("--stages", action="store_true", help="1 process: where fp32 differences enter")
     ap.add_argument("--_mem", default="", help=argparse.SUPPRESS)
     ap.add_argument("--_dist", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -419,6 +639,9 @@ def cli(argv: list[str] | None = None) -> int:
         return 0
     if args._dist:
         dist_worker(json.loads(args._dist))
+        return 0
+    if args.stages:
+        stages(args.batch, args.chunk, args.negatives)
         return 0
     if args.parity_only:
         parity(args.batch, args.chunk, args.negatives, args.world, args.float64)
