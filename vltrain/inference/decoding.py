@@ -15,9 +15,9 @@ Semantics follow `transformers` 5.x `GenerationMixin` exactly (tests compare tok
   computing a row once it has emitted EOS (the cache drops it through `reorder`); sampling
   keeps the whole batch so that the random draws are HF's.
 - Beam search: `log_softmax` then the same bans, `max(2, 1 + #stop ids) * num_beams`
-  candidates per input, a finished hypothesis scores `sum(logprobs) / (generated_len ** length_penalty)` where `generated_len`
-  counts the new tokens including EOS, and `early_stopping` True/False/"never" picks HF's
-  stopping heuristic.
+  candidates per input, a finished hypothesis scores
+  `sum(logprobs) / (generated_len ** length_penalty)` where `generated_len` counts the new
+  tokens including EOS, and `early_stopping` True/False/"never" picks HF's stopping heuristic.
 - `no_repeat_ngram_size` sees the prompt as HF does: the n-grams of `inputs["input_ids"]`
   (padding and image placeholder tokens included) are banned too.
 
