@@ -1,8 +1,11 @@
-"""SFT labels of the HF VLM kinds, re-derived independently of the implementation: each
-assistant turn's tokens are found by rendering the conversation's prefixes with the model's own
-chat template, tokenising each rendering whole and diffing the token counts (what a reader would
-do by hand), on a Qwen2-VL-style template (content lists) and a LLaVA-style one (an ``<image>``
-line in a text LM's template)."""
+"""SFT labels of the HF VLM kinds, re-derived independently of the implementation: TRL trains
+assistant tokens as the ``{% generation %}`` blocks of a training variant of the model's chat
+template mark them (transformers' ``return_assistant_tokens_mask``). Each case here is a model
+template and its training variant, the blocks placed as TRL's training templates place them
+(Qwen's ``answer<|im_end|>\\n`` whole; LLaVA-NeXT's `` answer</s>`` with the space before
+``[INST]`` outside); vltrain's labels under the plain template equal transformers' mask under
+the training one, on byte-level and SentencePiece-style tokenizers, for content-list (VLM) and
+string (text-LM, LLaVA kind) templates. The training variant itself gives the same labels."""
 
 from __future__ import annotations
 
@@ -17,6 +20,36 @@ CHAT = [
     {"role": "user", "content": "is it red?"},
     {"role": "assistant", "content": "yes"},
 ]
+LIST_BODY = (
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|>"
+    "<|vision_end|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}"
+)
+QWEN = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ BODY }}<|im_end|>\n{% endfor %}"
+QWEN_GEN = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ BODY }}<|im_end|>\n{% endgeneration %}{% else %}{{ BODY }}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+)
+GEN_PROMPT = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+NEXT = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% else %} {{ m['content'] }}</s> {% endif %}{% endfor %}"
+)
+NEXT_GEN = NEXT.replace(" {{ m['content'] }}</s> ", "{% generation %} {{ m['content'] }}</s>")
+NEXT_GEN = NEXT_GEN.replace("{% endif %}", "{% endgeneration %} {% endif %}")
+
+
+def _templates(name: str) -> tuple[str, str]:
+    if name == "qwen_list":
+        body = LIST_BODY
+    elif name == "qwen_text":
+        body = "{{ m['content'] }}"
+    else:
+        return NEXT, NEXT_GEN
+    return (
+        QWEN.replace("{{ BODY }}", body) + GEN_PROMPT,
+        QWEN_GEN.replace("{{ BODY }}", body) + GEN_PROMPT,
+    )
 
 
 def _conversation(messages, markup):
@@ -32,20 +65,38 @@ def _conversation(messages, markup):
     return out
 
 
-def _by_hand(tok, image_token: str, replacement: str, markup):
-    """(ids, labelled positions) from whole renderings of the chat's prefixes."""
-    conv = _conversation(CHAT, markup)
+def _trl_rule(tok, training_template: str, image_token: str, n: int, markup):
+    """(ids, labelled positions): transformers' assistant mask under the training template,
+    each image token then repeated `n` times (as the processor expands it)."""
+    out = tok.apply_chat_template(
+        _conversation(CHAT, markup),
+        chat_template=training_template,
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+    )
+    image_id = tok.convert_tokens_to_ids(image_token)
+    ids, mask = [], []
+    for t, m in zip(out["input_ids"], out["assistant_masks"], strict=True):
+        k = n if t == image_id else 1
+        ids += [t] * k
+        mask += [m] * k
+    return ids, {i for i, m in enumerate(mask) if m}
 
-    def ids(k: int, gen: bool) -> list[int]:
-        text = tok.apply_chat_template(conv[:k], tokenize=False, add_generation_prompt=gen)
-        text = text.replace(image_token, replacement)
-        return tok(text, add_special_tokens=False)["input_ids"]
 
-    labelled: set[int] = set()
-    for i, m in enumerate(CHAT):
-        if m["role"] == "assistant":
-            labelled |= set(range(len(ids(i, True)), len(ids(i + 1, False))))
-    return ids(len(CHAT), False), labelled
+def _metaspace_tokenizer():
+    """A SentencePiece-style (Llama / Mistral) tokenizer: spaces are ``▁`` joined to the next
+    word, so LLaVA-NeXT's ``</s> [INST]`` reads ``</s>``, ``▁[INST]``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    kw = {"replacement": "\u2581", "prepend_scheme": "first", "split": True}
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(**kw)
+    raw.decoder = decoders.Metaspace(**kw)
+    corpus = [m["content"] for m in CHAT] + ["[INST] q [/INST] a</s> [INST] <image>\n"]
+    raw.train_from_iterator(corpus * 20, trainers.BpeTrainer(special_tokens=["</s>", "<image>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", chat_template=NEXT)
 
 
 @pytest.fixture(scope="module")
@@ -59,28 +110,51 @@ def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict:
         out[name] = AutoTokenizer.from_pretrained(
             getattr(vlm_fixtures, f"tiny_{name}")(root / name)
         )
+    out["metaspace"] = _metaspace_tokenizer()
     return out
 
 
-@pytest.mark.parametrize(
-    ("name", "image_token", "n", "markup"),
-    [("qwen2vl", "<|image_pad|>", 6, None), ("causal_lm_dir", "<image>", 4, "<image>\n")],
-)
-def test_assistant_mask_equals_the_prefix_rendering_rule(
-    tokenizers: dict, name: str, image_token: str, n: int, markup
+CASES = [  # tokenizer, template, image token, visual tokens, image markup
+    ("qwen2vl", "qwen_list", "<|image_pad|>", 6, None),
+    ("causal_lm_dir", "qwen_text", "<image>", 4, "<image>\n"),
+    ("causal_lm_dir", "llava_next", "<image>", 4, "<image>\n"),
+    ("metaspace", "llava_next", "<image>", 3, "<image>\n"),
+]
+
+
+@pytest.mark.parametrize(("name", "template", "image_token", "n", "markup"), CASES)
+def test_assistant_mask_equals_trl_generation_blocks(
+    tokenizers: dict, name: str, template: str, image_token: str, n: int, markup
 ) -> None:
     tok = tokenizers[name]
-    ids, labels = vlm_sft_labels(tok, CHAT, image_token, image_token * n, markup)
-    want_ids, labelled = _by_hand(tok, image_token, image_token * n, markup)
-    assert ids == want_ids
-    assert [i for i, t in enumerate(labels) if t != IGNORE_INDEX] == sorted(labelled)
-    assert all(labels[i] == ids[i] for i in labelled)
+    plain, training = _templates(template)
+    old = tok.chat_template
+    try:
+        want_ids, labelled = _trl_rule(tok, training, image_token, n, markup)
+        got = {}
+        for key, tpl in (("plain", plain), ("training", training)):
+            tok.chat_template = tpl
+            got[key] = vlm_sft_labels(tok, CHAT, image_token, image_token * n, markup)
+    finally:
+        tok.chat_template = old
+    for ids, labels in got.values():
+        assert ids == want_ids
+        assert [i for i, t in enumerate(labels) if t != IGNORE_INDEX] == sorted(labelled)
+        assert all(labels[i] == ids[i] for i in labelled)
+    ids, labels = got["plain"]
     # controls: both answers (and only assistant text) are learned; the image never is
     image_id = tok.convert_tokens_to_ids(image_token)
     assert ids.count(image_id) == n and image_id not in labels
-    learned = tok.decode([t for t in labels if t != IGNORE_INDEX])
-    assert "a red cat on a mat" in learned and "yes" in learned
-    assert "what do you see" not in learned and "is it red" not in learned
+    runs, run = [], []  # the labelled stretches, decoded
+    for t in [*labels, IGNORE_INDEX]:
+        if t != IGNORE_INDEX:
+            run.append(t)
+        elif run:
+            runs, run = [*runs, tok.decode(run).lstrip(" ")], []
+    if template == "llava_next":  # the space after </s> belongs to the next turn, or to none
+        assert runs == ["a red cat on a mat</s>", "yes</s>"] and labels[-1] == IGNORE_INDEX
+    else:  # Qwen's newline after <|im_end|> is learned, also after the last turn
+        assert runs == ["a red cat on a mat<|im_end|>\n", "yes<|im_end|>\n"]
 
 
 def test_a_template_that_rewrites_history_is_refused(tokenizers: dict) -> None:
@@ -104,19 +178,7 @@ def test_ids_are_the_whole_chat_under_a_sentencepiece_style_tokenizer() -> None:
     tokenizer reads ``</s> [INST]`` as ``</s>``, ``▁[INST]``. Tokenising turn by turn gave an
     extra ``▁`` before every later user turn (ids unlike decoding's and transformers'); the
     ids are the whole chat's, and the boundary token is no target."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    kw = {"replacement": "\u2581", "prepend_scheme": "first", "split": True}
-    raw = Tokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.Metaspace(**kw)
-    corpus = [m["content"] for m in CHAT] + ["[INST] q [/INST] a</s> [INST] <image>\n"]
-    raw.train_from_iterator(corpus * 20, trainers.BpeTrainer(special_tokens=["</s>", "<image>"]))
-    template = (
-        "{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
-        "{% else %} {{ m['content'] }}</s> {% endif %}{% endfor %}"
-    )
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", chat_template=template)
+    tok = _metaspace_tokenizer()
     ids, labels = vlm_sft_labels(tok, CHAT, "<image>", "<image>" * 3, "<image>\n")
     whole = tok.apply_chat_template(_conversation(CHAT, "<image>\n"), tokenize=False)
     assert (

@@ -489,7 +489,7 @@ def test_llava_from_a_gguf_language_model(models: dict, data: Path, tmp_path: Pa
     assert "<image>" in (run / "processor" / "tokenizer.json").read_text()
 
 
-# ---- the shipped llava pipeline: pretrain (projector) -> finetune (tower at 0.1x) -> sft ------
+# ---- the shipped llava pipeline: pretrain (projector) -> finetune (tower at 0.1x) -> sft -> rl
 
 
 def test_llava_pipeline_preset_chains_the_stages_and_a_rerun_skips_them(
@@ -499,19 +499,19 @@ def test_llava_pipeline_preset_chains_the_stages_and_a_rerun_skips_them(
 
     over = [o for o in overrides("llava", models, data, tmp_path / "x") if "out_dir" not in o]
     over += ["train.eval_every=0", "data.eval="]
+    short = {"stage_overrides": {"rl": ["rl.k=2", "rl.max_new_tokens=5"]}}  # rl's own keys
     preset = REPO / "configs" / "pipeline_llava.yaml"
     root = tmp_path / "root"
-    rows = run_pipeline(preset, over, root=root, report=False)
-    assert [(r["name"], r["action"]) for r in rows] == [
-        ("pretrain", "train"),
-        ("finetune", "train"),
-        ("sft", "train"),
-    ]
-    cfgs = {n: load_config(root / n / "config.yaml") for n in ("pretrain", "finetune", "sft")}
+    names = ["pretrain", "finetune", "sft", "rl"]
+    rows = run_pipeline(preset, over, root=root, report=False, **short)
+    assert [(r["name"], r["action"]) for r in rows] == [(n, "train") for n in names]
+    cfgs = {n: load_config(root / n / "config.yaml") for n in names}
     assert cfgs["finetune"].model.init_from == str(root / "pretrain")
     assert cfgs["sft"].model.init_from == str(root / "finetune")
+    assert cfgs["rl"].model.init_from == str(root / "sft")
+    assert cfgs["rl"].stage == "rl" and cfgs["rl"].model.kind == "llava"
     assert cfgs["finetune"].optim.lr_scale == {"vision": 0.1}
-    assert [c.caption.mode for c in cfgs.values()] == ["pretrain", "finetune", "sft"]
+    assert [c.caption.mode for c in cfgs.values()] == ["pretrain", "finetune", "sft", "sft"]
     pre, ft, sft = (_weights(root / n) for n in ("pretrain", "finetune", "sft"))
     init = stage_start(models, data, tmp_path)
     moved = {k.split(".")[2] for k in pre if not torch.equal(pre[k], init[k])}
@@ -519,11 +519,22 @@ def test_llava_pipeline_preset_chains_the_stages_and_a_rerun_skips_them(
     tower = [k for k in ft if ".vision_tower." in k]
     assert any(not torch.equal(ft[k], pre[k]) for k in tower)  # finetune: the tower trains too
     assert all(torch.equal(sft[k], ft[k]) for k in tower)  # sft: the tower frozen again
-    rerun = run_pipeline(preset, over, root=root, report=False)
-    assert [r["action"] for r in rerun] == ["skip"] * 3
+    rl = _weights(root / "rl")  # rl: from the sft weights, the LM moves, the tower does not
+    assert all(torch.equal(rl[k], sft[k]) for k in tower)
+    assert any(not torch.equal(rl[k], sft[k]) for k in rl if ".language_model." in k)
+    steps = [
+        json.loads(x)
+        for x in (root / "rl" / "metrics.jsonl").read_text().splitlines()
+        if "train_reward_mean" in x
+    ]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["train_reward_mean"] >= 0.0 and r["train_kl"] >= 0.0 for r in steps)
+    assert steps[-1]["train_kl"] > 0.0  # the policy moved off its reference (the sft model)
+    rerun = run_pipeline(preset, over, root=root, report=False, **short)
+    assert [r["action"] for r in rerun] == ["skip"] * 4
     capsys.readouterr()
     image = str(data / read_jsonl(data / "val.jsonl")[0]["image"])
-    assert main(["generate", "--checkpoint", str(root / "sft"), "--images", image]) == 0
+    assert main(["generate", "--checkpoint", str(root / "rl"), "--images", image]) == 0
     assert json.loads(capsys.readouterr().out)["caption"]
 
 

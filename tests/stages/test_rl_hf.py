@@ -224,7 +224,7 @@ def test_lora_reference_is_the_base_model_and_teacher_forcing_is_the_decoder_loo
             seen.append(out[0])
             return out
 
-    target = Recording(policy.base_model(), stage.hf.banned, eos_token_id=stage.hf.eos_id)
+    target = Recording(policy.base_model(), stage.hf.banned, eos_token_id=stage.hf.eos_ids)
     inputs = stage.hf._inputs(policy, batch)
     gen = torch.Generator().manual_seed(1)
     out = generate(target, dict(inputs), "sample", max_new_tokens=5, generator=gen)

@@ -7,7 +7,7 @@ the caption drawn for (seed, epoch, index)). `VLMCaptionCollate` turns a batch i
 with the model's own tokenizer and image processor, loaded lazily from a local folder:
 
 - ``chat`` format (sft; every mode of hf_vlm): the model's chat template; loss on the assistant
-  turns only (`vlm_sft_labels`).
+  turns only, by TRL's rule (`vlm_sft_labels`, `chat_segments`).
 - ``plain`` format (llava pretrain/finetune): ``[bos] <image tokens>\\n{prompt}{caption}{eos}``;
   loss on the caption and its eos.
 
@@ -21,6 +21,7 @@ chats under a slow tokenizer, segment by segment (prompt / target).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -116,10 +117,10 @@ def read_vlm_dataset(path: str | os.PathLike[str], **kw: Any) -> VLMCaptionDatas
 # ---- chat rendering and labels -----------------------------------------------------------
 
 
-def _render(tok: Any, messages: Sequence[Message], image_markup: str | None, gen: bool) -> str:
-    """The chat template over `messages`, the image in the first user turn: a content list
-    ``[{"type": "image"}, {"type": "text"}]`` (VLM templates), or, when `image_markup` is a
-    string, that text prepended to the first user turn (text-LM templates)."""
+def _conversation(messages: Sequence[Message], image_markup: str | None) -> list[dict[str, Any]]:
+    """`messages` as a chat template reads them, the image in the first user turn: a content
+    list ``[{"type": "image"}, {"type": "text"}]`` (VLM templates), or, when `image_markup` is
+    a string, that text prepended to the first user turn (text-LM templates)."""
     conv: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         first = i == 0
@@ -130,34 +131,121 @@ def _render(tok: Any, messages: Sequence[Message], image_markup: str | None, gen
         else:
             content = (image_markup if first else "") + m["content"]
         conv.append({"role": m["role"], "content": content})
+    return conv
+
+
+def _render(tok: Any, messages: Sequence[Message], image_markup: str | None, gen: bool) -> str:
+    """The chat template over `messages` (see `_conversation`)."""
+    conv = _conversation(messages, image_markup)
     return tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen)
+
+
+GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def _generation_spans(
+    tok: Any, messages: Sequence[Message], image_markup: str | None
+) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered chat and the character spans of its ``{% generation %}`` blocks (as
+    transformers marks assistant tokens for ``return_assistant_tokens_mask``)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, spans = render_jinja_template(
+        [_conversation(messages, image_markup)],
+        chat_template=tok.chat_template,
+        return_assistant_tokens_mask=True,
+        **tok.special_tokens_map,
+    )
+    return rendered[0], [(a, b) for a, b in spans[0] if b > a]
 
 
 def chat_segments(
     tok: Any, messages: Sequence[Message], image_markup: str | None = None
 ) -> list[tuple[str, bool]]:
-    """The rendered chat cut into (text, is_target) segments: each assistant turn (its content
-    and end-of-turn text, up to the next turn) is a target; found by rendering the chat's
-    prefixes, so any template whose prefixes render as prefixes of the whole works."""
+    """The rendered chat cut into (text, is_target) segments: each assistant turn is a target,
+    from the end of its generation prompt to the start of the next turn (found by rendering the
+    chat's prefixes, so any template whose prefixes render as prefixes of the whole works),
+    less the whitespace at its end that the tokenizer reads as the start of what follows
+    (`turn_end`). A template with ``{% generation %}`` blocks marks its targets itself: they
+    are those blocks (TRL's rule and transformers')."""
+    if isinstance(tok.chat_template, str) and GENERATION_BLOCK.search(tok.chat_template):
+        full, spans = _generation_spans(tok, messages, image_markup)
+        return _cut(full, spans)
     full = _render(tok, messages, image_markup, gen=False)
-    segments, pos = [], 0
+    spans, pos = [], 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
         start = len(_render(tok, messages[:i], image_markup, gen=True))
-        end = len(_render(tok, messages[: i + 1], image_markup, gen=False))
         prefix = _render(tok, messages[: i + 1], image_markup, gen=False)
-        if not full.startswith(prefix) or start < pos or start > end:
+        if not full.startswith(prefix) or start < pos or start > len(prefix):
             raise ValueError(
                 "the chat template does not render a conversation's prefixes as prefixes of it "
                 "(it rewrites earlier turns), so assistant tokens cannot be told apart; use a "
                 "template without history rewriting"
             )
+        spans.append((start, len(prefix)))
+        pos = len(prefix)
+    text = full + _continuation(tok, messages, image_markup, full)
+    words = word_spans(tok, text)
+    return _cut(full, [(a, turn_end(text, words, a, b)) for a, b in spans])
+
+
+def _cut(full: str, spans: Sequence[tuple[int, int]]) -> list[tuple[str, bool]]:
+    """`full` as (text, is_target) segments, the targets at `spans` (sorted, disjoint)."""
+    segments, pos = [], 0
+    for start, end in spans:
         segments += [(full[pos:start], False), (full[start:end], True)]
         pos = end
-    if pos < len(full):
-        segments.append((full[pos:], False))
+    segments.append((full[pos:], False))
     return [s for s in segments if s[0]]
+
+
+def _continuation(
+    tok: Any, messages: Sequence[Message], image_markup: str | None, full: str
+) -> str:
+    """What the template renders after `full` when a user turn follows a chat that ends with
+    an assistant turn (so its end is judged as every other turn's); '' where none can be."""
+    if not messages or messages[-1]["role"] != "assistant":
+        return ""
+    try:
+        more = _render(tok, [*messages, {"role": "user", "content": "next"}], image_markup, False)
+    except Exception:  # a template that refuses the probe: the chat's end stays as rendered
+        return ""
+    return more[len(full) :] if more.startswith(full) else ""
+
+
+def word_spans(tok: Any, text: str) -> list[tuple[int, int]]:
+    """Character spans of the pieces a fast tokenizer merges within and never across: its added
+    tokens, then its pre-tokenizer's words between them (one piece per stretch without a
+    pre-tokenizer); [] for a slow tokenizer."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        return []
+    pre = backend.pre_tokenizer
+    added = sorted(tok.get_added_vocab(), key=len, reverse=True)
+    cuts = [(m.start(), m.end()) for m in re.finditer("|".join(map(re.escape, added)), text)]
+    out, pos = [], 0
+    for a, b in [*cuts, (len(text), len(text))] if added else [(len(text), len(text))]:
+        if a > pos:
+            chunk = text[pos:a]
+            words = pre.pre_tokenize_str(chunk) if pre is not None else [(chunk, (0, len(chunk)))]
+            out += [(pos + s, pos + e) for _, (s, e) in words]
+        if b > a:
+            out.append((a, b))
+        pos = b
+    return out
+
+
+def turn_end(text: str, words: Sequence[tuple[int, int]], start: int, end: int) -> int:
+    """Where an assistant turn's target ends: `end`, or the start of the whitespace at its end
+    when that whitespace begins a piece that runs past `end` into the next turn (LLaVA-NeXT's
+    space after ``</s>`` before ``[INST]``: ``▁[INST]`` or `` [`` is the next turn's first
+    word), so no token of the next turn is learned as the answer's. Whitespace the tokenizer
+    keeps apart (Qwen's ``\\n`` before ``<|im_start|>``) stays in the target. This is where
+    TRL's training templates put their ``{% generation %}`` blocks' ends."""
+    a, b = next(((a, b) for a, b in words if a < end <= b), (end, end))  # holds end - 1
+    return a if b > end and a >= start and text[a:end].isspace() else end
 
 
 def encode_segments(tok: Any, segments: Sequence[tuple[str, bool]]) -> tuple[list[int], list[int]]:

@@ -8,14 +8,16 @@ protocol's `verify` and `select`.
 
 Semantics follow `transformers` 5.x `GenerationMixin` exactly (tests compare token for token):
 
+- A row ends at any of the target's stop ids (`stop_ids`: HF's list of EOS ids; one for most
+  models), and min-new-tokens bans them all.
 - Greedy/sampling: logits -> no-repeat-ngram ban -> min-new-tokens EOS ban -> temperature ->
   top-k -> top-p -> argmax or multinomial. Finished rows emit `pad_token_id`. Greedy stops
   computing a row once it has emitted EOS (the cache drops it through `reorder`); sampling
   keeps the whole batch so that the random draws are HF's.
-- Beam search: `log_softmax` then the same bans, `2 * num_beams` candidates per input, a finished
-  hypothesis scores `sum(logprobs) / (generated_len ** length_penalty)` where `generated_len`
-  counts the new tokens including EOS, and `early_stopping` True/False/"never" picks HF's
-  stopping heuristic.
+- Beam search: `log_softmax` then the same bans, `max(2, 1 + #stop ids) * num_beams`
+  candidates per input, a finished hypothesis scores
+  `sum(logprobs) / (generated_len ** length_penalty)` where `generated_len` counts the new
+  tokens including EOS, and `early_stopping` True/False/"never" picks HF's stopping heuristic.
 - `no_repeat_ngram_size` sees the prompt as HF does: the n-grams of `inputs["input_ids"]`
   (padding and image placeholder tokens included) are banned too.
 
@@ -32,7 +34,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from vltrain.inference.target import DecodeTarget
+from vltrain.inference.target import DecodeTarget, stop_ids
 
 Strategy = Literal["greedy", "beam", "sample"]
 _NEG = -1.0e9  # HF's "impossible" score for beams; kept identical so tie-breaking matches
@@ -101,11 +103,17 @@ def top_p_filter(scores: Tensor, top_p: float, min_tokens_to_keep: int = 1) -> T
     return scores.masked_fill(drop, -float("inf"))
 
 
-def _ban_eos(scores: Tensor, eos: int, step: int, min_new_tokens: int) -> Tensor:
+def _ban_eos(scores: Tensor, stops: Tensor, step: int, min_new_tokens: int) -> Tensor:
+    """Every stop id banned before `min_new_tokens` (HF's MinNewTokensLengthLogitsProcessor)."""
     if step < min_new_tokens:
         scores = scores.clone()
-        scores[:, eos] = -float("inf")
+        scores[:, stops] = -float("inf")
     return scores
+
+
+def _stops(target: DecodeTarget, device: torch.device) -> Tensor:
+    """The target's stop ids (`stop_ids`) as a tensor for ``isin``."""
+    return torch.tensor(stop_ids(target), dtype=torch.long, device=device)
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -228,7 +236,7 @@ def _greedy_or_sample(
     logits, cache, _ = target.prefill(**inputs)  # (B, V)
     hist = _prompt_history(inputs, logits.shape[0], logits.device)
     logits, cache, hist = _expand(target, logits, cache, hist, cfg.num_return_sequences)  # (N, V)
-    eos, pad = target.eos_token_id, target.pad_token_id
+    stops, pad = _stops(target, logits.device), target.pad_token_id
     n = logits.shape[0]
     live = torch.arange(n, device=logits.device)  # the rows the cache holds, in its order
     unfinished = torch.ones(n, dtype=torch.bool, device=logits.device)
@@ -239,7 +247,7 @@ def _greedy_or_sample(
             logits, cache = target.step(toks[-1][live], cache)  # (L, V): the live rows
         logits = logits.float()
         scores = ban_repeated_ngrams(hist[live], logits, ngram) if ngram > 0 else logits
-        scores = _ban_eos(scores, eos, t, min_new)
+        scores = _ban_eos(scores, stops, t, min_new)
         if sample:
             scores = scores / temperature if temperature != 1.0 else scores
             scores = top_p_filter(top_k_filter(scores, cfg.top_k), cfg.top_p)
@@ -257,7 +265,7 @@ def _greedy_or_sample(
         toks.append(nxt)
         if ngram > 0:
             hist = torch.cat([hist, nxt[:, None]], dim=1)
-        unfinished = unfinished & (nxt != eos)
+        unfinished = unfinished & ~torch.isin(nxt, stops)
         if not bool(unfinished.any()):
             break
         keep = unfinished[live]
@@ -266,13 +274,13 @@ def _greedy_or_sample(
             live = live[keep]
     seqs = torch.stack(toks, dim=1)  # (N, L)
     token_lp = torch.stack(lps, dim=1)  # (N, L)
-    lengths = _lengths(seqs, eos)
+    lengths = _lengths(seqs, stops)
     return GenerationOutput(seqs, lengths, token_lp, token_lp.sum(dim=1))
 
 
-def _lengths(seqs: Tensor, eos: int) -> Tensor:
-    """Tokens up to and including the first EOS, else the full width."""
-    is_eos = seqs == eos
+def _lengths(seqs: Tensor, stops: Tensor) -> Tensor:
+    """Tokens up to and including the first stop id, else the full width."""
+    is_eos = torch.isin(seqs, stops)
     first = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, seqs.shape[1])
     return first.long()
 
@@ -317,6 +325,7 @@ def _beam_search(
     hist = _prompt_history(inputs, batch, device)
     logits, cache, hist = _expand(target, logits, cache, hist, k)  # (B*K, V)
     plen = hist.shape[1]
+    stops = _stops(target, device)
     run, fin = _init_beams(hist.view(batch, k, plen), max_new, target.pad_token_id)
     final = _Beams(*(x.clone() for x in (fin.seqs, fin.tok_lp, fin.scores, fin.lengths)))
     is_fin = torch.zeros((batch, k), dtype=torch.bool, device=device)
@@ -328,8 +337,8 @@ def _beam_search(
         lp = torch.log_softmax(logits.float(), dim=-1)  # (A*K, V)
         if ngram > 0:
             lp = ban_repeated_ngrams(run.seqs[:, :, : plen + t].flatten(0, 1), lp, ngram)
-        lp = _ban_eos(lp, target.eos_token_id, t, min_new)
-        cand, src, hits = _top_candidates(run, lp, t, plen, max_new, target.eos_token_id)
+        lp = _ban_eos(lp, stops, t, min_new)
+        cand, src, hits = _top_candidates(run, lp, t, plen, max_new, stops)
         run, rows = _next_running(cand, src, hits, k)  # rows: (A, K) cache rows to keep
         fin, is_fin = _update_finished(fin, is_fin, cand, hits, improvable, t, cfg)
         improvable = _still_improvable(improvable, run.scores, fin.scores, is_fin, t + 1, cfg)
@@ -361,13 +370,14 @@ def _init_beams(prompt: Tensor, max_new: int, pad: int) -> tuple[_Beams, _Beams]
     return run, fin
 
 
-def _top_candidates(run: _Beams, lp: Tensor, t: int, plen: int, max_new: int, eos: int):
-    """Top 2K continuations over all K beams x V tokens (HF `_get_top_k_continuations`)."""
+def _top_candidates(run: _Beams, lp: Tensor, t: int, plen: int, max_new: int, stops: Tensor):
+    """Top C = max(2, 1 + #stop ids) * K continuations over all K beams x V tokens (HF
+    `_get_top_k_continuations`: enough that K stay unfinished if the best all stop)."""
     batch, k = run.scores.shape
     vocab = lp.shape[-1]
     step_lp = lp.view(batch, k * vocab)  # (B, K*V) this step's log-probs
     acc = (lp.view(batch, k, vocab) + run.scores[:, :, None]).view(batch, k * vocab)
-    top_scores, top_idx = torch.topk(acc, 2 * k)  # (B, 2K)
+    top_scores, top_idx = torch.topk(acc, max(2, 1 + stops.numel()) * k)  # (B, C)
     src = top_idx // vocab  # source beam
     tok = top_idx % vocab
     seqs = _gather(run.seqs, src)
@@ -375,7 +385,7 @@ def _top_candidates(run: _Beams, lp: Tensor, t: int, plen: int, max_new: int, eo
     tok_lp = _gather(run.tok_lp, src)
     tok_lp[:, :, t] = step_lp.gather(1, top_idx)
     lengths = torch.full_like(src, t + 1)
-    hits = (tok == eos) | (t + 1 >= max_new)  # (B, 2K) EOS or max length reached
+    hits = torch.isin(tok, stops) | (t + 1 >= max_new)  # (B, C) a stop id or max length
     return _Beams(seqs, tok_lp, top_scores, lengths), src, hits
 
 

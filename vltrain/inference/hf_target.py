@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from vltrain.config import extras
 from vltrain.config.hub_ids import is_model_id
 from vltrain.core import hub
-from vltrain.inference.target import Context
+from vltrain.inference.target import Context, StopIds
 from vltrain.models.layers import kept_prefix, move_kept, tree_depths, tree_mask
 from vltrain.models.text import mask_positions
 
@@ -74,13 +74,13 @@ class HFCache:
     position_ids: Tensor | None  # (B, 1) or (C, B, 1): position of the last fed token
 
 
-class HFTarget:
+class HFTarget(StopIds):
     """An HF ``*ForCausalLM`` / ``*ForConditionalGeneration`` model as a ``DecodeTarget``.
 
     ``layer_ids``: the blocks whose outputs a drafter reads (none for plain decoding).
     ``static_inputs`` are extra forward kwargs passed at every prefill (for example
-    ``vision_feature_select_strategy``). Token ids default to the model's generation config and
-    can be overridden by keyword.
+    ``vision_feature_select_strategy``). Token ids default to the model's generation config
+    (every eos id of its list ends a row: ``eos_token_ids``) and can be overridden by keyword.
     """
 
     def __init__(
@@ -88,14 +88,14 @@ class HFTarget:
         model: nn.Module,
         layer_ids: Sequence[int] = (),
         *,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
         bos_token_id: int | None = None,
         **static_inputs: Any,
     ) -> None:
         self.model = model
         self.static_inputs = static_inputs
-        self.eos_token_id, self.pad_token_id, self.bos_token_id = special_tokens(
+        self.eos_token_ids, self.pad_token_id, self.bos_token_id = special_tokens(
             model, eos_token_id, pad_token_id, bos_token_id
         )
         params = inspect.signature(model.forward).parameters
@@ -388,38 +388,34 @@ def _per_head(index: Tensor, like: Tensor) -> Tensor:
 
 def special_tokens(
     model: nn.Module,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
     bos_token_id: int | None = None,
-) -> tuple[int, int, int]:
-    """(eos, pad, bos) ids of an HF model: explicit > generation_config > config; pad falls
-    back to eos, bos to pad."""
+) -> tuple[tuple[int, ...], int, int]:
+    """(eos ids, pad, bos) of an HF model: explicit > generation_config > config. The eos ids
+    are all that end a row (HF ``generate`` stops at any of a list); pad falls back to the
+    first of them (as HF's does), bos to pad."""
     gen = getattr(model, "generation_config", None)
-    eos = _token(eos_token_id, gen, model, "eos_token_id")
-    pad = _token(pad_token_id, gen, model, "pad_token_id", eos)
-    return eos, pad, _token(bos_token_id, gen, model, "bos_token_id", pad)
+    eos = _ids(eos_token_id, gen, model, "eos_token_id")
+    if not eos:
+        raise ValueError("The model defines no eos_token_id; pass eos_token_id=<int> to HFTarget.")
+    pad = _ids(pad_token_id, gen, model, "pad_token_id")
+    pad = pad[0] if pad else eos[0]
+    bos = _ids(bos_token_id, gen, model, "bos_token_id")
+    return eos, pad, bos[0] if bos else pad
 
 
-def _token(
-    explicit: int | None, gen: Any, model: nn.Module, name: str, fallback: int | None = None
-) -> int:
-    """Resolve a special token id: explicit > generation_config > config > fallback."""
+def _ids(explicit: Any, gen: Any, model: nn.Module, name: str) -> tuple[int, ...]:
+    """A special token's ids (an int or a list): explicit > generation_config > config; ()
+    where none defines it."""
     value = explicit
     for source in (gen, getattr(model, "config", None)):
         if value is None and source is not None:
             value = getattr(source, name, None)
-    if isinstance(value, (list, tuple)):
-        if len(value) != 1:
-            raise ValueError(
-                f"{name}={value}: vltrain decoding supports exactly one id; pass "
-                f"{name}=<int> to HFTarget."
-            )
-        value = value[0]
     if value is None:
-        value = fallback
-    if value is None:
-        raise ValueError(f"The model defines no {name}; pass {name}=<int> to HFTarget.")
-    return int(value)
+        return ()
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return tuple(dict.fromkeys(int(v) for v in values if v is not None))
 
 
 def decoder_blocks(model: Any, n: int) -> torch.nn.ModuleList:

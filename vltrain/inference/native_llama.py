@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vltrain.inference.hf_target import HFTarget, special_tokens
-from vltrain.inference.target import Context
+from vltrain.inference.target import Context, StopIds
 from vltrain.models.layers import kept_prefix, move_kept, tree_depths, tree_mask
 from vltrain.models.packed import PackedLinears
 from vltrain.models.text import mask_positions
@@ -314,7 +314,7 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class NativeTarget:
+class NativeTarget(StopIds):
     """An HF Llama-family causal LM through ``NativeLlama``: a ``DecodeTarget``.
 
     It replaces ``HFTarget`` in ``speculative_generate`` and in plain greedy / sampled / beam
@@ -326,14 +326,14 @@ class NativeTarget:
         model: Any,
         layer_ids: Sequence[int] = (),
         pack: bool | None = None,
-        **token_ids: int,
+        **token_ids: Any,
     ) -> None:
         self.native = NativeLlama(model)
         if pack is None:  # each packed row count copies the weights: small targets only
             pack = sum(p.numel() * p.element_size() for p in model.parameters()) <= PACK_BYTES
         self.pack = pack  # verify through MKL-packed weights (vltrain.models.packed)
         eos, pad, bos = special_tokens(model, **token_ids)  # resolved as HFTarget does
-        self.eos_token_id, self.pad_token_id, self.bos_token_id = eos, pad, bos
+        self.eos_token_ids, self.pad_token_id, self.bos_token_id = eos, pad, bos
         text = model.config.get_text_config(decoder=True)
         self.num_layers, self.width = text.num_hidden_layers, text.hidden_size
         self.vocab_size = self.native.head_weight.shape[0]

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vltrain.inference.target import Context, DecodeTarget
+from vltrain.inference.target import Context, DecodeTarget, stop_ids
 from vltrain.models.drafter import DraftContextCache, Drafter
 
 TREE_SHAPES = ("chain-first", "best-first")
@@ -210,7 +210,7 @@ def speculative_generate(
         raise ValueError(f"tree_shape must be one of {TREE_SHAPES}, not {tree_shape!r}")
     if sample and tree_budget:
         raise ValueError("sampling verifies a chain; use tree_budget=0 with sample=True")
-    eos = target.eos_token_id
+    stops = set(stop_ids(target))
     logits, cache, ctx = target.prefill(**inputs)
     stats = SpecStats(target_calls=1)
     b = logits.shape[0]
@@ -218,7 +218,7 @@ def speculative_generate(
     root = _pick(logits, sample, temperature, generator)  # (B,)
     dcache = DraftContextCache()  # the drafter projects each context row once
     lazy = not sample and drafter.cfg.draft_vocab > 0  # the head on walked nodes only
-    rows = _Rows([[int(t)] for t in root], [int(t) == eos or max_new_tokens <= 1 for t in root])
+    rows = _Rows([[int(t)] for t in root], [int(t) in stops or max_new_tokens <= 1 for t in root])
     while not all(rows.done):
         anchor = target.next_positions(cache).to(root.device)  # (B,)
         logq = _draft(drafter, ctx, root, anchor, dcache)
@@ -253,7 +253,7 @@ def speculative_generate(
             if not rows.done[i]:
                 stats.accepted[i].append(len(path))
                 stats.anchors[i].append(int(anchor[i]))
-                _emit(rows, i, [int(fed[i, n]) for n in path[1:]] + [bonus], eos, max_new_tokens)
+                _emit(rows, i, [int(fed[i, n]) for n in path[1:]] + [bonus], stops, max_new_tokens)
         cache, ctx = _compact(target, cache, n_old, ctx, new_ctx, paths)
         root = torch.tensor(nxt, dtype=torch.long, device=root.device)
     return rows.out, stats
@@ -326,13 +326,13 @@ def _greedy_walks(drafter, fed, fed_par, hidden, done):
         exact.update(zip(need, full, strict=True))
 
 
-def _emit(rows: _Rows, i: int, new: list[int], eos: int, max_new: int) -> None:
-    """Append accepted tokens to row i, stopping at EOS or the length limit (never by value)."""
+def _emit(rows: _Rows, i: int, new: list[int], stops: set[int], max_new: int) -> None:
+    """Append accepted tokens to row i, stopping at any stop id or the length limit."""
     for t in new:
         if rows.done[i]:
             return
         rows.out[i].append(t)
-        rows.done[i] = t == eos or len(rows.out[i]) >= max_new
+        rows.done[i] = t in stops or len(rows.out[i]) >= max_new
 
 
 def _compact(target: DecodeTarget, cache, n_old: int, ctx: Context, new_ctx: Context, paths):

@@ -43,6 +43,11 @@ F = ``len(layer_ids) * W`` features (0 without a drafter). Logits are float32.
 - ``features(...)`` (optional; the HF, HF VLM and captioner targets): ``(Context, logits (B, T, V),
   prefix length)`` of whole training sequences, without a cache (drafter training).
 
+Stop tokens: ``eos_token_ids`` is every id that ends a row (HF ``generate``'s list: a
+generation config may name several, Qwen2-VL-Instruct's ``[151645, 151643]``), ``eos_token_id``
+its first (what padding falls back to); a target with one stop id may define only
+``eos_token_id`` (`stop_ids` reads either). Every loop stops a row at any of them.
+
 Caches are each target's own (``HFCache``, ``NativeCache``, ``CaptionerCache``) and opaque to
 the loops. A call may update the cache it is given in place: use the one it returns.
 """
@@ -77,6 +82,7 @@ class DecodeTarget(Protocol):
     """What greedy / beam / sampled decoding and speculative decoding drive (module doc)."""
 
     eos_token_id: int
+    eos_token_ids: tuple[int, ...]
     pad_token_id: int
     bos_token_id: int
     num_layers: int
@@ -105,3 +111,24 @@ class DecodeTarget(Protocol):
     def head(self, hidden: Tensor) -> Tensor: ...
 
     def head_params(self) -> tuple[Tensor, Tensor | None]: ...
+
+
+class StopIds:
+    """``eos_token_ids`` (every id that ends a row) with ``eos_token_id`` as its first; setting
+    ``eos_token_id`` makes it the only one."""
+
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.eos_token_ids[0]
+
+    @eos_token_id.setter
+    def eos_token_id(self, value: int) -> None:
+        self.eos_token_ids = (int(value),)
+
+
+def stop_ids(target: Any) -> tuple[int, ...]:
+    """The ids that end a row of `target`: its ``eos_token_ids``, else its one ``eos_token_id``."""
+    ids = tuple(getattr(target, "eos_token_ids", ()) or ())
+    return ids or (int(target.eos_token_id),)

@@ -39,10 +39,10 @@ def prompt_inputs(
 
 
 def caption_target(model: Any, pad_id: int, layer_ids: tuple[int, ...] = ()) -> HFVLMTarget:
-    """The `HFVLMTarget` of an `HFVLM` the caption stage decodes with (its end token, `end_token`);
-    ``layer_ids``: the blocks a drafter reads."""
+    """The `HFVLMTarget` of an `HFVLM` the caption stage decodes with (its end tokens,
+    `end_tokens`); ``layer_ids``: the blocks a drafter reads."""
     base = model.base_model()
-    return HFVLMTarget(base, layer_ids, eos_token_id=end_token(base, pad_id))
+    return HFVLMTarget(base, layer_ids, eos_token_id=end_tokens(base, pad_id))
 
 
 @torch.no_grad()
@@ -95,14 +95,14 @@ def decode_vlm_captions(
     return [tokenizer.decode(r, skip_special_tokens=True).strip() for r in rows]
 
 
-def end_token(model: Any, pad_id: int) -> int:
-    """The id that ends a caption: the generation config's (or config's) EOS; the first of a list
-    (the decoder loop stops on one id); the pad id when the model defines none, which is where
-    a caption of such a model ends in HF ``generate``'s right-padded output too."""
+def end_tokens(model: Any, pad_id: int) -> tuple[int, ...]:
+    """The ids that end a caption: the generation config's (or config's) EOS, every id of a list
+    (HF ``generate`` stops at any); the pad id when the model defines none, which is where a
+    caption of such a model ends in HF ``generate``'s right-padded output too."""
     for source in (getattr(model, "generation_config", None), model.config):
         value = getattr(source, "eos_token_id", None)
-        if isinstance(value, (list, tuple)):
-            value = value[0] if value else None
-        if value is not None:
-            return int(value)
-    return pad_id
+        values = value if isinstance(value, (list, tuple)) else [value]
+        ids = tuple(dict.fromkeys(int(v) for v in values if v is not None))
+        if ids:
+            return ids
+    return (pad_id,)

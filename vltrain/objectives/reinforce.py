@@ -280,10 +280,12 @@ def sequence_mask(lengths: Tensor, max_len: int) -> Tensor:
     return torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]
 
 
-def ends_with_eos(sequences: Tensor, lengths: Tensor, eos_id: int) -> Tensor:
-    """(N,) bool: the sampled sequence stopped with EOS (not cut off at max_new_tokens)."""
+def ends_with_eos(sequences: Tensor, lengths: Tensor, eos_id: int | Sequence[int]) -> Tensor:
+    """(N,) bool: the sampled sequence stopped with an EOS id (`eos_id`: one, or every id that
+    ends a row), not cut off at max_new_tokens."""
     last = sequences.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]  # (N,)
-    return (last == eos_id) & (lengths > 0)
+    ids = [eos_id] if isinstance(eos_id, int) else list(eos_id)
+    return torch.isin(last, torch.tensor(ids, dtype=last.dtype, device=last.device)) & (lengths > 0)
 
 
 def sequence_logits(

@@ -34,7 +34,7 @@ from vltrain.data.vlm_caption_data import (
 )
 from vltrain.engine.runtime import RunContext
 from vltrain.eval.captions import CaptionEvaluator
-from vltrain.inference.vlm_captioning import decode_vlm_captions, end_token
+from vltrain.inference.vlm_captioning import decode_vlm_captions, end_tokens
 from vltrain.inference.vlm_target import vlm_run
 from vltrain.models import hf_vlm
 from vltrain.models.hf_embedders import copy_processor_files
@@ -236,7 +236,7 @@ def run_target(cfg: Config) -> tuple[nn.Module, str, int | None] | None:
     load_weights(model, ckpt)
     base = model.model.merge_and_unload() if model.lora else model.model
     pad = core.tokenizer.pad_token_id if core.tokenizer.pad_token_id is not None else 0
-    base.generation_config.eos_token_id = end_token(base, pad)  # the stage's one end token
+    base.generation_config.eos_token_id = list(end_tokens(base, pad))  # the stage's end tokens
     folder = tempfile.mkdtemp(prefix="vltrain-target-")
     atexit.register(shutil.rmtree, folder, True)
     core.export_hf_files(Path(folder))

@@ -41,6 +41,7 @@ from vltrain.inference.draft_target import (
     FeatureNoise,
     check_target,
 )
+from vltrain.inference.target import stop_ids
 from vltrain.models.drafter import (
     DRAFTER_ARCHS,
     Drafter,
@@ -164,14 +165,14 @@ class DrafterStage:
         return 0
 
     def _draft_vocab(self, base: Any, n: int) -> Tensor:
-        """The n most frequent label tokens of the whole training set (EOS always kept):
+        """The n most frequent label tokens of the whole training set (the stop ids always kept):
         every rank counts the same records, so every rank picks the same ids. Chosen when the
         training data is built (not in build_model: export and loading need no data, and a
         resumed run takes the checkpoint's ids, loaded after this)."""
         t = self.target.model
         labels = [tok for i in range(len(base)) for tok in base.label_ids(i)]
         counts = torch.bincount(torch.tensor(labels, dtype=torch.long), minlength=t.vocab_size)
-        ids = draft_vocab_ids(counts, n, always=(t.eos_token_id,))
+        ids = draft_vocab_ids(counts, n, always=stop_ids(t))
         kept = float(counts[ids].sum() / counts.sum().clamp(min=1))
         if self.ctx.is_main:
             print(

@@ -262,7 +262,7 @@ class RLStage:
         seq, lengths = s["seq"], s["len"]  # (B*K, L), (B*K,)
         texts = (hf.decode if hf else self._decode)(seq, lengths)
         rewards = self._rewards(texts, batch["refs"], k).to(seq.device)  # (B*K,)
-        eos = ends_with_eos(seq, lengths, hf.eos_id if hf else self.tokenizer.eos_id)
+        eos = ends_with_eos(seq, lengths, hf.eos_ids if hf else self.tokenizer.eos_id)
         pen = length_penalty(lengths - eos.long(), r.length_penalty, r.length_target)
         shaped = rewards - pen if r.length_penalty else rewards  # what the policy maximises
         g = s.get("greedy_texts")

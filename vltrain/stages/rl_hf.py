@@ -28,7 +28,7 @@ from vltrain.config.schema import Config
 from vltrain.data.batches import CaptionBatch
 from vltrain.data.images import BadSample, check_text
 from vltrain.inference.decoding import generate
-from vltrain.inference.vlm_captioning import end_token, left_pad_prompts
+from vltrain.inference.vlm_captioning import end_tokens, left_pad_prompts
 from vltrain.inference.vlm_target import HFVLMTarget
 from vltrain.models.hf_vlm import GRID_VLMS, HFVLM
 from vltrain.objectives.reference import check_frozen_reference, frozen_reference, has_adapters
@@ -124,7 +124,7 @@ class HFRollouts:
     def reference(self, model: HFVLM) -> nn.Module | None:
         """None for a LoRA policy (its adapters disabled); else a frozen copy of the starting
         model (build_model's, before any step or resumed weights)."""
-        self.eos_id = end_token(model.base_model(), self.pad_id)
+        self.eos_ids = end_tokens(model.base_model(), self.pad_id)
         self.banned = placeholder_ids(model)
         if has_adapters(model):
             return None
@@ -141,7 +141,7 @@ class HFRollouts:
         """K samples per image drawn with `gen` (+ greedy captions for the greedy baseline)."""
         r, k = self.cfg.rl, self.cfg.rl.k
         inputs = self._inputs(policy, batch)
-        target = CaptionTarget(policy.base_model(), self.banned, eos_token_id=self.eos_id)
+        target = CaptionTarget(policy.base_model(), self.banned, eos_token_id=self.eos_ids)
         room = target.room(inputs["input_ids"].shape[1])
         if room is not None and room < 1:
             raise ValueError(
@@ -192,7 +192,7 @@ class HFRollouts:
         ids = torch.cat([s["ids"].repeat_interleave(k, 0), seq], 1)  # (B*K, P + L)
         mask = torch.cat([s["pmask"].repeat_interleave(k, 0), torch.ones_like(seq)], 1)
         with torch.no_grad():  # the positions HF generate (and the decoder loop) use
-            target = HFVLMTarget(policy.base_model(), eos_token_id=self.eos_id)
+            target = HFVLMTarget(policy.base_model(), eos_token_id=self.eos_ids)
             extra = policy.model_inputs(images, ids, mask)
             extra = {key: v for key, v in extra.items() if key not in _TEXT_KEYS}
             pos = target._positions(ids, mask, extra)
