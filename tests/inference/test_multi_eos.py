@@ -45,10 +45,7 @@ def two_eos(tmp_path_factory) -> dict:
     image files and their left-padded inputs (`vltrain generate`'s, prompts of other lengths)."""
     root = tmp_path_factory.mktemp("two_eos")
     path = vlm_helpers.make_tiny_qwen2vl(root / "model")
-    files = []
-    for i, im in enumerate(vlm_helpers.images()):
-        files.append(str(root / f"im{i}.png"))
-        im.save(files[-1])
+    files = vlm_helpers.image_files(root)
     from PIL import Image
 
     inputs = vlm_inputs(HFCollate(path, "vlm"), [Image.open(f) for f in files], PROMPT)

@@ -105,6 +105,15 @@ def images(n: int = 3) -> list[Image.Image]:
     ]
 
 
+def image_files(root: Path) -> list[str]:
+    """`images()` saved as PNG files under ``root`` (what `vltrain generate --images` reads)."""
+    files = []
+    for i, im in enumerate(images()):
+        files.append(str(root / f"im{i}.png"))
+        im.save(files[-1])
+    return files
+
+
 def boost_eos(model: torch.nn.Module, norm: float) -> None:
     """Rescale the EOS row of the LM head so that EOS wins in some contexts."""
     with torch.no_grad():

@@ -24,10 +24,7 @@ def vlm(tmp_path_factory) -> tuple[str, list[str]]:
     """A tiny Qwen2-VL directory and three PNG files of other sizes."""
     root = tmp_path_factory.mktemp("vlm")
     path = vlm_helpers.make_tiny_qwen2vl(root / "model")
-    files = []
-    for i, im in enumerate(vlm_helpers.images()):
-        files.append(str(root / f"im{i}.png"))
-        im.save(files[-1])
+    files = vlm_helpers.image_files(root)
     return path, files
 
 
