@@ -39,8 +39,9 @@ Checks (each row: check, status ok|FAILED|skipped, result, seconds):
   (bench/gpu_vlm_steps.py): step times and peak memory.
 
 `--device cpu` runs every row's code on the CPU to check its logic on a machine with no GPU:
-stage rows in fp32, the distributed rows on 2 gloo ranks (no CPU offload: it needs CUDA),
-GradCache and the CLIP step with tiny models; the numbers are then not GPU numbers.
+stage rows in fp32 at a batch of 8 (the CLI runs with `data.batch_size=8`), the distributed
+rows on 2 gloo ranks (no CPU offload: it needs CUDA), GradCache and the CLIP step with tiny
+models and inputs; the numbers are then not GPU numbers.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ REPO = Path(__file__).resolve().parents[1]
 PRESETS = REPO / "vltrain" / "configs"
 # dense bf16 peak TFLOP/s by device name, for the MFU (override with --peak-tflops)
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
+CPU_BATCH = 8  # --device cpu checks logic: the CLI rows' batch, so that each takes seconds
 Row = tuple[str, str, str]  # status, result, (filled in) seconds
 
 
@@ -118,7 +120,8 @@ def _synth_pages(work: Path) -> Path:
 def _train_cmd(
     preset: str, out: Path, data: Path, *extra: str, nproc: int = 1, device: str = "cuda"
 ) -> list[str]:
-    """`vltrain train PRESET` for 3 steps on `device` (bf16 on CUDA, fp32 on the CPU)."""
+    """`vltrain train PRESET` for 3 steps on `device` (bf16 on CUDA, fp32 at CPU_BATCH on the
+    CPU)."""
     head = [sys.executable, "-m", "vltrain"]
     if nproc > 1:
         head = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -133,6 +136,8 @@ def _train_cmd(
     ]
     precision = "bf16" if device.startswith("cuda") else "fp32"
     over += ["log.tensorboard=false", f"run.device={device}", f"run.precision={precision}"]
+    if not device.startswith("cuda"):
+        over.append(f"data.batch_size={CPU_BATCH}")
     return [*head, "train", str(PRESETS / preset), *over, "data.test=", *extra]
 
 
@@ -167,8 +172,6 @@ def check_fp16_clip(args: argparse.Namespace) -> tuple[str, str]:
     out, data = args.work / "fp16_clip", _synth(args.work)
     extra = ["train.overwrite=true", "train.max_steps=8", "train.log_every=1"]
     cmd = _train_cmd("clip.yaml", out, data, *extra, "run.precision=fp16", device=args.device)
-    if not _cuda(args):  # CPU fp16 matmuls are slow: a small batch checks the same logic
-        cmd.append("data.batch_size=32")
     res = _run(cmd, 300)
     if res.returncode:
         return "FAILED", _tail(res)
@@ -315,6 +318,7 @@ def check_grad_cache_qwen3vl(args: argparse.Namespace) -> tuple[str, str]:
     from vltrain.objectives.grad_cache import grad_cache
 
     dev, vocab = args.device, 151936 if _cuda(args) else 1000
+    batch, tokens, chunk = (32, 64, 8) if _cuda(args) else (8, 16, 2)
     if _cuda(args):
         text = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28)
         text |= dict(num_attention_heads=16, num_key_value_heads=8, vocab_size=vocab)
@@ -339,13 +343,13 @@ def check_grad_cache_qwen3vl(args: argparse.Namespace) -> tuple[str, str]:
         logits = q @ d.T / 0.05
         return torch.nn.functional.cross_entropy(logits, torch.arange(len(q), device=dev)), {}
 
-    ids = torch.randint(0, vocab, (2, 32, 64), device=dev)  # (side, B, T)
+    ids = torch.randint(0, vocab, (2, batch, tokens), device=dev)  # (side, B, T)
     _reset_peak(args)
     times = []
     for _ in range(3):
         _sync()
         t = time.perf_counter()
-        chunks = [list(ids[s].split(8)) for s in range(2)]
+        chunks = [list(ids[s].split(chunk)) for s in range(2)]
         loss, _ = grad_cache([encode, encode], chunks, loss_fn)
         if not all(p.grad is not None for p in lm.layers.parameters()):
             return "FAILED", "GradCache left decoder-layer parameters without a gradient"
@@ -353,7 +357,8 @@ def check_grad_cache_qwen3vl(args: argparse.Namespace) -> tuple[str, str]:
         _sync()
         times.append(time.perf_counter() - t)
     return "ok", (
-        f"{n_params:.2f} B params, batch 32 x 64 tokens in chunks of 8: loss {float(loss):.2f}, "
+        f"{n_params:.2f} B params, batch {batch} x {tokens} tokens in chunks of {chunk}: "
+        f"loss {float(loss):.2f}, "
         f"{min(times[1:]):.2f} s/step, peak {_peak_mem(args)}"
     )
 
@@ -369,22 +374,24 @@ def check_embed_pages_qwen3vl(args: argparse.Namespace) -> tuple[str, str]:
     return gpu_embed_pages.row(gpu_embed_pages.run(args.work / "embed_pages", args.device))
 
 
-def _clip_step_stats(model: torch.nn.Module, step: Callable[[], None]) -> tuple[float, float]:
-    """(FLOPs of one step, median seconds of 5 steps after 2 warmup)."""
+def _clip_step_stats(
+    model: torch.nn.Module, step: Callable[[], None], warmup: int = 2, timed: int = 5
+) -> tuple[float, float]:
+    """(FLOPs of one step, median seconds of `timed` steps after `warmup` more)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     with FlopCounterMode(display=False) as counter:
         step()
-    for _ in range(2):
+    for _ in range(warmup):
         step()
     times = []
-    for _ in range(5):
+    for _ in range(timed):
         _sync()
         t = time.perf_counter()
         step()
         _sync()
         times.append(time.perf_counter() - t)
-    return float(counter.get_total_flops()), sorted(times)[2]
+    return float(counter.get_total_flops()), sorted(times)[timed // 2]
 
 
 def check_clip_mfu(args: argparse.Namespace) -> tuple[str, str]:
@@ -419,7 +426,7 @@ def check_clip_mfu(args: argparse.Namespace) -> tuple[str, str]:
         opt.zero_grad(set_to_none=True)
 
     _reset_peak(args)
-    flops, sec = _clip_step_stats(model, step)
+    flops, sec = _clip_step_stats(model, step) if cuda else _clip_step_stats(model, step, 0, 3)
     mfu = f"{100 * flops / sec / (peak * 1e12):.1f}%" if peak else "n/a (pass --peak-tflops)"
     result = f"vltrain {sec * 1e3:.0f} ms/step, MFU {mfu}, peak {_peak_mem(args)}"
     try:

@@ -19,6 +19,12 @@ os.environ.setdefault("VLTRAIN_STRICT_COLLECTIVES", "cuda")
 REPO = Path(__file__).resolve().parents[1]
 
 
+def kills(suite: int, full: int) -> int:
+    """How many times a kill-and-resume test kills its run: `suite` in the test suite, `full`
+    with VLTRAIN_FULL_KILLS=1 (the longer check; command in docs/internals.md "Tests")."""
+    return full if os.environ.get("VLTRAIN_FULL_KILLS") == "1" else suite
+
+
 @pytest.fixture(autouse=True)
 def _spec_costs(tmp_path_factory: pytest.TempPathFactory, monkeypatch) -> None:
     """`vltrain generate --spec auto` caches measured costs in the user's cache dir: in tests,

@@ -2,6 +2,9 @@
 0/2 x streaming on/off (contrastive streams) x 1/2 processes, a few steps each, gives no
 finding above INFO.
 
+The 2-process cells run under one torchrun launch, one run after another in one process group
+(`tests/diagnostics/matrix_runs.py`): each cell's run folder is then checked on its own.
+
 Batch sizes are chosen so that an epoch holds an odd number of micro-batches: with
 accumulation, a step then straddles the epoch boundary (each micro-batch keeps its epoch; a
 sample seen at the end of one epoch and the start of the next is not a repeat).
@@ -10,11 +13,14 @@ sample seen at the end of one epoch and the start of the next is not a repeat).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, tiny_overrides, torchrun_vltrain
+from tests.conftest import REPO, tiny_overrides
 from tests.stages.drafter_fixtures import TEXTS, tiny_lm
 from tests.stages.test_caption_stage import cap_data, caption_overrides  # noqa: F401
 from tests.stages.test_rl_stage import _rl_overrides, caption_ckpt, rl_data  # noqa: F401
@@ -102,6 +108,41 @@ def _args(request, stage: str, procs: int, out: Path, opts: dict) -> list[str]:
     return ["train", str(CONFIGS / "drafter_smollm2.yaml"), *[f"{k}={v}" for k, v in base.items()]]
 
 
+def _options(accum: int, workers: int, stream: bool, parallel: str) -> dict:
+    opts = {"optim.accum_steps": accum, "data.num_workers": workers, "stream": stream}
+    if parallel != "auto":
+        opts["train.parallel"] = parallel
+    return opts
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[str, Path], subprocess.CompletedProcess]:
+    """The run folders of this session's 2-process cells (by cell id), all trained under one
+    torchrun launch, and that launch's result."""
+    root = tmp_path_factory.mktemp("two_process")
+    cells = [
+        item.callspec
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module  # this module's cells only
+        and item.originalname == "test_clean_run_has_no_finding_above_info"
+        and item.callspec.params["procs"] == 2
+    ]
+    outs = {c.id: root / c.id for c in cells}
+    runs = []
+    for c in cells:
+        p = c.params
+        opts = _options(p["accum"], p["workers"], p["stream"], p["parallel"])
+        runs.append(_args(request, p["stage"], 2, outs[c.id], opts))
+    (root / "runs.json").write_text(json.dumps(runs))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += ["-m", "tests.diagnostics.matrix_runs", str(root / "runs.json")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    return outs, res
+
+
 def _findings(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "doctor.jsonl").read_text().splitlines()]
 
@@ -117,18 +158,25 @@ def test_clean_run_has_no_finding_above_info(
     procs: int,
     parallel: str,
 ) -> None:
-    out = tmp_path / "run"
-    opts = {"optim.accum_steps": accum, "data.num_workers": workers, "stream": stream}
-    if parallel != "auto":
-        opts["train.parallel"] = parallel
-    args = _args(request, stage, procs, out, opts)
     if procs == 1:
-        assert main(args) == 0
+        out = tmp_path / "run"
+        opts = _options(accum, workers, stream, parallel)
+        assert main(_args(request, stage, procs, out, opts)) == 0
     else:
-        torchrun_vltrain(args)
+        outs, res = request.getfixturevalue("two_process_runs")
+        out = outs[request.node.callspec.id]
+        # a rank's own error line first: torchrun's traceback of the other rank buries it
+        errors = [x for x in res.stderr.splitlines() if "error" in x.lower() or "failed" in x]
+        said = "\n".join([*errors[:20], res.stderr[-3000:]])
+        assert (out / "summary.json").is_file(), f"launch exit {res.returncode}:\n{said}"
+        assert json.loads((out / "run_card.json").read_text())["world_size"] == 2
     rows = [json.loads(x) for x in (out / "doctor_steps.jsonl").read_text().splitlines()]
     assert rows and all(r["stepped"] for r in rows)  # the doctor watched every step
     if accum == 2 and not stream:  # not vacuous: a step accumulated across the epoch boundary
         assert any(r["sample_epochs"] for r in rows), "no step straddled an epoch boundary"
     loud = [f for f in _findings(out) if f["severity"] != "info"]
     assert loud == [], "\n".join(f"{f['severity']} {f['check']}: {f['message']}" for f in loud)
+    if procs == 2:  # the launch ended well once every run had (checked by its last cell)
+        outs, res = request.getfixturevalue("two_process_runs")
+        if out == list(outs.values())[-1]:
+            assert res.returncode == 0, res.stderr[-3000:]

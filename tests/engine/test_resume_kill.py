@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, tiny_overrides
+from tests.conftest import REPO, kills, tiny_overrides
 from vltrain.config import load_config
 from vltrain.diagnostics.doctor import read_history
 from vltrain.engine import loop
 from vltrain.runs import train
 
-KILLS = 12
+KILLS = kills(4, 12)  # 12 with VLTRAIN_FULL_KILLS=1
 HISTORY = ("metrics.jsonl", "doctor.jsonl", "doctor_steps.jsonl")
 
 
@@ -88,7 +88,7 @@ def test_kill_9_during_resume_never_truncates_history(
     assert len(kept["metrics.jsonl"]) < len(before["metrics.jsonl"])  # the resume rewrites
     rng = random.Random(0)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    outcomes = []
+    outcomes, width = [], 9.5 / (KILLS // 2)
     for i in range(KILLS):
         run = tmp_path / f"run_{i}"
         shutil.rmtree(run, ignore_errors=True)
@@ -102,8 +102,10 @@ def test_kill_9_during_resume_never_truncates_history(
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        # even kills: the moment the rewrite starts; odd ones: a random moment of the resume
-        deadline = time.monotonic() + (120 if i % 2 == 0 else rng.uniform(0.5, 10))
+        # even kills: the moment the rewrite starts; odd ones: a random moment of the resume,
+        # the j-th drawn from the j-th of KILLS // 2 equal parts of 0.5-10 s (early to late)
+        lo = 0.5 + (i // 2) * width
+        deadline = time.monotonic() + (120 if i % 2 == 0 else rng.uniform(lo, lo + width))
         while proc.poll() is None and time.monotonic() < deadline:
             if i % 2 == 0 and _rewriting(metrics, st):
                 break
