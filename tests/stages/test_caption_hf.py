@@ -579,3 +579,47 @@ def test_llava_grows_the_vocabulary_for_the_image_token(
     ref = LlamaForCausalLM.from_pretrained(lm).model.embed_tokens.weight
     assert emb.shape[0] == len(tok) + 1
     assert torch.equal(emb[: len(tok)], ref)
+
+
+# ---- the shipped hf_vlm pipeline: sft (chat, assistant turns) -> rl
+
+
+def test_hf_vlm_pipeline_preset_runs_sft_then_rl(
+    models: dict, data: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from vltrain.models.hf_vlm import load_hf_vlm
+    from vltrain.runs.pipeline import run_pipeline
+
+    over = [o for o in overrides("hf_vlm", models, data, tmp_path / "x") if "out_dir" not in o]
+    over += ["train.eval_every=0", "data.eval="]
+    short = {"stage_overrides": {"rl": ["rl.k=2", "rl.max_new_tokens=5"]}}
+    preset = REPO / "configs" / "pipeline_hf_vlm.yaml"
+    root = tmp_path / "root"
+    rows = run_pipeline(preset, over, root=root, report=False, **short)
+    assert [(r["name"], r["action"]) for r in rows] == [("sft", "train"), ("rl", "train")]
+    sft_cfg, rl_cfg = (load_config(root / n / "config.yaml") for n in ("sft", "rl"))
+    assert (sft_cfg.stage, sft_cfg.caption.mode, sft_cfg.model.lora_r) == ("caption", "sft", 0)
+    assert (rl_cfg.stage, rl_cfg.model.kind, rl_cfg.rl.baseline) == ("rl", "hf_vlm", "rloo")
+    assert rl_cfg.model.init_from == str(root / "sft")
+    init = {"model." + k: v for k, v in load_hf_vlm(models["qwen2vl"]).state_dict().items()}
+    sft, rl = _weights(root / "sft"), _weights(root / "rl")
+    tower = [k for k in sft if ".visual." in k and ".merger." not in k]  # merger: connector
+    lm = [k for k in sft if ".language_model." in k]
+    assert tower and lm
+    assert all(torch.equal(sft[k], init[k]) for k in tower)  # sft: vision frozen
+    assert any(not torch.equal(sft[k], init[k]) for k in lm)  # the LM learns
+    assert all(torch.equal(rl[k], sft[k]) for k in tower)  # rl starts from sft, tower frozen
+    assert any(not torch.equal(rl[k], sft[k]) for k in lm)
+    steps = [
+        json.loads(x)
+        for x in (root / "rl" / "metrics.jsonl").read_text().splitlines()
+        if "train_reward_mean" in x
+    ]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert steps[-1]["train_kl"] > 0.0  # moved off its reference, the frozen sft model
+    rerun = run_pipeline(preset, over, root=root, report=False, **short)
+    assert [r["action"] for r in rerun] == ["skip", "skip"]
+    capsys.readouterr()
+    image = str(data / read_jsonl(data / "val.jsonl")[0]["image"])
+    assert main(["generate", "--checkpoint", str(root / "rl"), "--images", image]) == 0
+    assert json.loads(capsys.readouterr().out)["caption"]

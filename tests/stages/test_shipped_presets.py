@@ -22,6 +22,7 @@ from vltrain.config import load_config
 # lists of stages, not configs
 PIPELINES = (
     "pipeline.yaml",
+    "pipeline_hf_vlm.yaml",
     "pipeline_llava.yaml",
     "pipeline_smollm2_llava.yaml",
     "quickstart_pipeline.yaml",
