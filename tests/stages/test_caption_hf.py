@@ -623,3 +623,40 @@ def test_hf_vlm_pipeline_preset_runs_sft_then_rl(
     image = str(data / read_jsonl(data / "val.jsonl")[0]["image"])
     assert main(["generate", "--checkpoint", str(root / "rl"), "--images", image]) == 0
     assert json.loads(capsys.readouterr().out)["caption"]
+
+
+def test_lora_rl_starts_from_the_lora_sft_run_merged(
+    models: dict, data: Path, tmp_path: Path
+) -> None:
+    """model.init_from a LoRA run: its adapters are merged into the base, and the rl run's own
+    adapters start from that model, so its reference (adapters off) is the sft model: KL 0 at
+    the first step (the pre-sft base as reference would not give 0)."""
+    from transformers import AutoModelForImageTextToText
+
+    from vltrain.runs.pipeline import run_pipeline
+
+    over = [o for o in overrides("hf_vlm", models, data, tmp_path / "x") if "out_dir" not in o]
+    over += ["train.eval_every=0", "data.eval=", "model.lora_r=4", "model.lora_alpha=64"]
+    rl_over = ["rl.k=2", "rl.max_new_tokens=5", "rl.kl_coeff=0.1", "rl.entropy_coeff=1.0"]
+    short = {"stage_overrides": {"rl": rl_over}}
+    root = tmp_path / "root"
+    run_pipeline(REPO / "configs" / "pipeline_hf_vlm.yaml", over, root=root, report=False, **short)
+    steps = [
+        json.loads(x)
+        for x in (root / "rl" / "metrics.jsonl").read_text().splitlines()
+        if "train_kl" in x
+    ]
+    assert abs(steps[0]["train_kl"]) < 1e-6 and steps[-1]["train_kl"] > 1e-6
+    # the rl run's frozen base weights are the sft run's merged weights
+    assert main(["export", str(root / "sft"), "--format", "hf", "--out", str(tmp_path / "e")]) == 0
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "e").state_dict()
+    sft_lm = {k: v for k, v in merged.items() if "language_model" in k and "q_proj.weight" in k}
+    rl = _weights(root / "rl")
+    base = {k: v for k, v in rl.items() if "q_proj.base_layer.weight" in k}
+    assert len(base) == len(sft_lm) > 0
+    init = AutoModelForImageTextToText.from_pretrained(models["qwen2vl"]).state_dict()
+    for k, v in sft_lm.items():
+        ends = k.replace("q_proj.weight", "q_proj.base_layer.weight")
+        (rl_key,) = [b for b in base if b.endswith(ends)]
+        assert torch.equal(base[rl_key], v)
+        assert not torch.equal(v, init[k])  # sft's adapters moved it

@@ -111,6 +111,13 @@ class HFVLM(nn.Module):
         self.lora = dict(lora)
         self._freeze_unused()
 
+    def merge_lora(self) -> None:
+        """Fold the adapters into the base weights: every weight trainable again, as before
+        `add_lora` (a run started from a LoRA run's checkpoint)."""
+        self.model = self.model.merge_and_unload().requires_grad_(True)
+        self.lora = None
+        self._freeze_unused()
+
     def base_model(self) -> nn.Module:
         """The transformers model (LoRA layers stay injected in it)."""
         return self.model.get_base_model() if self.lora else self.model

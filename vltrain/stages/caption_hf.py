@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vltrain.config.core import ConfigError
+from vltrain.config.core import ConfigError, load_yaml
 from vltrain.config.schema import Config
 from vltrain.core import distributed
 from vltrain.core.checkpoint import load_weights, resolve_init
@@ -109,19 +109,28 @@ class HFCaptionCore:
             base = self._assemble_llava()
         model = hf_vlm.HFVLM(base, m.kind)
         if self.init_ckpt is not None:  # LoRA goes on after: this run's adapters start fresh
-            try:
-                load_weights(model, self.init_ckpt)
-            except RuntimeError as e:
-                raise ConfigError(
-                    f"model.init_from={self.init_ckpt} does not fit this model ({str(e)[:200]}"
-                    "...): it must be a caption run of the same model.kind and paths, without "
-                    "LoRA (start from its `vltrain export --format hf` folder as model.path)"
-                ) from None
+            self._load_init(model)
         if m.lora_r:
             lora = {"r": m.lora_r, "alpha": m.lora_alpha, "dropout": m.lora_dropout}
             model.add_lora({**lora, "target_modules": list(m.lora_targets)})
         model.freeze(m.freeze)
         return model
+
+    def _load_init(self, model: hf_vlm.HFVLM) -> None:
+        """`model.init_from`'s weights. A LoRA run's adapters are merged into the base first, so
+        this run starts from (and, with LoRA of its own, keeps as its reference) that model."""
+        lora = init_lora(self.init_ckpt)
+        try:
+            if lora:
+                model.add_lora(lora)
+            load_weights(model, self.init_ckpt)
+        except RuntimeError as e:
+            raise ConfigError(
+                f"model.init_from={self.init_ckpt} does not fit this model ({str(e)[:200]}"
+                "...): it must be a caption or rl run of the same model.kind and paths"
+            ) from None
+        if lora:
+            model.merge_lora()
 
     def _assemble_llava(self) -> nn.Module:
         from transformers import AutoConfig
@@ -242,3 +251,16 @@ def run_target(cfg: Config) -> tuple[nn.Module, str, int | None] | None:
     core.export_hf_files(Path(folder))
     base.config.save_pretrained(folder)
     return base.requires_grad_(False).eval(), folder, run_cfg.data.max_visual_tokens or None
+
+
+def init_lora(ckpt: Path) -> dict[str, Any] | None:
+    """The LoRA settings of the run owning checkpoint folder `ckpt` (None: full weights)."""
+    for parent in (ckpt, *ckpt.parents[:2]):
+        if (parent / "config.yaml").is_file():
+            m = load_yaml(parent / "config.yaml").get("model", {})
+            if not m.get("lora_r"):
+                return None
+            lora = {"r": m["lora_r"], "alpha": m.get("lora_alpha", 16.0)}
+            lora["dropout"] = m.get("lora_dropout", 0.0)
+            return lora | {"target_modules": m["lora_targets"]}
+    return None
