@@ -459,3 +459,38 @@ def _beam_output(fin: _Beams, plen: int, n: int, pad: int) -> GenerationOutput:
     seqs = seqs.masked_fill(~valid, pad)
     tok_lp = tok_lp.masked_fill(~valid, 0.0)
     return GenerationOutput(seqs, lengths, tok_lp, fin.scores[:, :n].reshape(-1))
+
+
+def rollouts(
+    policy: torch.nn.Module,
+    target: DecodeTarget,
+    inputs: dict[str, Any],
+    k: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+    greedy: bool = False,
+) -> tuple[GenerationOutput, GenerationOutput | None]:
+    """RL rollouts: ``k`` nucleus samples per prompt from ``target`` (the ``policy`` in eval
+    mode, no dropout; its training mode restored after), and the greedy decode too when
+    ``greedy`` (a self-critical baseline)."""
+    was_training = policy.training
+    policy.eval()
+    try:
+        out = generate(
+            target,
+            dict(inputs),
+            "sample",
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            num_return_sequences=k,
+            generator=generator,
+        )
+        best = None
+        if greedy:
+            best = generate(target, dict(inputs), "greedy", max_new_tokens=max_new_tokens)
+    finally:
+        policy.train(was_training)
+    return out, best

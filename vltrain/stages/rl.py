@@ -43,7 +43,7 @@ from vltrain.engine.task import StepOutput
 from vltrain.eval.captions import metric_names
 from vltrain.inference.captioner_target import CaptionerTarget
 from vltrain.inference.captioning import left_pad
-from vltrain.inference.decoding import generate
+from vltrain.inference.decoding import rollouts
 from vltrain.models.backbones import build_captioner, load_initial_weights
 from vltrain.objectives.caption_shaping import caption_stats, length_penalty
 from vltrain.objectives.reference import (
@@ -215,29 +215,11 @@ class RLStage:
                 "positions; shorten caption.prompt or raise data.max_text_len"
             )
         inputs = {"images": batch["images"], "input_ids": ids, "attention_mask": pmask}
-        was_training = policy.training
-        policy.eval()  # sample from the policy itself: no dropout
-        try:
-            out = generate(
-                CaptionerTarget(policy),
-                inputs,
-                "sample",
-                max_new_tokens=min(r.max_new_tokens, room),
-                temperature=r.temperature,
-                top_p=r.top_p,
-                num_return_sequences=k,
-                generator=gen,
-            )
-            greedy = None
-            if r.baseline == "greedy":
-                greedy = generate(
-                    CaptionerTarget(policy),
-                    inputs,
-                    "greedy",
-                    max_new_tokens=min(r.max_new_tokens, room),
-                )
-        finally:
-            policy.train(was_training)
+        new, greedy_too = min(r.max_new_tokens, room), r.baseline == "greedy"
+        target = CaptionerTarget(policy)
+        out, greedy = rollouts(
+            policy, target, inputs, k, new, r.temperature, r.top_p, gen, greedy_too
+        )
         res = {"ids": ids, "pmask": pmask, "seq": out.sequences, "len": out.lengths}
         if greedy is not None:
             res["greedy_texts"] = self._decode(greedy.sequences, greedy.lengths)

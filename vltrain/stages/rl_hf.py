@@ -27,7 +27,7 @@ from vltrain.config.core import ConfigError
 from vltrain.config.schema import Config
 from vltrain.data.batches import CaptionBatch
 from vltrain.data.images import BadSample, check_text
-from vltrain.inference.decoding import generate
+from vltrain.inference.decoding import rollouts
 from vltrain.inference.vlm_captioning import end_tokens, left_pad_prompts
 from vltrain.inference.vlm_target import HFVLMTarget
 from vltrain.models.hf_vlm import GRID_VLMS, HFVLM
@@ -149,24 +149,9 @@ class HFRollouts:
                 f"{target.max_positions} positions; use fewer visual tokens or a shorter prompt"
             )
         new = r.max_new_tokens if room is None else min(r.max_new_tokens, room)
-        was_training = policy.training
-        policy.eval()  # sample from the policy itself: no dropout
-        try:
-            out = generate(
-                target,
-                dict(inputs),
-                "sample",
-                max_new_tokens=new,
-                temperature=r.temperature,
-                top_p=r.top_p,
-                num_return_sequences=k,
-                generator=gen,
-            )
-            greedy = None
-            if r.baseline == "greedy":
-                greedy = generate(target, dict(inputs), "greedy", max_new_tokens=new)
-        finally:
-            policy.train(was_training)
+        out, greedy = rollouts(
+            policy, target, inputs, k, new, r.temperature, r.top_p, gen, r.baseline == "greedy"
+        )
         res: dict[str, Any] = {"ids": inputs["input_ids"], "pmask": inputs["attention_mask"]}
         res |= {"seq": out.sequences, "len": out.lengths}
         if greedy is not None:
