@@ -34,13 +34,16 @@ def _data(shapes_dir: Path, tmp_path: Path, n: int = 16) -> tuple[Path, list[str
     return data, [str(data / json.loads(x)["image"]) for x in lines[:4]]
 
 
-def _overrides(vlm_dir: str, data: Path, run: Path) -> list[str]:
+def _overrides(
+    vlm_dir: str | Path, data: Path, run: Path, eval_file: str = "train.jsonl"
+) -> list[str]:
+    """A 3-step drafter run against an hf_vlm target (a directory or a caption run)."""
     return [
         f"run.out_dir={run}",
         "model.kind=hf_vlm",
         f"model.target={vlm_dir}",
         f"data.train={data}/train.jsonl",
-        f"data.eval={data}/train.jsonl",
+        f"data.eval={data}/{eval_file}",
         "data.batch_size=4",
         "train.max_steps=3",
         "train.eval_every=0",

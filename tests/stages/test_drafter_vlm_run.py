@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.stages.test_caption_hf import PRESET, data, models, overrides  # noqa: F401 (fixtures)
+from tests.stages.test_drafter_vlm import _overrides as drafter_overrides
 from vltrain.cli import main
 from vltrain.data.readers import read_jsonl
 
@@ -18,24 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _drafter_overrides(target: Path, data: Path, run: Path) -> list[str]:  # noqa: F811
-    return [
-        f"run.out_dir={run}",
-        "model.kind=hf_vlm",
-        f"model.target={target}",
-        f"data.train={data}/train.jsonl",
-        f"data.eval={data}/val.jsonl",
-        "data.batch_size=4",
-        "train.max_steps=3",
-        "train.eval_every=0",
-        "train.save_every=0",
-        "optim.warmup_steps=1",
-        "log.progress=false",
-        "log.tensorboard=false",
-        "drafter.block_size=4",
-        "drafter.eval_prompts=3",
-        "drafter.eval_max_new_tokens=8",
-        "drafter.eval_tree_budget=6",
-    ]
+    return drafter_overrides(target, data, run, eval_file="val.jsonl")
 
 
 @pytest.mark.parametrize("kind", ["llava", "hf_vlm"])
