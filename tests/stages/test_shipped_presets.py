@@ -39,29 +39,34 @@ VLM = {
 }
 
 
-@pytest.fixture(scope="module")
-def caption_run(shapes_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 1-step caption_finetune run: the `model.init_from` the rl preset needs."""
+def one_step_run(preset_name: str, out: Path, train: Path, **extra: object) -> Path:
+    """A 1-step run of a shipped preset in `out` (what a later stage's `model.init_from` needs)."""
     from vltrain.cli import main
 
-    out = tmp_path_factory.mktemp("caption_init")
     over = {
         "run.out_dir": out,
-        "data.train": shapes_dir / "train.jsonl",
+        "data.train": train,
         "data.eval": "",
-        "data.tokenizer_vocab": 400,
         "data.num_workers": 0,
-        "model.init_from": "",
         "train.max_steps": 1,
         "train.save_every": 1,
         "train.eval_every": 0,
         "optim.warmup_steps": 0,
         "log.progress": False,
         "log.tensorboard": False,
+        **extra,
     }
-    preset = next(p for p in PRESETS if p.name == "caption_finetune.yaml")
+    preset = next(p for p in PRESETS if p.name == preset_name)
     assert main(["train", str(preset), *[f"{k}={v}" for k, v in over.items()]]) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def caption_run(shapes_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 1-step caption_finetune run: the `model.init_from` the rl preset needs."""
+    extra = {"data.tokenizer_vocab": 400, "model.init_from": ""}
+    out = tmp_path_factory.mktemp("caption_init")
+    return one_step_run("caption_finetune.yaml", out, shapes_dir / "train.jsonl", **extra)
 
 
 @pytest.fixture(scope="module")
@@ -84,26 +89,9 @@ def llava_caption_run(
     llava_parts: dict, shapes_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
     """A 1-step caption_llava run: the `model.init_from` rl_llava.yaml needs."""
-    from vltrain.cli import main
-
     out = tmp_path_factory.mktemp("llava_init")
-    over = {
-        "run.out_dir": out,
-        "data.train": shapes_dir / "train.jsonl",
-        "data.eval": "",
-        "data.batch_size": 2,
-        "data.num_workers": 0,
-        "train.max_steps": 1,
-        "train.save_every": 1,
-        "train.eval_every": 0,
-        "optim.warmup_steps": 0,
-        "log.progress": False,
-        "log.tensorboard": False,
-        **llava_parts,
-    }
-    preset = next(p for p in PRESETS if p.name == "caption_llava.yaml")
-    assert main(["train", str(preset), *[f"{k}={v}" for k, v in over.items()]]) == 0
-    return out
+    extra = {"data.batch_size": 2, **llava_parts}
+    return one_step_run("caption_llava.yaml", out, shapes_dir / "train.jsonl", **extra)
 
 
 @pytest.fixture(scope="module")
