@@ -30,6 +30,7 @@ from torch.utils.data import Dataset
 
 from vltrain.data.batches import CaptionBatch
 from vltrain.data.caption_data import read_caption_source
+from vltrain.data.chat import IGNORE_INDEX
 from vltrain.data.hf_collate import to_pil
 from vltrain.data.images import BadSample, check_text
 from vltrain.data.readers import DataError
@@ -37,7 +38,6 @@ from vltrain.data.records import as_key, caption_index
 from vltrain.data.sources import Source, load_source_image
 from vltrain.data.visual_tokens import read_patch_grid, resize_for_budget
 
-IGNORE_INDEX = -100
 GRID_VLMS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 Message = dict[str, str]
 

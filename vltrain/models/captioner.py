@@ -23,12 +23,11 @@ from typing import Any
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vltrain.data.chat import IGNORE_INDEX
 from vltrain.models.connectors import Connector, ConnectorDims, build_connector
 from vltrain.models.presets import text_config, vision_config
 from vltrain.models.text import CausalDecoder
 from vltrain.models.vit import VisionTower
-
-IGNORE_INDEX = -100
 
 
 def next_token_loss(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
