@@ -131,7 +131,10 @@ def draft_attention_mask(
 def rotate(x: Tensor, pos: Tensor, theta: float) -> Tensor:
     """RoPE (half-split) of x (B, H, T, Dh) at integer positions pos (B, T)."""
     half = x.shape[-1] // 2
-    freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)  # (Dh/2,)
+    # transformers' rotary frequencies, to the last bit: the engines serving an export compute
+    # them so (theta ** (-i / half) differs by an ulp, 4e-6 rad at position 60 for Dh 144)
+    even = torch.arange(0, 2 * half, 2, device=x.device, dtype=torch.int64).float()
+    freq = 1.0 / (theta ** (even / (2 * half)))  # (Dh/2,)
     ang = pos.float()[:, None, :, None] * freq  # (B, 1, T, Dh/2)
     cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
