@@ -198,9 +198,10 @@ def test_an_output_folder_holding_an_export_is_refused_unless_forced(qwen3, tmp_
 
 
 def test_an_exported_drafter_imports_and_decodes_like_the_original(tmp_path, capsys) -> None:
-    """Train a dflash-arch drafter (reduced vocabulary) with the stage, export it, decode with
-    `generate --draft EXPORT`: the same lines and tau as `--draft RUN`; the imported drafter's
-    logits equal the original's, and an export with the layer offset off by one does not."""
+    """Train a drafter of an HF LM with the stage's default architecture (auto: dflash) and a
+    reduced vocabulary, export it, decode with `generate --draft EXPORT`: the same lines and tau
+    as `--draft RUN`; the imported drafter's logits equal the original's, and an export with the
+    layer offset off by one does not."""
     from tests.stages.drafter_fixtures import TEXTS, tiny_lm
     from vltrain.models.drafter import SharedParts, load_drafter
 
@@ -210,7 +211,7 @@ def test_an_exported_drafter_imports_and_decodes_like_the_original(tmp_path, cap
     run = tmp_path / "run"
     from tests.stages.test_drafter_stage import _train_args
 
-    args = _train_args(lm, tmp_path, run, "drafter.arch=dflash", "drafter.draft_vocab=64")
+    args = _train_args(lm, tmp_path, run, "drafter.draft_vocab=64")  # drafter.arch: auto
     args = [a.replace(f"{tmp_path}/answers.jsonl", str(data)) for a in args]
     args += ["drafter.layer_ids=[1,3]", "drafter.eval_prompts=0"]
     assert main(args) == 0
@@ -231,6 +232,7 @@ def test_an_exported_drafter_imports_and_decodes_like_the_original(tmp_path, cap
     assert lines[0] == lines[1] and taus[0] == taus[1]
 
     original, _ = load_drafter(run)
+    assert original.cfg.qk_norm and not original.cfg.learned_mask  # auto: the engines' layers
     imported, target = load_drafter(out)
     assert target["format"] == "speculators" and imported.cfg.draft_vocab == 64
     assert torch.equal(imported.vocab_ids, original.vocab_ids)
@@ -300,3 +302,23 @@ def test_a_vltrain_drafter_export_travels_with_its_target_and_checks_its_config(
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the loading bar
     assert err.startswith("vltrain: error: the drafter") and "another target" in err, err
     assert "config sha256" in err and str(moved / "lm") in err
+
+
+def test_auto_arch_is_dflash_for_an_hf_lm_target_and_vltrain_for_the_others() -> None:
+    """`drafter.arch: auto` (the default) trains what the serving engines load where they can
+    load it (an HF causal LM's drafter), vltrain's layers for a captioner's or an HF VLM's; an
+    explicit choice stands."""
+    from vltrain.config.schema import Config
+    from vltrain.stages.drafter import drafter_arch
+
+    def arch(kind: str, chosen: str = "") -> str:
+        cfg = Config()
+        cfg.model.kind = kind
+        if chosen:
+            cfg.drafter.arch = chosen
+        return drafter_arch(cfg)
+
+    assert Config().drafter.arch == "auto"
+    assert arch("hf_lm") == "dflash"
+    assert arch("captioner") == arch("hf_vlm") == "vltrain"
+    assert arch("hf_lm", "vltrain") == "vltrain" and arch("captioner", "dflash") == "dflash"

@@ -722,12 +722,14 @@ class DrafterConfig:
     heads: int = option(0, "Drafter: attention heads (0: width // 64, at least 2).", ge=0)
     mlp_ratio: float = option(2.0, "Drafter: SwiGLU hidden size / width.", gt=0.0)
     arch: str = option(
-        "vltrain",
-        "Drafter layers: vltrain (a learned mask embedding, no q/k norm) or dflash (Qwen3 layers "
-        "with q/k norm, eps 1e-6, the target's embedding of the mask token: the architecture "
-        "the speculators (vLLM) and DFlash (SGLang) formats describe, so `vltrain export "
-        "--format speculators|dflash` can write it).",
-        choices=("vltrain", "dflash"),
+        "auto",
+        "Drafter layers: dflash (Qwen3 layers with q/k norm, eps 1e-6, the target's embedding "
+        "of the mask token: the architecture the speculators (vLLM) and DFlash (SGLang) formats "
+        "describe, so `vltrain export --format speculators|dflash` can write it), vltrain (a "
+        "learned mask embedding, no q/k norm; decoded by vltrain only), or auto: dflash for an "
+        "HF causal LM target (model.kind hf_lm), vltrain for a captioner or an HF VLM, which "
+        "those formats do not describe.",
+        choices=("auto", "vltrain", "dflash"),
     )
     target_layers: int = option(
         3, "Drafter: target layers read (evenly spaced over [1, L-3], DFlash's rule).", ge=1

@@ -63,6 +63,14 @@ EVAL_METRICS = (
 )
 
 
+def drafter_arch(cfg: Config) -> str:
+    """``drafter.arch`` resolved: auto is dflash (the serving engines' architecture) for an HF
+    causal LM target, vltrain for a captioner's or an HF VLM's, which the formats do not cover."""
+    if cfg.drafter.arch != "auto":
+        return cfg.drafter.arch
+    return "dflash" if cfg.model.kind == "hf_lm" else "vltrain"
+
+
 def gamma_of(cfg: Config) -> float:
     """The configured gamma, or the one derived from the block size."""
     d = cfg.drafter
@@ -135,7 +143,7 @@ class DrafterStage:
             block_size=d.block_size,
             mask_token_id=t.pad_token_id,
             draft_vocab=self._vocab_size(),
-            **DRAFTER_ARCHS[d.arch],
+            **DRAFTER_ARCHS[drafter_arch(self.cfg)],
         )
         init = self.cfg.model.init_from
         imported = drafter_to_continue(init, dcfg) if init else None
