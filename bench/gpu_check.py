@@ -469,7 +469,9 @@ def _target_lm(args: argparse.Namespace) -> Path | None:
 
 
 def check_drafter_smollm2(args: argparse.Namespace) -> tuple[str, str]:
-    """Regenerate answers, train a block-8 drafter, time speculative vs HF greedy decoding."""
+    """Regenerate answers, train a block-8 drafter (the whole vocabulary, so that both engine
+    formats can hold it), export it as speculators and as DFlash and decode with each export
+    loaded back (the same tokens and tau as the run), time speculative vs HF greedy decoding."""
     import importlib.util
 
     if _absent(args):
@@ -498,12 +500,24 @@ def check_drafter_smollm2(args: argparse.Namespace) -> tuple[str, str]:
     over += [f"drafter.eval_prompts={len(bd.HELD_OUT)}", "log.progress=false"]
     over += [f"drafter.eval_max_new_tokens={args.drafter_max_new}", "log.tensorboard=false"]
     over += [f"optim.warmup_steps={max(1, steps // 20)}", "data.num_workers=2"]
+    over += ["drafter.draft_vocab=0"]  # the dflash format has no draft vocabulary map
     cfg = str(PRESETS / "drafter_smollm2.yaml")
     res = _run([sys.executable, "-m", "vltrain", "train", cfg, *over], 900)
     if res.returncode:
         return "FAILED", "train: " + _tail(res)
     summary = json.loads((run / "summary.json").read_text())
     val = summary.get("val", {})
+    exports = {}
+    for fmt in ("speculators", "dflash"):  # the drafter's default architecture exports
+        out = work / f"export_{fmt}"
+        cmd = [sys.executable, "-m", "vltrain", "export", str(run), "--format", fmt]
+        cmd += ["--out", str(out), "--force"]
+        if g.suffix == ".gguf":  # the engines load the HF model the GGUF was made from
+            cmd += ["--target-id", "HuggingFaceTB/SmolLM2-135M-Instruct"]
+        res = _run(cmd, 300)
+        if res.returncode:
+            return "FAILED", f"export --format {fmt}: " + _tail(res)
+        exports[fmt] = out
     from vltrain.inference.hf_target import load_hf_causal_lm
 
     model, tok = load_hf_causal_lm(g)
@@ -529,6 +543,14 @@ def check_drafter_smollm2(args: argparse.Namespace) -> tuple[str, str]:
         said.append(
             f"{name} tau {rs[0]['tau']:.2f} {base_s / sec:.2f}x"
             f" ({'identical' if same else 'DIFFERS from HF greedy'})"
+        )
+    for fmt, out in exports.items():  # loaded back as `--draft EXPORT` loads it
+        r = bd.spec_generate(model, tok, out, bd.HELD_OUT, args.drafter_max_new, 0)
+        same = r["ids"] == greedy[0]["ids"] and r["tau"] == rows[0][0]["tau"]
+        lossless &= same
+        said.append(
+            f"{fmt} export reloaded: chain tau {r['tau']:.2f}"
+            f" ({'same tokens and tau as the run' if same else 'DIFFERS from the run'})"
         )
     return ("ok" if lossless else "FAILED"), "; ".join(said)
 

@@ -43,3 +43,22 @@ def test_interleaving_rotates_the_order_and_merges_per_prompt_results() -> None:
     assert b["draft_ms_per_round"] == pytest.approx((2 * 3 + 4 * 6 + 6 * 9) / 18)
     assert b["share_rounds_ge4"] == pytest.approx(0.5)
     assert b["tokens_per_s"] == pytest.approx(30 / 9)
+
+
+def test_the_timing_prompts_share_no_topic_with_any_prompt_that_trains_or_picks_a_drafter() -> None:
+    """The timed speed-up is measured on prompts nothing was trained, evaluated or chosen on: not
+    the training prompts, not HELD_OUT (the run's eval, which picks the checkpoint), not the 64
+    held-out prompts (the reported tau) nor the 64 tuning prompts (decoding settings)."""
+    m = load_bench("bench_drafter")
+    h = load_bench("bench_drafter_heldout")
+    qs = m.timing_prompts()
+    assert len(qs) == len(set(qs)) == 16
+    others = [*m.PROMPTS, *m.HELD_OUT, *h.held_out_prompts(), *h.tuning_prompts()]
+    text = " ".join(others).lower()
+    assert not set(qs) & set(others)
+    assert all(t not in text for t in m.TIMING_TOPICS)
+    assert all(any(t in q for q in qs) for t in m.TIMING_TOPICS)
+    # the check refuses a topic another set uses
+    m.TIMING_TOPICS[0] = "tides"
+    with pytest.raises(SystemExit, match="tides"):
+        m.timing_prompts()
