@@ -765,6 +765,9 @@ def main() -> None:
     p.add_argument(
         "--export", action="store_true", help="also time each run's speculators export, imported"
     )
+    p.add_argument(
+        "--no-train", action="store_true", help="train nothing: time the --also runs only"
+    )
     p.add_argument("--also", default="", help="trained run folders to time too (comma list)")
     p.add_argument(
         "--forwards", default="hf,native", help="target forwards to time: hf, native (comma list)"
@@ -797,7 +800,8 @@ def main() -> None:
         if int(json.loads(x)["id"]) < len(prompts)
     ]
     (out / f"answers_p{len(prompts)}.jsonl").write_text("\n".join(first) + "\n")
-    runs = train_grid(args, out, args.target or g) + [Path(r) for r in args.also.split(",") if r]
+    runs = [] if args.no_train else train_grid(args, out, args.target or g)
+    runs += [Path(r) for r in args.also.split(",") if r]
     res["curves"] = {r.name: curve(r) for r in runs}
     assistant = None
     if args.assistant_steps > 0:

@@ -309,14 +309,10 @@ def test_auto_arch_is_dflash_for_an_hf_lm_target_and_vltrain_for_the_others() ->
     load it (an HF causal LM's drafter), vltrain's layers for a captioner's or an HF VLM's; an
     explicit choice stands."""
     from vltrain.config.schema import Config
-    from vltrain.stages.drafter import drafter_arch
+    from vltrain.models.drafter import drafter_arch
 
     def arch(kind: str, chosen: str = "") -> str:
-        cfg = Config()
-        cfg.model.kind = kind
-        if chosen:
-            cfg.drafter.arch = chosen
-        return drafter_arch(cfg)
+        return drafter_arch(chosen or Config().drafter.arch, kind)
 
     assert Config().drafter.arch == "auto"
     assert arch("hf_lm") == "dflash"

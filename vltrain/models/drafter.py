@@ -42,6 +42,20 @@ DRAFTER_ARCHS = {  # drafter.arch -> the DrafterConfig fields it sets
 }
 
 
+def drafter_arch(arch: str, target_kind: str) -> str:
+    """``drafter.arch`` resolved: auto is dflash (the serving engines' architecture) for an HF
+    causal LM target (``hf_lm``), vltrain for a captioner's or an HF VLM's, which the formats
+    do not describe."""
+    if arch != "auto":
+        return arch
+    return "dflash" if target_kind == "hf_lm" else "vltrain"
+
+
+def arch_fields(arch: str, target_kind: str) -> dict[str, object]:
+    """The DrafterConfig fields of ``drafter.arch`` (auto resolved for ``target_kind``)."""
+    return DRAFTER_ARCHS[drafter_arch(arch, target_kind)]
+
+
 @dataclass
 class DrafterConfig:
     """Dimensions of a drafter; ``width`` and ``vocab_size`` are the target's."""

@@ -43,10 +43,10 @@ from vltrain.inference.draft_target import (
 )
 from vltrain.inference.target import stop_ids
 from vltrain.models.drafter import (
-    DRAFTER_ARCHS,
     Drafter,
     DrafterConfig,
     SharedParts,
+    arch_fields,
     draft_vocab_ids,
     drafter_to_continue,
     save_drafter_meta,
@@ -61,14 +61,6 @@ EVAL_METRICS = (
     *("eval_streak8", "eval_label_agreement", "eval_vocab_coverage", "eval_labels_not_target"),
     "eval_*",
 )
-
-
-def drafter_arch(cfg: Config) -> str:
-    """``drafter.arch`` resolved: auto is dflash (the serving engines' architecture) for an HF
-    causal LM target, vltrain for a captioner's or an HF VLM's, which the formats do not cover."""
-    if cfg.drafter.arch != "auto":
-        return cfg.drafter.arch
-    return "dflash" if cfg.model.kind == "hf_lm" else "vltrain"
 
 
 def gamma_of(cfg: Config) -> float:
@@ -143,7 +135,7 @@ class DrafterStage:
             block_size=d.block_size,
             mask_token_id=t.pad_token_id,
             draft_vocab=self._vocab_size(),
-            **DRAFTER_ARCHS[drafter_arch(self.cfg)],
+            **arch_fields(d.arch, self.cfg.model.kind),
         )
         init = self.cfg.model.init_from
         imported = drafter_to_continue(init, dcfg) if init else None
