@@ -23,6 +23,12 @@ drafter (every weight random, norms included) is saved as a vltrain checkpoint a
   mask tokens at the end of the context, the last K - 1 slots scored by the target's head):
   strict keys, same tolerance, one block per anchor.
 
+With ``--smollm2 DIR`` (SmolLM2-135M as an HF folder) the same checks run on the real target
+with random drafters (full and 16,384-token vocabularies), and with ``--run RUN`` on a trained
+drafter of it; each such case also prints vltrain's own fp32 error and each consumer's against
+vltrain's float64 logits of the same weights and target features, and a gap above 1e-5 but within
+twice vltrain's own fp32 error is reported as ``fp32-bound``.
+
 Negative controls, each must be detected (max |diff| > 1e-3): an export whose layer ids are
 off by one (speculators' ids = vltrain's), one with ``sample_from_anchor`` flipped, and a dflash
 export read with speculators' offset.
@@ -94,18 +100,19 @@ def tiny_target(arch: str, folder: Path) -> torch.nn.Module:
     return model.eval()
 
 
-def make_case(arch: str, draft_vocab: int, root: Path, block: int = 4) -> Case:
-    """A random dflash-arch drafter (2 layers) of a fresh tiny target, every weight random."""
-    target_dir = root / f"{arch}-target"
-    model = tiny_target(arch, target_dir)
+def random_drafter(
+    width: int, vocab: int, layer_ids: list[int], block: int, mask_id: int, draft_vocab: int
+) -> Drafter:
+    """A random 2-layer ``drafter.arch: dflash`` drafter, every weight random (norms included,
+    drawn around 1 so that a swapped norm shows), with a random draft vocabulary if asked."""
     cfg = DrafterConfig(
-        width=WIDTH,
-        vocab_size=V,
-        target_layer_ids=[1, 3, 4],
+        width=width,
+        vocab_size=vocab,
+        target_layer_ids=layer_ids,
         layers=2,
         heads=4,
         block_size=block,
-        mask_token_id=7,
+        mask_token_id=mask_id,
         draft_vocab=draft_vocab,
         qk_norm=True,
         learned_mask=False,
@@ -116,14 +123,22 @@ def make_case(arch: str, draft_vocab: int, root: Path, block: int = 4) -> Case:
     with torch.no_grad():
         for name, p in d.named_parameters():
             if "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))  # norms away from 1: a swap shows
-    head = model.get_output_embeddings()
-    d.share(SharedParts(model.get_input_embeddings(), head, lambda: (head.weight, None)))
+                p.copy_(1 + 0.3 * torch.randn_like(p))
     if draft_vocab:
         g = torch.Generator().manual_seed(2)
-        d.set_vocab(torch.randperm(V, generator=g)[:draft_vocab].sort().values)
+        d.set_vocab(torch.randperm(vocab, generator=g)[:draft_vocab].sort().values)
+    return d
+
+
+def make_case(arch: str, draft_vocab: int, root: Path, block: int = 4) -> Case:
+    """A random dflash-arch drafter (2 layers) of a fresh tiny target, every weight random."""
+    target_dir = root / f"{arch}-target"
+    model = tiny_target(arch, target_dir)
+    d = random_drafter(WIDTH, V, [1, 3, 4], block, 7, draft_vocab)
+    head = model.get_output_embeddings()
+    d.share(SharedParts(model.get_input_embeddings(), head, lambda: (head.weight, None)))
     ids = torch.randint(3, V, (1, 24), generator=torch.Generator().manual_seed(3))
-    ids[0, 5] = cfg.mask_token_id  # an anchor equal to the mask token stays itself
+    ids[0, 5] = d.cfg.mask_token_id  # an anchor equal to the mask token stays itself
     return Case(f"{arch}, {'V' if not draft_vocab else draft_vocab}", target_dir, model, d, ids)
 
 
@@ -290,28 +305,8 @@ def smollm2_case(target_dir: Path, draft_vocab: int, run: str = "") -> Case:
         d, _ = load_drafter(run)
         name = f"SmolLM2-135M, trained {Path(run).name}"
     else:
-        cfg = DrafterConfig(
-            width=model.config.hidden_size,
-            vocab_size=model.config.vocab_size,
-            target_layer_ids=[1, 14, 27],
-            layers=2,
-            heads=4,
-            block_size=8,
-            mask_token_id=0,
-            draft_vocab=draft_vocab,
-            qk_norm=True,
-            learned_mask=False,
-            norm_eps=1e-6,
-        )
-        torch.manual_seed(1)
-        d = Drafter(cfg)
-        with torch.no_grad():
-            for pname, prm in d.named_parameters():
-                if "norm" in pname:
-                    prm.copy_(1 + 0.3 * torch.randn_like(prm))
-        if draft_vocab:
-            g = torch.Generator().manual_seed(2)
-            d.set_vocab(torch.randperm(cfg.vocab_size, generator=g)[:draft_vocab].sort().values)
+        c = model.config
+        d = random_drafter(c.hidden_size, c.vocab_size, [1, 14, 27], 8, 0, draft_vocab)
         name = f"SmolLM2-135M, random, {'V' if not draft_vocab else draft_vocab}"
     head = model.get_output_embeddings()
     d.share(SharedParts(model.get_input_embeddings(), head, lambda: (head.weight, None)))
