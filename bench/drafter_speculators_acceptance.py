@@ -109,6 +109,14 @@ def consumer_decode(
     return new, rounds
 
 
+def prompt_ids(tok, prompt: str) -> list[int]:
+    """The chat template's user turn + generation prompt, as `vltrain generate` encodes it."""
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
 def flipped_control(export: Path, target, tok, prompts, ours: dict, args, stops) -> dict:
     """The negative control: the export with ``sample_from_anchor`` flipped, read by the consumer
     (vltrain refuses such a checkpoint), must accept differently from vltrain on some prompt:
@@ -122,19 +130,13 @@ def flipped_control(export: Path, target, tok, prompts, ours: dict, args, stops)
         shutil.copytree(export, copy)
         cfg = json.loads((copy / "config.json").read_text())
         cfg["sample_from_anchor"] = not cfg["sample_from_anchor"]
+        verifier = cfg["speculators_config"]["verifier"]  # a relative path: from the export
+        verifier["name_or_path"] = str((export / verifier["name_or_path"]).resolve())
         (copy / "config.json").write_text(json.dumps(cfg, indent=1))
-        verifier = cfg["speculators_config"]["verifier"]
-        if not Path(verifier["name_or_path"]).is_absolute():  # relative to the export
-            verifier["name_or_path"] = str((export / verifier["name_or_path"]).resolve())
-            (copy / "config.json").write_text(json.dumps(cfg, indent=1))
         drafter = load_consumer(copy)
         taus = []
         for q in prompts:
-            text = tok.apply_chat_template(
-                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
-            )
-            ids = tok(text, add_special_tokens=False)["input_ids"]
-            _, rounds = consumer_decode(target, drafter, ids, args.max_new, stops)
+            _, rounds = consumer_decode(target, drafter, prompt_ids(tok, q), args.max_new, stops)
             taus.append(sum(rounds) / max(len(rounds), 1))
     theirs = ours["stats"]["row_tau"][: len(prompts)]
     return {
@@ -189,10 +191,7 @@ def main() -> int:
     stops = set(eos if isinstance(eos, list) else [eos])
     rows = []
     for i, q in enumerate(prompts):
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
-        )
-        ids = tok(text, add_special_tokens=False)["input_ids"]
+        ids = prompt_ids(tok, q)
         new, rounds = consumer_decode(target, drafter, ids, args.max_new, stops)
         ref = target.generate(
             torch.tensor([ids]), max_new_tokens=args.max_new, do_sample=False, num_beams=1
