@@ -402,24 +402,6 @@ def train_assistant(model, tok, answers: Path, layers: int, steps: int, out: Pat
     return small.eval()
 
 
-class Timer:
-    """Seconds spent inside the wrapped functions (drafting; target verification; the greedy
-    walk, which scores the nodes it visits with the LM head; the cache compaction to the
-    accepted path)."""
-
-    def __init__(self) -> None:
-        self.draft = self.verify = self.walk = self.select = 0.0
-
-    def wrap(self, fn, name: str):
-        def timed(*a, **k):
-            t = time.perf_counter()
-            out = fn(*a, **k)
-            setattr(self, name, getattr(self, name) + time.perf_counter() - t)
-            return out
-
-        return timed
-
-
 @torch.no_grad()
 def native_generate(target, tok, prompts: list[str], max_new: int) -> dict:
     """Greedy decoding through vltrain's native Llama forward (``NativeTarget``), one prompt at
@@ -470,30 +452,23 @@ def spec_generate(
         target = kind(model, drafter.cfg.target_layer_ids)
         _BUILT[(run, forward)] = (attach(drafter, target), target)
     drafter, target = _BUILT[(run, forward)]
-    timer, orig_draft, orig_walks = Timer(), speculative._draft, speculative._greedy_walks
-    speculative._draft = timer.wrap(orig_draft, "draft")
-    speculative._greedy_walks = timer.wrap(orig_walks, "walk")
-    target.verify = timer.wrap(target.verify, "verify")
-    target.select = timer.wrap(target.select, "select")
-    rows, accepted = [], []
+    rows, accepted, phases = [], [], []
     _sync(dev)
     t = time.perf_counter()
-    try:
-        for q in prompts:
-            ids = torch.tensor([chat_prompt_ids(tok, q)], device=dev)
-            out, st = speculative.speculative_generate(
-                target,
-                drafter,
-                {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-                max_new,
-                tree_budget=budget,
-                tree_shape=tree_shape,
-            )
-            rows.append(out[0])
-            accepted.append(st.accepted[0])
-    finally:
-        speculative._draft, speculative._greedy_walks = orig_draft, orig_walks
-        del target.verify, target.select  # the class's methods again (the target is reused)
+    for q in prompts:
+        ids = torch.tensor([chat_prompt_ids(tok, q)], device=dev)
+        out, st = speculative.speculative_generate(
+            target,
+            drafter,
+            {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+            max_new,
+            tree_budget=budget,
+            tree_shape=tree_shape,
+            timed=True,  # each round's parts, as `generate --spec auto` prices them
+        )
+        rows.append(out[0])
+        accepted.append(st.accepted[0])
+        phases += st.phases
     _sync(dev)
     sec = time.perf_counter() - t
     rounds = sum(len(a) for a in accepted)
@@ -508,10 +483,10 @@ def spec_generate(
         "rounds": rounds,
         "share_rounds_ge4": streak[0],
         "share_rounds_ge8": streak[1],
-        "draft_ms_per_round": 1000 * timer.draft / max(rounds, 1),
-        "verify_ms_per_round": 1000 * timer.verify / max(rounds, 1),
-        "walk_ms_per_round": 1000 * timer.walk / max(rounds, 1),
-        "select_ms_per_round": 1000 * timer.select / max(rounds, 1),
+        **{
+            f"{p}_ms_per_round": 1000 * sum(r[p] for r in phases) / max(len(phases), 1)
+            for p in speculative.PHASES
+        },
         "ids": rows,
     }
 
@@ -908,9 +883,12 @@ def summarize(
     between repeats, as a shared VM's does.
 
     ``predicted_speedup`` prices a round with the start-of-run probe (``verify_costs``: one
-    forward after a fresh prefill); ``predicted_from_rounds`` with the draft and verify times
-    measured in the run itself against HF greedy's own time per token (``greedy_ms``).
+    forward after a fresh prefill); ``predicted_from_rounds`` with every part of a round
+    (``speculative.PHASES``: draft, verify, walk, compaction) measured in the run itself
+    against HF greedy's own time per token (``greedy_ms``).
     """
+    from vltrain.inference.speculative import PHASES
+
     table = {}
     for r in rows:
         table.setdefault((r["run"], r["budget"], r["forward"]), []).append(r)
@@ -918,8 +896,7 @@ def summarize(
     for (run, budget, forward), rs in table.items():
         sec = sorted(x["seconds"] for x in rs)[len(rs) // 2]
         first = rs[0]
-        round_ms = first["draft_ms_per_round"] + first["verify_ms_per_round"]
-        round_ms += first["walk_ms_per_round"]  # the head on the walk's nodes
+        round_ms = sum(first[f"{p}_ms_per_round"] for p in PHASES)  # every part of a round
         paired = sorted(greedy_each[x["repeat"]] / x["seconds"] for x in rs) if greedy_each else []
         out.append(
             {
@@ -929,10 +906,7 @@ def summarize(
                 "tau": first["tau"],
                 "min_row_tau": min(first["row_tau"]),
                 "share_rounds_ge4": first["share_rounds_ge4"],
-                "draft_ms_per_round": first["draft_ms_per_round"],
-                "verify_ms_per_round": first["verify_ms_per_round"],
-                "walk_ms_per_round": first["walk_ms_per_round"],
-                "select_ms_per_round": first["select_ms_per_round"],
+                **{f"{p}_ms_per_round": first[f"{p}_ms_per_round"] for p in PHASES},
                 "lossless": all(x["lossless"] for x in rs),
                 "seconds_median": sec,
                 "speedup_vs_hf_greedy": greedy_s / sec,

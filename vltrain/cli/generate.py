@@ -59,7 +59,12 @@ def add_generate_options(p: argparse.ArgumentParser) -> None:
         "--max-new-tokens", type=positive_int, default=24, help="longest caption in tokens"
     )
     p.add_argument("--prompt", default=None, help="prompt text (sft: the user turn)")
-    p.add_argument("--batch-size", type=positive_int, default=16, help="images decoded together")
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=16,
+        help="images or prompts decoded together (a --draft run prices this batch)",
+    )
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed for --strategy sample")
     p.add_argument("--config", default="", help="run config (default: the checkpoint's run)")
     p.add_argument(

@@ -1,17 +1,22 @@
 """Does a drafter pay on this machine? A measured cost model for `vltrain generate --spec auto`.
 
-A round of speculative decoding costs one drafter call plus one target verify of the fed
-tokens (the root and the drafted nodes: the block size for a chain, 1 + N for a DDTree of N
-nodes) and yields tau tokens; plain greedy decoding yields one token per decode step. So the
-predicted speed-up over greedy decoding on the same forward is
+A round of speculative decoding (`speculative_generate`) costs the drafter call and its
+proposal, one target verify of the fed tokens (the root and the drafted nodes: the block size for
+a chain, 1 + N for a DDTree of N nodes), the acceptance walk (with a draft-vocabulary drafter the
+LM head on the nodes it visits) and the compaction of the cache to the accepted paths, and
+yields tau tokens per row; plain greedy decoding yields one token per row per decode step. So
+the predicted speed-up over greedy decoding on the same forward is
 
-    tau * step / (draft + verify(fed))
+    tau * step / round
 
 with tau the drafter's measured acceptance (its ``tau_decode`` / ``tau_decode_tree`` from the
-run's evaluation) and the costs measured here, once per machine, target, forward and drafter
-(`measure_costs`, a few dozen calls on one prompt), cached in a small JSON file in the user's
-cache dir (`cache_path`). The walk, the cache compaction and the batch are left out: a guide
-to which of none, chain or tree to run, not a benchmark.
+run's evaluation) and ``step`` and ``round`` measured here at the batch the command decodes:
+the round by timing real rounds of each way (`measure_costs`: a short speculative decoding of
+the first batch of prompts, every part of a round included), once per machine, target, forward,
+drafter, batch and tree budget, cached in a small JSON file in the user's cache dir
+(`cache_path`). Left out: the prefill (the same for every way) and a batch's unequal rows (a
+batch decodes until its slowest row ends, so a batch whose rows accept unequally gains less
+than its mean tau says).
 """
 
 from __future__ import annotations
@@ -22,56 +27,45 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from vltrain.inference.speculative import DraftContextCache, _cache_len, _draft
+from vltrain.inference.speculative import PHASES, _cache_len, speculative_generate
 
 SPECS = ("auto", "chain", "tree", "none")
-VERIFY_SIZES = (1, 8, 16, 32)
-"""Tokens per verify measured; other sizes are interpolated (extrapolated past 32)."""
 MIN_GAIN = 1.05
 """A drafter is chosen only where it is predicted at least this much faster than greedy
-decoding: below, the model's own error (it leaves out the walk and the compaction) is as large
-as the gain."""
+decoding: the measured costs move by about this much between runs on a shared machine, and
+the model leaves out a batch's unequal rows."""
 CACHE_FILE = "spec_costs.json"
+CACHE_VERSION = 2
+"""Entries of another version (version 1 priced verifies alone) are measured again."""
 
 
 @dataclass
 class SpecCosts:
-    """Seconds of one decode step, one drafter call and one verify of n fed tokens."""
+    """Seconds of one greedy decode step and of one round of each way to decode (``chain``,
+    ``tree``), with the round's parts (`PHASES`), at ``batch`` rows."""
 
     step: float
-    draft: float
-    verify: dict[int, float]
+    rounds: dict[str, dict[str, float]] = field(default_factory=dict)
+    batch: int = 1
 
-    def verify_at(self, n: int) -> float:
-        """Verify cost of n fed tokens, linear between (and past) the measured sizes."""
-        pts = sorted(self.verify.items())
-        if n in self.verify:
-            return self.verify[n]
-        lo, hi = pts[0], pts[1]
-        for a, b in zip(pts, pts[1:], strict=False):
-            lo, hi = a, b
-            if n <= b[0]:
-                break
-        (x0, y0), (x1, y1) = lo, hi
-        return max(y0 + (y1 - y0) * (n - x0) / (x1 - x0), 0.0)
+    def round(self, way: str) -> float:
+        """Seconds of one round of ``way`` (the sum of its parts)."""
+        return sum(self.rounds[way].get(p, 0.0) for p in PHASES)
 
 
-def predict(
-    costs: SpecCosts, block_size: int, tau_chain: float, tau_tree: float, tree_budget: int
-) -> dict[str, float]:
+def predict(costs: SpecCosts, taus: dict[str, float]) -> dict[str, float]:
     """Predicted speed-up over greedy decoding of each way to decode (``none`` is 1.0); a way
-    whose tau is unknown (0) is left out."""
+    whose tau is unknown (0) or whose round was not measured is left out."""
     out = {"none": 1.0}
-    if tau_chain > 0:
-        out["chain"] = tau_chain * costs.step / (costs.draft + costs.verify_at(block_size))
-    if tau_tree > 0 and tree_budget > 0:
-        out["tree"] = tau_tree * costs.step / (costs.draft + costs.verify_at(tree_budget + 1))
+    for way, tau in taus.items():
+        if tau > 0 and way in costs.rounds:
+            out[way] = tau * costs.step / costs.round(way)
     return out
 
 
@@ -82,17 +76,19 @@ def choose(predicted: dict[str, float], min_gain: float = MIN_GAIN) -> str:
 
 
 def explain(choice: str, predicted: dict[str, float], costs: SpecCosts, taus: dict) -> str:
-    """One line: what was picked and why."""
+    """One line: what was picked and why (each way's round in decode steps, by part)."""
     step = costs.step
     parts = []
     for way in ("chain", "tree"):
         if way in predicted:
-            fed = taus[f"{way}_fed"]
+            r = {p: costs.rounds[way].get(p, 0.0) / step for p in PHASES}
             parts.append(
-                f"{way} {predicted[way]:.2f}x (tau {taus[way]:.2f}, verify of {fed} tokens "
-                f"{costs.verify_at(fed) / step:.1f}x a decode step)"
+                f"{way} {predicted[way]:.2f}x (tau {taus[way]:.2f}; a round of "
+                f"{taus[f'{way}_fed']} fed tokens {costs.round(way) / step:.2f} decode steps: "
+                f"verify {r['verify']:.2f}, drafter {r['draft']:.2f}, walk and compaction "
+                f"{r['walk'] + r['compact']:.2f})"
             )
-    why = f"predicted over greedy decoding: {'; '.join(parts)}; drafter {costs.draft / step:.2f}x"
+    why = f"predicted over greedy decoding at batch {costs.batch}: {'; '.join(parts)}"
     if choice == "none":
         return (
             f"--spec auto: decoding without the drafter, it does not pay on this machine ({why});"
@@ -136,37 +132,41 @@ def _seconds(fn: Callable[[], Any], reps: int) -> float:
     return min(times)
 
 
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+
+
 @torch.no_grad()
-def measure_costs(target: Any, drafter: Any, inputs: dict[str, Any], reps: int = 5) -> SpecCosts:
-    """Time a decode step, a drafter call and verifies of `VERIFY_SIZES` tokens after the
-    prefill of ``inputs`` (one row), each undone by cropping the cache back."""
-    logits, cache, ctx = target.prefill(**inputs)
+def measure_costs(
+    target: Any, drafter: Any, inputs: dict[str, Any], tree_budget: int = 0, reps: int = 5
+) -> SpecCosts:
+    """Time a greedy decode step of the batch ``inputs`` (the fastest of ``reps``, each undone
+    by cropping the cache back) and real rounds of chain decoding (and of a ``tree_budget``-node
+    tree when given) of the same batch: a warm-up decoding, then one of 4 blocks' worth of new
+    tokens (at least 4 rounds), each part the median over its rounds."""
+    logits, cache, _ = target.prefill(**inputs)
     root = logits.argmax(-1)  # (B,)
     n0 = _cache_len(cache)
-    lazy = drafter.cfg.draft_vocab > 0  # as decoding verifies
-    anchor = target.next_positions(cache).to(root.device)
     held = [cache]
 
     def step() -> None:
         _, c = target.step(root, held[0])
         held[0] = target.crop(c, n0)
 
-    def verify(n: int) -> Callable[[], None]:
-        fed = root[:, None].repeat(1, n)
-        parents = torch.arange(-1, n - 1, device=root.device)[None].repeat(len(root), 1)
-
-        def run() -> None:
-            _, c, _ = target.verify(fed, parents, held[0], logits=not lazy)
-            held[0] = target.crop(c, n0)
-
-        return run
-
-    dcache = DraftContextCache()
-    costs = SpecCosts(
-        step=_seconds(step, reps),
-        draft=_seconds(lambda: _draft(drafter, ctx, root, anchor, dcache), reps),
-        verify={n: _seconds(verify(n), reps) for n in VERIFY_SIZES},
-    )
+    costs = SpecCosts(step=_seconds(step, reps), batch=int(root.shape[0]))
+    block = drafter.cfg.block_size
+    for way, budget in (("chain", 0), ("tree", tree_budget)):
+        if way == "tree" and budget <= 0:
+            continue
+        phases: list[dict[str, float]] = []
+        for n, keep in ((block, False), (4 * block, True)):  # warm-up, then timed
+            _, st = speculative_generate(
+                target, drafter, inputs, max_new_tokens=n, tree_budget=budget, timed=True
+            )
+            phases += st.phases if keep else []
+        if phases:  # none when every row's first token ends it
+            costs.rounds[way] = {p: _median([r[p] for r in phases]) for p in PHASES}
     return costs
 
 
@@ -179,14 +179,14 @@ def cached_costs(
     try:
         table = json.loads(path.read_text())
         hit = table[key]
-        return SpecCosts(
-            hit["step"], hit["draft"], {int(k): v for k, v in hit["verify"].items()}
-        ), False
-    except (OSError, ValueError, KeyError, TypeError):
+        if hit.get("version") != CACHE_VERSION:
+            raise KeyError(key)
+        return SpecCosts(hit["step"], hit["rounds"], hit["batch"]), False
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
     costs = measure()
     table = table if isinstance(table, dict) else {}
-    table[key] = asdict(costs)
+    table[key] = {"version": CACHE_VERSION, **asdict(costs)}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -24,6 +24,7 @@ and DDTree; ``tokens_per_round`` counts what was emitted after EOS / length cuts
 from __future__ import annotations
 
 import heapq
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,36 @@ from vltrain.inference.target import Context, DecodeTarget, stop_ids
 from vltrain.models.drafter import DraftContextCache, Drafter
 
 TREE_SHAPES = ("chain-first", "best-first")
+PHASES = ("draft", "verify", "walk", "compact")
+"""A round's parts as ``timed`` decoding records them: the drafter call and its proposal (chain
+or tree, mapped to token ids); the target's verify forward; the acceptance walk (the LM head on
+the visited nodes of a draft-vocabulary drafter) and the emission; the cache and drafter-context
+compaction to the accepted paths."""
+
+
+class _Laps:
+    """Seconds since the previous lap, into the current round's dict of ``stats.phases``; each
+    lap synchronizes an accelerator first (so timing slows GPU decoding: measuring only)."""
+
+    def __init__(self, stats: SpecStats, device: torch.device, on: bool) -> None:
+        self.stats, self.on, self.t = stats, on, 0.0
+        self.cuda = on and device.type == "cuda"
+
+    def start(self) -> None:
+        if self.on:
+            self.stats.phases.append({})
+            self.t = self._now()
+
+    def lap(self, phase: str) -> None:
+        if self.on:
+            now = self._now()
+            self.stats.phases[-1][phase] = now - self.t
+            self.t = now
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
 
 @dataclass
@@ -46,6 +77,8 @@ class SpecStats:
     """Per row, per round: position of the round's root (the block anchor)."""
     target_calls: int = 0
     """Target forwards (prefill + verifications)."""
+    phases: list[dict[str, float]] = field(default_factory=list)
+    """Per round, with ``speculative_generate(timed=True)``: seconds of each of `PHASES`."""
 
     @property
     def rounds(self) -> int:
@@ -197,6 +230,7 @@ def speculative_generate(
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
     tree_shape: str = "chain-first",
+    timed: bool = False,
 ) -> tuple[list[list[int]], SpecStats]:
     """Decode every row of ``inputs`` (as ``target.prefill`` takes them) with the drafter.
 
@@ -204,7 +238,8 @@ def speculative_generate(
     nodes, ``tree_shape`` "chain-first" (the argmax chain placed first: a round never accepts
     fewer tokens than the chain would) or "best-first" (DDTree's own: the N nodes of highest
     path score; more tokens per round on average, no per-round guarantee). Returns the new
-    tokens per row (EOS included) and the acceptance statistics.
+    tokens per row (EOS included) and the acceptance statistics; ``timed`` also records each
+    round's `PHASES` in ``stats.phases`` (what ``vltrain generate --spec auto`` prices).
     """
     if tree_shape not in TREE_SHAPES:
         raise ValueError(f"tree_shape must be one of {TREE_SHAPES}, not {tree_shape!r}")
@@ -219,7 +254,9 @@ def speculative_generate(
     dcache = DraftContextCache()  # the drafter projects each context row once
     lazy = not sample and drafter.cfg.draft_vocab > 0  # the head on walked nodes only
     rows = _Rows([[int(t)] for t in root], [int(t) in stops or max_new_tokens <= 1 for t in root])
+    laps = _Laps(stats, root.device, timed)
     while not all(rows.done):
+        laps.start()
         anchor = target.next_positions(cache).to(root.device)  # (B,)
         logq = _draft(drafter, ctx, root, anchor, dcache)
         if sample:  # the rejection rule compares p and q token by token: q over the whole vocab
@@ -229,6 +266,7 @@ def speculative_generate(
         )
         if not sample:
             toks = drafter.to_token(toks.to(root.device))
+        laps.lap("draft")
         fed = torch.cat([root[:, None], toks.to(root.device)], 1)  # (B, 1 + N)
         fed_par = torch.cat([torch.full_like(parents[:, :1], -1), parents + 1], 1)
         fed_par[:, 1:] = fed_par[:, 1:].masked_fill(parents < 0, 0)
@@ -237,6 +275,7 @@ def speculative_generate(
         n_old = _cache_len(cache)
         scores, cache, new_ctx = target.verify(fed, fed_par.to(root.device), cache, logits=not lazy)
         stats.target_calls += 1
+        laps.lap("verify")
         walks = _greedy_walks(drafter, fed, fed_par, scores, rows.done) if lazy else None
         paths, nxt = [], []
         for i in range(b):
@@ -254,8 +293,10 @@ def speculative_generate(
                 stats.accepted[i].append(len(path))
                 stats.anchors[i].append(int(anchor[i]))
                 _emit(rows, i, [int(fed[i, n]) for n in path[1:]] + [bonus], stops, max_new_tokens)
+        laps.lap("walk")
         cache, ctx = _compact(target, cache, n_old, ctx, new_ctx, paths)
         root = torch.tensor(nxt, dtype=torch.long, device=root.device)
+        laps.lap("compact")
     return rows.out, stats
 
 

@@ -60,7 +60,8 @@ def pick_spec(
     args: Any, drafter: Drafter, meta: dict, target: Any, inputs: dict, sha: str
 ) -> tuple[str, int]:
     """(none / chain / tree, tree budget) for ``--spec`` (module doc of `spec_cost`); auto
-    prints one line saying what it picked and why."""
+    prices the first batch ``inputs`` as the command decodes it and prints one line saying what
+    it picked and why."""
     measured = meta.get("eval") or {}
     asked = getattr(args, "spec", "auto")
     own = int(measured.get("tree_budget") or 0)
@@ -78,9 +79,15 @@ def pick_spec(
         )
         return way, args.tree_budget
     tau_tree = float(measured.get("tau_decode_tree") or 0.0) if budget == own else 0.0
-    key = spec_cost.machine_key(sha, type(target).__name__, drafter.cfg.to_dict())
-    costs, _ = spec_cost.cached_costs(key, lambda: spec_cost.measure_costs(target, drafter, inputs))
-    predicted = spec_cost.predict(costs, drafter.cfg.block_size, tau_chain, tau_tree, budget)
+    batch = len(inputs["input_ids"])
+    tree = budget if tau_tree > 0 else 0
+    key = spec_cost.machine_key(
+        sha, type(target).__name__, drafter.cfg.to_dict(), f"batch {batch}", f"tree {tree}"
+    )
+    costs, _ = spec_cost.cached_costs(
+        key, lambda: spec_cost.measure_costs(target, drafter, inputs, tree)
+    )
+    predicted = spec_cost.predict(costs, {"chain": tau_chain, "tree": tau_tree})
     way = spec_cost.choose(predicted)
     taus = {"chain": tau_chain, "tree": tau_tree}
     taus.update(chain_fed=drafter.cfg.block_size, tree_fed=budget + 1)
@@ -193,15 +200,14 @@ def lm_command(args: Any, sampling: dict[str, Any] | None = None) -> int:
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     layer_ids = drafter.cfg.target_layer_ids if drafter is not None else []
     target = causal_lm_target(model, layer_ids, getattr(args, "forward", "auto"), pad)
-    way = ""
+    way, bs = "", max(1, args.batch_size)
     if drafter is not None:
         attach(drafter, target)
-        ids, mask = left_pad([chat_prompt_ids(tok, recs[0]["prompt"])], pad)
-        one = {"input_ids": ids, "attention_mask": mask}
-        way, args.tree_budget = pick_spec(args, drafter, meta, target, one, sha)
+        ids, mask = left_pad([chat_prompt_ids(tok, r["prompt"]) for r in recs[:bs]], pad)
+        first = {"input_ids": ids, "attention_mask": mask}  # priced as it will be decoded
+        way, args.tree_budget = pick_spec(args, drafter, meta, target, first, sha)
         drafter = None if way == "none" else drafter
     lines, stats, n_tok, t0 = [], [], 0, time.perf_counter()
-    bs = 1 if drafter is not None and args.batch_size <= 0 else max(1, args.batch_size)
     for lo in range(0, len(recs), bs):
         batch = recs[lo : lo + bs]
         ids, mask = left_pad([chat_prompt_ids(tok, r["prompt"]) for r in batch], pad)
