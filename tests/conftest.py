@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # strict collectives with NCCL's rule emulated on gloo (vltrain/core/distributed.py): set at
 # import, before vltrain is, so the torchrun and spawned processes the tests start inherit it
 os.environ.setdefault("VLTRAIN_STRICT_COLLECTIVES", "cuda")
+# the remote-code modelling files transformers imports (a DFlash export's) go to a temporary
+# folder, not the user's ~/.cache/huggingface/modules: set before transformers is imported
+os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="vltrain-tests-hf-modules-"))
 REPO = Path(__file__).resolve().parents[1]
 
 

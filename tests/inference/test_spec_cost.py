@@ -167,7 +167,8 @@ def test_generate_spec_auto_says_what_it_picked(tmp_path, capsys, monkeypatch) -
         assert len(lines) == 1, err
         return lines[0]
 
-    monkeypatch.setenv("VLTRAIN_SPEC_COSTS", str(tmp_path / "measured.json"))
+    path = tmp_path / "measured.json"
+    monkeypatch.setenv("VLTRAIN_SPEC_COSTS", str(path))
     assert main(draft) == 0
     got = capsys.readouterr()
     assert got.out == plain and "predicted over greedy decoding" in spec_line(got.err)
@@ -175,8 +176,12 @@ def test_generate_spec_auto_says_what_it_picked(tmp_path, capsys, monkeypatch) -
     table = json.loads((tmp_path / "measured.json").read_text())
     (entry,) = table.values()  # the command's batch: its 2 prompts (--batch-size 16)
     assert entry["batch"] == 2 and set(entry["rounds"]["chain"]) == set(speculative.PHASES)
+    assert "[costs measured now in " in spec_line(got.err)
+    assert main(draft) == 0  # the same batch again: read from the cache
+    assert spec_line(capsys.readouterr().err).endswith(f"measured before, cached in {path}]")
     assert main([*draft, "--batch-size", "1"]) == 0  # another batch: priced anew, at 1 row
-    assert "at batch 1:" in spec_line(capsys.readouterr().err)
+    line = spec_line(capsys.readouterr().err)
+    assert "at batch 1:" in line and "[costs measured now in " in line
     table = json.loads((tmp_path / "measured.json").read_text())
     assert sorted(e["batch"] for e in table.values()) == [1, 2]
 

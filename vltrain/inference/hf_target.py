@@ -125,7 +125,9 @@ class HFTarget(StopIds):
             )
         kwargs = {**self.static_inputs, **inputs}
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        positions = self._positions(input_ids, mask, kwargs) if self._takes_positions else None
+        positions = (
+            self.prompt_positions(input_ids, mask, kwargs) if self._takes_positions else None
+        )
         kv_mask = None if bool((mask == 1).all()) else mask
         cache = DynamicCache(config=self.model.config.get_text_config(decoder=True))
         if self.layer_ids:
@@ -341,7 +343,7 @@ class HFTarget(StopIds):
             f"verify's 4-D mask needs attn_implementation 'sdpa' or 'eager', not {impl!r}"
         )
 
-    def _positions(self, input_ids: Tensor, mask: Tensor, kwargs: dict[str, Any]) -> Tensor:
+    def prompt_positions(self, input_ids: Tensor, mask: Tensor, kwargs: dict[str, Any]) -> Tensor:
         """Prompt position ids (B, T) or (C, B, T), computed as HF generate computes them."""
         helper = getattr(self.model, "_prepare_position_ids_for_generation", None)
         if helper is not None:  # HF's own (private) helper; Qwen2-VL overrides it for M-RoPE

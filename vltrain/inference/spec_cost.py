@@ -10,9 +10,9 @@ the predicted speed-up over greedy decoding on the same forward is
     tau * step / round
 
 with tau the drafter's measured acceptance (its ``tau_decode`` / ``tau_decode_tree`` from the
-run's evaluation) and ``step`` and ``round`` measured here at the batch the command decodes:
-the round by timing real rounds of each way (`measure_costs`: a short speculative decoding of
-the first batch of prompts, every part of a round included), once per machine, target, forward,
+run's evaluation) and ``step`` and ``round`` measured here at the batch the command decodes,
+by real greedy decoding and real rounds of each way of the first batch of prompts, interleaved
+(`measure_costs`; every part of a round included), once per machine, target, forward,
 drafter, batch and tree budget, cached in a small JSON file in the user's cache dir
 (`cache_path`). Left out: the prefill (the same for every way) and a batch's unequal rows (a
 batch decodes until its slowest row ends, so a batch whose rows accept unequally gains less
@@ -33,13 +33,14 @@ from typing import Any
 
 import torch
 
-from vltrain.inference.speculative import PHASES, _cache_len, speculative_generate
+from vltrain.inference.speculative import PHASES, speculative_generate
 
 SPECS = ("auto", "chain", "tree", "none")
-MIN_GAIN = 1.05
+MIN_GAIN = 1.10
 """A drafter is chosen only where it is predicted at least this much faster than greedy
-decoding: the measured costs move by about this much between runs on a shared machine, and
-the model leaves out a batch's unequal rows."""
+decoding: on SmolLM2-135M (bench/RESULTS.md "`--spec auto`: predicted and measured") the
+predictions ran 7-13% above the measured speed-ups, half of it the drafter's tau on its own
+eval prompts (which picked its checkpoint) above its tau on other prompts."""
 CACHE_FILE = "spec_costs.json"
 CACHE_VERSION = 2
 """Entries of another version (version 1 priced verifies alone) are measured again."""
@@ -120,53 +121,56 @@ def cache_path() -> Path:
     return Path(root) / "vltrain" / CACHE_FILE
 
 
-def _seconds(fn: Callable[[], Any], reps: int) -> float:
-    """The fastest of ``reps`` calls after a warm-up (packing, allocations): the least
-    disturbed by other work on a shared machine, and alike for every cost compared."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def _median(xs: list[float]) -> float:
     xs = sorted(xs)
     return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
 
 
+def _greedy_step(target: Any, inputs: dict[str, Any], n: int) -> float:
+    """Seconds per step of ``n`` greedy decode steps of the batch ``inputs`` after its prefill
+    (each step feeds the previous argmax, the cache growing as in decoding)."""
+    logits, cache, _ = target.prefill(**inputs)
+    tok = logits.argmax(-1)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        logits, cache = target.step(tok, cache)
+        tok = logits.argmax(-1)
+    return (time.perf_counter() - t0) / n
+
+
 @torch.no_grad()
 def measure_costs(
-    target: Any, drafter: Any, inputs: dict[str, Any], tree_budget: int = 0, reps: int = 5
+    target: Any,
+    drafter: Any,
+    inputs: dict[str, Any],
+    tree_budget: int = 0,
+    reps: int = 2,
+    max_new_tokens: int = 0,
 ) -> SpecCosts:
-    """Time a greedy decode step of the batch ``inputs`` (the fastest of ``reps``, each undone
-    by cropping the cache back) and real rounds of chain decoding (and of a ``tree_budget``-node
-    tree when given) of the same batch: a warm-up decoding, then one of 4 blocks' worth of new
-    tokens (at least 4 rounds), each part the median over its rounds."""
-    logits, cache, _ = target.prefill(**inputs)
-    root = logits.argmax(-1)  # (B,)
-    n0 = _cache_len(cache)
-    held = [cache]
-
-    def step() -> None:
-        _, c = target.step(root, held[0])
-        held[0] = target.crop(c, n0)
-
-    costs = SpecCosts(step=_seconds(step, reps), batch=int(root.shape[0]))
+    """Time greedy decode steps and real rounds of chain decoding (and of a ``tree_budget``-node
+    tree when given) of the batch ``inputs``, interleaved: a short warm-up of each, then
+    ``reps`` passes of greedy decoding, the chain and the tree in turn, each over 4 blocks'
+    worth of new tokens (at least 4 rounds; ``max_new_tokens``, the command's limit, if fewer).
+    The step is the median over passes, each part of a round the median over every timed round:
+    a shared machine's speed drifts by tens of percent over minutes, and interleaving lets the
+    drift fall on the step and the rounds alike."""
     block = drafter.cfg.block_size
-    for way, budget in (("chain", 0), ("tree", tree_budget)):
-        if way == "tree" and budget <= 0:
-            continue
-        phases: list[dict[str, float]] = []
-        for n, keep in ((block, False), (4 * block, True)):  # warm-up, then timed
+    most = min(4 * block, max_new_tokens or 4 * block)
+    ways = {"chain": 0, **({"tree": tree_budget} if tree_budget > 0 else {})}
+    steps: list[float] = []
+    phases: dict[str, list[dict[str, float]]] = {way: [] for way in ways}
+    for rep in range(reps + 1):  # pass 0: the warm-up (packing, allocations)
+        n = most if rep else min(block, most)
+        steps += [_greedy_step(target, inputs, n)] if rep else []
+        for way, budget in ways.items():
             _, st = speculative_generate(
                 target, drafter, inputs, max_new_tokens=n, tree_budget=budget, timed=True
             )
-            phases += st.phases if keep else []
-        if phases:  # none when every row's first token ends it
-            costs.rounds[way] = {p: _median([r[p] for r in phases]) for p in PHASES}
+            phases[way] += st.phases if rep else []
+    costs = SpecCosts(step=_median(steps), batch=len(inputs["input_ids"]))
+    for way, rounds in phases.items():
+        if rounds:  # none when every row's first token ends it
+            costs.rounds[way] = {p: _median([r[p] for r in rounds]) for p in PHASES}
     return costs
 
 

@@ -180,7 +180,7 @@ class HFRollouts:
             target = HFVLMTarget(policy.base_model(), eos_token_id=self.eos_ids)
             extra = policy.model_inputs(images, ids, mask)
             extra = {key: v for key, v in extra.items() if key not in _TEXT_KEYS}
-            pos = target._positions(ids, mask, extra)
+            pos = target.prompt_positions(ids, mask, extra)
 
         def fn(model: nn.Module) -> Tensor:
             logits = model(images, ids, mask, position_ids=pos)["logits"]  # (B*K, P + L, V)

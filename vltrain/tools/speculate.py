@@ -84,14 +84,21 @@ def pick_spec(
     key = spec_cost.machine_key(
         sha, type(target).__name__, drafter.cfg.to_dict(), f"batch {batch}", f"tree {tree}"
     )
-    costs, _ = spec_cost.cached_costs(
-        key, lambda: spec_cost.measure_costs(target, drafter, inputs, tree)
+    t0 = time.perf_counter()
+    costs, fresh = spec_cost.cached_costs(
+        key,
+        lambda: spec_cost.measure_costs(
+            target, drafter, inputs, tree, max_new_tokens=args.max_new_tokens
+        ),
     )
+    where = spec_cost.cache_path()
+    when = f"measured now in {time.perf_counter() - t0:.1f} s" if fresh else "measured before"
     predicted = spec_cost.predict(costs, {"chain": tau_chain, "tree": tau_tree})
     way = spec_cost.choose(predicted)
     taus = {"chain": tau_chain, "tree": tau_tree}
     taus.update(chain_fed=drafter.cfg.block_size, tree_fed=budget + 1)
-    print(f"vltrain: {spec_cost.explain(way, predicted, costs, taus)}", file=sys.stderr)
+    line = spec_cost.explain(way, predicted, costs, taus)
+    print(f"vltrain: {line} [costs {when}, cached in {where}]", file=sys.stderr)
     return way, budget if way == "tree" else 0
 
 
