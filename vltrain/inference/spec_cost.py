@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import torch
@@ -76,8 +77,15 @@ def choose(predicted: dict[str, float], min_gain: float = MIN_GAIN) -> str:
     return best if predicted[best] >= min_gain else "none"
 
 
-def explain(choice: str, predicted: dict[str, float], costs: SpecCosts, taus: dict) -> str:
-    """One line: what was picked and why (each way's round in decode steps, by part)."""
+def explain(
+    choice: str,
+    predicted: dict[str, float],
+    costs: SpecCosts,
+    taus: dict[str, float],
+    fed: dict[str, int],
+) -> str:
+    """One line: what was picked and why (each way's round of ``fed[way]`` tokens in decode
+    steps, by part)."""
     step = costs.step
     parts = []
     for way in ("chain", "tree"):
@@ -85,7 +93,7 @@ def explain(choice: str, predicted: dict[str, float], costs: SpecCosts, taus: di
             r = {p: costs.rounds[way].get(p, 0.0) / step for p in PHASES}
             parts.append(
                 f"{way} {predicted[way]:.2f}x (tau {taus[way]:.2f}; a round of "
-                f"{taus[f'{way}_fed']} fed tokens {costs.round(way) / step:.2f} decode steps: "
+                f"{fed[way]} fed tokens {costs.round(way) / step:.2f} decode steps: "
                 f"verify {r['verify']:.2f}, drafter {r['draft']:.2f}, walk and compaction "
                 f"{r['walk'] + r['compact']:.2f})"
             )
@@ -119,11 +127,6 @@ def cache_path() -> Path:
         return Path(os.environ["VLTRAIN_SPEC_COSTS"])
     root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(root) / "vltrain" / CACHE_FILE
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
 
 
 def _greedy_step(target: Any, inputs: dict[str, Any], n: int) -> float:
@@ -167,10 +170,10 @@ def measure_costs(
                 target, drafter, inputs, max_new_tokens=n, tree_budget=budget, timed=True
             )
             phases[way] += st.phases if rep else []
-    costs = SpecCosts(step=_median(steps), batch=len(inputs["input_ids"]))
+    costs = SpecCosts(step=median(steps), batch=len(inputs["input_ids"]))
     for way, rounds in phases.items():
         if rounds:  # none when every row's first token ends it
-            costs.rounds[way] = {p: _median([r[p] for r in rounds]) for p in PHASES}
+            costs.rounds[way] = {p: median(r[p] for r in rounds) for p in PHASES}
     return costs
 
 

@@ -93,11 +93,11 @@ def pick_spec(
     )
     where = spec_cost.cache_path()
     when = f"measured now in {time.perf_counter() - t0:.1f} s" if fresh else "measured before"
-    predicted = spec_cost.predict(costs, {"chain": tau_chain, "tree": tau_tree})
-    way = spec_cost.choose(predicted)
     taus = {"chain": tau_chain, "tree": tau_tree}
-    taus.update(chain_fed=drafter.cfg.block_size, tree_fed=budget + 1)
-    line = spec_cost.explain(way, predicted, costs, taus)
+    predicted = spec_cost.predict(costs, taus)
+    way = spec_cost.choose(predicted)
+    fed = {"chain": drafter.cfg.block_size, "tree": budget + 1}
+    line = spec_cost.explain(way, predicted, costs, taus, fed)
     print(f"vltrain: {line} [costs {when}, cached in {where}]", file=sys.stderr)
     return way, budget if way == "tree" else 0
 
@@ -207,19 +207,22 @@ def lm_command(args: Any, sampling: dict[str, Any] | None = None) -> int:
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     layer_ids = drafter.cfg.target_layer_ids if drafter is not None else []
     target = causal_lm_target(model, layer_ids, getattr(args, "forward", "auto"), pad)
-    way, bs = "", max(1, args.batch_size)
+    bs = max(1, args.batch_size)
+    batches = [recs[lo : lo + bs] for lo in range(0, len(recs), bs)]
+
+    def encode(batch: list[dict]) -> dict[str, torch.Tensor]:
+        ids, mask = left_pad([chat_prompt_ids(tok, r["prompt"]) for r in batch], pad)
+        return {"input_ids": ids, "attention_mask": mask}
+
+    way = ""
     if drafter is not None:
         attach(drafter, target)
-        ids, mask = left_pad([chat_prompt_ids(tok, r["prompt"]) for r in recs[:bs]], pad)
-        first = {"input_ids": ids, "attention_mask": mask}  # priced as it will be decoded
+        first = encode(batches[0])  # priced as it will be decoded
         way, args.tree_budget = pick_spec(args, drafter, meta, target, first, sha)
         drafter = None if way == "none" else drafter
     lines, stats, n_tok, t0 = [], [], 0, time.perf_counter()
-    for lo in range(0, len(recs), bs):
-        batch = recs[lo : lo + bs]
-        ids, mask = left_pad([chat_prompt_ids(tok, r["prompt"]) for r in batch], pad)
-        inputs = {"input_ids": ids, "attention_mask": mask}
-        rows = decode_batch(target, drafter, inputs, args, sampling or {}, stats)
+    for batch in batches:
+        rows = decode_batch(target, drafter, encode(batch), args, sampling or {}, stats)
         for r, comp in zip(batch, rows, strict=True):
             n_tok += len(comp)
             text = tok.decode(comp, skip_special_tokens=True)
