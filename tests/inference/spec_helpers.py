@@ -53,24 +53,35 @@ def oracle_draft(
 
     Slot k of the block rooted at position p proposes ref[p - first_pos + k] as its top token
     with probability p_top, else as its second (a random token ranks first): chains accept
-    often, trees (which hold second choices) accept more.
+    often, trees (which hold second choices) accept more. Decoding drops finished rows from the
+    batch: a row is known by its prompt's features (the first call's context), so the batch's
+    row j may stand for prompt i > j (every prompt must decode a round: none may end at its
+    first token).
     """
     g = torch.Generator().manual_seed(seed)
+    prompt_feats: list[torch.Tensor] = []
+
+    def prompt_of(feats: torch.Tensor) -> int:
+        first = prompt_feats[0]
+        return next(i for i in range(len(first)) if torch.equal(first[i], feats[: first.shape[1]]))
 
     def draft(drafter, ctx, root, anchor, cache=None):
+        if not prompt_feats:
+            prompt_feats.append(ctx.features.clone())
         k = drafter.cfg.block_size - 1
         logits = torch.randn(len(root), k, vocab, generator=g)
-        for i in range(len(root)):
-            base = int(anchor[i]) - first_pos[i]
+        for j in range(len(root)):
+            i = prompt_of(ctx.features[j])
+            base = int(anchor[j]) - first_pos[i]
             for s in range(k):
-                j = base + 1 + s
-                if j >= len(refs[i]):
+                at = base + 1 + s
+                if at >= len(refs[i]):
                     continue
-                true = refs[i][j]
-                logits[i, s, true] = 8.0
+                true = refs[i][at]
+                logits[j, s, true] = 8.0
                 if float(torch.rand((), generator=g)) > p_top:
                     wrong = (true + 1 + int(torch.randint(vocab - 1, (), generator=g))) % vocab
-                    logits[i, s, wrong] = 9.0
+                    logits[j, s, wrong] = 9.0
         return torch.log_softmax(logits, -1)
 
     return draft

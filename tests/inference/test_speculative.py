@@ -121,10 +121,12 @@ def test_captioner_batched_greedy_is_lossless(connector, budget, monkeypatch) ->
 
 
 @pytest.mark.parametrize("budget", [0, 12])
-def test_a_finished_row_stops_growing_while_others_decode(budget, monkeypatch) -> None:
-    """A row that ends (EOS) keeps its cache and positions where its text ended; it used to
-    take each round's accepted path too, and in the drafter stage's eval a short caption
-    beside a long one ran its positions past the decoder's context length."""
+def test_a_finished_row_leaves_the_batch_while_others_decode(budget, monkeypatch) -> None:
+    """A row that ends (EOS) leaves the batch, as in greedy ``generate``: later rounds verify,
+    draft and compact the rows still decoding only (its cache, drafter context and projected
+    context go), and its statistics stop. Before, it stayed to the end (its cache at first
+    taking each round's path too: a short caption beside a long one ran its positions past the
+    decoder's context length in the drafter stage's eval)."""
     model = _captioner("projector")
     target = CaptionerTarget(model, [0, 1])
     images = torch.rand(3, 3, 64, 64, generator=torch.Generator().manual_seed(0))
@@ -137,21 +139,34 @@ def test_a_finished_row_stops_growing_while_others_decode(budget, monkeypatch) -
     ref = spec_helpers.greedy_reference(target, inputs, 24)
     assert len(ref[0]) == 2 and min(len(r) for r in ref[1:]) > 10
     seen: list[list[int]] = []
-    real = target.verify
+    real_verify, real_draft = target.verify, speculative._draft
+    first = (model.connector.num_prefix_tokens() + inputs["attention_mask"].sum(1)).tolist()
+    oracle = spec_helpers.oracle_draft(ref, first, V, 0.7)
+    drafted: list[tuple[int, int, int]] = []  # rows of the context, projected cache, root
 
     def verify(tokens, parents, cache, **kw):
         seen.append(target.next_positions(cache).tolist())
-        return real(tokens, parents, cache, **kw)
+        return real_verify(tokens, parents, cache, **kw)
+
+    def draft(drafter, ctx, root, anchor, cache):
+        drafted.append((len(ctx.features), len(cache.kv[0][0]) if cache.kv else -1, len(root)))
+        real_draft(drafter, ctx, root, anchor, cache)  # the drafter's own cache keeps up
+        return oracle(drafter, ctx, root, anchor, cache)
 
     monkeypatch.setattr(target, "verify", verify)
-    first = (model.connector.num_prefix_tokens() + inputs["attention_mask"].sum(1)).tolist()
-    monkeypatch.setattr(speculative, "_draft", spec_helpers.oracle_draft(ref, first, V, 0.7))
-    out, _ = speculative.speculative_generate(
+    monkeypatch.setattr(speculative, "_draft", draft)
+    out, stats = speculative.speculative_generate(
         target, spec_helpers.random_drafter(target), inputs, 24, budget
     )
     assert out == ref
-    ended = [pos[0] for pos in seen[1:]]  # row 0 is done after the first verify
-    assert len(ended) > 2 and len(set(ended)) == 1  # the fix: no growth (before: +1..K a round)
+    rows = [len(pos) for pos in seen]  # rows 1 and 2 end in later rounds, one of them first
+    assert rows[:3] == [3, 2, 2] and rows == sorted(rows, reverse=True) and rows[-1] >= 1
+    assert drafted[0] == (3, -1, 3) and [d[0] for d in drafted] == rows
+    assert all(d == (n, n, n) for d, n in zip(drafted[1:], rows[1:], strict=True))
+    assert len(stats.accepted[0]) == 1 and len(stats.anchors[0]) == 1
+    assert len(stats.accepted[1]) == len(stats.anchors[1]) > 1
+    for i in (1, 2):  # each row's anchors are its own: its first new token's position onward
+        assert stats.anchors[i][0] == first[i] and stats.anchors[i] == sorted(stats.anchors[i])
 
 
 @pytest.mark.parametrize("budget", [0, 12])
@@ -257,7 +272,7 @@ def test_greedy_walks_score_the_visited_nodes_and_equal_full_vocabulary_walks() 
     vocab, width = 40, 16
     head = torch.randn(vocab, width, generator=g)
     passes_over_one = deep = scored = nodes = 0
-    for trial in range(150):
+    for _ in range(150):
         b, n = 3, int(torch.randint(2, 20, (), generator=g))
         hidden = torch.randn(b, 1 + n, width, generator=g)
         choice = (hidden @ head.T).argmax(-1)  # (B, 1 + N): the target's full-vocabulary argmax
@@ -269,19 +284,15 @@ def test_greedy_walks_score_the_visited_nodes_and_equal_full_vocabulary_walks() 
         for i, k in carry[:, 1:].nonzero().tolist():
             toks[i, k + 1] = choice[i, int(par[i, k + 1])]
         drafter = _SubHead(head, torch.randperm(vocab, generator=g)[: vocab // 2])
-        done = [trial % 7 == 0, False, False]
-        got = speculative._greedy_walks(drafter, toks, par, hidden, done)
+        got = speculative._greedy_walks(drafter, toks, par, hidden)
         passes_over_one += len(drafter.scored) > 1
         rows = torch.cat(drafter.scored)  # which (row, fed index) each scored state is
         which = [
             tuple(divmod(int((hidden.flatten(0, 1) == r).all(-1).nonzero()), 1 + n)) for r in rows
         ]
         assert len(set(which)) == len(which)  # no node scored twice
-        scored, nodes = scored + len(which), nodes + (b - sum(done)) * (1 + n)
+        scored, nodes = scored + len(which), nodes + b * (1 + n)
         for i in range(b):
-            if done[i]:
-                assert got[i][0] == [0] and all(r != i for r, _ in which)
-                continue
             assert {(i, k) for k in got[i][0]} <= set(which)  # each visited node: full head
             c = choice[i].tolist()
             path, bonus = _reference_walk(

@@ -11,6 +11,8 @@ under the ancestor-only mask with positions by depth; the walk follows the targe
 from the root while it matches a child; the cache and the drafter context are compacted to the
 accepted path. Emitted tokens are the accepted nodes plus the target's next token, cut at EOS
 and ``max_new_tokens``: never filtered by value.
+A row that ends leaves the batch (its cache, drafter context and projected context), as in
+greedy ``generate``: a round costs the rows still decoding.
 
 Greedy output equals the target's own greedy decoding token for token (lossless). Sampling
 (chain only) uses the standard rejection rule: accept draft x with probability
@@ -254,10 +256,12 @@ def speculative_generate(
     dcache = DraftContextCache()  # the drafter projects each context row once
     lazy = not sample and drafter.cfg.draft_vocab > 0  # the head on walked nodes only
     rows = _Rows([[int(t)] for t in root], [int(t) in stops or max_new_tokens <= 1 for t in root])
+    live = list(range(b))  # the rows the batch holds, in its order (original indices)
     laps = _Laps(stats, root.device, timed)
-    while not all(rows.done):
+    root, cache, ctx, live = _drop_finished(target, rows, root, cache, ctx, dcache, live)
+    while live:
         laps.start()
-        anchor = target.next_positions(cache).to(root.device)  # (B,)
+        anchor = target.next_positions(cache).to(root.device)  # (B',)
         logq = _draft(drafter, ctx, root, anchor, dcache)
         if sample:  # the rejection rule compares p and q token by token: q over the whole vocab
             logq = drafter.full_vocab(logq)
@@ -267,35 +271,31 @@ def speculative_generate(
         if not sample:
             toks = drafter.to_token(toks.to(root.device))
         laps.lap("draft")
-        fed = torch.cat([root[:, None], toks.to(root.device)], 1)  # (B, 1 + N)
+        fed = torch.cat([root[:, None], toks.to(root.device)], 1)  # (B', 1 + N)
         fed_par = torch.cat([torch.full_like(parents[:, :1], -1), parents + 1], 1)
         fed_par[:, 1:] = fed_par[:, 1:].masked_fill(parents < 0, 0)
-        if any(rows.done):  # a finished row's nodes all hang off its root: one position
-            fed_par[torch.tensor(rows.done, device=fed_par.device), 1:] = 0  # past its end
         n_old = _cache_len(cache)
         scores, cache, new_ctx = target.verify(fed, fed_par.to(root.device), cache, logits=not lazy)
         stats.target_calls += 1
         laps.lap("verify")
-        walks = _greedy_walks(drafter, fed, fed_par, scores, rows.done) if lazy else None
+        walks = _greedy_walks(drafter, fed, fed_par, scores) if lazy else None
         paths, nxt = [], []
-        for i in range(b):
+        for j, i in enumerate(live):  # j: the row in the batch, i: the prompt it decodes
             if walks is not None:
-                path, bonus = walks[i]
+                path, bonus = walks[j]
             else:
                 path, bonus = _walk_row(
-                    i, fed, fed_par, scores, logq, sample, temperature, generator
+                    j, fed, fed_par, scores, logq, sample, temperature, generator
                 )
-            # a finished row keeps nothing: its cache and positions stop where its text ended
-            # (they used to grow each round while other rows decoded, past the context length)
-            paths.append([] if rows.done[i] else path)
+            paths.append(path)
             nxt.append(bonus)
-            if not rows.done[i]:
-                stats.accepted[i].append(len(path))
-                stats.anchors[i].append(int(anchor[i]))
-                _emit(rows, i, [int(fed[i, n]) for n in path[1:]] + [bonus], stops, max_new_tokens)
+            stats.accepted[i].append(len(path))
+            stats.anchors[i].append(int(anchor[j]))
+            _emit(rows, i, [int(fed[j, n]) for n in path[1:]] + [bonus], stops, max_new_tokens)
         laps.lap("walk")
         cache, ctx = _compact(target, cache, n_old, ctx, new_ctx, paths)
         root = torch.tensor(nxt, dtype=torch.long, device=root.device)
+        root, cache, ctx, live = _drop_finished(target, rows, root, cache, ctx, dcache, live)
         laps.lap("compact")
     return rows.out, stats
 
@@ -323,7 +323,7 @@ def _walk_row(i, fed, fed_par, tlogits, logq, sample, temperature, gen):
     return path, int(torch.multinomial(p, 1, generator=gen))
 
 
-def _greedy_walks(drafter, fed, fed_par, hidden, done):
+def _greedy_walks(drafter, fed, fed_par, hidden):
     """Every row's greedy walk (accepted fed indices, root first; the target's token after
     them) from the verify's final hidden states (B, 1 + N, W), with the LM head over the whole
     vocabulary on the nodes the walk visits only.
@@ -347,10 +347,6 @@ def _greedy_walks(drafter, fed, fed_par, hidden, done):
     while True:
         walks, need = [], []
         for i in range(fed.shape[0]):
-            if done[i]:  # a finished row keeps nothing (see speculative_generate)
-                walks.append(([0], approx[i][0]))
-                continue
-
             seen: list[int] = []  # fed indices whose choice the walk read
 
             def choose(node: int, i: int = i, seen: list[int] = seen) -> int:  # -1: the root
@@ -374,6 +370,24 @@ def _emit(rows: _Rows, i: int, new: list[int], stops: set[int], max_new: int) ->
             return
         rows.out[i].append(t)
         rows.done[i] = t in stops or len(rows.out[i]) >= max_new
+
+
+def _drop_finished(target, rows: _Rows, root, cache, ctx: Context, dcache, live: list[int]):
+    """The batch without its finished rows (greedy ``generate`` drops them the same way): a
+    finished row's cache, drafter context and projected context leave the batch, so a round
+    costs the rows still decoding, not the batch it started with."""
+    keep = [j for j, i in enumerate(live) if not rows.done[i]]
+    if len(keep) == len(live):
+        return root, cache, ctx, live
+    live = [live[j] for j in keep]
+    if not live:
+        return root, cache, ctx, live
+    idx = torch.tensor(keep, dtype=torch.long, device=root.device)
+    cache = target.reorder(cache, idx)
+    at = idx.to(ctx.features.device)
+    ctx = Context(ctx.features[at], ctx.positions[at], ctx.valid[at])
+    dcache.kv = [(k[at.to(k.device)], v[at.to(v.device)]) for k, v in dcache.kv]
+    return root[idx], cache, ctx, live
 
 
 def _compact(target: DecodeTarget, cache, n_old: int, ctx: Context, new_ctx: Context, paths):

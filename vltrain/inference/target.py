@@ -35,7 +35,7 @@ F = ``len(layer_ids) * W`` features (0 without a drafter). Logits are float32.
 - ``crop(cache, n)`` -> cache: the first ``n`` cached positions (exact when the dropped ones
   were a chain).
 - ``reorder(cache, rows (B',))`` -> cache: rows along the batch (row i <- row ``rows[i]``;
-  beam search, and greedy dropping its finished rows).
+  beam search; greedy and speculative decoding dropping their finished rows).
 - ``next_positions(cache)`` -> (B,): the position of each row's next real token.
 - ``embed(ids)``, ``head(hidden)``, ``head_params()`` (the head's weight and bias): the frozen
   token embedding and LM head a drafter shares; ``num_layers``, ``width``, ``vocab_size`` and
