@@ -270,13 +270,49 @@ def assemble_llava(config: Any, vision_path: str, lm_path: str, vocab_size: int)
 
     model = LlavaForConditionalGeneration(config)
     tower_cls = type(AutoModel.from_config(vision_config(vision_path)))
-    tower = tower_cls.from_pretrained(vision_path, local_files_only=True, dtype=torch.float32)
-    model.model.vision_tower.load_state_dict(tower.state_dict())
+    model.model.vision_tower.load_state_dict(load_vision_tower(tower_cls, vision_path).state_dict())
     lm = load_causal_lm(lm_path)
     lm.resize_token_embeddings(vocab_size, mean_resizing=False)
     model.model.language_model.load_state_dict(lm.get_decoder().state_dict())
     model.lm_head.load_state_dict(lm.get_output_embeddings().state_dict())
     return model.float()
+
+
+def load_vision_tower(tower_cls: Any, vision_path: str) -> nn.Module:
+    """The vision model of an HF CLIP / SigLIP folder, full model or vision-only, in fp32.
+
+    From a full model the text tower's weights are left behind: transformers' table of them
+    ("UNEXPECTED", one line per weight: hundreds for a real CLIP) is not printed. A weight of
+    the vision tower that the folder lacks or holds in another shape is an error, not a
+    warning: it would start from random values.
+    """
+    from transformers.utils import logging as hf_logging
+
+    from vltrain.config.core import ConfigError
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        tower, info = tower_cls.from_pretrained(
+            vision_path,
+            local_files_only=True,
+            dtype=torch.float32,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,  # reported below, by name, with the missing ones
+        )
+    finally:
+        hf_logging.set_verbosity(level)
+    bad = [
+        *info.get("missing_keys", ()),
+        *(str(k[0]) if isinstance(k, tuple) else str(k) for k in info.get("mismatched_keys", ())),
+    ]
+    if bad:
+        raise ConfigError(
+            f"model.vision_path {vision_path}: the vision tower's weights {sorted(bad)[:4]}"
+            f"{' ...' if len(bad) > 4 else ''} ({len(bad)} in all) are missing or of another "
+            "shape there; they would start random"
+        )
+    return tower
 
 
 def lm_tokenizer_source(lm_path: str) -> tuple[str, dict[str, Any]]:
