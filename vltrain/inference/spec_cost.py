@@ -43,8 +43,9 @@ decoding: on SmolLM2-135M (bench/RESULTS.md "`--spec auto`: predicted and measur
 predictions ran 7-13% above the measured speed-ups, half of it the drafter's tau on its own
 eval prompts (which picked its checkpoint) above its tau on other prompts."""
 CACHE_FILE = "spec_costs.json"
-CACHE_VERSION = 2
-"""Entries of another version (version 1 priced verifies alone) are measured again."""
+CACHE_VERSION = 3
+"""Entries of another version are measured again (1 priced verifies alone; 2 timed rounds that
+still carried the batch's finished rows)."""
 
 
 @dataclass
