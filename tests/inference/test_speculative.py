@@ -170,6 +170,41 @@ def test_a_finished_row_leaves_the_batch_while_others_decode(budget, monkeypatch
 
 
 @pytest.mark.parametrize("budget", [0, 12])
+def test_a_row_ended_by_its_first_token_never_enters_a_round(hf_target, budget) -> None:
+    """A row whose first token (the prefill's) is a stop id leaves before the first round;
+    the others decode as greedy does; one new token ends every row without a round."""
+    inputs = prompts(4)
+    free = spec_helpers.greedy_reference(HFTarget(hf_target.model), inputs, 12)
+    row = next(
+        (i for i in range(4) if all(free[i][0] not in r for j, r in enumerate(free) if j != i)),
+        None,
+    )
+    assert row is not None, "no row's first token is absent from the others: change the prompts"
+    target = HFTarget(hf_target.model, [0, 1])
+    target.eos_token_id = free[row][0]
+    ref = spec_helpers.greedy_reference(target, inputs, 12)
+    assert ref[row] == free[row][:1] and all(len(r) == 12 for j, r in enumerate(ref) if j != row)
+    drafter = spec_helpers.random_drafter(target)
+    rows: list[int] = []
+    real = target.verify
+
+    def verify(tokens, parents, cache, **kw):
+        rows.append(len(tokens))
+        return real(tokens, parents, cache, **kw)
+
+    target.verify = verify  # this test's own target
+    out, stats = speculative.speculative_generate(target, drafter, inputs, 12, budget)
+    assert rows and rows[0] == 3  # no round holds it
+    assert (
+        out == ref
+        and stats.accepted[row] == []
+        and all(stats.accepted[j] for j in range(4) if j != row)
+    )
+    out, stats = speculative.speculative_generate(target, drafter, inputs, 1, budget)
+    assert out == [r[:1] for r in ref] and stats.rounds == 0 and stats.target_calls == 1
+
+
+@pytest.mark.parametrize("budget", [0, 12])
 def test_a_row_finished_near_the_context_end_is_not_fed_past_it(budget, monkeypatch) -> None:
     """Block 8 in a 16-token caption context, max_new_tokens at the room the CLI leaves: row 0
     accepts whole blocks and ends a block from the end while the others still decode. Its nodes
