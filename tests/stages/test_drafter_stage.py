@@ -106,6 +106,36 @@ def test_regenerate_device_flag(lm, answers, monkeypatch) -> None:
     assert resolve_device("auto") == torch.device("cuda", 3)
 
 
+def test_regenerate_resumed_after_a_kill_writes_what_an_uninterrupted_run_does(
+    lm, answers, tmp_path
+) -> None:
+    """Sampled answers: a kill that left one batch and part of the next in the output, then a
+    resume, writes every answer the uninterrupted run does (the cut batch is decoded whole
+    again: its rows' draws are the batch's)."""
+    args = ["data", "regenerate", "--model", str(lm), "--data", str(answers / "prompts.jsonl")]
+    args += ["--max-new-tokens", "12", "--batch-size", "4", "--strategy", "sample", "--seed", "3"]
+    whole = tmp_path / "whole.jsonl"
+    assert main([*args, "--out", str(whole)]) == 0
+    lines = whole.read_text().splitlines()
+    assert len(lines) == len(TEXTS) > 6
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("\n".join(lines[:5]) + "\n" + lines[5][:20])  # the kill: a line half written
+    assert main([*args, "--out", str(cut)]) == 0
+
+    def answers_by_id(path: Path) -> dict:
+        rows = []
+        for x in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(x))
+            except json.JSONDecodeError:
+                continue  # the half line
+        return {r["id"]: r["completion_ids"] for r in rows}
+
+    assert answers_by_id(cut) == answers_by_id(whole)
+    greedy = answers_by_id(answers / "answers.jsonl")
+    assert any(greedy[k][:12] != v for k, v in answers_by_id(whole).items())  # it did sample
+
+
 def test_regenerate_with_hf_modules_writes_the_same_answers(lm, answers, tmp_path) -> None:
     """The default (native) forward and HF's modules answer every prompt with the same ids."""
     out = tmp_path / "hf.jsonl"

@@ -8,10 +8,14 @@ A drafter must predict the target, not the dataset: this writes the target's own
 - Captioner (``--checkpoint RUN``): caption records -> ``{"id", "image", "text"}`` with the
   target's caption; written next to the source file so image paths stay valid.
 
-Batched (left-padded prompts), greedy or sampled (``--strategy sample``, seeded per record so a
-resumed or sharded run draws the same answers). Resumable: ids already in the output are
-skipped and new lines are appended (each flushed). Sharded: with ``--world-size W`` (or the
-RANK / WORLD_SIZE of torchrun) rank r answers records r, r + W, ... into ``OUT.rank{r}``.
+Batched (left-padded prompts), greedy or sampled (``--strategy sample``, the generator seeded
+per batch from ``--seed`` and its first record's id). Resumable, exactly: ids already in the
+output are skipped and new lines appended (flushed each batch); the batches are those of an
+uninterrupted run, and one that a kill cut short is decoded whole again, so a resumed run
+writes the answers an uninterrupted one would (sampled ones included; the same
+``--batch-size`` and ``--world-size``: they decide the batches). Sharded: with
+``--world-size W`` (or the RANK / WORLD_SIZE of torchrun) rank r answers records r, r + W,
+... into ``OUT.rank{r}``.
 ``--device auto`` puts the target on ``cuda:LOCAL_RANK`` when CUDA is available (else the CPU);
 sampled answers then draw from a generator on that device (so they differ from a CPU run's).
 """
@@ -48,6 +52,17 @@ def _done_ids(out: Path) -> set[str]:
         except (json.JSONDecodeError, KeyError, TypeError):
             continue  # a line cut by a kill: answered again
     return ids
+
+
+def _drop_cut_line(out: Path) -> None:
+    """A kill while a line was written leaves it without its newline: it goes (answered again),
+    else the resumed run's first line would be appended to it and both lost."""
+    if not out.is_file() or out.stat().st_size == 0:
+        return
+    data = out.read_bytes()
+    if not data.endswith(b"\n"):
+        with out.open("r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
 
 
 def _shard(out: Path, rank: int, world: int) -> Path:
@@ -115,18 +130,26 @@ def regenerate(args: Any) -> int:
         recs = [json.loads(x) for x in Path(args.data).read_text().splitlines() if x.strip()]
         for i, r in enumerate(recs):
             r.setdefault("id", str(i))
-    todo = [r for i, r in enumerate(recs) if i % world == rank and str(r["id"]) not in done]
+    mine = [r for i, r in enumerate(recs) if i % world == rank]
+    todo = [r for r in mine if str(r["id"]) not in done]
     torch.manual_seed(args.seed)
+    _drop_cut_line(out)
     with out.open("a") as f:
-        for lo in range(0, len(todo), args.batch_size):
-            batch = todo[lo : lo + args.batch_size]
+        # the batches of an uninterrupted run, whatever is done: a batch cut by a kill is
+        # decoded whole again (its sampled draws and padding are the batch's), its missing
+        # lines written
+        for lo in range(0, len(mine), args.batch_size):
+            batch = mine[lo : lo + args.batch_size]
+            if all(str(r["id"]) in done for r in batch):
+                continue
             rows = (
                 _answer_lm(model, tok, batch, args)
                 if args.model
                 else _answer_captions(model, tok, cfg, batch, args)
             )
             for row in rows:
-                f.write(json.dumps(row) + "\n")
+                if str(row["id"]) not in done:
+                    f.write(json.dumps(row) + "\n")
             f.flush()
     print(f"regenerated {len(todo)} records into {out} ({len(done)} were there)", file=sys.stderr)
     return len(todo)
