@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 
 from vltrain.config.schema import load_config
+from vltrain.data.collate import ImageTextCollate
 from vltrain.data.images import DecodedImages
 from vltrain.data.records import ImageTextDataset
 from vltrain.data.tokenizer import TextTokenizer
-from vltrain.models.backbones import ImageTextCollate, build_encoder
+from vltrain.models.backbones import build_encoder
 from vltrain.models.contrastive import TEXT_SIDES, ContrastiveModel, encode_text_sets
 from vltrain.objectives.contrastive import build_loss_from_config
 

@@ -33,6 +33,7 @@ from PIL import Image
 from torch import Tensor
 
 from vltrain.data.batches import ImageTextBatch
+from vltrain.data.collate import add_text_extras
 from vltrain.data.images import load_image_native
 from vltrain.data.visual_tokens import PatchGrid, read_patch_grid, resize_for_budget
 
@@ -157,12 +158,7 @@ class HFCollate:
         }
         if all("index" in s for s in samples):
             batch["index"] = torch.tensor([s["index"] for s in samples])
-        negs = [n for s in samples for n in s.get("negatives", [])]
-        if negs:
-            batch["neg_ids"], batch["neg_mask"] = self.text_batch(negs)
-        if samples and all("text2" in s for s in samples):  # objective.caption_contrast
-            batch["pair_ids"], batch["pair_mask"] = self.text_batch([s["text2"] for s in samples])
-        return batch
+        return add_text_extras(batch, samples, self.text_batch)
 
     def _instructions(self, n: int, instructions: list[str] | None, role: str) -> list[str]:
         """Per-row VLM instructions: a record's own, else the configured one of `role`."""

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from vltrain.config.core import ConfigError
 from vltrain.config.schema import Config, ObjectiveConfig
 from vltrain.core.checkpoint import load_weights, resolve_checkpoint
-from vltrain.data.batches import ImageTextBatch
+from vltrain.data.collate import ImageTextCollate
 from vltrain.data.tokenizer import SPECIAL_TOKENS, TextTokenizer
 from vltrain.models.captioner import Captioner
 from vltrain.models.dual_encoder import DualEncoder
@@ -36,42 +36,6 @@ _LOSS_INIT_FIELDS = {
     "init_bias": "siglip_init_bias",
     "max_logit_scale": "max_logit_scale",
 }
-
-
-class ImageTextCollate:
-    """Built-in backbone: stack images, BPE-tokenize texts (and hard negatives); picklable."""
-
-    def __init__(self, tokenizer: TextTokenizer, max_len: int) -> None:
-        self.tokenizer = tokenizer
-        self.max_len = max_len
-
-    def image_batch(
-        self, images: list[Tensor], texts: None = None, instructions: Any = None, role: str = ""
-    ) -> tuple[Tensor, None]:
-        """(B, 3, S, S); the built-in towers take no instruction and no image+text input."""
-        if texts is not None:
-            raise ValueError("the built-in dual encoder encodes images or texts, not both")
-        return torch.stack(images), None  # (B, 3, S, S)
-
-    def text_batch(
-        self, texts: list[str], instructions: Any = None, role: str = ""
-    ) -> tuple[Tensor, Tensor]:
-        return self.tokenizer.encode_batch(texts, self.max_len)  # (B, T), (B, T)
-
-    def __call__(self, samples: list[dict[str, Any]]) -> ImageTextBatch:
-        ids, mask = self.text_batch([s["text"] for s in samples])
-        batch: ImageTextBatch = {
-            "images": self.image_batch([s["image"] for s in samples])[0],
-            "input_ids": ids,
-            "attention_mask": mask,
-            "index": torch.tensor([s["index"] for s in samples]),
-        }
-        negs = [n for s in samples for n in s.get("negatives", [])]
-        if negs:
-            batch["neg_ids"], batch["neg_mask"] = self.text_batch(negs)
-        if samples and all("text2" in s for s in samples):  # objective.caption_contrast
-            batch["pair_ids"], batch["pair_mask"] = self.text_batch([s["text2"] for s in samples])
-        return batch
 
 
 #: model.kind -> the encoder builder; the contrastive stage trains these kinds
