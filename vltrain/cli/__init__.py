@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vltrain.data.readers import DataError
     from vltrain.data.records import DataQualityError
     from vltrain.diagnostics.doctor import DoctorAbort
-    from vltrain.engine.loop import TrainingAborted, TrainingStopped
+    from vltrain.engine.stops import TrainingAborted, TrainingStopped
 
     args = build_parser().parse_args(argv)
     try:

@@ -15,6 +15,7 @@ from vltrain.config.extras import install_hint
 from vltrain.config.schema import Config
 from vltrain.core.files import atomic_write_lines
 from vltrain.engine import trackers
+from vltrain.engine.stops import TrainingStopped
 
 
 def _clean(value: Any) -> Any:
@@ -139,8 +140,6 @@ class RunLogger:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
-        from vltrain.engine.loop import TrainingStopped  # the loop imports this module
-
         stopped = isinstance(sys.exc_info()[1], (TrainingStopped, KeyboardInterrupt))
         status = "FINISHED" if self.finished else "KILLED" if stopped else "FAILED"
         for tracker in self.trackers:

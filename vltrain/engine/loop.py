@@ -30,21 +30,8 @@ from vltrain.engine.optim import build_optimizer, build_scaler, set_lr
 from vltrain.engine.parallel import ParallelModel, build_parallel, options_from
 from vltrain.engine.runtime import eval_mode, setup
 from vltrain.engine.state import RngState, TrainState
+from vltrain.engine.stops import TrainingAborted, TrainingStopped
 from vltrain.engine.task import Stage, check_stage
-
-
-class TrainingAborted(RuntimeError):
-    """Training stopped on purpose (non-finite steps, bad data); the message says why."""
-
-
-class TrainingStopped(TrainingAborted):
-    """SIGTERM or SIGINT (to this rank, another rank, the process group or torchrun): every
-    rank stopped at the same step boundary and a checkpoint was written; `signal` is the
-    signal number (SIGTERM on a rank that was stopped by another rank's signal)."""
-
-    def __init__(self, message: str, signal: int) -> None:
-        super().__init__(message)
-        self.signal = signal
 
 
 def _vote(

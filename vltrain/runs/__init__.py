@@ -11,7 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from vltrain.config.schema import Config
-from vltrain.engine.loop import Trainer, TrainingAborted
+from vltrain.engine.loop import Trainer
+from vltrain.engine.stops import TrainingAborted
 from vltrain.scaling.budget import resolve_budget
 from vltrain.stages import get_stage
 
