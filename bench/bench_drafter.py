@@ -441,7 +441,7 @@ def spec_generate(
     from vltrain.inference import speculative
     from vltrain.inference.hf_target import HFTarget
     from vltrain.inference.native_llama import NativeTarget
-    from vltrain.models.drafter import load_drafter
+    from vltrain.models.drafter_checkpoint import load_drafter
     from vltrain.tools.speculate import attach
 
     dev = next(model.parameters()).device

@@ -79,7 +79,7 @@ def main() -> None:
 
     from vltrain.data import chat
     from vltrain.inference.captioning import decode_captions
-    from vltrain.models.drafter import load_drafter
+    from vltrain.models.drafter_checkpoint import load_drafter
     from vltrain.tools.generate import generation_prompt, load_for_generation
     from vltrain.tools.speculate import caption_speculative
 

@@ -47,7 +47,7 @@ from vltrain.inference import speculative
 from vltrain.inference.captioning import left_pad
 from vltrain.inference.hf_target import load_hf_causal_lm
 from vltrain.inference.native_llama import causal_lm_target
-from vltrain.models.drafter import load_drafter
+from vltrain.models.drafter_checkpoint import load_drafter
 from vltrain.tools.speculate import attach
 
 

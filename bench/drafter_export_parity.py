@@ -296,7 +296,7 @@ def smollm2_case(target_dir: Path, draft_vocab: int, run: str = "") -> Case:
     drafter of ``run``; the token ids are a chat prompt and the start of an answer."""
     import transformers
 
-    from vltrain.models.drafter import load_drafter
+    from vltrain.models.drafter_checkpoint import load_drafter
 
     model = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     model = model.eval()

@@ -211,7 +211,7 @@ def test_train_and_generate_with_the_drafter(lm, answers, trained, tmp_path, cap
 def test_training_tau_equals_decoding_tau_on_the_same_blocks(lm, trained) -> None:
     from vltrain.inference.hf_target import HFTarget, load_hf_causal_lm
     from vltrain.inference.speculative import speculative_generate
-    from vltrain.models.drafter import load_drafter
+    from vltrain.models.drafter_checkpoint import load_drafter
     from vltrain.objectives.drafter import block_labels, block_metrics
     from vltrain.tools.speculate import attach
 
@@ -250,7 +250,7 @@ def test_decoding_tau_in_training_runs_native_and_equals_hf_decoding(
     from vltrain.inference.hf_target import HFTarget, load_hf_causal_lm
     from vltrain.inference.native_llama import NativeTarget
     from vltrain.inference.speculative import speculative_generate
-    from vltrain.models.drafter import load_drafter
+    from vltrain.models.drafter_checkpoint import load_drafter
     from vltrain.tools.speculate import attach
 
     verifies, released = [], []
@@ -413,7 +413,7 @@ def test_a_reduced_draft_vocabulary_trains_saves_and_decodes_losslessly(
 ) -> None:
     """``drafter.draft_vocab``: the ids are the most frequent answer tokens (EOS kept), saved
     in the checkpoint; eval reports the coverage; `generate --draft` prints the plain lines."""
-    from vltrain.models.drafter import load_drafter
+    from vltrain.models.drafter_checkpoint import load_drafter
 
     run = tmp_path / "run"
     m = _train(lm, answers, run, "optim.lr=3e-3", "drafter.draft_vocab=24")

@@ -203,7 +203,8 @@ def test_an_exported_drafter_imports_and_decodes_like_the_original(tmp_path, cap
     as `--draft RUN`; the imported drafter's logits equal the original's, and an export with the
     layer offset off by one does not."""
     from tests.stages.drafter_fixtures import TEXTS, tiny_lm
-    from vltrain.models.drafter import SharedParts, load_drafter
+    from vltrain.models.drafter import SharedParts
+    from vltrain.models.drafter_checkpoint import load_drafter
 
     lm = tiny_lm(tmp_path / "lm", layers=6)
     data = tmp_path / "data.jsonl"
@@ -263,7 +264,7 @@ def test_a_vltrain_drafter_export_travels_with_its_target_and_checks_its_config(
 
     from tests.stages.drafter_fixtures import TEXTS, tiny_lm
     from tests.stages.test_drafter_stage import _train_args
-    from vltrain.models.drafter import load_drafter
+    from vltrain.models.drafter_checkpoint import load_drafter
 
     home = tmp_path / "home"
     lm = tiny_lm(home / "lm", layers=4)

@@ -73,7 +73,7 @@ def test_a_dflash_checkpoint_decodes_like_the_original(setup, capsys) -> None:
     """`--draft DFLASH_EXPORT`: the same lines, tau and per-row tau as `--draft RUN`. Negative
     control: the same checkpoint with its target layer ids shifted by one (the z-lab
     `hidden_states[id + 1]` offset applied twice) gives other logits."""
-    from vltrain.models.drafter import load_drafter
+    from vltrain.models.drafter_checkpoint import load_drafter
     from vltrain.tools import export_drafter
 
     rc0, want, st0 = _generate(setup, setup["run"], capsys)
@@ -114,7 +114,7 @@ def _stage(setup, *extra: str):
 def test_init_from_a_speculators_checkpoint_starts_from_its_weights(setup) -> None:
     """Step 0's drafter (built, its loader built: the draft vocabulary is not re-chosen) gives
     the imported drafter's logits; a config of another shape is refused with what differs."""
-    from vltrain.models.drafter import load_drafter
+    from vltrain.models.drafter_checkpoint import load_drafter
 
     stage = _stage(setup, f"model.init_from={setup['speculators']}")
     loss = stage.build_model()

@@ -206,7 +206,7 @@ def speculators_state(drafter: Drafter) -> dict[str, Tensor]:
         t2d = torch.zeros(drafter.cfg.vocab_size, dtype=torch.bool)
         t2d[ids] = True
         out["t2d"] = t2d
-        w, _ = drafter._head_rows()
+        w, _ = drafter.head_rows()
         out["lm_head.weight"] = w.detach().cpu().contiguous().clone()
     return out
 

@@ -404,12 +404,12 @@ class Drafter(nn.Module):
         draft vocabulary (..., draft_vocab) when it is reduced (``to_token`` maps back)."""
         if not self.cfg.draft_vocab:
             return self.shared.head(hidden)
-        w, b = self._head_rows()
+        w, b = self.head_rows()
         if torch.is_grad_enabled():
             return F.linear(hidden.to(w.dtype), w, b)
         return self._packed.linear(hidden.to(w.dtype), w, b)  # decoding: rows recur each round
 
-    def _head_rows(self) -> tuple[Tensor, Tensor | None]:
+    def head_rows(self) -> tuple[Tensor, Tensor | None]:
         """The head's rows of the draft vocabulary, gathered once (the head is frozen)."""
         if self._sub_head is None or self._sub_head[0].device != self.vocab_ids.device:
             self._sub_head = self._gather_head(self.vocab_ids)
@@ -561,74 +561,3 @@ def save_drafter_meta(
     if decode:
         tree["eval"] = decode
     (Path(folder) / DRAFTER_FILE).write_text(json.dumps(tree, indent=2))
-
-
-def load_drafter(path: str | Path) -> tuple[Drafter, dict]:
-    """(drafter in eval mode, its target dict) of a drafter run or checkpoint folder.
-
-    The weights are the ``drafter.*`` entries of the checkpoint's ``model.safetensors`` (the
-    stage trains ``BlockDraftLoss``, which holds the drafter); the caller attaches the target's
-    shared parts with ``drafter.share``.
-    """
-    from safetensors.torch import load_file
-
-    from vltrain.core.checkpoint import resolve_checkpoint
-    from vltrain.models import dflash_format
-
-    if dflash_format.is_speculators(path):  # a speculators (vLLM) DFlash checkpoint
-        return dflash_format.load_speculators(path)
-    if dflash_format.is_dflash(path):  # a z-lab DFlash checkpoint (SGLang's)
-        return dflash_format.load_dflash(path)
-    ckpt = resolve_checkpoint(path)
-    meta_path = ckpt / DRAFTER_FILE
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"{ckpt} holds no {DRAFTER_FILE}: not a drafter checkpoint")
-    meta = json.loads(meta_path.read_text())
-    target = meta["target"]
-    if target.get("path") and not target.get("id"):  # relative to the folder (older: absolute)
-        target["path"] = str((ckpt / target["path"]).resolve())
-    if meta.get("eval"):
-        target["eval"] = meta["eval"]  # the measured tau `generate --spec auto` predicts from
-    drafter = Drafter(DrafterConfig(**meta["drafter"]))
-    state = load_file(str(ckpt / "model.safetensors"))
-    own = {k.removeprefix("drafter."): v for k, v in state.items() if k.startswith("drafter.")}
-    drafter.load_state_dict(own, strict=True)
-    return drafter.eval(), meta["target"]
-
-
-#: DrafterConfig field -> what sets it, compared with a ``model.init_from`` drafter
-INIT_KEYS = {  # DrafterConfig field -> what sets it, compared with a model.init_from drafter
-    "width": "model.target",
-    "vocab_size": "model.target",
-    "target_layer_ids": "drafter.layer_ids",
-    "layers": "drafter.layers",
-    "heads": "drafter.heads",
-    "mlp_ratio": "drafter.mlp_ratio",
-    "block_size": "drafter.block_size",
-    "rope_theta": "no key: vltrain's drafters train at 10000",
-    "qk_norm": "drafter.arch",
-    "learned_mask": "drafter.arch",
-    "norm_eps": "drafter.arch",
-}
-
-
-def drafter_to_continue(path: str | Path, dcfg: DrafterConfig) -> Drafter:
-    """The drafter ``model.init_from`` names (a vltrain run or checkpoint, a speculators or
-    z-lab DFlash checkpoint), refused unless `dcfg` (what this config builds) has its shape."""
-    from vltrain.config.core import ConfigError
-
-    try:
-        drafter, _ = load_drafter(path)
-    except FileNotFoundError as e:
-        raise ConfigError(f"model.init_from: {e}") from None
-    mine, theirs = dcfg.to_dict(), drafter.cfg.to_dict()
-    diff = [
-        f"{key} {theirs[key]} (this config: {mine[key]}; set {INIT_KEYS[key]})"
-        for key in INIT_KEYS
-        if mine[key] != theirs[key]
-    ]
-    if diff:
-        raise ConfigError(
-            f"model.init_from={path} is a drafter of another shape: {'; '.join(diff)}"
-        )
-    return drafter

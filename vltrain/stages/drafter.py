@@ -48,10 +48,10 @@ from vltrain.models.drafter import (
     SharedParts,
     arch_fields,
     draft_vocab_ids,
-    drafter_to_continue,
     save_drafter_meta,
     target_record,
 )
+from vltrain.models.drafter_checkpoint import drafter_to_continue
 from vltrain.objectives.drafter import BlockDraftLoss, default_gamma, summarize_metrics
 
 MAX_CACHED_TOP_K = 1024  # soft labels kept per position in a feature store

@@ -24,9 +24,9 @@ from vltrain.models.drafter import (
     SharedParts,
     check_target_config,
     config_sha256,
-    load_drafter,
     target_name,
 )
+from vltrain.models.drafter_checkpoint import load_drafter
 
 FORMATS = ("speculators", "dflash")
 MODELING_FILE = "modeling_dflash.py"

@@ -149,7 +149,8 @@ def generate_command(args: Any) -> int:
     rows: dict[int, dict[str, str]] = {}
     drafter, stats, t0 = None, [], time.perf_counter()
     if args.draft:
-        from vltrain.models.drafter import check_target_config, load_drafter, run_config_sha256
+        from vltrain.models.drafter import check_target_config, run_config_sha256
+        from vltrain.models.drafter_checkpoint import load_drafter
         from vltrain.tools.speculate import caption_speculative, pick_spec, report
 
         drafter, meta = load_drafter(args.draft)

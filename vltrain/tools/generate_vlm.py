@@ -107,7 +107,7 @@ def load_draft(args: Any) -> tuple[Any, dict]:
     """The ``--draft`` drafter and its metadata (None, {} without one)."""
     if not args.draft:
         return None, {}
-    from vltrain.models.drafter import load_drafter
+    from vltrain.models.drafter_checkpoint import load_drafter
 
     return load_drafter(args.draft)
 

@@ -28,13 +28,8 @@ from vltrain.inference.native_llama import causal_lm_target
 from vltrain.inference.speculative import SpecStats, speculative_generate
 from vltrain.inference.target import DecodeTarget
 from vltrain.models import dflash_format
-from vltrain.models.drafter import (
-    Drafter,
-    SharedParts,
-    check_target_config,
-    config_sha256,
-    load_drafter,
-)
+from vltrain.models.drafter import Drafter, SharedParts, check_target_config, config_sha256
+from vltrain.models.drafter_checkpoint import load_drafter
 
 
 def attach(drafter: Drafter, target: DecodeTarget) -> Drafter:
