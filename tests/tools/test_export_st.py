@@ -132,8 +132,11 @@ def st_parity(run: Path, out: Path, root: Path) -> dict[str, Any]:
         st = SentenceTransformer(str(out), device="cpu")
         q = torch.as_tensor(st.encode_query(texts, convert_to_numpy=True))
         d = torch.as_tensor(st.encode_document(pils, convert_to_numpy=True))
+        spaced = [f" {t}\n" if i % 2 else f"{t}  " for i, t in enumerate(texts)]
+        qs = torch.as_tensor(st.encode_query(spaced, convert_to_numpy=True))
         rows = {
             "texts (encode_query)": (q - ref_q).abs().max().item(),
+            "texts with surrounding whitespace (encode_query)": (qs - ref_q).abs().max().item(),
             "page images (encode_document)": (d - ref_d).abs().max().item(),
         }
         for dim in DIMS:
@@ -221,6 +224,13 @@ def test_chat_template_puts_the_system_prompt_where_vltrain_trains_the_instructi
         user(image, words("INSTR q")), original
     )
     assert render(user(words("q"))) == render(user(words("q")), original)  # no system
+    # a text stripped as vltrain strips what it reads, with or without a prompt
+    assert render(sys_msg + user(words("  q \n"))) == render(user(words("INSTR q")), original)
+    assert render(sys_msg + user(image, words(" q\t"))) == render(
+        user(image, words("INSTR q")), original
+    )
+    assert render(user(words(" q\n"))) == render(user(words("q")), original)
+    assert render([{"role": "user", "content": "q "}]) == render(user(words("q")), original)
     assert "system" not in render(sys_msg + user(words("q")))
 
 

@@ -51,33 +51,38 @@ MODULES = [
     )
 ]
 _FORWARD = {"method": "forward", "method_output_name": "last_hidden_state"}
-# Placed before the model's own chat template: a leading system message (how
-# sentence-transformers passes a prompt) becomes the head of the user turn's first text, or a text
-# after the image when the turn has none, as vltrain's collate builds its prompts
-# (`vltrain.data.hf_collate.HFCollate`). Without a system message the template is unchanged.
+# Placed before the model's own chat template. The first text of the first user turn is
+# stripped of surrounding whitespace (vltrain strips every text it reads: training, evaluation,
+# `load_run`), and a leading system message (how sentence-transformers passes a prompt) becomes
+# its head, or a text after the image when the turn has none, as vltrain's collate builds its
+# prompts (`vltrain.data.hf_collate.HFCollate`). The rest of the conversation is unchanged.
 SYSTEM_TO_USER = (
+    "{%- set sys = namespace(text='', on=false) -%}\n"
+    "{%- set rest = messages -%}\n"
     "{%- if messages and messages[0]['role'] == 'system' -%}\n"
-    "{%- set sys = messages[0]['content'] if messages[0]['content'] is string else "
+    "{%- set sys.on = true -%}\n"
+    "{%- set sys.text = messages[0]['content'] if messages[0]['content'] is string else "
     "messages[0]['content'] | map(attribute='text') | join('') -%}\n"
+    "{%- set rest = messages[1:] -%}\n"
+    "{%- endif -%}\n"
     "{%- set ns = namespace(msgs=[]) -%}\n"
-    "{%- for m in messages[1:] -%}\n"
+    "{%- for m in rest -%}\n"
     "{%- if loop.first and m['role'] == 'user' -%}\n"
     "{%- set items = [{'type': 'text', 'text': m['content']}] if m['content'] is string "
     "else m['content'] -%}\n"
     "{%- set c = namespace(items=[], done=false) -%}\n"
     "{%- for it in items -%}\n"
     "{%- if it['type'] == 'text' and not c.done -%}\n"
-    "{%- set c.items = c.items + [{'type': 'text', 'text': sys ~ it['text']}] -%}\n"
+    "{%- set c.items = c.items + [{'type': 'text', 'text': sys.text ~ (it['text'] | trim)}] -%}\n"
     "{%- set c.done = true -%}\n"
     "{%- else -%}{%- set c.items = c.items + [it] -%}{%- endif -%}\n"
     "{%- endfor -%}\n"
-    "{%- if not c.done -%}{%- set c.items = c.items + [{'type': 'text', 'text': sys}] -%}"
-    "{%- endif -%}\n"
+    "{%- if sys.on and not c.done -%}"
+    "{%- set c.items = c.items + [{'type': 'text', 'text': sys.text}] -%}{%- endif -%}\n"
     "{%- set ns.msgs = ns.msgs + [{'role': 'user', 'content': c.items}] -%}\n"
     "{%- else -%}{%- set ns.msgs = ns.msgs + [m] -%}{%- endif -%}\n"
     "{%- endfor -%}\n"
     "{%- set messages = ns.msgs -%}\n"
-    "{%- endif -%}\n"
 )
 
 
