@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -63,6 +64,37 @@ def test_probe_structure_and_provenance():
     assert probe.provenance()["first"] == "head.bias"
     probe.close()
     ok.close()
+
+
+def test_parts_frozen_by_design_are_not_unasked() -> None:
+    """A part that freezes some of its own parameters lists them in ``frozen_by_design`` (an
+    HF embedder's LM head): the frozen-part check leaves them out, and still names the rest."""
+    net = Net()
+    net.vision.frozen_by_design = ("weight",)  # as the part would declare it
+    net.vision.weight.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-3)
+    assert Probe(net, opt, [], True).frozen_unasked == []
+    net.head.bias.requires_grad_(False)  # frozen by nobody's design
+    assert Probe(net, opt, [], True).frozen_unasked == ["head.bias"]
+
+
+def test_a_vlm_embedder_full_finetune_declares_its_frozen_lm_head(tmp_path) -> None:
+    """A full fine-tune (lora_r 0) of a VLM embedder: its LM head never reaches the embedding
+    and is frozen by construction; the doctor's check used to call that an error."""
+    pytest.importorskip("transformers")
+    from tests.models import vlm_fixtures
+    from vltrain.models.hf_embedders import VLMEmbedder
+
+    enc = VLMEmbedder(vlm_fixtures.tiny_qwen2vl(tmp_path))
+    assert enc.frozen_by_design == ("model.lm_head.weight",)
+    outer = nn.ModuleDict({"encoder": enc})
+    opt = torch.optim.AdamW([p for p in outer.parameters() if p.requires_grad], lr=1e-3)
+    probe = Probe(outer, opt, [], True)
+    assert probe.frozen_unasked == [] and probe.not_in_optimizer == []
+    enc.model.model.language_model.norm.weight.requires_grad_(False)
+    assert Probe(outer, opt, [], True).frozen_unasked == [
+        "encoder.model.model.language_model.norm.weight"
+    ]
 
 
 def _torch_path(probe: Probe) -> list[torch.Tensor]:

@@ -42,6 +42,17 @@ def _sample_index(p: torch.Tensor) -> torch.Tensor:
     return (steps * (n - 1) + (k - 1) // 2) // max(k - 1, 1)
 
 
+def frozen_by_design(module: nn.Module) -> set[str]:
+    """Names of the parameters `module`'s parts froze themselves: a part lists them (under
+    itself) in ``frozen_by_design`` (an HF embedder's LM head, its loss-owned logit scale, the
+    vision layers a LLaVA projector never reads: docs/hf_backbones.md)."""
+    out = set()
+    for prefix, part in module.named_modules():
+        for name in getattr(part, "frozen_by_design", ()):
+            out.add(f"{prefix}.{name}" if prefix else name)
+    return out
+
+
 class Probe:
     """Per-step model/optimizer facts for a :class:`StepRecord`.
 
@@ -62,11 +73,14 @@ class Probe:
         in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
         params = list(module.named_parameters())
         self.not_in_optimizer = [n for n, p in params if p.requires_grad and id(p) not in in_opt]
-        top = set(frozen_parts)
+        top, design = set(frozen_parts), frozen_by_design(module)
         self.frozen_unasked = [
             n
             for n, p in params
-            if expect_all_trainable and not p.requires_grad and n.split(".")[0] not in top
+            if expect_all_trainable
+            and not p.requires_grad
+            and n.split(".")[0] not in top
+            and n not in design
         ]
         self.frozen_trainable = [n for n, p in params if p.requires_grad and n.split(".")[0] in top]
         self.groups = [list(g["params"]) for g in optimizer.param_groups]

@@ -157,7 +157,13 @@ class _HFEmbedder(nn.Module):
         self.lora = dict(lora) if lora else None
         self.model = apply_lora(model, self.lora, self.lora_targets) if self.lora else model
         # after LoRA, so adapters peft attached inside unused modules are frozen with them
+        trainable = {id(p) for p in self.model.parameters() if p.requires_grad}
         self._freeze_unused(self.base_model())
+        # what that froze (names under this module): no model.freeze asks for it, and the
+        # doctor's frozen-part check leaves it out (vltrain.diagnostics.probe.frozen_by_design)
+        self.frozen_by_design = tuple(
+            n for n, p in self.named_parameters() if id(p) in trainable and not p.requires_grad
+        )
         self.trainable_params, self.total_params = count_parameters(self.model)
 
     def _load(self, path: str, **kw: Any) -> nn.Module:
