@@ -88,6 +88,22 @@ def test_console_prints_warnings_and_info_stays_in_the_file(
     assert console == ["doctor: WARN  step 2 [loss_spike] a loss spike"]
 
 
+def test_findings_before_the_first_step_reach_the_console(
+    shapes_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """The checks run before the first step (eval data inside the training data here) print
+    as the step checks do; they used to reach doctor.jsonl only."""
+    out = tmp_path / "run"
+    extra = {"train.max_steps": 2, "data.eval": shapes_dir / "train.jsonl"}
+    train(load_config(None, tiny_overrides(shapes_dir, out, **extra)))
+    found = [json.loads(x) for x in (out / "doctor.jsonl").read_text().splitlines()]
+    assert [(f["check"], f["step"]) for f in found if f["severity"] == "error"] == [
+        ("eval_overlap", 0)
+    ]
+    console = [x for x in capsys.readouterr().err.splitlines() if x.startswith("doctor:")]
+    assert len(console) == 1 and "[eval_overlap]" in console[0] and "ERROR" in console[0]
+
+
 def _fake_run(path: Path, losses: list[float]) -> Path:
     path.mkdir(parents=True)
     cfg = load_config(None, ["train.save_every=0", "optim.warmup_steps=0"])  # judged from step 0

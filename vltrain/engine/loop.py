@@ -34,6 +34,14 @@ from vltrain.engine.stops import TrainingAborted, TrainingStopped
 from vltrain.engine.task import Stage, check_stage
 
 
+def _say_findings(logger: RunLogger, found: list) -> None:
+    """The doctor's findings above info on the console; info ones (minor grad blips, a dozen
+    per short run) stay in doctor.jsonl and the report, where they do not bury the warnings."""
+    for f in found:
+        if severity_rank(f.severity) > severity_rank("info"):
+            logger.message(f"doctor: {f.line()}")
+
+
 def _vote(
     batches: list[Batch], tracker: BadSampleTracker, stop: int, save: int
 ) -> tuple[int, int, int]:
@@ -165,6 +173,8 @@ class Trainer:
             )
         self._started = True
         logger = RunLogger(cfg, self.out_dir, ctx.is_main, self.state.step)
+        if self.doctor is not None:  # what it found before the first step (frozen parts, ...)
+            _say_findings(logger, self.doctor.findings)
         if ckpt is not None:
             for line in plan.messages:
                 logger.message(line)
@@ -389,11 +399,7 @@ class Trainer:
             scaler_skip=overflow,
         )
         found = self.doctor.observe(rec)  # gathers over ranks inside: every rank calls it
-        # info findings (minor grad blips, a dozen per short run) stay in doctor.jsonl and the
-        # report: on the console they would bury the warnings
-        for f in found:
-            if severity_rank(f.severity) > severity_rank("info"):
-                logger.message(f"doctor: {f.line()}")
+        _say_findings(logger, found)
         if found:
             worst = max(severity_rank(f.severity) for f in found)
             logger.log(self.state.step + 1, {"doctor_findings": len(found), "doctor_worst": worst})
