@@ -61,3 +61,20 @@ def test_a_stage_without_the_best_metric_fails_before_anything_is_written(
     assert not run.exists()  # nothing written: the check ran before setup
     Trainer(cfg, stage=scope["TinyClipStage"])  # control: the documented stage passes the check
     assert run.is_dir()
+
+
+@pytest.mark.parametrize("stage", ["contrastive", "half", 3])
+def test_what_is_not_a_stage_class_is_a_config_error(stage, tmp_path: Path) -> None:
+    """A built-in stage's name, a class without the protocol's methods, or any other value:
+    one ConfigError saying what Trainer takes (it was an AttributeError), nothing written."""
+    from vltrain import Trainer, load_config
+
+    class Half:  # a stage begun: check_config only
+        @classmethod
+        def check_config(cls, cfg) -> None:
+            pass
+
+    cfg = load_config(None, [f"run.out_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"takes a Stage class.*vltrain\.train\(cfg\)"):
+        Trainer(cfg, stage=Half if stage == "half" else stage)
+    assert not (tmp_path / "run").exists()

@@ -153,8 +153,28 @@ def best_metric_of(cfg: Config, stage: type[Stage]) -> tuple[str, str]:
     return metric, mode
 
 
+#: what a stage class must define (the `Stage` protocol's methods)
+STAGE_METHODS = (
+    "check_config",
+    "eval_metrics",
+    "prepare",
+    "build_model",
+    "build_loader",
+    "forward_backward",
+    "evaluate",
+)
+
+
 def check_stage(cfg: Config, stage: type[Stage]) -> tuple[str, str]:
     """Every load-time check of a stage for this config; returns its best (metric, mode)."""
+    missing = [m for m in STAGE_METHODS if not callable(getattr(stage, m, None))]
+    if not isinstance(stage, type) or missing:
+        what = f"a class without {', '.join(missing)}" if isinstance(stage, type) else repr(stage)
+        raise ConfigError(
+            f"Trainer(cfg, stage=...) takes a Stage class (docs/internals.md), not {what}; "
+            f"the built-in stage config.stage names ({cfg.stage!r}) trains with "
+            "vltrain.train(cfg)"
+        )
     stage.check_config(cfg)
     hub.check_sources(cfg)  # hub ids in the HF cache, or allowed to download
     trackers.check_trackers(cfg)  # the packages of the loggers asked for
