@@ -429,3 +429,19 @@ def test_bleu_many_references_and_large_n(monkeypatch: pytest.MonkeyPatch) -> No
     for n, (ours, ours_items) in fast.items():
         ref, ref_items = Bleu(n).compute_score(gts, res)
         assert ours == ref and ours_items == ref_items
+
+
+def test_caption_scores_take_lists_or_dicts_and_refuse_what_does_not_pair() -> None:
+    """The API's call as docs/api.md writes it, with lists in order, equals the call with dicts
+    by id; a single reference string is one reference (not its characters); what does not
+    pair up is a ValueError (lists used to fail inside the tokenizer)."""
+    hyps = ["a red circle on white", "a small blue square"]
+    refs = [["a red circle", "red circle on white"], "a blue square"]
+    by_id = cm.caption_scores(dict(enumerate(hyps)), {0: refs[0], 1: [refs[1]]})
+    assert cm.caption_scores(hyps, refs) == by_id and by_id["CIDEr-D"] > 0
+    with pytest.raises(ValueError, match="2 captions for 1 reference lists"):
+        cm.caption_scores(hyps, refs[:1])
+    with pytest.raises(ValueError, match="both dicts"):
+        cm.caption_scores(dict(enumerate(hyps)), refs)
+    with pytest.raises(ValueError, match=r"no caption for 1 id\(s\), e.g. \[1\]"):
+        cm.caption_scores({0: hyps[0]}, {0: refs[0], 1: [refs[1]]})

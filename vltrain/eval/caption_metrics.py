@@ -448,12 +448,31 @@ class CiderD:
 Cider = CiderD  # pycocoevalcap's Cider computes CIDEr-D
 
 
-def caption_scores(hyps: Mapping[Any, str], refs: Mapping[Any, Sequence[str]]) -> dict[str, float]:
-    """BLEU-1/4 and CIDEr-D (pycocoevalcap numbers) after PTB tokenization."""
+def caption_scores(
+    hyps: Mapping[Any, str] | Sequence[str],
+    refs: Mapping[Any, Sequence[str] | str] | Sequence[Sequence[str] | str],
+) -> dict[str, float]:
+    """BLEU-1/4 and CIDEr-D (pycocoevalcap numbers) after PTB tokenization.
+
+    ``hyps``: one caption per image, ``refs``: each image's reference captions (a list, or one
+    string), either both keyed by image id (dicts) or both in the same order (lists). Raises
+    ValueError when they do not pair up.
+    """
+    if not isinstance(hyps, Mapping) and not isinstance(refs, Mapping):
+        if len(hyps) != len(refs):
+            raise ValueError(
+                f"caption_scores: {len(hyps)} captions for {len(refs)} reference lists"
+            )
+        hyps, refs = dict(enumerate(hyps)), dict(enumerate(refs))
+    elif not (isinstance(hyps, Mapping) and isinstance(refs, Mapping)):
+        raise ValueError("caption_scores: hyps and refs both dicts (by id) or both lists")
     if not refs:
         return {}
     keys = sorted(refs)
-    gts = ptb_tokenize({k: list(refs[k]) for k in keys})
+    lost = [k for k in keys if k not in hyps]
+    if lost:
+        raise ValueError(f"caption_scores: no caption for {len(lost)} id(s), e.g. {lost[:3]}")
+    gts = ptb_tokenize({k: [refs[k]] if isinstance(refs[k], str) else list(refs[k]) for k in keys})
     res = ptb_tokenize({k: [hyps[k]] for k in keys})
     bleu, _ = Bleu(4).compute_score(gts, res)
     cider, _ = CiderD().compute_score(gts, res)
