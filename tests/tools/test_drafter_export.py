@@ -187,6 +187,7 @@ def test_an_output_folder_holding_an_export_is_refused_unless_forced(qwen3, tmp_
     out = tmp_path / "out"
     out.mkdir()
     (out / "drafter.json").write_text("{}")  # another export (vltrain's own)
+    (out / "config.yaml").write_text("stage: drafter\n")
     (out / "notes.txt").write_text("mine")
     ckpt = bench.save_checkpoint(qwen3, tmp_path / "c")
     with pytest.raises(ConfigError, match="already holds an export"):
@@ -195,6 +196,24 @@ def test_an_output_folder_holding_an_export_is_refused_unless_forced(qwen3, tmp_
     assert main(["export", str(ckpt), "--out", str(out), "--format", "dflash", "--force"]) == 0
     assert not (out / "drafter.json").exists() and (out / "notes.txt").read_text() == "mine"
     assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+
+
+def test_a_model_folder_is_never_replaced_even_forced(qwen3, tmp_path, capsys) -> None:
+    """--out naming the drafter's own target (an HF model folder: config.json and weights, no
+    export of vltrain's) is refused with --force too; it was overwritten (found by a reviewer)."""
+    ckpt = bench.save_checkpoint(qwen3, tmp_path / "c")
+    target = qwen3.target_dir
+    before = {p.name: p.read_bytes() for p in target.iterdir() if p.is_file()}
+    capsys.readouterr()
+    for force in ([], ["--force"]):
+        args = ["export", str(ckpt), "--out", str(target), "--format", "speculators", *force]
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert "no vltrain export" in err and "even with --force" in err and "\n" not in err
+    assert {p.name: p.read_bytes() for p in target.iterdir() if p.is_file()} == before
+    out = tmp_path / "spec"  # an export of the formats is one: --force replaces it
+    assert main(["export", str(ckpt), "--out", str(out), "--format", "speculators"]) == 0
+    assert main(["export", str(ckpt), "--out", str(out), "--format", "dflash", "--force"]) == 0
 
 
 def test_an_exported_drafter_imports_and_decodes_like_the_original(tmp_path, capsys) -> None:

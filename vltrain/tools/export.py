@@ -59,7 +59,9 @@ def export_hf(checkpoint: str | Path, out: str | Path, force: bool = False) -> P
     if not hasattr(stage, "export_hf"):
         raise ConfigError("--format hf exports caption runs of model.kind hf_vlm or llava")
     export_drafter.clear_out(out)
-    return stage.export_hf(model, out)
+    folder = stage.export_hf(model, out)
+    (folder / export_drafter.MARKER).write_text(json.dumps({"format": "hf"}) + "\n")
+    return folder
 
 
 def export_command(

@@ -42,8 +42,11 @@ EXPORT_FILES = (
     "hf_model",
     "tokenizer",
     "modeling_dflash.py",
+    "vltrain_export.json",
 )
-"""What any `vltrain export` writes: a folder holding one of them holds an export."""
+"""What any `vltrain export` writes (``--force`` removes these from a folder it replaces)."""
+MARKER = "vltrain_export.json"
+"""Written by the sentence-transformers and hf exports (which are otherwise plain model folders)."""
 
 
 def held_export(out: Path) -> list[str]:
@@ -51,9 +54,26 @@ def held_export(out: Path) -> list[str]:
     return [n for n in EXPORT_FILES if (out / n).exists()] if out.is_dir() else []
 
 
+def is_export(out: Path) -> bool:
+    """Whether ``out`` holds something `vltrain export` wrote: its marker, a vltrain-format
+    export (``config.yaml`` without a run's ``checkpoints/``) or a drafter in the speculators
+    or DFlash format."""
+    if (out / MARKER).is_file():
+        return True
+    if (out / "config.yaml").is_file() and not (out / "checkpoints").exists():
+        return True
+    return dflash_format.is_speculators(out) or dflash_format.is_dflash(out)
+
+
 def check_out(out: Path, force: bool) -> None:
-    """Refuse a folder that already holds an export unless ``force`` (nothing is written)."""
+    """Refuse a folder that already holds an export unless ``force``, and one that holds
+    anything else (a model, a run: maybe the very target) even with it; nothing is written."""
     held = held_export(out)
+    if held and not is_export(out):
+        raise ConfigError(
+            f"{out} holds {', '.join(held)} but no vltrain export (a model? a run?): an export "
+            "never replaces it, even with --force; choose another --out"
+        )
     if held and not force:
         raise ConfigError(
             f"{out} already holds an export ({', '.join(held)}): pass --force to replace it, "
