@@ -372,6 +372,28 @@ def test_eval_overlap(tmp_path):
     assert eval_overlap(cfg) == []
 
 
+def test_eval_overlap_of_drafter_and_chat_records(tmp_path):
+    """Records without image or text (a drafter's prompt / completion, chat turns) are told
+    apart by those fields: disjoint eval records were all "also in data.train" (the shared
+    empty image and text; found by a reviewer); a shared one is still found."""
+    train = [{"prompt": f"count to {i}", "completion": f"1 .. {i}"} for i in range(5)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in train))
+    val = [{"id": "v0", "prompt": "name a color", "completion": "red"}]
+    (tmp_path / "val.jsonl").write_text("\n".join(json.dumps(r) for r in val))
+    cfg = _cfg(f"data.train={tmp_path}/train.jsonl", f"data.eval={tmp_path}/val.jsonl")
+    assert eval_overlap(cfg) == []
+    val.append({"id": "v1", **train[3]})  # the same prompt and answer under another id
+    (tmp_path / "val.jsonl").write_text("\n".join(json.dumps(r) for r in val))
+    f = eval_overlap(cfg)
+    assert [x.check for x in f] == ["eval_overlap"] and f[0].evidence["shared"] == 1
+    chat = {"image": "a.png", "messages": [{"role": "user", "content": "hi"}]}
+    (tmp_path / "a.png").write_bytes(b"\x89PNG-a")
+    (tmp_path / "train.jsonl").write_text(json.dumps(chat))
+    other = {**chat, "messages": [{"role": "user", "content": "what is it?"}]}
+    (tmp_path / "val.jsonl").write_text(json.dumps(other))
+    assert eval_overlap(cfg) == []  # the same image, another conversation
+
+
 def test_record_fingerprints_are_hashed_once_per_record_file_version(tmp_path, monkeypatch):
     from vltrain.diagnostics import data_checks
 

@@ -201,9 +201,13 @@ class DataOrder:
 _FINGERPRINTS: dict[tuple[str, int | None, int | None, int], frozenset[str]] = {}
 
 
+CHAT_FIELDS = ("prompt", "completion", "messages", "conversations")
+"""Record fields besides ``text`` that hold a record's text (chat and drafter records)."""
+
+
 def record_fingerprints(path: str, limit: int = 50_000) -> frozenset[str]:
     """Content fingerprints of a JSONL record file: sha1 of the image bytes (else its path)
-    plus the normalised texts. Empty for other formats.
+    plus the normalised texts (``text`` and `CHAT_FIELDS`). Empty for other formats.
 
     Kept per process while the record file's size and modification time stay the same (an
     image rewritten in place under an unchanged record file is not hashed again)."""
@@ -240,6 +244,8 @@ def _fingerprints(p: Path, limit: int) -> set[str]:
                 key = str(rec.get("image", ""))
             text = rec.get("text", "")
             texts = text if isinstance(text, list) else [text]
+            # chat and drafter records: their turns, prompt and answer are the text
+            texts += [json.dumps(rec[k], sort_keys=True) for k in CHAT_FIELDS if k in rec]
             out.add(key + "|" + "|".join(sorted(" ".join(str(t).lower().split()) for t in texts)))
     return out
 
