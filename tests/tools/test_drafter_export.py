@@ -338,3 +338,24 @@ def test_auto_arch_is_dflash_for_an_hf_lm_target_and_vltrain_for_the_others() ->
     assert arch("hf_lm") == "dflash"
     assert arch("captioner") == arch("hf_vlm") == "vltrain"
     assert arch("hf_lm", "vltrain") == "vltrain" and arch("captioner", "dflash") == "dflash"
+
+
+def test_the_measured_tau_travels_in_both_formats(qwen3, tmp_path) -> None:
+    """A run's measured decoding (what `generate --spec auto` predicts from) is in its
+    speculators and DFlash exports and back on import; an export of a run without one has
+    none (the message then says a published checkpoint records none)."""
+    from vltrain.models.drafter_checkpoint import load_drafter
+
+    ckpt = bench.save_checkpoint(qwen3, tmp_path / "c")
+    meta = json.loads((ckpt / "drafter.json").read_text())
+    assert "eval" not in meta
+    for fmt in ("speculators", "dflash"):
+        out = tmp_path / f"bare_{fmt}"
+        assert main(["export", str(ckpt), "--out", str(out), "--format", fmt]) == 0
+        assert "eval" not in load_drafter(out)[1]
+    measured = {"tau_decode": 2.5, "tau_decode_tree": 3.25, "tree_budget": 16}
+    (ckpt / "drafter.json").write_text(json.dumps({**meta, "eval": measured}))
+    for fmt in ("speculators", "dflash"):
+        out = tmp_path / fmt
+        assert main(["export", str(ckpt), "--out", str(out), "--format", fmt]) == 0
+        assert load_drafter(out)[1]["eval"] == measured

@@ -358,7 +358,7 @@ def load_speculators(path: str | Path) -> tuple[Drafter, dict]:
         "verifier": {"architectures": list(verifier.get("architectures") or []), "vocab": vocab},
         "config_sha256": ((c.get("vltrain") or {}).get("target") or {}).get("config_sha256"),
     }
-    return drafter, target
+    return drafter, _with_measured(target, c)
 
 
 def load_dflash(path: str | Path) -> tuple[Drafter, dict]:
@@ -395,7 +395,14 @@ def load_dflash(path: str | Path) -> tuple[Drafter, dict]:
         },
         "config_sha256": made.get("config_sha256"),
     }
-    return drafter, target
+    return drafter, _with_measured(target, c)
+
+
+def _with_measured(target: dict, config: dict) -> dict:
+    """``target`` with the decoding a vltrain export carries (``vltrain.eval``: tau_decode,
+    ...), as ``load_drafter`` reads it from a run's ``drafter.json``."""
+    measured = (config.get("vltrain") or {}).get("eval")
+    return {**target, "eval": measured} if measured else target
 
 
 def check_verifier(target: dict, model: Any, where: str) -> None:

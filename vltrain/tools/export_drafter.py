@@ -165,9 +165,12 @@ def write_export(
     target: dflash_format.TargetInfo,
     out: Path,
     fmt: str,
+    measured: dict | None = None,
     **config_args: Any,
 ) -> Path:
-    """config.json + model.safetensors of ``drafter`` in ``fmt`` (checks already passed).
+    """config.json + model.safetensors of ``drafter`` in ``fmt`` (checks already passed);
+    ``measured``, the run's measured decoding (tau_decode, ...), travels in config.json's
+    ``vltrain`` block (what ``generate --spec auto`` predicts from).
 
     ``config_args`` go to ``speculators_config`` (the bench's negative controls)."""
     if fmt == "speculators":
@@ -177,6 +180,8 @@ def write_export(
         config = dflash_format.dflash_config(drafter.cfg, target)
         config["auto_map"] = {"AutoModel": f"{MODELING_FILE[:-3]}.DFlashDraftModel"}
         state = dflash_format.body_state(drafter)
+    if measured:
+        config.setdefault("vltrain", {})["eval"] = measured
     out.mkdir(parents=True, exist_ok=True)
     if fmt == "dflash":  # plain transformers: AutoModel.from_pretrained(out, trust_remote_code)
         source = Path(dflash_format.__file__).with_name("dflash_modeling.py")  # not imported
@@ -217,4 +222,4 @@ def export_drafter(
     check_convertible(drafter, info, fmt)
     clear_out(out)
     with torch.no_grad():
-        return write_export(drafter, info, out, fmt)
+        return write_export(drafter, info, out, fmt, meta.get("eval"))

@@ -68,7 +68,8 @@ def pick_spec(
         way = "tree" if args.tree_budget else "chain"
         print(
             f"vltrain: --spec auto: {args.draft} records no measured tau (a drafter run "
-            f"evaluated with drafter.eval_prompts > 0 does): {way} as asked; --spec none "
+            "evaluated with drafter.eval_prompts > 0 does, and its exports carry it; a "
+            f"checkpoint published elsewhere does not): {way} as asked; --spec none "
             "decodes without it",
             file=sys.stderr,
         )
