@@ -199,3 +199,53 @@ def test_a_verifier_of_another_architecture_is_refused(setup, capsys) -> None:
     err = err.splitlines()[-1]  # after HF's loading bar
     assert rc == 2 and err.startswith("vltrain: error:"), err
     assert "architecture ['LlamaForCausalLM'] (the model is ['Qwen2ForCausalLM'])" in err
+
+
+def _damage(folder: Path, how: str) -> None:
+    weights = folder / "model.safetensors"
+    if how == "truncated":
+        weights.write_bytes(weights.read_bytes()[:200])
+    elif how == "no weights":
+        weights.unlink()
+    elif how == "a key missing":
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(weights))
+        del state["fc.weight"]
+        save_file(state, str(weights), metadata={"format": "pt"})
+    else:  # a config.json cut short
+        (folder / "config.json").write_text((folder / "config.json").read_text()[:40])
+
+
+@pytest.mark.parametrize(
+    ("how", "words"),
+    [
+        ("truncated", "model.safetensors cannot be read as safetensors"),
+        ("no weights", "holds no *.safetensors: the drafter's weights are missing"),
+        ("a key missing", "weights do not match its config.json: missing 1 (fc.weight)"),
+        ("cut config", "config.json is not valid JSON"),
+    ],
+)
+def test_a_damaged_export_is_one_line_naming_what_is_wrong(setup, capsys, how, words) -> None:
+    """Damaged files of an export (found by a reviewer: tracebacks of 29 lines, a message
+    that ended at its colon, 'holds no drafter.json' for a broken config.json)."""
+    bad = setup["root"] / f"damaged-{how.replace(' ', '_')}"
+    shutil.copytree(setup["speculators"], bad, dirs_exist_ok=True)
+    _damage(bad, how)
+    rc, err, _ = _generate(setup, bad, capsys)
+    assert rc == 2 and err.splitlines()[-1].startswith("vltrain: error:"), err
+    assert words in err.splitlines()[-1] and "Traceback" not in err, err
+
+
+def test_an_export_given_as_the_model_says_to_pass_it_as_draft(setup, capsys) -> None:
+    """An export as --model: one line (it was transformers' 19-line ValueError); --model and
+    --draft swapped: the model named as no drafter."""
+    prompts = ["--prompts", str(setup["root"] / "prompts.jsonl")]
+    capsys.readouterr()
+    assert main(["generate", "--model", str(setup["speculators"]), *prompts]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and err.splitlines()[-1].startswith("vltrain: error:"), err
+    assert "is a drafter (a speculators or DFlash export): pass it as --draft" in err
+    rc, err, _ = _generate(setup, setup["lm"], capsys, model=setup["speculators"])
+    assert rc == 2 and "Traceback" not in err, err
+    assert "holds a transformers model ('llama'), not a drafter" in err.splitlines()[-1]

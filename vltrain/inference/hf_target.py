@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from vltrain.config import extras
+from vltrain.config.core import ConfigError
 from vltrain.config.hub_ids import is_model_id
 from vltrain.core import hub
 from vltrain.inference.target import Context, StopIds
@@ -449,8 +450,33 @@ def load_hf_causal_lm(path: str | Path, attn: str = "sdpa") -> tuple[Any, Any]:
         if not extras.installed("gguf"):  # transformers' own error names no package to install
             raise ModuleNotFoundError(f"{p} is a GGUF file: it needs gguf", name="gguf")
         where, kw["gguf_file"] = p.parent, p.name
-    tok = AutoTokenizer.from_pretrained(where, **kw)
-    model = AutoModelForCausalLM.from_pretrained(
-        where, dtype=torch.float32, attn_implementation=attn, **kw
-    )
+    elif p.is_dir():
+        _check_lm_folder(p)
+    try:
+        tok = AutoTokenizer.from_pretrained(where, **kw)
+        model = AutoModelForCausalLM.from_pretrained(
+            where, dtype=torch.float32, attn_implementation=attn, **kw
+        )
+    except (ValueError, OSError, RuntimeError) as e:  # transformers' own: many lines
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{path}: transformers cannot load a causal LM from it ({first})") from e
     return model.eval(), tok
+
+
+def _check_lm_folder(folder: Path) -> None:
+    """A folder the target cannot be: none at all, or a drafter export (--model and --draft
+    swapped)."""
+    import json
+
+    cfg = folder / "config.json"
+    if not cfg.is_file():
+        raise ConfigError(f"{folder} holds no config.json: not a transformers model folder")
+    try:
+        c = json.loads(cfg.read_text())
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"{cfg} is not valid JSON ({e})") from None
+    if c.get("speculators_model_type") or "DFlashDraftModel" in (c.get("architectures") or []):
+        raise ConfigError(
+            f"{folder} is a drafter (a speculators or DFlash export): pass it as --draft, "
+            "and its target model as --model"
+        )

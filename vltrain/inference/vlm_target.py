@@ -132,14 +132,18 @@ def decode_vlm_captions(
 def is_hf_vlm(path: str | Path) -> bool:
     """Whether the local directory ``path`` holds an ``AutoModelForImageTextToText`` model
     (by its config.json; a ``.gguf`` file or a causal LM is not one)."""
+    import json
+
     p = Path(path)
     if not (p / "config.json").is_file():
         return False
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-    cfg = AutoConfig.from_pretrained(p, local_files_only=True)
-    return cfg.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    try:  # the key AutoConfig dispatches on; a folder without one is the loader's to refuse
+        c = json.loads((p / "config.json").read_text())
+    except (ValueError, OSError):
+        return False
+    return isinstance(c, dict) and c.get("model_type") in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
 #: model.kind of caption runs whose model is an HF VLM (vltrain.stages.caption_hf)

@@ -286,8 +286,6 @@ def _drafter_from(
 ) -> tuple[Drafter, dict[str, Tensor]]:
     """The drafter a DFlash decoder config ``tl`` describes, loaded from ``folder``'s
     safetensors (strict); also returns those tensors (the caller reads d2t / t2d)."""
-    from safetensors.torch import load_file
-
     width, vocab = tl["hidden_size"], tl["vocab_size"]
     rope = tl.get("rope_parameters") or {}
     cfg = DrafterConfig(
@@ -307,9 +305,12 @@ def _drafter_from(
     )
     if int(cfg.width * cfg.mlp_ratio) != tl["intermediate_size"]:
         raise ConfigError(f"{folder}: intermediate_size {tl['intermediate_size']} is not exact")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{folder} holds no *.safetensors: the drafter's weights are missing")
     state: dict[str, Tensor] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        state.update(load_file(str(f)))
+    for f in files:
+        state.update(read_weights(f))
     inverse = {v: k for k, v in LAYER_KEYS.items()}
     own = {k: state[k] for k in TOP_KEYS if k in state}
     for key, t in state.items():
@@ -319,12 +320,37 @@ def _drafter_from(
     if cfg.draft_vocab:
         own["vocab_ids"] = _vocab_ids(folder, state, n_draft, vocab)
     drafter = Drafter(cfg)
+    want = set(drafter.state_dict())
+    missing, extra = sorted(want - own.keys()), sorted(own.keys() - want)
+    if missing or extra:
+        raise ConfigError(
+            f"{folder}: weights do not match its config.json: "
+            + "; ".join(
+                f"{what} {len(keys)} ({', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''})"
+                for what, keys in (("missing", missing), ("unexpected", extra))
+                if keys
+            )
+        )
     try:
         drafter.load_state_dict(own, strict=True)
-    except RuntimeError as e:
-        first = str(e).splitlines()[0]
-        raise ConfigError(f"{folder}: weights do not match its config.json: {first}") from None
+    except RuntimeError as e:  # shapes: torch names each mismatched key on its own line
+        lines = [x.strip() for x in str(e).splitlines()[1:] if x.strip()]
+        raise ConfigError(
+            f"{folder}: weights do not match its config.json: {'; '.join(lines[:3])}"
+        ) from None
     return drafter.eval(), state
+
+
+def read_weights(path: Path) -> dict[str, Tensor]:
+    """A safetensors file's tensors; a file that cannot be read (truncated, not safetensors)
+    is a one-line error naming it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"{path} cannot be read as safetensors ({e}): copy it again") from None
 
 
 def _relative_to(folder: Path, name: str) -> str:

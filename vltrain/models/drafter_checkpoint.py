@@ -20,12 +20,21 @@ def load_drafter(path: str | Path) -> tuple[Drafter, dict]:
     stage trains ``BlockDraftLoss``, which holds the drafter); the caller attaches the target's
     shared parts with ``drafter.share``.
     """
-    from safetensors.torch import load_file
-
     if dflash_format.is_speculators(path):  # a speculators (vLLM) DFlash checkpoint
         return dflash_format.load_speculators(path)
     if dflash_format.is_dflash(path):  # a z-lab DFlash checkpoint (SGLang's)
         return dflash_format.load_dflash(path)
+    config = Path(path) / "config.json"
+    if config.is_file() and not (Path(path) / DRAFTER_FILE).is_file():
+        try:  # an export's config.json: a broken one says so (not "no drafter.json")
+            c = json.loads(config.read_text())
+        except ValueError as e:
+            raise ConfigError(f"{config} is not valid JSON ({e})") from None
+        if isinstance(c, dict) and c.get("model_type"):  # --model and --draft swapped?
+            raise ConfigError(
+                f"{path} holds a transformers model ({c['model_type']!r}), not a drafter (a "
+                "vltrain drafter run or checkpoint, a speculators or DFlash export)"
+            )
     ckpt = resolve_checkpoint(path)
     meta_path = ckpt / DRAFTER_FILE
     if not meta_path.is_file():
@@ -37,7 +46,7 @@ def load_drafter(path: str | Path) -> tuple[Drafter, dict]:
     if meta.get("eval"):
         target["eval"] = meta["eval"]  # the measured tau `generate --spec auto` predicts from
     drafter = Drafter(DrafterConfig(**meta["drafter"]))
-    state = load_file(str(ckpt / "model.safetensors"))
+    state = dflash_format.read_weights(ckpt / "model.safetensors")
     own = {k.removeprefix("drafter."): v for k, v in state.items() if k.startswith("drafter.")}
     drafter.load_state_dict(own, strict=True)
     return drafter.eval(), meta["target"]
