@@ -111,6 +111,18 @@ def _stage(setup, *extra: str):
     return stage
 
 
+def test_init_from_takes_the_imports_draft_vocabulary_without_a_notice(setup, capsys) -> None:
+    """The config's drafter.draft_vocab (the preset's 16,384 here, above this target's
+    vocabulary) is not the run's when it continues an import: no notice about it (it printed
+    one, found by a reviewer); the import's vocabulary (the whole one) is used."""
+    capsys.readouterr()
+    stage = _stage(setup, f"model.init_from={setup['speculators']}", "drafter.draft_vocab=16384")
+    loss = stage.build_model()
+    assert "draft_vocab" not in capsys.readouterr().err and loss.drafter.cfg.draft_vocab == 0
+    _stage(setup, "drafter.draft_vocab=16384").build_model()  # control: without an import
+    assert "'drafter.draft_vocab' 16384 is not below" in capsys.readouterr().err
+
+
 def test_init_from_a_speculators_checkpoint_starts_from_its_weights(setup) -> None:
     """Step 0's drafter (built, its loader built: the draft vocabulary is not re-chosen) gives
     the imported drafter's logits; a config of another shape is refused with what differs."""
@@ -128,6 +140,21 @@ def test_init_from_a_speculators_checkpoint_starts_from_its_weights(setup) -> No
         _stage(
             setup, f"model.init_from={setup['speculators']}", "drafter.block_size=8"
         ).build_model()
+
+    def qwen3_verifier(c: dict) -> None:
+        c["speculators_config"]["verifier"]["architectures"] = ["Qwen3ForCausalLM"]
+
+    def other_config(c: dict) -> None:
+        c["vltrain"]["target"]["config_sha256"] = "0" * 64
+
+    # made for another target: refused as `generate --draft` refuses it (it trained before)
+    for edit, words in (
+        (qwen3_verifier, r"another verifier: architecture \['Qwen3ForCausalLM'\]"),
+        (other_config, r"trained for another target: its config sha256 000000000000"),
+    ):
+        bad = _edited(setup, "speculators", edit.__name__, edit)
+        with pytest.raises(ConfigError, match=words):
+            _stage(setup, f"model.init_from={bad}").build_model()
 
 
 def _edited(setup, fmt: str, name: str, edit) -> Path:

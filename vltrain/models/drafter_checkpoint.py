@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from vltrain.config.core import ConfigError
 from vltrain.core.checkpoint import resolve_checkpoint
 from vltrain.models import dflash_format
-from vltrain.models.drafter import DRAFTER_FILE, Drafter, DrafterConfig
+from vltrain.models.drafter import DRAFTER_FILE, Drafter, DrafterConfig, check_target_config
 
 
 def load_drafter(path: str | Path) -> tuple[Drafter, dict]:
@@ -68,13 +69,22 @@ INIT_KEYS = {  # DrafterConfig field -> what sets it, compared with a model.init
 }
 
 
-def drafter_to_continue(path: str | Path, dcfg: DrafterConfig) -> Drafter:
+def drafter_to_continue(path: str | Path, dcfg: DrafterConfig, target: Any = None) -> Drafter:
     """The drafter ``model.init_from`` names (a vltrain run or checkpoint, a speculators or
-    z-lab DFlash checkpoint), refused unless `dcfg` (what this config builds) has its shape."""
+    z-lab DFlash checkpoint), refused unless `dcfg` (what this config builds) has its shape
+    and, given the run's `target` (its ``config_sha256`` and ``model``), it was made for that
+    target: the checks ``generate --draft`` makes (verifier architecture, vocabulary and
+    layers; the target's config hash)."""
     try:
-        drafter, _ = load_drafter(path)
+        drafter, meta = load_drafter(path)
     except FileNotFoundError as e:
         raise ConfigError(f"model.init_from: {e}") from None
+    where = f"model.init_from={path}"
+    if target is not None:
+        hf = getattr(target.model, "model", None)  # the HF model of an HF target
+        if hasattr(hf, "config") and hasattr(hf, "get_output_embeddings"):
+            dflash_format.check_verifier(meta, hf, where)
+        check_target_config(meta, target.config_sha256, where)
     mine, theirs = dcfg.to_dict(), drafter.cfg.to_dict()
     diff = [
         f"{key} {theirs[key]} (this config: {mine[key]}; set {INIT_KEYS[key]})"

@@ -124,7 +124,7 @@ class DrafterStage:
 
     def build_model(self) -> nn.Module:
         d, t = self.cfg.drafter, self.target.model
-        heads = d.heads or max(2, t.width // 64)
+        heads, init = d.heads or max(2, t.width // 64), self.cfg.model.init_from
         dcfg = DrafterConfig(
             width=t.width,
             vocab_size=t.vocab_size,
@@ -134,11 +134,10 @@ class DrafterStage:
             mlp_ratio=d.mlp_ratio,
             block_size=d.block_size,
             mask_token_id=t.pad_token_id,
-            draft_vocab=self._vocab_size(),
+            draft_vocab=0 if init else self._vocab_size(),  # an import's own (below)
             **arch_fields(d.arch, self.cfg.model.kind),
         )
-        init = self.cfg.model.init_from
-        imported = drafter_to_continue(init, dcfg) if init else None
+        imported = drafter_to_continue(init, dcfg, self.target) if init else None
         if imported is not None:  # its mask token and draft vocabulary are its own
             c = imported.cfg
             dcfg = replace(dcfg, mask_token_id=c.mask_token_id, draft_vocab=c.draft_vocab)
