@@ -465,17 +465,12 @@ def load_hf_causal_lm(path: str | Path, attn: str = "sdpa") -> tuple[Any, Any]:
 
 def _check_lm_folder(folder: Path) -> None:
     """A folder the target cannot be: none at all, or a drafter export (--model and --draft
-    swapped)."""
-    import json
+    swapped). A config.json transformers cannot read is the loader's to report."""
+    from vltrain.models import dflash_format
 
-    cfg = folder / "config.json"
-    if not cfg.is_file():
+    if not (folder / "config.json").is_file():
         raise ConfigError(f"{folder} holds no config.json: not a transformers model folder")
-    try:
-        c = json.loads(cfg.read_text())
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"{cfg} is not valid JSON ({e})") from None
-    if c.get("speculators_model_type") or "DFlashDraftModel" in (c.get("architectures") or []):
+    if dflash_format.is_speculators(folder) or dflash_format.is_dflash(folder):
         raise ConfigError(
             f"{folder} is a drafter (a speculators or DFlash export): pass it as --draft, "
             "and its target model as --model"

@@ -54,7 +54,7 @@ def load_drafter(path: str | Path) -> tuple[Drafter, dict]:
 
 
 #: DrafterConfig field -> what sets it, compared with a ``model.init_from`` drafter
-INIT_KEYS = {  # DrafterConfig field -> what sets it, compared with a model.init_from drafter
+INIT_KEYS = {
     "width": "model.target",
     "vocab_size": "model.target",
     "target_layer_ids": "drafter.layer_ids",

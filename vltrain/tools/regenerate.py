@@ -59,10 +59,11 @@ def _drop_cut_line(out: Path) -> None:
     else the resumed run's first line would be appended to it and both lost."""
     if not out.is_file() or out.stat().st_size == 0:
         return
-    data = out.read_bytes()
-    if not data.endswith(b"\n"):
-        with out.open("r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
+    with out.open("r+b") as f:
+        f.seek(-1, 2)
+        if f.read(1) != b"\n":  # only then is the whole file read
+            f.seek(0)
+            f.truncate(f.read().rfind(b"\n") + 1)
 
 
 def _shard(out: Path, rank: int, world: int) -> Path:
