@@ -120,6 +120,13 @@ class BatchComposition:
         )]  # fmt: skip
 
 
+REPLAY_STEPS = 3
+"""Steps at the start of consecutive epochs compared for a replayed order. One batch is not
+enough: a length-bucketed epoch of a few batches may start with the same batch by chance (its
+mixed-length batches are cut from samples sorted by length), a forgotten set_epoch repeats them
+all."""
+
+
 class DataOrder:
     """Each epoch's order differs from the last (set_epoch not forgotten), and no sample
     comes twice within an epoch (this rank's view; shards are compared in RankConsistency).
@@ -129,7 +136,8 @@ class DataOrder:
     name = "data_order"
 
     def __init__(self, cfg: Config) -> None:
-        self.first: dict[int, list[int]] = {}  # epoch -> its first batch's ids
+        self.first: dict[int, list[int]] = {}  # epoch -> the ids of its first steps
+        self.first_steps: dict[int, int] = {}  # epoch -> how many steps `first` holds
         self.seen: set[tuple[int, int]] = set()  # (epoch, id) of this epoch and the last
         self.epoch = -1
         self.reported: set[str] = set()
@@ -142,11 +150,18 @@ class DataOrder:
         keys = rec.keys()  # (epoch, id): a step may hold the end of one epoch and the next
         for epoch in sorted({e for e, _ in keys}):
             if epoch > self.epoch:  # a new epoch starts in this step
+                if self.first_steps.get(self.epoch, REPLAY_STEPS) < REPLAY_STEPS:
+                    out += self._replayed(rec.step, self.epoch)  # it ended in fewer steps
                 self.epoch = epoch
                 self.seen = {(e, i) for e, i in self.seen if e >= epoch - 1}
-                ids = [i for e, i in keys if e == epoch]
-                self.first[epoch] = ids
-                out += self._replayed(rec.step, epoch, ids)
+                self.first = {e: v for e, v in self.first.items() if e >= epoch - 1}
+                self.first_steps = {e: n for e, n in self.first_steps.items() if e >= epoch - 1}
+                self.first[epoch], self.first_steps[epoch] = [], 0
+            if self.first_steps.get(epoch, REPLAY_STEPS) < REPLAY_STEPS:
+                self.first[epoch] += [i for e, i in keys if e == epoch]
+                self.first_steps[epoch] += 1
+                if self.first_steps[epoch] == REPLAY_STEPS:
+                    out += self._replayed(rec.step, epoch)
         counts = Counter(keys)
         dup = {k for k, n in counts.items() if n > 1} | (self.seen & counts.keys())
         if dup and "dup" not in self.reported:
@@ -173,11 +188,11 @@ class DataOrder:
             )
         return "the sampler must draw each index once per epoch"
 
-    def _replayed(self, step: int, epoch: int, ids: list[int]) -> list[Finding]:
-        """The epoch starts as the previous one did. Starts of unequal length (an epoch
-        boundary inside a step) are compared on their common prefix, if that is long enough
-        not to match by chance."""
-        prev = self.first.get(epoch - 1)
+    def _replayed(self, step: int, epoch: int) -> list[Finding]:
+        """The epoch's first `REPLAY_STEPS` steps (all of it, if shorter) come in the order the
+        previous epoch's did. Starts of unequal length (an epoch boundary inside a step) are
+        compared on their common prefix, if that is long enough not to match by chance."""
+        prev, ids = self.first.get(epoch - 1), self.first.get(epoch, [])
         n = min(len(prev or []), len(ids))
         if not prev or prev[:n] != ids[:n] or (len(prev) != len(ids) and n < 8):
             return []
@@ -186,8 +201,8 @@ class DataOrder:
         self.reported.add("replay")
         return [Finding(
             "error", "epoch_replayed", step,
-            f"epoch {epoch} starts with exactly the batch epoch {epoch - 1} "
-            "started with: the same order every epoch",
+            f"epoch {epoch} starts with exactly the {self.first_steps[epoch]} step(s) epoch "
+            f"{epoch - 1} started with: the same order every epoch",
             "derive the shuffle from (seed, epoch): call sampler.set_epoch(epoch)",
             {"epoch": epoch, "ids": ids[:16]},
         )]  # fmt: skip
