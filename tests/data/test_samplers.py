@@ -251,6 +251,25 @@ def test_buckets_are_disjoint_length_ranges():
     assert (12, 12) in ranges
 
 
+def test_a_bucket_smaller_than_a_batch_joins_its_neighbour():
+    """27 samples of distinct lengths, batch 8, 4 buckets of ~7: none could fill a batch, so
+    every epoch was the same length-sorted tail batches in the same order."""
+    s = LengthBucketBatchSampler(list(range(27)), 8, seed=0, n_buckets=4)
+    assert min(s.bucket_sizes) >= 8 and s.n_buckets == 2
+    assert all(lo < hi for lo, hi in zip(s.bucket_bounds, s.bucket_bounds[1:], strict=False))
+    epochs = [{frozenset(b) for _, b in s.epoch_schedule(e)} for e in range(20)]
+    shared = sum(len(a & b) for a, b in zip(epochs, epochs[1:], strict=False))
+    assert shared <= 2  # of 57 batches in 19 epoch pairs (was 8: the tail repeated)
+    # two processes of batch 4 merge like one of batch 8: the buckets follow the global batch
+    assert LengthBucketBatchSampler(list(range(27)), 4, 1, 2, n_buckets=4).bucket_sizes == (
+        s.bucket_sizes
+    )
+    # a short last bucket joins the one before it; big buckets are left alone
+    assert LengthBucketBatchSampler(list(range(20)), 8, n_buckets=4).bucket_sizes == [10, 10]
+    big = LengthBucketBatchSampler(list(range(400)), 8, n_buckets=4)
+    assert big.bucket_sizes == [100] * 4
+
+
 def within_batch_variance(s: LengthBucketBatchSampler, epoch: int, lens: torch.Tensor) -> float:
     """Mean variance of `lens` inside the bucket (non-tail) batches of `epoch`."""
     rows = [b for g, b in s.epoch_schedule(epoch) if g != TAIL_BUCKET]

@@ -265,8 +265,9 @@ class LengthBucketBatchSampler(_ForeverSampler):
 
     Buckets are length ranges cut at the quantiles of `lengths`, fixed for the run. One length
     never spans two buckets: a length that fills several quantiles gets a bucket of its own
-    (which can then dominate), and empty buckets are dropped, so `n_buckets` may come out
-    smaller than asked. Each epoch, seeded by (seed, epoch) only:
+    (which can then dominate), empty buckets are dropped, and a bucket smaller than a global
+    batch joins its neighbour (`_merge_small`), so `n_buckets` may come out smaller than asked.
+    Each epoch, seeded by (seed, epoch) only:
 
     1. each bucket is shuffled and cut into full global batches of G = batch_size * world_size;
     2. the leftovers of all buckets are sorted by length and cut into mixed-length *tail*
@@ -309,12 +310,13 @@ class LengthBucketBatchSampler(_ForeverSampler):
                 f"max_same_bucket_run={max_same_bucket_run}"
             )
         self._lengths_of = lengths if callable(lengths) else None
-        fixed = _bucketing(_as_lengths(lengths(0) if callable(lengths) else lengths), n_buckets)
+        self.global_batch_size = batch_size * world_size
+        first = _as_lengths(lengths(0) if callable(lengths) else lengths)
+        fixed = _bucketing(first, n_buckets, self.global_batch_size)
         self.n = fixed.lengths.numel()
         self.n_buckets_asked = n_buckets
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.seed, self.max_same_bucket_run = seed, max_same_bucket_run
-        self.global_batch_size = batch_size * world_size
         if self.n < self.global_batch_size:
             raise _too_few_samples(self.n, batch_size, world_size)
         self._epoch0 = fixed
@@ -335,7 +337,7 @@ class LengthBucketBatchSampler(_ForeverSampler):
                 f"the lengths function returned {lens.numel()} lengths for epoch {epoch}, "
                 f"expected one per sample ({self.n})"
             )
-        return _bucketing(lens, self.n_buckets_asked)
+        return _bucketing(lens, self.n_buckets_asked, self.global_batch_size)
 
     @property
     def n_buckets(self) -> int:
@@ -429,8 +431,8 @@ def _as_lengths(lengths: Lengths) -> torch.Tensor:
     return lens
 
 
-def _bucketing(lengths: torch.Tensor, n_buckets: int) -> Bucketing:
-    bucket_of, bounds = _quantile_buckets(lengths, n_buckets)
+def _bucketing(lengths: torch.Tensor, n_buckets: int, min_size: int = 1) -> Bucketing:
+    bucket_of, bounds = _merge_small(*_quantile_buckets(lengths, n_buckets), min_size)
     order = torch.argsort(bucket_of, stable=True)
     sizes = torch.bincount(bucket_of, minlength=len(bounds)).tolist()
     return Bucketing(lengths, bucket_of, bounds, sizes, list(torch.split(order, sizes)))
@@ -452,6 +454,27 @@ def _quantile_buckets(lengths: torch.Tensor, n_buckets: int) -> tuple[torch.Tens
     used, bucket_of = torch.unique(raw, return_inverse=True)
     bounds = [int(ordered[0])] + cuts.tolist()
     return bucket_of, [bounds[i] for i in used.tolist()]
+
+
+def _merge_small(
+    bucket_of: torch.Tensor, bounds: list[int], min_size: int
+) -> tuple[torch.Tensor, list[int]]:
+    """Neighbouring buckets merged, shortest first, until each holds `min_size` samples (the
+    last, if short, joins the one before it). A bucket smaller than a global batch never fills
+    a batch of its own: every epoch all of it would go to the length-sorted tail batches, which
+    for a small dataset would be the same batches in the same order epoch after epoch."""
+    sizes = torch.bincount(bucket_of, minlength=len(bounds)).tolist()
+    group, new_of, acc = [], [], 0
+    for b, size in enumerate(sizes):
+        if not group or acc >= min_size:
+            group.append(b)
+            acc = 0
+        new_of.append(len(group) - 1)
+        acc += size
+    if len(group) > 1 and acc < min_size:  # the last group is short: into the one before
+        new_of = [min(g, len(group) - 2) for g in new_of]
+        group.pop()
+    return torch.tensor(new_of, dtype=torch.int64)[bucket_of], [bounds[b] for b in group]
 
 
 def _max_run(groups: torch.Tensor) -> int:
