@@ -65,11 +65,11 @@ def _conversation(messages, markup):
     return out
 
 
-def _trl_rule(tok, training_template: str, image_token: str, n: int, markup):
+def _trl_rule(tok, training_template: str, image_token: str, n: int, markup, chat=CHAT):
     """(ids, labelled positions): transformers' assistant mask under the training template,
     each image token then repeated `n` times (as the processor expands it)."""
     out = tok.apply_chat_template(
-        _conversation(CHAT, markup),
+        _conversation(chat, markup),
         chat_template=training_template,
         tokenize=True,
         return_dict=True,
@@ -190,3 +190,37 @@ def test_ids_are_the_whole_chat_under_a_sentencepiece_style_tokenizer() -> None:
     learned = "".join(tok.convert_ids_to_tokens([t for t in labels if t != IGNORE_INDEX]))
     assert learned.startswith("\u2581a\u2581red\u2581cat\u2581on\u2581a\u2581mat</s>")
     assert "\u2581yes</s>" in learned and "see" not in learned and "INST" not in learned
+
+
+R1_STYLE = (  # DeepSeek-R1-Distill's shape: the generation prompt opens a think block that
+    # the rendered assistant turns do not hold
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("second", ["yes", "<thin air>"])
+def test_a_generation_prompt_the_turn_does_not_repeat_labels_the_answer(
+    tokenizers: dict, second: str
+) -> None:
+    """The answer starts where the generation prompt and the rendered turn part, not at the
+    prompt's length (which cut 'a red circle' to 'circle'); an answer that begins as the prompt's
+    extra text does ("<thin air>" after "<think>\\n") is labelled whole."""
+    tok = tokenizers["causal_lm_dir"]
+    chat = [*CHAT[:3], {"role": "assistant", "content": second}]
+    old = tok.chat_template
+    try:
+        tok.chat_template = R1_STYLE
+        ids, labels = vlm_sft_labels(tok, chat, "<image>", "<image>" * 2, "<image>\n")
+        training = R1_STYLE.replace(
+            "{{ m['content'] }}<|im_end|>\n{% endfor %}",
+            "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>\n"
+            "{% endgeneration %}{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}",
+        )
+        want_ids, labelled = _trl_rule(tok, training, "<image>", 2, "<image>\n", chat)
+    finally:
+        tok.chat_template = old
+    assert ids == want_ids
+    assert [i for i, t in enumerate(labels) if t != IGNORE_INDEX] == sorted(labelled)
+    learned = tok.decode([t for t in labels if t != IGNORE_INDEX])
+    assert learned == f"a red cat on a mat<|im_end|>\n{second}<|im_end|>\n"

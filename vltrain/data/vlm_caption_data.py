@@ -164,7 +164,8 @@ def chat_segments(
 ) -> list[tuple[str, bool]]:
     """The rendered chat cut into (text, is_target) segments: each assistant turn is a target,
     from the end of its generation prompt to the start of the next turn (found by rendering the
-    chat's prefixes, so any template whose prefixes render as prefixes of the whole works),
+    chat's prefixes, so any template whose prefixes render as prefixes of the whole works; where
+    the rendered turn does not repeat the generation prompt's end, from where the two part),
     less the whitespace at its end that the tokenizer reads as the start of what follows
     (`turn_end`). A template with ``{% generation %}`` blocks marks its targets itself: they
     are those blocks (TRL's rule and transformers')."""
@@ -176,8 +177,14 @@ def chat_segments(
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start = len(_render(tok, messages[:i], image_markup, gen=True))
+        prompt = _render(tok, messages[:i], image_markup, gen=True)
         prefix = _render(tok, messages[: i + 1], image_markup, gen=False)
+        # a generation prompt the rendered turn does not repeat (DeepSeek-R1's "<think>\n"
+        # after "<｜Assistant｜>"): the answer starts where the two part
+        start = len(os.path.commonprefix([prompt, prefix]))
+        if start < len(prompt):  # not past an answer that starts as the prompt's end does
+            at = prefix.rfind(m["content"].strip())
+            start = at if pos <= at < start else start
         if not full.startswith(prefix) or start < pos or start > len(prefix):
             raise ValueError(
                 "the chat template does not render a conversation's prefixes as prefixes of it "
