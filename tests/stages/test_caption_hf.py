@@ -6,6 +6,7 @@ export plain transformers reloads (greedy captions token for token), DDP and res
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -439,6 +440,57 @@ def test_multi_turn_chat_records_learn_every_assistant_turn(
     assert torch.isfinite(out["loss"]) and int(out["n_tokens"]) == int(
         (batch["labels"][:, 1:] != -100).sum()
     )
+
+
+@pytest.mark.parametrize("kind", ["llava", "hf_vlm"])
+def test_max_text_len_counts_text_after_the_image_and_a_cut_answer_is_said(
+    kind: str, models: dict, data: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """data.max_text_len counts the text tokens after the image (the image and a template's
+    text before it are never cut: a cut inside the image tokens crashed the forward); answers
+    it cuts are said before the first step, with the length that keeps them whole."""
+    from vltrain.engine.runtime import RunContext
+    from vltrain.stages import check_config
+
+    def first_batch(max_len: int):
+        extra = {"caption.mode": "sft", "data.train": data / "chat_train.jsonl"}
+        extra["data.max_text_len"] = max_len
+        out = tmp_path / f"r{max_len}"
+        cfg = load_config(PRESET[kind], overrides(kind, models, data, out, **extra))
+        ctx = RunContext(torch.device("cpu"), rank=0, world_size=1, precision="fp32", seed=0)
+        stage = check_config(cfg)(cfg, out, ctx)
+        stage.prepare()
+        batch = next(iter(stage.build_loader())).data
+        return stage, batch, capsys.readouterr().err
+
+    stage, whole, said = first_batch(200)
+    assert "longer than data.max_text_len" not in said
+    image_id = stage.core.collate._load()["image_token_id"]
+    after = [
+        len(row) - 1 - max(i for i, t in enumerate(row) if t == image_id)
+        for row in (
+            r[m.bool()].tolist()
+            for r, m in zip(whole["input_ids"], whole["attention_mask"], strict=True)
+        )
+    ]
+    short = min(after) - 6  # every sample loses its last six text tokens
+    stage, batch, said = first_batch(short)
+    assert f"16 of the first 16 training samples are longer than data.max_text_len={short}" in said
+    longest = int(re.search(r"set data.max_text_len=(\d+)", said).group(1))
+    assert longest >= max(after)
+    for ids, mask, n_img, full in zip(
+        batch["input_ids"],
+        batch["attention_mask"],
+        batch["visual_tokens"],
+        whole["input_ids"],
+        strict=True,
+    ):
+        row = ids[mask.bool()].tolist()
+        assert row.count(image_id) == int(n_img)  # the image whole
+        assert len(row) - 1 - max(i for i, t in enumerate(row) if t == image_id) == short
+        assert row == full[: len(row)].tolist()  # the cut is at the end only
+    _, _, said = first_batch(longest)
+    assert "longer than data.max_text_len" not in said
 
 
 def test_llava_on_a_siglip_tower_keeps_every_patch(

@@ -74,32 +74,37 @@ class VLMCaptionDataset(Dataset):
     def __len__(self) -> int:
         return len(self.source.records)
 
+    def messages(self, epoch: int, index: int) -> tuple[list[Message], list[str]]:
+        """Record `index`'s chat as epoch `epoch` trains on it, and its references; raises
+        BadSample for bad text."""
+        rec = self.source.records[index]
+        label = f"{self.source.path}:id={rec['id']}"
+        if "messages" in rec:
+            msgs = [
+                {"role": m["role"], "content": check_text(m["content"], label)}
+                for m in rec["messages"]
+            ]
+            last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+            return msgs, [msgs[last]["content"]]
+        refs = [check_text(t, label) for t in rec["text"]]
+        if not refs:
+            raise BadSample("bad_text", label, "record has no captions")
+        pick = 0
+        if self.train and len(refs) > 1:
+            pick = caption_index(len(refs), self.seed, epoch, index)
+        msgs = [
+            {"role": "user", "content": self.user_text},
+            {"role": "assistant", "content": refs[pick]},
+        ]
+        return msgs, refs
+
     def __getitem__(self, key: Any) -> dict[str, Any]:
         epoch, _, index = as_key(key)
         rec = self.source.records[index]
         label = f"{self.source.path}:id={rec['id']}"
         try:
             out: dict[str, Any] = {"index": index, "key": key}
-            if "messages" in rec:
-                msgs = [
-                    {"role": m["role"], "content": check_text(m["content"], label)}
-                    for m in rec["messages"]
-                ]
-                refs = [
-                    msgs[max(i for i, m in enumerate(msgs) if m["role"] == "assistant")]["content"]
-                ]
-            else:
-                refs = [check_text(t, label) for t in rec["text"]]
-                if not refs:
-                    raise BadSample("bad_text", label, "record has no captions")
-                pick = 0
-                if self.train and len(refs) > 1:
-                    pick = caption_index(len(refs), self.seed, epoch, index)
-                msgs = [
-                    {"role": "user", "content": self.user_text},
-                    {"role": "assistant", "content": refs[pick]},
-                ]
-            out["messages"] = msgs
+            out["messages"], refs = self.messages(epoch, index)
             if not self.train:
                 out["refs"] = refs
             out["image"] = load_source_image(self.source, rec["image"], 0, label, native=True)
@@ -374,6 +379,37 @@ class VLMCaptionCollate:
         caption = messages[-1]["content"] + (tok.eos_token or "")
         return encode_segments(tok, [(prompt, False), (caption, True)])
 
+    def _text_start(self, ids: list[int]) -> int:
+        """Where the text after the last image token starts (0 without an image token)."""
+        image_id = self._load()["image_token_id"]
+        return next((i + 1 for i in range(len(ids) - 1, -1, -1) if ids[i] == image_id), 0)
+
+    def cut(self, ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
+        """Ids and labels kept: `max_text_len` text tokens after the last image token (the
+        text before it, a template's system prompt, is kept whole; the image never cut)."""
+        end = self._text_start(ids) + self.max_text_len
+        return ids[:end], labels[:end]
+
+    def text_lengths(self, dataset: VLMCaptionDataset, n: int = 256) -> tuple[int, int, int]:
+        """(samples checked, samples whose answers `cut` shortens, the most text tokens after
+        the image) over `dataset`'s first `n` records as epoch 0 draws them. Raises ValueError
+        for a chat template that cannot label them."""
+        image_token = self._load()["image_token"]
+        checked, shortened, longest = 0, 0, 0
+        for index in range(min(n, len(dataset))):
+            try:
+                messages, _ = dataset.messages(0, index)
+            except BadSample:
+                continue
+            ids, labels = self.encode(messages, image_token)
+            kept = self.cut(ids, labels)[1]
+            checked += 1
+            longest = max(longest, len(ids) - self._text_start(ids))
+            shortened += sum(x != IGNORE_INDEX for x in kept) < sum(
+                x != IGNORE_INDEX for x in labels
+            )
+        return checked, shortened, longest
+
     def prompt_ids(self, messages: Sequence[Message], replacement: str) -> list[int]:
         """What decoding continues: everything before the last assistant turn's content."""
         st = self._load()
@@ -392,10 +428,8 @@ class VLMCaptionCollate:
         rows, visual = [], []
         for s, rep in zip(samples, reps, strict=True):
             ids, labels = self.encode(s["messages"], rep)
-            n_img = rep.count(st["image_token"])
-            cut = sum(1 for x in ids if x == st["image_token_id"]) + self.max_text_len
-            rows.append((ids[:cut], labels[:cut]))  # text beyond the image tokens is cut
-            visual.append(n_img)
+            rows.append(self.cut(ids, labels))
+            visual.append(rep.count(st["image_token"]))
         t = max(len(r[0]) for r in rows)
         pad = st["tokenizer"].pad_token_id or 0
         ids = torch.full((len(rows), t), pad, dtype=torch.long)  # (B, T)

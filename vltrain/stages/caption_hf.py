@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -173,7 +174,27 @@ class HFCaptionCore:
         ds = self.dataset(self.cfg.data.train, train=train)
         if self.cfg.data.max_train_samples:
             ds.records = ds.records[: self.cfg.data.max_train_samples]
+        if train:
+            self._check_text_lengths(ds)
         return ds
+
+    def _check_text_lengths(self, ds: VLMCaptionDataset) -> None:
+        """Before the first step, on the first records: a chat template that cannot label them
+        is a ConfigError; answers `data.max_text_len` would cut (their end-of-turn, the turns
+        after) are said, with the length that keeps them."""
+        try:
+            checked, cut, longest = self.collate.text_lengths(ds)
+        except ValueError as e:
+            raise ConfigError(f"{self.cfg.model.path}: {e}") from None
+        if cut and self.ctx.is_main:
+            print(
+                f"vltrain: {cut} of the first {checked} training samples are longer than "
+                f"data.max_text_len={self.cfg.data.max_text_len} text tokens after the image: "
+                "their answers lose their end (the end-of-turn the model learns to stop at) "
+                f"or later turns; the longest is {longest} (set data.max_text_len={longest} "
+                "to keep them whole)",
+                file=sys.stderr,
+            )
 
     def loader(self, dataset: VLMCaptionDataset, sampler: Any) -> Loader:
         return MapLoader(
