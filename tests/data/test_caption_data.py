@@ -194,3 +194,37 @@ def test_chat_jsonl_structure_errors_and_mode_check(shapes_dir: Path, tok, tmp_p
                                         {"role": "assistant", "content": "  "}]}  # fmt: skip
     (tmp_path / "empty.jsonl").write_text(json.dumps(empty) + "\n")
     assert _dataset(tmp_path / "empty.jsonl", tok, mode="sft")[0]["bad"] == "bad_text"
+
+
+def test_llava_conversations_and_image_placeholders(tmp_path: Path) -> None:
+    """LLaVA's records: "conversations" of human/gpt turns, "<image>" marking the image in the
+    first user turn. They read as messages without the placeholder (the stages place the
+    image); a placeholder in another turn, or two, and an unknown speaker are refused."""
+
+    def read(rec: dict) -> list[dict]:
+        (tmp_path / "d.jsonl").write_text(json.dumps({"image": "a.png", **rec}) + "\n")
+        return read_caption_source(tmp_path / "d.jsonl").records[0]["messages"]
+
+    turns = [
+        {"from": "human", "value": "<image>\nWhat is in the image?"},
+        {"from": "gpt", "value": "A red circle."},
+        {"from": "human", "value": "Is it big?"},
+        {"from": "gpt", "value": "No."},
+    ]
+    want = [
+        {"role": "user", "content": "What is in the image?"},
+        {"role": "assistant", "content": "A red circle."},
+        {"role": "user", "content": "Is it big?"},
+        {"role": "assistant", "content": "No."},
+    ]
+    assert read({"conversations": turns}) == want
+    tail = [{"role": "user", "content": "What is in the image?\n<image>"}, want[1]]
+    assert read({"messages": tail}) == want[:2]  # at the end of the text too
+    with pytest.raises(DataError, match=r"'<image>' in messages\[2\]: a record has one image"):
+        read({"conversations": [*turns[:2], {"from": "human", "value": "<image> and?"}]})
+    with pytest.raises(DataError, match="one image"):
+        read({"messages": [{"role": "user", "content": "<image><image>hi"}, want[1]]})
+    with pytest.raises(DataError, match=r"conversations\[0\] must be \{'from': 'human' or"):
+        read({"conversations": [{"from": "system", "value": "be brief"}, *turns]})
+    with pytest.raises(DataError, match="no 'text' key .* A chat record has \"messages\""):
+        read({"dialogue": turns})

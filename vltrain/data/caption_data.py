@@ -16,6 +16,7 @@ or a chat record ``{"image": ..., "messages": [{"role": "user", "content": ...},
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import torch
@@ -36,20 +37,71 @@ MODES = ("pretrain", "finetune", "sft")
 
 
 def _caption_or_chat(obj: object, where: str, default_id: str) -> dict[str, Any]:
-    if isinstance(obj, dict) and "messages" in obj:
+    if isinstance(obj, dict) and ("messages" in obj or "conversations" in obj):
         return _chat_record(obj, where, default_id)
-    return normalise_record(obj, where, default_id)
+    try:
+        return normalise_record(obj, where, default_id)
+    except DataError as e:
+        if isinstance(obj, dict) and "text" not in obj:  # the caption stages read chats too
+            raise DataError(
+                f'{e} A chat record has "messages" (or LLaVA\'s "conversations") instead.'
+            ) from None
+        raise
+
+
+#: LLaVA / ShareGPT ``conversations`` speakers -> chat roles
+SPEAKERS = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+#: LLaVA's placeholder for where the image goes (with the newline that sets it apart)
+IMAGE_TAG = re.compile(r"\n?<image>\n?")
 
 
 def _chat_record(obj: dict[str, Any], where: str, default_id: str) -> dict[str, Any]:
     if not isinstance(obj.get("image"), str):
         raise DataError(f"{where}: a chat record needs an 'image' path string, got {obj!r}")
     try:
-        messages = chat.check_messages(obj["messages"], where)
+        if "messages" in obj:
+            messages = chat.check_messages(obj["messages"], where)
+        else:
+            messages = chat.check_messages(_from_conversations(obj["conversations"], where), where)
+        messages = _without_image_tags(messages, where)
     except ValueError as e:
         raise DataError(str(e)) from None
     rid = str(obj["id"]) if obj.get("id") is not None else default_id
     return {"image": obj["image"], "messages": messages, "id": rid}
+
+
+def _from_conversations(turns: object, where: str) -> list[dict[str, Any]]:
+    """LLaVA's ``[{"from": "human"|"gpt", "value": ...}]`` as ``messages``."""
+    if not isinstance(turns, list):
+        raise ValueError(f"{where}: 'conversations' must be a list, got {turns!r}")
+    out = []
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict) or SPEAKERS.get(t.get("from")) is None or "value" not in t:
+            raise ValueError(
+                f"{where}: conversations[{i}] must be {{'from': 'human' or 'gpt', 'value': "
+                f"...}}, got {t!r}"
+            )
+        out.append({"role": SPEAKERS[t["from"]], "content": t["value"]})
+    return out
+
+
+def _without_image_tags(messages: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
+    """The chat without LLaVA's ``<image>`` placeholder: the stages put the record's one image
+    in the first user turn themselves (a placeholder left in would be read as text, or, by a
+    LLaVA model, as a second image). A placeholder elsewhere, or two, is refused."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m["content"]
+        if isinstance(content, str) and "<image>" in content:
+            first_user = m["role"] == "user" and all(x["role"] != "user" for x in messages[:i])
+            if not first_user or content.count("<image>") > 1:
+                raise ValueError(
+                    f"{where}: '<image>' in messages[{i}]: a record has one image, placed in "
+                    "the first user turn (write '<image>' there once, or not at all)"
+                )
+            content = IMAGE_TAG.sub("", content, count=1)
+        out.append({**m, "content": content})
+    return out
 
 
 def read_caption_source(
