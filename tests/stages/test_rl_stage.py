@@ -318,3 +318,45 @@ def test_bf16_autocast_steps_are_finite_and_close_to_fp32(
     assert r16["train_entropy"] == pytest.approx(r32["train_entropy"], rel=2e-4)
     assert abs(r16["loss"] - r32["loss"]) <= 0.02 * r32["train_adv_std"]
     assert r16["loss"] != r32["loss"]
+
+
+def test_a_resume_keeps_the_kl_reference_of_its_start(rl_data, caption_ckpt, tmp_path: Path):
+    """The reference is the checkpoint the run started from, recorded in init_from.json: when
+    the init run trains on (its newest checkpoint is another), a resume still builds the
+    reference from the recorded one; if that checkpoint's weights changed, it is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from vltrain.core.checkpoint import resolve_checkpoint
+
+    init = tmp_path / "init"
+    shutil.copytree(caption_ckpt, init)
+    shutil.rmtree(init / "checkpoints" / "best")  # the start is the newest checkpoint
+    start = resolve_checkpoint(init)
+    over = {"train.max_steps": 2, "train.save_every": 2}
+    train(_rl_cfg(rl_data, init, tmp_path / "rl", **over))
+    pinned = json.loads((tmp_path / "rl" / "init_from.json").read_text())
+    assert pinned["path"] == str(start.resolve())
+    later = init / "checkpoints" / "best"  # the init run trains on: another best
+    shutil.copytree(caption_ckpt / "checkpoints" / "best", later)
+    weights = load_file(later / "model.safetensors")
+    save_file({k: v + 0.01 for k, v in weights.items()}, later / "model.safetensors")
+    assert resolve_checkpoint(init) == later
+    over = {**over, "train.max_steps": 3, "train.resume": True}
+    over["train.allow_changes"] = "[train.max_steps]"
+    cfg = _rl_cfg(rl_data, init, tmp_path / "rl", **over)
+    resumed = Trainer(cfg, stage=get_stage(cfg.stage))
+    resumed.stage.prepare()
+    assert resumed.stage.core.init_ckpt == start.resolve()
+    resumed.stage.build_model()
+    want = load_file(start / "model.safetensors")
+    got = resumed.stage.reference.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items() if k in got)
+    save_file(weights, start / "model.safetensors")  # the start rewritten (same tensors, new file)
+    with pytest.raises(ConfigError, match="whose weights changed since"):
+        Trainer(cfg, stage=get_stage(cfg.stage)).stage.prepare()
+
+
+def test_rl_refuses_another_caption_mode_than_its_start(rl_data, caption_ckpt, tmp_path: Path):
+    cfg = _rl_cfg(rl_data, caption_ckpt, tmp_path / "rl", **{"caption.mode": "sft"})
+    with pytest.raises(ConfigError, match="trained with caption.mode=finetune"):
+        Trainer(cfg, stage=get_stage(cfg.stage)).stage.prepare()

@@ -474,14 +474,49 @@ def resolve_checkpoint(path: str | Path) -> Path:
     )
 
 
-def resolve_init(init_from: str) -> Path | None:
-    """`model.init_from` as a checkpoint folder (best, else newest); None when it is unset."""
+def resolve_init(init_from: str, pin_to: Path | None = None, write: bool = True) -> Path | None:
+    """`model.init_from` as a checkpoint folder (best, else newest); None when it is unset.
+
+    `pin_to` (a run folder): the folder the run started from is kept for the run's life: the
+    first start records it in ``<pin_to>/init_from.json`` (when `write`) with its weight files'
+    sizes and modification times, and a start that resumes one of the run's checkpoints uses
+    the recorded folder, refusing it if its weights changed since (RL's KL reference is those
+    weights: resolving again would take the init run's *current* best)."""
     from vltrain.config.core import ConfigError
 
+    record = pin_to / INIT_RECORD if pin_to is not None else None
+    if record is not None and record.is_file() and latest_checkpoint(pin_to / "checkpoints"):
+        pinned = json.loads(record.read_text())
+        path = Path(pinned["path"])
+        if not path.is_dir() or _weight_files(path) != pinned["weights"]:
+            raise ConfigError(
+                f"this run started from {path} (model.init_from={pinned['init_from']}), "
+                f"whose weights {'are gone' if not path.is_dir() else 'changed since'}: its "
+                "KL reference cannot be rebuilt as it was; restore that checkpoint, or start "
+                "a new run"
+            )
+        return path
     try:
-        return resolve_checkpoint(init_from) if init_from else None
+        path = resolve_checkpoint(init_from) if init_from else None
     except FileNotFoundError as e:
         raise ConfigError(f"model.init_from: {e}") from None
+    if record is not None and path is not None and write:
+        pinned = {"init_from": init_from, "path": str(path.resolve())}
+        pinned["weights"] = _weight_files(path)
+        record.parent.mkdir(parents=True, exist_ok=True)
+        tmp = record.with_suffix(".tmp")
+        tmp.write_text(json.dumps(pinned, indent=1) + "\n")
+        tmp.replace(record)
+    return path
+
+
+INIT_RECORD = "init_from.json"
+
+
+def _weight_files(folder: Path) -> list[list[Any]]:
+    """[name, size, mtime_ns] of a checkpoint folder's weight files (safetensors, DCP)."""
+    files = sorted(f for f in folder.iterdir() if f.suffix in (".safetensors", ".distcp"))
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
 
 
 # ---------------------------------------------------------------- DCP checkpoints

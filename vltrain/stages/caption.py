@@ -106,6 +106,7 @@ class CaptionCore:
     def __init__(self, cfg: Config, out_dir: Path, ctx: RunContext) -> None:
         self.cfg, self.out_dir, self.ctx = cfg, out_dir, ctx
         self._eval_sets: dict[str, CaptionDataset] = {}
+        self.pin_init: Path | None = None  # rl: the run folder its start is kept in
 
     def _source(self, path: str):
         d = self.cfg.data
@@ -113,7 +114,7 @@ class CaptionCore:
 
     def prepare(self) -> None:
         """Reuse the tokenizer of `model.init_from` (or of this run), else train one (rank 0)."""
-        self.init_ckpt = resolve_init(self.cfg.model.init_from)
+        self.init_ckpt = resolve_init(self.cfg.model.init_from, self.pin_init, self.ctx.is_main)
         tok_dir = self.out_dir / "tokenizer"
         c = self.cfg.caption
         prepare_tokenizer(

@@ -55,6 +55,7 @@ class HFCaptionCore:
     def __init__(self, cfg: Config, out_dir: Path, ctx: RunContext) -> None:
         self.cfg, self.out_dir, self.ctx = cfg, out_dir, ctx
         self._eval_sets: dict[str, VLMCaptionDataset] = {}
+        self.pin_init: Path | None = None  # rl: the run folder its start is kept in
         self.processor_dir = out_dir / "processor"
 
     def _model_type(self) -> str:
@@ -84,7 +85,7 @@ class HFCaptionCore:
     def prepare(self) -> None:
         """The run's processor folder (this run's, `model.init_from`'s, or new), then the
         collate and the evaluator."""
-        self.init_ckpt = resolve_init(self.cfg.model.init_from)
+        self.init_ckpt = resolve_init(self.cfg.model.init_from, self.pin_init, self.ctx.is_main)
         if self.ctx.is_main and not self.processor_dir.is_dir():
             self._write_processor()
         distributed.barrier()

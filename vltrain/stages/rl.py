@@ -15,7 +15,8 @@ wiring rules in docs/rl.md):
 4. teacher-forced logits of the policy through the (DDP-wrapped) model the engine passes, and of
    the frozen reference (no grad); ``reinforce_loss``; the engine's backward of ``loss * scale``.
 
-The reference is rebuilt from ``model.init_from`` at every start (also on resume), lives on the
+The reference is rebuilt at every start (also on resume) from the checkpoint the run first
+started from (``init_from.json``, `resolve_init`), lives on the
 stage (never inside the trained module), is never saved and has no optimizer state. A policy
 with peft (LoRA) adapters has none: its reference is itself with the adapters disabled.
 The HF kinds (hf_vlm, llava) sample, teacher-force and build the reference in `rl_hf`.
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from vltrain.config.core import ConfigError
+from vltrain.config.core import ConfigError, load_yaml
 from vltrain.config.schema import Config
 from vltrain.core import distributed
 from vltrain.data.batches import CaptionBatch
@@ -92,6 +93,7 @@ class RLStage:
         self.cfg, self.ctx = cfg, ctx
         hf = cfg.model.kind in HF_CAPTION_KINDS  # rollouts of the HF kinds: stages/rl_hf.py
         self.core: Any = (HFCaptionCore if hf else CaptionCore)(cfg, out_dir, ctx)
+        self.core.pin_init = out_dir  # the KL reference: the start, whatever the init run does
         self.hf = HFRollouts(cfg, self.core) if hf else None
 
     @classmethod
@@ -141,6 +143,7 @@ class RLStage:
     def prepare(self) -> None:
         """Tokenizer (from init_from), reward df from the training refs, the baseline."""
         self.core.prepare()
+        self._check_mode()
         r = self.cfg.rl
         self.reward = CaptionReward(
             self._training_refs(), kind=r.reward, weights=r.reward_weights or None
@@ -148,6 +151,18 @@ class RLStage:
         kwargs = {"ema": {"decay": r.ema_decay}, "grpo": {"scale": r.scale_rewards}}
         self.baseline = build_baseline(r.baseline, **kwargs.get(r.baseline, {}))
         self.rollouts = 0  # forward_backward() calls so far; seeds the sampling generator
+
+    def _check_mode(self) -> None:
+        """caption.mode decides the prompt format: it must be the one the start was trained in."""
+        ckpt, mode = self.core.init_ckpt, self.cfg.caption.mode
+        found = [q / "config.yaml" for q in (ckpt, *ckpt.parents[:2])] if ckpt else []
+        run = next((q for q in found if q.is_file()), None)
+        was = (load_yaml(run).get("caption") or {}).get("mode") if run else None
+        if was and was != mode:
+            raise ConfigError(
+                f"caption.mode={mode}, but model.init_from ({ckpt}) trained with caption.mode="
+                f"{was}: RL would sample from prompts it never saw; set caption.mode={was}"
+            )
 
     def rollout_generator(self) -> torch.Generator:
         """The sampling RNG of this rank's next rollout, from (run.seed, rank, rollout number).
