@@ -144,3 +144,32 @@ def test_sample_index_stays_inside_a_weight_past_float32_precision() -> None:
     assert bool((idx[1:] > idx[:-1]).all())
     assert _sample_index(torch.empty(1)).tolist() == [0]
     assert _sample_index(torch.empty(5)).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_a_generative_vlm_is_judged_by_its_parts(tmp_path) -> None:
+    """A LLaVA captioner (model.kind hf_vlm / llava): model.freeze names its parts (vision,
+    connector, decoder), not its top-level module ('model'), and the vision layers its
+    projector never reads are frozen by design. The check called every such run an error."""
+    pytest.importorskip("transformers")
+    from tests.models import vlm_fixtures
+    from vltrain.models.hf_vlm import HFVLM, load_hf_vlm
+
+    model = HFVLM(load_hf_vlm(vlm_fixtures.tiny_hf_llava(tmp_path), True), "hf_vlm")
+    unread = set(model.frozen_by_design)
+    assert unread and all("vision_tower" in n for n in unread)
+
+    def probe(freeze: list[str]) -> Probe:
+        model.requires_grad_(True)
+        model._freeze_unused()
+        model.freeze(freeze)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        return Probe(model, opt, freeze, True)
+
+    assert probe([]).frozen_unasked == []
+    assert probe(["vision"]).frozen_unasked == [] and probe(["vision"]).frozen_trainable == []
+    probe(["vision"])
+    name = next(n for n, _ in model.named_parameters() if "multi_modal_projector" in n)
+    model.get_parameter(name).requires_grad_(False)  # frozen by nobody's asking
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    got = Probe(model, opt, ["vision"], True)
+    assert got.frozen_unasked == [name] and got.unasked_parts == ["connector"]

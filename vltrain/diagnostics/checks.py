@@ -287,9 +287,14 @@ class Optimizer:
         return out
 
     def structure(
-        self, not_in_opt: list[str], frozen_unasked: list[str], frozen_trainable: list[str]
+        self,
+        not_in_opt: list[str],
+        frozen_unasked: list[str],
+        frozen_trainable: list[str],
+        unasked_parts: list[str] | None = None,
     ) -> list[Finding]:
-        """Findings about which parameters train, known before the first step."""
+        """Findings about which parameters train, known before the first step; `unasked_parts`
+        are the parts (as model.freeze names them) of `frozen_unasked`."""
         out = []
         if not_in_opt:
             out.append(Finding(
@@ -300,11 +305,11 @@ class Optimizer:
                 {"params": not_in_opt[:50]},
             ))  # fmt: skip
         if frozen_unasked:
-            tops = sorted({n.split(".")[0] for n in frozen_unasked})
+            tops = unasked_parts or sorted({n.split(".")[0] for n in frozen_unasked})
             out.append(Finding(
                 "error", "frozen_unasked", 0,
                 f"{len(frozen_unasked)} parameter(s) are frozen (requires_grad=False) though "
-                f"model.freeze does not name them: {tops}",
+                f"model.freeze does not name them: {tops}, e.g. {frozen_unasked[:3]}",
                 "add the part to model.freeze if intended, else stop freezing it",
                 {"params": frozen_unasked[:50]},
             ))  # fmt: skip

@@ -102,7 +102,10 @@ class Doctor:
             write_run_card(out_dir, world, str(next(module.parameters()).device))
         opt_check = next(c for c in doc.checks if c.name == "optimizer")
         found = opt_check.structure(
-            probe.not_in_optimizer, probe.frozen_unasked, probe.frozen_trainable
+            probe.not_in_optimizer,
+            probe.frozen_unasked,
+            probe.frozen_trainable,
+            probe.unasked_parts,
         )
         doc._emit(found + eval_overlap(cfg))
         return doc

@@ -74,15 +74,21 @@ class Probe:
         params = list(module.named_parameters())
         self.not_in_optimizer = [n for n, p in params if p.requires_grad and id(p) not in in_opt]
         top, design = set(frozen_parts), frozen_by_design(module)
+        part_of = getattr(module, "part_of", None)  # the HF VLM's parts: vision, connector...
+
+        def part(name: str) -> str:
+            return part_of(name) if callable(part_of) else name.split(".")[0]
+
         self.frozen_unasked = [
             n
             for n, p in params
             if expect_all_trainable
             and not p.requires_grad
-            and n.split(".")[0] not in top
+            and part(n) not in top
             and n not in design
         ]
-        self.frozen_trainable = [n for n, p in params if p.requires_grad and n.split(".")[0] in top]
+        self.frozen_trainable = [n for n, p in params if p.requires_grad and part(n) in top]
+        self.unasked_parts = sorted({part(n) for n in self.frozen_unasked})
         self.groups = [list(g["params"]) for g in optimizer.param_groups]
         self.index = [[_sample_index(_local(p)) for p in g] for g in self.groups]
         # the DDP-divergence fingerprint reads replicated weights only: FSDP shards differ

@@ -129,6 +129,14 @@ class HFVLM(nn.Module):
         for module in UNUSED_VISION.get(self.model_type, _no_modules)(base):
             module.requires_grad_(False)
 
+    @property
+    def frozen_by_design(self) -> tuple[str, ...]:
+        """The parameters `_freeze_unused` froze (names under this module): the doctor's
+        frozen-part check leaves them out (vltrain.diagnostics.probe.frozen_by_design)."""
+        unused = UNUSED_VISION.get(self.model_type, _no_modules)(self.base_model())
+        ids = {id(p) for m in unused for p in m.parameters()}
+        return tuple(n for n, p in self.named_parameters() if id(p) in ids)
+
     @staticmethod
     def part_of(name: str) -> str:
         """The part of a parameter of this wrapper (`optim.lr_scale` keys match parts too)."""
