@@ -278,6 +278,13 @@ def test_export_reloads_in_plain_transformers_with_identical_greedy_captions(
         assert main([*gen, *extra]) == 0
         rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
         assert [r["image"] for r in rows] == paths and [r["caption"] for r in rows] == want
+    from vltrain import load_run  # the Python API captions as the command does
+
+    loaded = load_run(run)
+    assert loaded.generate(paths, max_new_tokens=6, batch_size=5) == want
+    assert loaded.generate(images[:3], max_new_tokens=6) == want[:3]  # PIL images too
+    with pytest.raises(ValueError, match=r"images\[1\] cannot be used"):
+        loaded.generate([paths[0], str(tmp_path / "missing.png")], max_new_tokens=6)
     capsys.readouterr()  # control: sampling at full temperature gives other captions
     assert main([*gen, "--strategy", "sample", "--temperature", "3"]) == 0
     assert [json.loads(x)["caption"] for x in capsys.readouterr().out.splitlines()] != want

@@ -44,7 +44,10 @@ from vltrain.data.images import (
 from vltrain.data.pairs import encode_side, side_inputs
 from vltrain.engine.task import Stage
 from vltrain.inference.captioning import decode_captions
+from vltrain.inference.decoding import generate
+from vltrain.inference.vlm_captioning import caption_target, prompt_inputs
 from vltrain.models.backbones import HF_KINDS
+from vltrain.stages.caption_hf_checks import HF_CAPTION_KINDS
 from vltrain.tools.generate import generation_prompt
 from vltrain.tools.loading import load_trained, run_config_for
 
@@ -186,9 +189,13 @@ class TrainedRun:
         self._require(GENERATES, "generate")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        generator = torch.Generator(self.device).manual_seed(seed)
+        options = {"strategy": strategy, "num_beams": num_beams, "generator": generator}
+        options["max_new_tokens"] = max_new_tokens
+        if self.cfg.model.kind in HF_CAPTION_KINDS:
+            return self._generate_vlm(rows, prompt, batch_size, options)
         tokenizer = self._stage.tokenizer  # type: ignore[attr-defined]
         prompt_ids = chat.encode_prompt(tokenizer, generation_prompt(self.cfg, prompt))
-        generator = torch.Generator(self.device).manual_seed(seed)
         captions: list[str] = []
         with torch.no_grad():
             for start in range(0, len(rows), batch_size):
@@ -201,11 +208,38 @@ class TrainedRun:
                     tokenizer,
                     pixels.to(self.device),
                     [prompt_ids] * len(part),
-                    strategy=strategy,
-                    num_beams=num_beams,
-                    max_new_tokens=max_new_tokens,
-                    generator=generator,
+                    **options,
                 )
+        return captions
+
+    def _generate_vlm(
+        self, rows: list[Any], prompt: str | None, batch_size: int, options: dict[str, Any]
+    ) -> list[str]:
+        """`generate` for the HF VLM kinds: the run's collate builds the prompts (the image,
+        then the user turn) and the one decoder loop runs over the model, as `vltrain generate
+        --checkpoint` does (`tools.generate_vlm_run`)."""
+        core, c = self._stage.core, self.cfg.caption  # type: ignore[attr-defined]
+        user = prompt if prompt is not None else (c.instruction if c.mode == "sft" else c.prompt)
+        turns = [{"role": "user", "content": user}, {"role": "assistant", "content": "-"}]
+        pad = core.tokenizer.pad_token_id if core.tokenizer.pad_token_id is not None else 0
+        target = caption_target(self.model, pad)
+        captions: list[str] = []
+        with torch.no_grad():
+            for start in range(0, len(rows), batch_size):
+                samples = [
+                    {"image": self._decode(im, start + i, "generate", native=True)}
+                    for i, im in enumerate(rows[start : start + batch_size])
+                ]
+                for i, sample in enumerate(samples):  # refs: the collate builds eval prompts
+                    sample.update(messages=turns, index=start + i, refs=["-"])
+                batch = core.collate(samples)
+                inputs = prompt_inputs(self.model, batch["images"], batch["prompt_ids"], pad)
+                out = generate(target, inputs, **options)
+                seqs = [
+                    s[: int(n)].tolist() for s, n in zip(out.sequences, out.lengths, strict=True)
+                ]
+                texts = core.tokenizer.batch_decode(seqs, skip_special_tokens=True)
+                captions += [t.strip() for t in texts]
         return captions
 
     # ---- helpers ------------------------------------------------------------------------
@@ -230,8 +264,9 @@ class TrainedRun:
         d = self.cfg.data
         return batch_size or d.eval_batch_size or d.batch_size
 
-    def _decode(self, image: ImageInput, index: int, method: str) -> Any:
-        """(3, S, S) in [0, 1], or a native-size RGB PIL image for HF backbones."""
+    def _decode(self, image: ImageInput, index: int, method: str, native: bool = False) -> Any:
+        """(3, S, S) in [0, 1], or a native-size RGB PIL image for HF backbones (`native`: the
+        HF VLM captioners, whose processors resize too)."""
         if isinstance(image, Image.Image):
             label, data = f"images[{index}] (a PIL image)", _encoded(image)
         elif isinstance(image, (str, os.PathLike)):
@@ -242,7 +277,7 @@ class TrainedRun:
                 "PIL images"
             )
         try:
-            if self.cfg.model.kind in HF_KINDS:  # their processors resize
+            if native or self.cfg.model.kind in HF_KINDS:  # their processors resize
                 return load_image_native(label, DEFAULT_MAX_PIXELS, data=data)
             return load_image(label, self.cfg.data.image_size, DEFAULT_MAX_PIXELS, data=data)
         except BadSample as e:
