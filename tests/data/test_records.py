@@ -278,6 +278,23 @@ def test_tracker_threshold_and_message() -> None:
     assert "img/missing_3.png" not in msg  # at most three examples per reason
 
 
+def test_tracker_stops_a_run_whose_every_sample_is_bad_before_min_seen() -> None:
+    """Fewer than min_seen samples is too few to judge a rate, but not when every one of at
+    least 8 was bad (a 2-step run on data whose images are all missing finished with rc 0)."""
+    t = BadSampleTracker(max_bad_fraction=0.01, min_seen=50)
+    t.update(4, _bad(4, "missing"))
+    t.check()  # 4 of 4: too few to say
+    t.update(4, _bad(4, "missing"))
+    with pytest.raises(DataQualityError, match="8 of 8 samples were bad"):
+        t.check()
+    mixed = BadSampleTracker(max_bad_fraction=0.01, min_seen=50)
+    mixed.update(12, _bad(11, "missing"))
+    mixed.check()  # one good sample: judged at min_seen, as before
+    allowed = BadSampleTracker(max_bad_fraction=1.0, min_seen=50)
+    allowed.update(60, _bad(60, "missing"))
+    allowed.check()  # data.max_bad_fraction=1 allows everything
+
+
 def test_tracker_at_threshold_passes() -> None:
     t = BadSampleTracker(max_bad_fraction=0.1, min_seen=0)
     t.update(100, _bad(10, "corrupt"))

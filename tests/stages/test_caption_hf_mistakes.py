@@ -72,6 +72,20 @@ CASES = {
         "expands one image to 16 image tokens, but the model has 4 features",
     ),
     "length_buckets": ("hf_vlm", {"data.length_buckets": 4}, "data.length_buckets=4"),
+    "lora_on_the_lm_head": (
+        "hf_vlm",
+        {"model.lora_r": 4, "model.lora_targets": "[lm_head]"},
+        "match no Linear module of the language model",
+    ),
+    "lr_scale_of_a_part_lora_freezes": (
+        "hf_vlm",
+        {"model.lora_r": 4, "optim.lr_scale.vision": 0.1},
+        "the trainable parts are ['decoder'] (frozen parts, and a LoRA run's base weights",
+    ),
+    "hf_vlm_path_not_a_model": ("hf_vlm", {"model.path": "DATA"}, "holds no config.json"),
+    "hf_vlm_path_a_text_lm": ("hf_vlm", {"model.path": "LM"}, "not an image-text-to-text VLM"),
+    "llava_lm_a_vlm": ("llava", {"model.path": "VLM"}, "(a VLM: train it with model.kind=hf_vlm)"),
+    "llava_lm_a_data_file": ("llava", {"model.path": "DATA_FILE"}, "holds no config.json"),
     "every_part_frozen": (
         "llava",
         {"model.freeze": "[vision, connector, decoder]"},
@@ -87,6 +101,7 @@ def test_mistake_is_one_error_line_before_anything_is_written(
     kind, extra, message = CASES[case]
     names = {"LM": parts["lm"], "LM_NO_CHAT": parts["lm_no_chat"]}
     names["BAD_PROCESSOR"] = parts["llava_bad_processor"]
+    names |= {"VLM": parts["qwen2vl"], "DATA": shapes_dir, "DATA_FILE": shapes_dir / "train.jsonl"}
     extra = {k: names.get(str(v), v) for k, v in extra.items()}
     out = tmp_path / "run"
     assert main(_run(kind, shapes_dir, out, parts, **extra)) == 2
@@ -179,3 +194,12 @@ def test_gguf_check_on_real_files(tmp_path: Path) -> None:
     hf_vlm.check_gguf(str(tmp_path / "ok.gguf"))
     with pytest.raises(ConfigError, match=r"\['Q8_1'\]"):
         hf_vlm.check_gguf(str(tmp_path / "bad.gguf"))
+
+
+def test_the_lora_targets_offered_are_targets(parts: dict) -> None:
+    """The error for unmatched model.lora_targets lists the decoder's Linear names; each must
+    be one LoRA takes (it offered 'lm_head' and then refused it)."""
+    model = hf_vlm.load_hf_vlm(parts["qwen2vl"], True)
+    names = hf_vlm.decoder_linear_names(model)
+    assert names and "lm_head" not in names
+    assert all(hf_vlm.lora_module_names(model, [n]) for n in names)

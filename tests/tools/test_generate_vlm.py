@@ -108,6 +108,7 @@ def test_hf_vlm_and_sampling_mistakes_are_one_line_errors(vlm, tmp_path: Path, c
         ([*base, "--strategy", "beam", "--top-k", "3", "--top-p", "0.5"], "--top-k, --top-p"),
         (["generate", "--model", path, "--prompts", files[0]], "--images"),
         (["generate", "--model", path], "--images"),
+        (["generate", "--model", str(tmp_path), "--images", files[0]], "is none (a folder whose"),
     ]
     for argv, words in cases:
         assert main(argv) == 2, argv

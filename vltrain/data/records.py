@@ -226,6 +226,10 @@ def split_bad(samples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list
     return good, bad
 
 
+ALL_BAD = 8
+"""Samples that, all bad, stop a run before `BadSampleTracker.min_seen` were seen."""
+
+
 class BadSampleTracker:
     """Counts bad samples by reason and stops the run when too many are bad.
 
@@ -305,11 +309,16 @@ class BadSampleTracker:
         return [self.seen] + [self._counts.get(r, 0) for r in reasons]
 
     def check(self) -> None:
-        """Raise DataQualityError if at least `min_seen` were seen and too many were bad."""
-        if self.seen < self.min_seen or self.seen == 0:
+        """Raise DataQualityError if at least `min_seen` were seen and too many were bad, or
+        if every one of at least `ALL_BAD` samples seen so far was (a short run on data whose
+        images are all missing would otherwise finish, "best" an untrained model)."""
+        if self.seen == 0:
+            return
+        all_bad = self.total_bad == self.seen >= ALL_BAD and self.max_bad_fraction < 1.0
+        if self.seen < self.min_seen and not all_bad:
             return
         frac = self.total_bad / self.seen
-        if frac <= self.max_bad_fraction:
+        if frac <= self.max_bad_fraction and not all_bad:
             return
         lines = []
         for reason, n in sorted(self._counts.items(), key=lambda kv: -kv[1]):

@@ -76,10 +76,16 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
         g["names"].append(name)
     unused = sorted(set(cfg.lr_scale) - used_prefixes)
     if unused:
-        tops = sorted({n.split(".")[0] for n, _ in model.named_parameters()})
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        if callable(part_of):
+            names = f"the trainable parts are {sorted({part_of(n) for n in trainable})}"
+        else:
+            tops = sorted({n.split(".")[0] for n in trainable})
+            names = f"top-level modules with trainable parameters are {tops}"
+        if any(p.requires_grad is False for p in model.parameters()):
+            names += " (frozen parts, and a LoRA run's base weights, take no learning rate)"
         raise ConfigError(
-            f"'optim.lr_scale' names {unused}, which match no trainable parameter; "
-            f"top-level modules are {tops}"
+            f"'optim.lr_scale' names {unused}, which match no trainable parameter; {names}"
         )
     return list(groups.values())
 

@@ -63,11 +63,12 @@ def lora_module_names(model: nn.Module, targets: Sequence[str]) -> list[str]:
 
 
 def decoder_linear_names(model: nn.Module) -> list[str]:
-    """The distinct last names of the decoder's Linear modules (for error messages)."""
+    """The distinct last names of the decoder's Linear modules LoRA can target (for error
+    messages: `lora_module_names` leaves the LM head out)."""
     names = {
         n.rsplit(".", 1)[-1]
         for n, m in model.named_modules()
-        if isinstance(m, nn.Linear) and part_of(n + ".w") == "decoder"
+        if isinstance(m, nn.Linear) and part_of(n + ".w") == "decoder" and "lm_head" not in n
     }
     return sorted(names)
 

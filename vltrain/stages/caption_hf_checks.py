@@ -108,6 +108,7 @@ def _check_paths(cfg: Config) -> None:
     what = "an HF causal-LM folder or .gguf file" if m.kind == "llava" else "an HF VLM folder"
     if not Path(m.path).exists():
         raise ConfigError(f"model.path={m.path!r} does not exist; point it at {what}")
+    _check_model_type(m.path, m.kind, what)
     if m.kind == "llava":
         if not m.vision_path:
             raise ConfigError("model.kind=llava needs 'model.vision_path' (an HF CLIP/SigLIP)")
@@ -119,6 +120,41 @@ def _check_paths(cfg: Config) -> None:
             )
         if Path(m.path).suffix == ".gguf":
             hf_vlm.check_gguf(m.path)
+
+
+def _check_model_type(path: str, kind: str, what: str) -> None:
+    """model.path holds the kind of model the kind builds on (its config.json's model_type),
+    so a data folder, a VLM given as llava's LM or an LM given as hf_vlm is one line, not a
+    traceback from inside transformers."""
+    import json
+
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    p = Path(path)
+    if kind == "llava" and p.suffix == ".gguf":
+        return
+    config = p / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"model.path={path!r} holds no config.json; point it at {what}")
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (ValueError, AttributeError) as e:
+        raise ConfigError(f"{config} is not a model's config ({e}); point it at {what}") from None
+    vlm = model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    if kind == "hf_vlm" and not vlm:
+        raise ConfigError(
+            f"model.path={path!r} is a {model_type!r} model, not an image-text-to-text VLM; "
+            "for a text-only LM use model.kind=llava with a vision tower (model.vision_path)"
+        )
+    if kind == "llava" and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        hint = " (a VLM: train it with model.kind=hf_vlm)" if vlm else ""
+        raise ConfigError(
+            f"model.path={path!r} is a {model_type!r} model, not a causal LM{hint}; "
+            f"model.kind=llava builds on {what}"
+        )
 
 
 def _check_vision_geometry(cfg: Config) -> None:

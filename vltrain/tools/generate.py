@@ -123,6 +123,12 @@ def generate_command(args: Any) -> int:
             from vltrain.tools.generate_vlm import vlm_command
 
             return vlm_command(args, sampling)
+        if not args.prompts and args.images:
+            raise ConfigError(
+                f"--images captions with an image-text-to-text model, and --model {args.model} "
+                "is none (a folder whose config.json names a VLM); an LM decodes --prompts "
+                "FILE.jsonl"
+            )
         if not args.prompts:
             raise ConfigError("vltrain generate --model needs --prompts FILE.jsonl")
         return lm_command(args, sampling)
