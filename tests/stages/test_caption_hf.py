@@ -17,6 +17,7 @@ from tests.conftest import REPO, hardlink_tree, torchrun_vltrain
 from tests.models import vlm_fixtures
 from vltrain.cli import main
 from vltrain.config import load_config
+from vltrain.config.core import ConfigError
 from vltrain.data.readers import read_jsonl
 from vltrain.engine import loop
 from vltrain.runs import train
@@ -498,6 +499,37 @@ def test_max_text_len_counts_text_after_the_image_and_a_cut_answer_is_said(
         assert row == full[: len(row)].tolist()  # the cut is at the end only
     _, _, said = first_batch(longest)
     assert "longer than data.max_text_len" not in said
+
+
+def test_a_template_that_rewrites_history_is_refused_before_the_first_step(
+    models: dict, data: Path, tmp_path: Path
+) -> None:
+    """Qwen3's and DeepSeek-R1's templates drop earlier turns' reasoning: multi-turn chats
+    cannot be labelled under them. The first training chats are labelled before the first
+    step, so the run stops there with a ConfigError, not mid-run with a traceback."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from vltrain.engine.runtime import RunContext
+    from vltrain.stages import check_config
+
+    lm = tmp_path / "lm"
+    shutil.copytree(models["causal_lm_dir"], lm)
+    tok = AutoTokenizer.from_pretrained(lm)
+    tok.chat_template = (  # every assistant turn but the last dropped
+        "{% for m in messages %}{% if m['role'] == 'user' or loop.last %}<|im_start|>"
+        "{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tok.save_pretrained(lm)
+    extra = {"caption.mode": "sft", "data.train": data / "chat_train.jsonl", "model.path": lm}
+    cfg = load_config(PRESET["llava"], overrides("llava", models, data, tmp_path / "r", **extra))
+    ctx = RunContext(torch.device("cpu"), rank=0, world_size=1, precision="fp32", seed=0)
+    stage = check_config(cfg)(cfg, tmp_path / "r", ctx)
+    stage.prepare()
+    with pytest.raises(ConfigError, match="rewrites earlier turns"):
+        stage.build_loader()
 
 
 def test_llava_on_a_siglip_tower_keeps_every_patch(
