@@ -291,8 +291,13 @@ def test_a_vltrain_drafter_export_travels_with_its_target_and_checks_its_config(
     data.write_text("".join(json.dumps({"prompt": t, "completion": t}) + "\n" for t in TEXTS))
     run = tmp_path / "run"
     args = _train_args(lm, tmp_path, run, "train.max_steps=2", "drafter.eval_prompts=0")
+    args.append("drafter.draft_vocab=100000")  # not below the target's: the whole vocabulary
+    capsys.readouterr()
     assert main([a.replace(f"{tmp_path}/answers.jsonl", str(data)) for a in args]) == 0
+    notice = "'drafter.draft_vocab' 100000 is not below the target's vocabulary"
+    assert notice in capsys.readouterr().err  # said when the run trains ...
     assert main(["export", str(run), "--out", str(home / "export")]) == 0
+    assert notice not in capsys.readouterr().err  # ... not again when its checkpoint loads
     target = json.loads((home / "export" / "drafter.json").read_text())["target"]
     cfg = json.loads((lm / "config.json").read_text())
     assert target == {"kind": "hf_lm", "path": "../lm", "config_sha256": config_sha256(cfg)}

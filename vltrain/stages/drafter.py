@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from vltrain.config.core import ConfigError, check_choice
 from vltrain.config.schema import Config
 from vltrain.core import distributed
+from vltrain.core.checkpoint import has_weights
 from vltrain.data.batches import DraftBatch, to_device
 from vltrain.data.chat import IGNORE_INDEX
 from vltrain.data.draft_data import DraftCollate, DraftDataset
@@ -155,7 +156,7 @@ class DrafterStage:
         n, v = self.cfg.drafter.draft_vocab, self.target.model.vocab_size
         if n < v:
             return n
-        if self.ctx.is_main:
+        if self.ctx.is_main and not has_weights(self.out_dir):  # not when loading a checkpoint
             print(
                 f"vltrain: drafter: 'drafter.draft_vocab' {n} is not below the target's "
                 f"vocabulary ({v}): the drafter scores the whole vocabulary",
