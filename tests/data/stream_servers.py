@@ -57,12 +57,21 @@ class RangeHandler(SimpleHTTPRequestHandler):
         pass
 
 
-@contextlib.contextmanager
-def http_server(root: Path) -> Iterator[str]:
-    """Serve `root` at the URL this yields (``http://127.0.0.1:PORT``)."""
+class PlainHandler(SimpleHTTPRequestHandler):
+    """Python's own handler (``python -m http.server``): ``Range`` ignored, quiet."""
 
-    def handler(*args: object) -> RangeHandler:
-        return RangeHandler(*args, directory=str(root))  # type: ignore[arg-type]
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def http_server(root: Path, ranges: bool = True) -> Iterator[str]:
+    """Serve `root` at the URL this yields (``http://127.0.0.1:PORT``); `ranges=False`:
+    Python's own handler, which answers every request with the whole file."""
+    kind = RangeHandler if ranges else PlainHandler
+
+    def handler(*args: object) -> SimpleHTTPRequestHandler:
+        return kind(*args, directory=str(root))  # type: ignore[arg-type]
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)

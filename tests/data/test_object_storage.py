@@ -139,3 +139,14 @@ def test_http_and_s3_stream_like_local_disk(root: Path, http: str, s3: str) -> N
     reference = _stream(local, 0)
     assert _stream(shards.resolve_shards(f"{http}/shards"), 1) == reference
     assert _stream(shards.resolve_shards(f"{s3}/shards/"), 1) == reference
+
+
+def test_a_server_without_byte_ranges_is_refused_at_the_preflight(root: Path) -> None:
+    """python -m http.server answers a range request with the whole file; a stream that starts
+    inside a shard then failed in a loader worker, after the run had started."""
+    big = root / "big"
+    make_shards(big, 40, shard_size=40)  # one shard well past fsspec's first read
+    with http_server(big, ranges=False) as url:
+        assert "does not answer byte ranges" in _refused(f"{url}/shards/")
+    with http_server(big) as url:
+        _preflight(f"{url}/shards/")

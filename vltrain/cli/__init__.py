@@ -88,6 +88,18 @@ def os_error_message(e: OSError) -> str:
     return f"{what} {paths}: {reason}{hint}"
 
 
+def worker_message(e: BaseException) -> str:
+    """The message of an error a DataLoader worker raised, without the traceback torch wraps
+    it in ("Caught DataError in DataLoader worker process 0. Original Traceback ...")."""
+    text = str(e)
+    if not text.startswith("Caught ") or "Original Traceback" not in text:
+        return text
+    for marker in (f"\n{type(e).__module__}.{type(e).__name__}: ", f"\n{type(e).__name__}: "):
+        if marker in text:
+            return text[text.rindex(marker) + len(marker) :].strip()
+    return text.rstrip().rsplit("\n", 1)[-1]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vltrain", description=__doc__.split("\n")[0])
     p.add_argument("--version", action="version", version=f"vltrain {version()}")
@@ -110,7 +122,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        try:
+            return args.fn(args)
+        except BaseException:  # a failed loader's workers ignore SIGTERM: exit would wait
+            from vltrain.data.loaders import stop_workers
+
+            stop_workers()
+            raise
     except TrainingStopped as e:  # SIGTERM/SIGINT: a checkpoint was written; not an error
         print(f"vltrain: {e}", file=sys.stderr)
         return 128 + e.signal
@@ -123,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         CheckpointError,
         OutputError,
     ) as e:
-        print(f"vltrain: error: {e}", file=sys.stderr)
+        print(f"vltrain: error: {worker_message(e)}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:  # an optional dependency the install lacks
         hint = install_hint(e.name or "")

@@ -9,9 +9,13 @@ batches. A streaming source implements the same three methods with its own opaqu
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import os
 import random
 import signal
+import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -93,9 +97,61 @@ def worker_init(worker_id: int) -> None:
     for sig in TRAINER_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, TRAINER_SIGNALS)
+    _die_with_parent()
     s = torch.initial_seed() % (2**32)
     np.random.seed(s)
     random.seed(s)
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this worker when the trainer dies (a SIGKILL, an OOM kill). It
+    ignores SIGTERM, and one blocked writing a batch to a trainer that is gone never checks on
+    its parent: such workers outlived the trainer, holding their memory and shared segments."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before the request
+        os._exit(1)
+
+
+def stop_workers() -> None:
+    """Kill the workers of this process's DataLoader iterators that are still alive. For a
+    trainer leaving on an error: the workers ignore SIGTERM (the trainer's signal), and one
+    blocked writing a batch never sees the shutdown request, so the interpreter's exit, which
+    terminates and then joins them, waited for them forever. Their pids leave torch's SIGCHLD
+    watch first (a killed worker is no failure to report)."""
+    from torch.utils.data._utils import signal_handling
+
+    for it in list(_ITERATORS):
+        workers = getattr(it, "_workers", [])
+        if getattr(it, "_worker_pids_set", False):
+            signal_handling._remove_worker_pids(id(it))
+            it._worker_pids_set = False
+        for w in workers:
+            if w.is_alive():
+                w.kill()
+                w.join(timeout=5)
+        with contextlib.suppress(Exception):
+            it._shutdown_workers()
+    _ITERATORS.clear()
+
+
+#: the multi-process DataLoader iterators `start_workers` started, to stop on an error
+_ITERATORS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def start_workers(loader: DataLoader) -> Iterator[Any]:
+    """``iter(loader)`` with the trainer's signals held while its workers fork
+    (`workers_starting`); the iterator is kept for `stop_workers`."""
+    with workers_starting():
+        it = iter(loader)
+    if getattr(it, "_workers", None):
+        _ITERATORS.add(it)
+    return it
 
 
 @contextlib.contextmanager
@@ -176,8 +232,7 @@ class MapLoader:
             prefetch_factor=4 if self.num_workers > 0 else None,
         )
         bucket_of = getattr(self.sampler, "bucket_of_batch", None)
-        with workers_starting():
-            batches = iter(loader)
+        batches = start_workers(loader)
         for batch in batches:
             if bucket_of is not None:  # position is still the batch's last key here
                 batch.bucket = bucket_of(int(batch.position[0]), int(batch.position[1]))

@@ -146,6 +146,8 @@ def check_shard_source(spec: str) -> list[str]:
     try:
         with open_shard(first) as f:
             next(iter_members(f, 0, want=()), None)
+        if first.startswith(("http://", "https://")):  # object stores answer ranges
+            _check_ranges(first)
     except tarfile.ReadError as e:
         raise DataError(f"{first} is not a readable tar shard ({e})") from None
     except DataError:
@@ -155,6 +157,27 @@ def check_shard_source(spec: str) -> list[str]:
     except Exception as e:
         raise DataError(f"cannot read shard {first}: {_one_line(e)}; {_REMOTE_HINT}") from None
     return shards
+
+
+def _check_ranges(url: str) -> None:
+    """The server answers a read from the middle of a shard (a byte range): a stream starts
+    inside a shard whenever the shards do not split evenly into data.streams, and on resume.
+    A server that does not (python -m http.server) failed there, in a loader worker."""
+    import fsspec
+
+    with fsspec.open(url, "rb", block_size=1024).open() as f:
+        size = getattr(f, "size", None)
+        if not size or size <= 4096:
+            return
+        try:
+            f.seek(size // 2)
+            f.read(16)
+        except ValueError as e:
+            raise DataError(
+                f"the server of {url} does not answer byte ranges ({_one_line(e)}): vltrain "
+                "reads shards from their middle (streams that start inside a shard, resume); "
+                "serve them with one that does (nginx, S3, GCS; not python -m http.server)"
+            ) from None
 
 
 _REMOTE_HINT = (

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from vltrain.data.loaders import Batch, BatchCollate, worker_init, workers_starting
+from vltrain.data.loaders import Batch, BatchCollate, start_workers, worker_init
 from vltrain.data.readers import DataError
 from vltrain.data.rng import sample_seed
 from vltrain.data.shards import RawSample, iter_samples, open_shard, read_sample_at, shard_counts
@@ -447,19 +447,18 @@ class StreamLoader:
         )
         items: Any = iter(dataset)
         if self.num_workers:
-            with workers_starting():
-                items = iter(
-                    DataLoader(
-                        dataset,
-                        batch_size=None,
-                        collate_fn=_items,
-                        num_workers=self.num_workers,
-                        worker_init_fn=worker_init,
-                        generator=torch.Generator().manual_seed(self.seed),
-                        pin_memory=self.pin_memory,
-                        prefetch_factor=4,
-                    )
+            items = start_workers(
+                DataLoader(
+                    dataset,
+                    batch_size=None,
+                    collate_fn=_items,
+                    num_workers=self.num_workers,
+                    worker_init_fn=worker_init,
+                    generator=torch.Generator().manual_seed(self.seed),
+                    pin_memory=self.pin_memory,
+                    prefetch_factor=4,
                 )
+            )
         while True:  # the DataLoader returns workers' items round-robin: one round, one batch
             parts = [next(items) for _ in range(n_workers)]
             samples: dict[int, list[dict[str, Any]]] = {}
