@@ -283,3 +283,21 @@ def test_a_hamming_radius_outside_64_bits_is_a_clean_error() -> None:
     CurateOptions(crop_radius=0).check()  # 0: the crop check is off
     with pytest.raises(DataError, match="--crop-radius is a Hamming radius"):
         CurateOptions(crop_radius=64).check()
+
+
+def test_captions_in_scripts_without_spaces_are_words_not_one_token() -> None:
+    """A Chinese or Japanese caption was one 'word' (caption_short: curate removed every one);
+    in scripts written without spaces each character, with its marks, counts as a word."""
+    from vltrain.curation.filters import CaptionRules, caption_problem
+    from vltrain.curation.text import words, words_batch
+
+    chinese, japanese, thai = "一个男人在骑自行车", "公園で犬が走っている", "ผู้ชายขี่จักรยาน"
+    assert words(chinese) == list(chinese)
+    assert words(thai)[:2] == ["ผู้", "ช"]  # the vowel and tone marks stay with their letter
+    assert words("mixed 一个man, 2 Dogs") == ["mixed", "一", "个", "man", "2", "dogs"]
+    assert words("한국어 문장") == ["한국어", "문장"]  # Korean has spaces: words as written
+    for text in (chinese, japanese, thai, "a red circle"):
+        assert caption_problem(text, CaptionRules()) is None, text
+    assert caption_problem("猫", CaptionRules()) == "caption_short"
+    texts = [chinese, "A  Dog!", thai, japanese]
+    assert words_batch(texts) == [words(t) for t in texts]

@@ -15,7 +15,19 @@ from itertools import chain
 
 import numpy as np
 
-_WORD = re.compile(r"\w+", re.UNICODE)
+# scripts written without spaces between words: each character (with its marks) is a word of
+# its own (Han, kana, Thai, Lao, Khmer, Myanmar), so a Chinese caption is not one "word" (every
+# one was caption_short) and its n-grams are of characters
+_UNSPACED = (
+    "\u0e00-\u0e7f\u0e80-\u0eff\u1000-\u109f\u1780-\u17ff\u3040-\u30ff\u3400-\u4dbf"
+    "\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0003134f"
+)
+_MARKS = (  # the combining vowel and tone marks of those scripts stay with their letter
+    "\u0e31\u0e34-\u0e3a\u0e47-\u0e4e\u0eb1\u0eb4-\u0ebc\u0ec8-\u0ecd\u102b-\u103e"
+    "\u1056-\u1059\u105e-\u1060\u1062-\u1064\u1067-\u106d\u1071-\u1074\u1082-\u108d"
+    "\u17b4-\u17d3"
+)
+_WORD = re.compile(f"[{_UNSPACED}][{_MARKS}]*|[^\\W{_UNSPACED}]+", re.UNICODE)
 _SEP = "\x1e"  # record separator: not a word character
 _ASCII_NONWORD = {  # every ASCII non-word character but the separator -> a space
     c: " " for c in range(128) if not (chr(c).isalnum() or chr(c) == "_" or chr(c) == _SEP)
