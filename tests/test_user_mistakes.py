@@ -210,6 +210,25 @@ def _empty_jsonl(c: Ctx) -> list[str]:
     return c.train(f"data.train={c.tmp / 'empty.jsonl'}")
 
 
+@case("eval_csv_header_only", "holds no records (a header and no rows)")
+def _eval_csv_header_only(c: Ctx) -> list[str]:
+    (c.tmp / "val.csv").write_text("image,caption\n")
+    return c.train(f"data.eval={c.tmp / 'val.csv'}")
+
+
+@case("train_coco_without_images", "holds no records (an empty 'images' list)")
+def _train_coco_empty(c: Ctx) -> list[str]:
+    (c.tmp / "coco.json").write_text('{"images": [], "annotations": []}')
+    return c.train(f"data.train={c.tmp / 'coco.json'}")
+
+
+@case("eval_folder_captions_header_only", "holds no records (a header and no rows)")
+def _eval_folder_header_only(c: Ctx) -> list[str]:
+    (c.tmp / "shots").mkdir()
+    (c.tmp / "shots" / "captions.csv").write_text("image,caption\n\n")
+    return c.train(f"data.eval={c.tmp / 'shots'}")
+
+
 @case("invalid_json_line", "bad.jsonl:2")
 def _invalid_json_line(c: Ctx) -> list[str]:
     (c.tmp / "bad.jsonl").write_text('{"image": "a.png", "text": "x"}\n{"image": \n')

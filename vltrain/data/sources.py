@@ -158,6 +158,11 @@ def read_hf_records(
     return records, ArrowImages(ds, image_column)
 
 
+def is_record_folder(folder: Path) -> bool:
+    """A folder `read_source` reads: images with a captions file, or a datasets folder."""
+    return any((folder / n).is_file() for n in (*CAPTION_FILES, *HF_MARKERS))
+
+
 def _captions_file(folder: Path) -> Path | None:
     """The one captions file of an image folder, None when it has none."""
     found = [folder / n for n in CAPTION_FILES if (folder / n).is_file()]

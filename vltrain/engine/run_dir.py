@@ -173,7 +173,43 @@ def check_data_files(cfg: Config) -> None:
             raise ConfigError(f"'data.{key}': {p} is empty")
         if p.is_dir() and not any(p.iterdir()):
             raise ConfigError(f"'data.{key}': {p} is an empty folder")
+        if (why := holds_no_records(p)) is not None:
+            raise ConfigError(f"'data.{key}': {p} holds no records ({why})")
     check_step_fits(cfg)
+
+
+def holds_no_records(p: Path) -> str | None:
+    """Why a CSV, COCO json, parquet file or captions folder that is not empty holds no
+    record (a header alone, empty 'images', zero rows), else None; cheap reads only (a COCO
+    file over 64 MB is left to its reader). An empty eval set trained the whole run and then
+    failed at its first evaluation."""
+    from vltrain.data.sources import _captions_file
+
+    if p.is_dir():
+        captions = _captions_file(p) if not (p / "state.json").is_file() else None
+        return holds_no_records(captions) if captions is not None else None
+    suffix = p.suffix.lower()
+    if suffix == ".csv":
+        with p.open("rb") as f:
+            lines = (line for line in f if line.strip())
+            return (
+                "a header and no rows" if next(lines, None) and next(lines, None) is None else None
+            )
+    if suffix == ".parquet":
+        with contextlib.suppress(Exception):  # not readable here: its reader says why
+            import pyarrow.parquet as pq
+
+            return "zero rows" if pq.ParquetFile(p).metadata.num_rows == 0 else None
+        return None
+    if suffix == ".json" and p.stat().st_size < 64 * 2**20:
+        with contextlib.suppress(ValueError, OSError):
+            coco = json.loads(p.read_text(encoding="utf-8"))
+            if isinstance(coco, dict) and isinstance(coco.get("images"), list):
+                if not coco["images"]:
+                    return "an empty 'images' list"
+                if not coco.get("annotations"):
+                    return "no 'annotations' (captions)"
+    return None
 
 
 def check_step_fits(cfg: Config) -> None:

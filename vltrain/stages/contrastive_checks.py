@@ -17,6 +17,7 @@ from vltrain.data.contrastive_data import uses_pairs
 from vltrain.data.pairs import is_pair_file
 from vltrain.data.readers import DataError
 from vltrain.data.shards import is_shard_source
+from vltrain.data.sources import CAPTION_FILES, is_record_folder
 from vltrain.data.streaming import check_stream_layout
 from vltrain.eval import corpus
 from vltrain.models import preflight
@@ -195,9 +196,11 @@ def _check_pairs(cfg: Config) -> None:
     for key in ("eval", "test"):
         path = getattr(cfg.data, key)
         if path and Path(path).is_dir() and not corpus.is_corpus_dir(path):
-            raise ConfigError(
-                f"data.{key}={path} is a folder but lacks {', '.join(corpus.FILES)} (a BEIR split)"
-            )
+            if not is_record_folder(Path(path)):
+                raise ConfigError(
+                    f"data.{key}={path} is a folder but lacks {', '.join(corpus.FILES)} (a BEIR "
+                    f"split), a captions file ({', '.join(CAPTION_FILES)}) or a datasets folder"
+                )
         if path and is_pair_file(path):
             raise ConfigError(
                 f"data.{key}={path} holds query/positive records; evaluate pair data on a "
