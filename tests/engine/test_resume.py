@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import tiny_overrides
+from tests.conftest import hardlink_tree, tiny_overrides
 from vltrain.config import load_config
 from vltrain.engine import loop
 from vltrain.runs import train
@@ -160,3 +160,36 @@ def test_epoch_scheduled_resume_mid_epoch_is_exact(
     wa = load_file(full / "checkpoints" / "step_12" / "model.safetensors")
     wb = load_file(part / "checkpoints" / "step_12" / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_resume_over_a_changed_training_file_is_refused(shapes_dir: Path, tmp_path: Path):
+    """The sampler resumes by record index: records appended to (or edited in) data.train
+    since the start made a resume silently train another run. It is refused unless allowed;
+    an unchanged file, or one only touched, resumes."""
+    import os
+    import shutil
+
+    from vltrain.config.core import ConfigError
+
+    data = tmp_path / "data"
+    shutil.copytree(shapes_dir, data, ignore=shutil.ignore_patterns("images"))
+    hardlink_tree(shapes_dir / "images", data / "images")
+    over = {"data.train": data / "train.jsonl", "train.max_steps": 2, "train.save_every": 2}
+    over |= {"train.eval_every": 0, "data.num_workers": 0}
+    run = tmp_path / "run"
+    train(_cfg(shapes_dir, run, **over))
+    assert json.loads((run / "data_version.json").read_text())["size"] > 0
+    more = {**over, "train.max_steps": 3, "train.resume": True}
+    more["train.allow_changes"] = "[train.max_steps]"
+    os.utime(data / "train.jsonl")  # touched, not changed
+    lines = (data / "train.jsonl").read_text().splitlines()
+    (data / "train.jsonl").write_text("\n".join(lines + lines[:5]) + "\n")  # 5 records more
+    with pytest.raises(ConfigError, match="data.train .* changed since the run started"):
+        train(_cfg(shapes_dir, run, **more))
+    more["train.allow_changes"] = "[train.max_steps, data.train]"
+    assert train(_cfg(shapes_dir, run, **more))["steps"] == 3
+    (data / "train.jsonl").write_text("\n".join(lines) + "\n")  # recorded anew when allowed
+    more["train.max_steps"] = 4
+    more["train.allow_changes"] = "[train.max_steps]"
+    with pytest.raises(ConfigError, match="changed since the run started"):
+        train(_cfg(shapes_dir, run, **more))

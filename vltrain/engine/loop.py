@@ -107,6 +107,8 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             if not self.plan.changed:  # else once the checkpoint is known to fit (run)
                 dump_config(cfg, self.out_dir / "config.yaml")
+            if self.plan.fresh or "data.train" in cfg.train.allow_changes:
+                run_dir.record_data_version(cfg, self.out_dir)
         distributed.barrier()
         self._started = False  # the first step began: a later error leaves the folder as is
         try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -30,6 +31,7 @@ import yaml
 from vltrain.config.core import ConfigError, to_dict
 from vltrain.config.schema import Config
 from vltrain.core import checkpoint
+from vltrain.core.files import atomic_write_text
 from vltrain.data.readers import DataError
 from vltrain.data.shards import check_shard_source, is_shard_source, is_url
 from vltrain.engine import trackers
@@ -55,6 +57,8 @@ HARMLESS = (
     "train.max_consecutive_skips",
 )
 #: what a previous run leaves in its folder (train.overwrite deletes these)
+DATA_RECORD = "data_version.json"
+"""The training data file as the run first read it (`data_version`), checked on resume."""
 RUN_FILES = (
     "checkpoints",
     "tokenizer",
@@ -62,7 +66,53 @@ RUN_FILES = (
     "summary.json",
     "tensorboard",
     trackers.IDS_FILE,
+    DATA_RECORD,
 )
+
+
+def data_version(cfg: Config) -> dict[str, Any] | None:
+    """The local training records file (a folder's captions file) as a run reads it: its
+    size and the sha256 of its first and last MiB; None for shards (their resume checks the
+    shard list), datasets folders and hub ids."""
+    from vltrain.data.sources import _captions_file
+
+    p = Path(cfg.data.train)
+    if p.is_dir():
+        p = _captions_file(p) or p
+    if not p.is_file() or p.suffix.lower() not in (".jsonl", ".json", ".csv", ".parquet"):
+        return None
+    size = p.stat().st_size
+    digest = hashlib.sha256()
+    with p.open("rb") as f:
+        digest.update(f.read(2**20))
+        if size > 2**20:
+            f.seek(max(size - 2**20, 2**20))
+            digest.update(f.read())
+    return {"file": str(p.resolve()), "size": size, "sha256_ends": digest.hexdigest()}
+
+
+def record_data_version(cfg: Config, out: Path) -> None:
+    """Rank 0 at a fresh start (and a resume allowed to change the data): `data_version`."""
+    version = data_version(cfg)
+    if version is not None:
+        atomic_write_text(out / DATA_RECORD, json.dumps(version, indent=1) + "\n")
+
+
+def _check_data_version(cfg: Config, out: Path) -> None:
+    """A resume reads the records the run started with: a map-style sampler's positions are
+    indices into them (an appended or edited file resumed silently into another run)."""
+    record = out / DATA_RECORD
+    now = data_version(cfg)
+    if not record.is_file() or now is None or "data.train" in cfg.train.allow_changes:
+        return
+    was = json.loads(record.read_text())
+    if was.get("size") != now["size"] or was.get("sha256_ends") != now["sha256_ends"]:
+        raise ConfigError(
+            f"resuming {out}, but data.train ({now['file']}) changed since the run started "
+            f"({was.get('size')} -> {now['size']} bytes): the data order resumes by record "
+            "index, so the run would go on over other records. Put the file back, start a new "
+            "run, or allow it with train.allow_changes=[data.train]"
+        )
 
 
 @dataclass
@@ -290,6 +340,7 @@ def _plan_resume(cfg: Config, out: Path, world_size: int) -> RunPlan:
             f"with `vltrain train {saved_path} train.resume=true`, or allow the change "
             f"explicitly with train.allow_changes=[{', '.join(blocked)}]"
         )
+    _check_data_version(cfg, out)
     state = checkpoint.load_trainer_state(ckpt)
     old_global = saved.get("data", {}).get("batch_size", 0) * int(state.get("world_size", 1))
     new_global = cfg.data.batch_size * world_size
