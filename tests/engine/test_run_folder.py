@@ -102,6 +102,12 @@ def test_resume_on_nothing_and_start_over_in_a_used_folder(shapes_dir: Path, tmp
     with pytest.raises(ConfigError, match="already holds a run.*train.overwrite=true"):
         train(_cfg(shapes_dir, run))
     assert (run / "checkpoints" / "step_6").is_dir()  # refused: the old run is intact
+    stopped = tmp_path / "stopped"  # a run that stopped before its first checkpoint
+    stopped.mkdir()
+    (stopped / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    with pytest.raises(ConfigError, match="saved no checkpoint") as e:
+        train(_cfg(shapes_dir, stopped))
+    assert "train.overwrite=true" in str(e.value) and "train.resume" not in str(e.value)
     train(_cfg(shapes_dir, run, **{"train.overwrite": True}))
     steps = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
     assert steps == ["step_2", "step_4"]  # the old step_3/step_6 are gone, the new ones kept
@@ -139,7 +145,7 @@ def test_init_from_refuses_a_different_tokenizer_already_present(
     train(_cfg(shapes_dir, other, **{"train.max_steps": 2, "data.tokenizer_vocab": 300}))
     for f in (other / "tokenizer").iterdir():
         (dst / "tokenizer" / f.name).write_bytes(f.read_bytes())
-    with pytest.raises(ConfigError, match=r"already holds a run \(tokenizer\)"):
+    with pytest.raises(ConfigError, match=r"already holds a run that saved no checkpoint \("):
         train(_cfg(shapes_dir, dst, **{"model.init_from": src}))  # the stale one is not kept
     from vltrain.data.tokenizer import prepare_tokenizer
 

@@ -306,6 +306,12 @@ def _plan(cfg: Config, out: Path, world_size: int) -> RunPlan:
 def _plan_fresh(cfg: Config, out: Path) -> RunPlan:
     used = _holds_run(out)
     if used and not cfg.train.overwrite:
+        if checkpoint.newest_loadable(out / "checkpoints")[0] is None:  # nothing to resume
+            raise ConfigError(
+                f"run.out_dir={out} already holds a run that saved no checkpoint "
+                f"({', '.join(used)}); start over with train.overwrite=true (deletes its "
+                "metrics and tokenizer), or pick another run.out_dir"
+            )
         raise ConfigError(
             f"run.out_dir={out} already holds a run ({', '.join(used)}); continue it with "
             f"`vltrain train {out / 'config.yaml'} train.resume=true`, or start over with "
