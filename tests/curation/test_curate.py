@@ -80,6 +80,31 @@ def test_caption_dups_drop_and_missing_input_is_a_clean_error(planted: Path, cap
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_path_mistakes_are_refused_before_anything_is_written(
+    planted: Path, tmp_path: Path, capsys
+) -> None:
+    """A --report that cannot be a folder failed after the curated file was written; a folder,
+    a CSV or a COCO file as input read as 'does not exist' or 'not valid JSON'; the input as
+    --against removed every record."""
+    src = planted / "train.jsonl"
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "c.csv").write_text("image,caption\n")
+    out = tmp_path / "o.jsonl"
+    cases = [
+        (["--report", str(src)], "is a file, not a folder"),
+        (["--report", str(tmp_path / "file" / "sub")], "is a file, not a folder"),
+        (["--against", str(src)], "is the input file: every record would leak"),
+    ]
+    for extra, words in cases:
+        assert main(["data", "curate", str(src), "--out", str(out), *extra]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
+        assert not out.exists() and not (tmp_path / "o.removed.jsonl").exists()
+    for bad, words in ((planted, "is a folder"), (tmp_path / "c.csv", "curate reads JSONL")):
+        assert main(["data", "curate", str(bad), "--out", str(out)]) == 2
+        assert words in capsys.readouterr().err
+
+
 def test_semantic_dedup_and_clip_filter_with_a_trained_checkpoint(
     shapes_dir: Path, tmp_path: Path
 ) -> None:

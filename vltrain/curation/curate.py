@@ -33,12 +33,27 @@ def removed_path(out: Path) -> Path:
     return out.with_name(out.stem + ".removed" + out.suffix)
 
 
-def _check_paths(inp: Path, out: Path, against: list[Path]) -> None:
+def _check_paths(inp: Path, out: Path, against: list[Path], report_dir: Path | None) -> None:
+    """Every path checked before anything is written (a --report that cannot be a folder
+    failed after the curated file was written)."""
     for p in (inp, *against):
+        if p.is_dir():
+            raise DataError(f"{p} is a folder; curate reads a JSONL records file")
         if not p.is_file():
             raise DataError(f"data file {p} does not exist")
+        if p.suffix.lower() != ".jsonl":
+            raise DataError(
+                f'{p}: curate reads JSONL records (one {{"image", "text"}} object a line), '
+                f"not {p.suffix or 'this'} files"
+            )
     if out.resolve() == inp.resolve():
         raise DataError(f"--out {out} is the input file; write to another file")
+    if any(a.resolve() == inp.resolve() for a in against):
+        raise DataError(f"--against {inp} is the input file: every record would leak")
+    if report_dir is not None:
+        taken = next((q for q in (report_dir, *report_dir.parents) if q.exists()), None)
+        if taken is not None and not taken.is_dir():
+            raise DataError(f"--report {report_dir}: {taken} is a file, not a folder")
 
 
 def _clip_decisions(
@@ -186,7 +201,7 @@ def curate(
     inp, out = Path(inp), Path(out)
     against_p = [Path(a) for a in against or []]
     opts = opts or CurateOptions()
-    _check_paths(inp, out, against_p)
+    _check_paths(inp, out, against_p, Path(report_dir) if report_dir is not None else None)
     t0 = time.perf_counter()
     decisions, info = decide(inp, against_p, opts, embedder)
     ids = [rec["id"] for _, _, rec in iter_lines(inp)]
