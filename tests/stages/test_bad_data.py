@@ -121,6 +121,10 @@ def test_a_micro_batch_with_no_valid_sample_skips_the_step(shapes_dir: Path, tmp
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 8 and losses.count("nan") == 4  # a skipped step logs no loss
+    # the doctor judges the steps that trained: no 'nonfinite' error for an empty step (it
+    # said "non-finite loss/gradient -> lower optim.lr" for each)
+    found = (tmp_path / "run" / "doctor.jsonl").read_text()
+    assert "nonfinite" not in found
 
 
 @pytest.mark.slow

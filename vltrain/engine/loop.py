@@ -258,7 +258,10 @@ class Trainer:
                 loss, metrics, grad_norm, finite, overflow = self._forward_backward(model, micro)
             lr = set_lr(self.optimizer, state.step, cfg.train.max_steps, cfg.optim)
             self._apply_step(n_empty, finite, overflow, loss, grad_norm, logger)
-            self._doctor_step(micro, loss, grad_norm, lr, finite, t_step, logger, metrics, overflow)
+            if not n_empty:  # a step skipped for want of samples trained nothing to judge
+                self._doctor_step(
+                    micro, loss, grad_norm, lr, finite, t_step, logger, metrics, overflow
+                )
             self.optimizer.zero_grad(set_to_none=True)
             state.step += 1
             window["samples"] += sum(b.n_good for b in micro) * self.ctx.world_size
