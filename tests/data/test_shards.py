@@ -265,3 +265,40 @@ def test_caption_stage_refuses_shards_with_a_clear_error(tmp_path: Path) -> None
         load_run_config(None, [f"data.train={tmp_path}/wds", "data.batch_size=2"])
     with pytest.raises(ConfigError, match="data.max_train_samples needs map-style"):
         load_run_config(None, [f"data.train={tmp_path}/wds", "data.max_train_samples=3"])
+
+
+@pytest.mark.parametrize("kind", ["folder", "parquet", "save_to_disk"])
+def test_shards_of_every_source_kind_carry_their_images(
+    shapes_dir: Path, tmp_path: Path, kind: str
+) -> None:
+    """A captions folder's images lie beside its captions file (they were looked for beside
+    the folder: every sample was written without its image, rc 0); parquet and datasets
+    sources hold their images in the table (a TypeError and a half-written shard)."""
+    import shutil
+
+    from vltrain.data.readers import read_jsonl
+
+    recs = read_jsonl(shapes_dir / "val.jsonl")[:5]
+    if kind == "folder":
+        src = tmp_path / "shots"
+        src.mkdir()
+        for r in recs:
+            shutil.copy(shapes_dir / r["image"], src / Path(r["image"]).name)
+        rows = [f"{Path(r['image']).name},{r['text'][0]}" for r in recs]
+        (src / "captions.csv").write_text("image,caption\n" + "\n".join(rows) + "\n")
+    else:
+        datasets = pytest.importorskip("datasets")
+        table = datasets.Dataset.from_dict(
+            {
+                "image": [str(shapes_dir / r["image"]) for r in recs],
+                "text": [r["text"] for r in recs],
+            }
+        ).cast_column("image", datasets.Image())
+        src = tmp_path / ("d.parquet" if kind == "parquet" else "hf")
+        table.to_parquet(str(src)) if kind == "parquet" else table.save_to_disk(str(src))
+    report = shards.write_shards(src, tmp_path / "wds", 4)
+    assert report.samples == 5 and report.missing_images == {}
+    assert not list((tmp_path / "wds").glob("*.tmp"))
+    with tarfile.open(report.shards[0]) as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    assert members["000000000.png"] == (shapes_dir / recs[0]["image"]).read_bytes()

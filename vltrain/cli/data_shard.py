@@ -8,12 +8,16 @@ import argparse
 def add_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser(
         "shard",
-        help="write JSONL/COCO records as webdataset tar shards for streaming",
+        help="write image-text records as webdataset tar shards for streaming",
         description="Write DIR/shard-000000.tar, ... (members <key>.png|jpg and <key>.json with "
         "the record's other fields) plus DIR/shardindex.json (samples per shard). Train from "
         "them with data.train=DIR; see docs/streaming.md.",
     )
-    s.add_argument("records", help="a .jsonl (or COCO captions .json) file")
+    s.add_argument(
+        "records",
+        help="records as training reads them: .jsonl, COCO .json, .csv, a folder of images "
+        "with a captions file, .parquet or a datasets folder",
+    )
     s.add_argument("--out", required=True, help="output folder (must hold no shards yet)")
     s.add_argument("--shard-size", type=int, default=1000, help="samples per shard")
     s.set_defaults(fn=run)

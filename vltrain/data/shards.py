@@ -27,10 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from PIL import Image
+
 from vltrain.config.hub_ids import parse_dataset
 from vltrain.data.images import BadSample
 from vltrain.data.readers import DataError, resolve_image_path
-from vltrain.data.records import read_records
+from vltrain.data.sources import Source, read_source
 
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp", "bmp", "gif", "tif", "tiff")
 _BLOCK = 512
@@ -393,7 +395,8 @@ def write_shards(
     """
     if shard_size < 1:
         raise DataError(f"--shard-size must be >= 1, got {shard_size}")
-    records = read_records(records_path)
+    source = read_source(records_path)
+    records = source.records
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stale = sorted(out.glob(f"{prefix}-*.tar"))
@@ -410,9 +413,9 @@ def write_shards(
         with tarfile.open(tmp, "w", format=tarfile.GNU_FORMAT) as tar:
             for i, rec in enumerate(records[first : first + shard_size], start=first):
                 key = f"{i:09d}"
-                image, reason = _image_bytes(records_path, rec["image"])
+                image, ext, reason = _source_image(source, rec["image"])
                 if image is not None:
-                    _add(tar, f"{key}.{_image_ext(rec['image'])}", image)
+                    _add(tar, f"{key}.{ext}", image)
                 else:
                     missing[reason] = missing.get(reason, 0) + 1
                 meta = {k: v for k, v in rec.items() if k != "image"}
@@ -436,11 +439,34 @@ def _image_ext(rel: str) -> str:
     return "jpg" if ext == "jpeg" else ext if ext in IMAGE_EXTS else "png"
 
 
-def _image_bytes(records_path: str | os.PathLike[str], rel: str) -> tuple[bytes | None, str]:
+#: leading bytes of the image formats a shard member may hold -> its extension
+_MAGIC = ((b"\x89PNG", "png"), (b"\xff\xd8", "jpg"), (b"GIF8", "gif"), (b"BM", "bmp"),
+          (b"II*\x00", "tif"), (b"MM\x00*", "tif"))  # fmt: skip
+
+
+def _source_image(source: Source, image: Any) -> tuple[bytes | None, str, str]:
+    """(the image's file bytes, the member extension, '') of a record of any source: a path
+    resolved against the records file (a captions folder's own file, not the folder's parent),
+    or a parquet / datasets row's bytes or path; (None, '', reason) when it cannot be read."""
+    value = source.images(image) if source.images is not None else image
+    if isinstance(value, dict):  # HF Image storage
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, Image.Image):
+        buf = io.BytesIO()
+        value.save(buf, format="PNG")
+        return buf.getvalue(), "png", ""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        data = bytes(value)
+        if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+            return data, "webp", ""
+        return data, next((e for m, e in _MAGIC if data.startswith(m)), "png"), ""
+    if not isinstance(value, str):
+        return None, "", "missing"
     try:
-        path = resolve_image_path(records_path, rel)
-        return path.read_bytes(), ""
+        path = value if os.path.isabs(value) and source.images is not None else None
+        path = Path(path) if path else resolve_image_path(source.anchor, value)
+        return path.read_bytes(), _image_ext(value), ""
     except BadSample as e:
-        return None, e.reason
+        return None, "", e.reason
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        return None, "missing"
+        return None, "", "missing"
