@@ -91,6 +91,9 @@ def test_what_cannot_be_read_is_one_line_naming_the_url(root: Path, http: str) -
     assert "http://127.0.0.1:" in _refused(dead) and "cannot read shard" in _refused(dead)
     msg = _refused(f"{root}/shards/shard-{{000000..000009}}.tar")
     assert "6 of the 10 shards" in msg and "shard-000004.tar" in msg
+    (root / "notar").mkdir(exist_ok=True)  # a local folder whose .tar is no tar
+    (root / "notar" / "shard-000000.tar").write_text("hi\n")
+    assert "shard-000000.tar is not a readable tar shard (3 bytes" in _refused(str(root / "notar"))
 
 
 def test_cli_refuses_before_writing(root: Path, http: str, tmp_path: Path, capsys) -> None:

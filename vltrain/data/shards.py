@@ -147,6 +147,9 @@ def check_shard_source(spec: str) -> list[str]:
     first = shards[0]
     try:
         with open_shard(first) as f:
+            if len(head := f.read(512)) < 512:  # a tar is at least one 512-byte block
+                raise tarfile.ReadError(f"{len(head)} bytes, less than one tar block")
+            f.seek(0)
             next(iter_members(f, 0, want=()), None)
         if first.startswith(("http://", "https://")):  # object stores answer ranges
             _check_ranges(first)

@@ -206,9 +206,9 @@ def check_data_files(cfg: Config) -> None:
         value = getattr(cfg.data, key)
         if not value:
             continue
-        if (is_url(value) or "{" in value or value.startswith("file://")) and is_shard_source(
-            value
-        ):  # tar shards by URL or pattern: fsspec lists them and opens the first
+        remote = is_url(value) or "{" in value or value.startswith("file://")
+        if (remote or Path(value).is_dir()) and is_shard_source(value):
+            # tar shards (a folder, a URL or a pattern): listed, the first one opened and read
             try:
                 check_shard_source(value)
             except DataError as e:
