@@ -108,6 +108,10 @@ def _worker(rank: int, store: str, out: str) -> None:
         chance = torch.tensor(float(metrics["chance_loss"]))  # what the doctor compares with
         state = {"local": local, "final": final, "synced": synced, "chance": chance}
         torch.save(state, f"{out}/rank{rank}.pt")
+        # both ranks done before either tears gloo down: a rank that closed its connections
+        # under a peer still talking aborted (SIGABRT, seen once under load; the trainer's
+        # distributed.shutdown waits the same way)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -153,12 +153,13 @@ class RLStage:
         self.rollouts = 0  # forward_backward() calls so far; seeds the sampling generator
 
     def _check_mode(self) -> None:
-        """caption.mode decides the prompt format: it must be the one the start was trained in."""
+        """caption.mode decides the prompt format (sft: the chat template; pretrain and finetune:
+        the caption prompt): it must be the one the start was trained in."""
         ckpt, mode = self.core.init_ckpt, self.cfg.caption.mode
         found = [q / "config.yaml" for q in (ckpt, *ckpt.parents[:2])] if ckpt else []
         run = next((q for q in found if q.is_file()), None)
         was = (load_yaml(run).get("caption") or {}).get("mode") if run else None
-        if was and was != mode:
+        if was and (was == "sft") != (mode == "sft"):  # pretrain and finetune prompt alike
             raise ConfigError(
                 f"caption.mode={mode}, but model.init_from ({ckpt}) trained with caption.mode="
                 f"{was}: RL would sample from prompts it never saw; set caption.mode={was}"
