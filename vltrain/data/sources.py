@@ -163,7 +163,7 @@ def is_record_folder(folder: Path) -> bool:
     return any((folder / n).is_file() for n in (*CAPTION_FILES, *HF_MARKERS))
 
 
-def _captions_file(folder: Path) -> Path | None:
+def captions_file(folder: Path) -> Path | None:
     """The one captions file of an image folder, None when it has none."""
     found = [folder / n for n in CAPTION_FILES if (folder / n).is_file()]
     if len(found) > 1:
@@ -193,7 +193,7 @@ def read_source(
     if not p.exists():
         raise DataError(f"data file {p} does not exist; check data.train / data.eval.")
     if p.is_dir():
-        captions = _captions_file(p)
+        captions = captions_file(p)
         if captions is not None:
             return read_source(captions, image_column, text_column, parse)
         if not any((p / m).is_file() for m in HF_MARKERS):

@@ -74,11 +74,11 @@ def data_version(cfg: Config) -> dict[str, Any] | None:
     """The local training records file (a folder's captions file) as a run reads it: its
     size and the sha256 of its first and last MiB; None for shards (their resume checks the
     shard list), datasets folders and hub ids."""
-    from vltrain.data.sources import _captions_file
+    from vltrain.data.sources import captions_file
 
     p = Path(cfg.data.train)
     if p.is_dir():
-        p = _captions_file(p) or p
+        p = captions_file(p) or p
     if not p.is_file() or p.suffix.lower() not in (".jsonl", ".json", ".csv", ".parquet"):
         return None
     size = p.stat().st_size
@@ -233,10 +233,10 @@ def holds_no_records(p: Path) -> str | None:
     record (a header alone, empty 'images', zero rows), else None; cheap reads only (a COCO
     file over 64 MB is left to its reader). An empty eval set trained the whole run and then
     failed at its first evaluation."""
-    from vltrain.data.sources import _captions_file
+    from vltrain.data.sources import captions_file
 
     if p.is_dir():
-        captions = _captions_file(p) if not (p / "state.json").is_file() else None
+        captions = captions_file(p) if not (p / "state.json").is_file() else None
         return holds_no_records(captions) if captions is not None else None
     suffix = p.suffix.lower()
     if suffix == ".csv":

@@ -275,14 +275,18 @@ def run_target(cfg: Config) -> tuple[nn.Module, str, int | None] | None:
     return base.requires_grad_(False).eval(), folder, run_cfg.data.max_visual_tokens or None
 
 
+def owning_config(ckpt: Path) -> dict[str, Any]:
+    """The saved config.yaml of the run owning checkpoint folder `ckpt` ({}: none found)."""
+    found = (q / "config.yaml" for q in (ckpt, *ckpt.parents[:2]))
+    run = next((q for q in found if q.is_file()), None)
+    return load_yaml(run) if run is not None else {}
+
+
 def init_lora(ckpt: Path) -> dict[str, Any] | None:
     """The LoRA settings of the run owning checkpoint folder `ckpt` (None: full weights)."""
-    for parent in (ckpt, *ckpt.parents[:2]):
-        if (parent / "config.yaml").is_file():
-            m = load_yaml(parent / "config.yaml").get("model", {})
-            if not m.get("lora_r"):
-                return None
-            lora = {"r": m["lora_r"], "alpha": m.get("lora_alpha", 16.0)}
-            lora["dropout"] = m.get("lora_dropout", 0.0)
-            return lora | {"target_modules": m["lora_targets"]}
-    return None
+    m = owning_config(ckpt).get("model", {})
+    if not m.get("lora_r"):
+        return None
+    lora = {"r": m["lora_r"], "alpha": m.get("lora_alpha", 16.0)}
+    lora["dropout"] = m.get("lora_dropout", 0.0)
+    return lora | {"target_modules": m["lora_targets"]}

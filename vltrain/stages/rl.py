@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from vltrain.config.core import ConfigError, load_yaml
+from vltrain.config.core import ConfigError
 from vltrain.config.schema import Config
 from vltrain.core import distributed
 from vltrain.data.batches import CaptionBatch
@@ -64,7 +64,7 @@ from vltrain.objectives.reinforce import (
     sequence_mask,
 )
 from vltrain.stages.caption import CAPTION_KEYS, CaptionCore, check_captioner_config
-from vltrain.stages.caption_hf import HF_CAPTION_KINDS, HFCaptionCore
+from vltrain.stages.caption_hf import HF_CAPTION_KINDS, HFCaptionCore, owning_config
 from vltrain.stages.rl_hf import HFRollouts, check_hf_rl_config
 
 #: metrics logged every step (all-reduced means over ranks), in this order
@@ -156,9 +156,7 @@ class RLStage:
         """caption.mode decides the prompt format (sft: the chat template; pretrain and finetune:
         the caption prompt): it must be the one the start was trained in."""
         ckpt, mode = self.core.init_ckpt, self.cfg.caption.mode
-        found = [q / "config.yaml" for q in (ckpt, *ckpt.parents[:2])] if ckpt else []
-        run = next((q for q in found if q.is_file()), None)
-        was = (load_yaml(run).get("caption") or {}).get("mode") if run else None
+        was = (owning_config(ckpt).get("caption") or {}).get("mode") if ckpt else None
         if was and (was == "sft") != (mode == "sft"):  # pretrain and finetune prompt alike
             raise ConfigError(
                 f"caption.mode={mode}, but model.init_from ({ckpt}) trained with caption.mode="

@@ -64,14 +64,11 @@ def vlm_run_command(args: Any, sampling: dict[str, Any]) -> int:
     target = caption_target(model, pad, drafter.cfg.target_layer_ids if drafter else ())
     if drafter is not None:
         attach(drafter, target)
-    user = args.prompt
-    if user is None:
-        user = cfg.caption.instruction if cfg.caption.mode == "sft" else cfg.caption.prompt
     if args.eval_data:
         ds = core.dataset(args.eval_data, train=False)
         samples = [ds[i] for i in range(len(ds))]
     else:
-        samples, rows = _image_samples(args.images, user)
+        samples, rows = _image_samples(args.images, caption_chat(cfg, args.prompt))
     hyps: dict[int, str] = {}
     stats: list[Any] = []
     n_tok, t0 = 0, time.perf_counter()
@@ -99,14 +96,22 @@ def vlm_run_command(args: Any, sampling: dict[str, Any]) -> int:
     return 0
 
 
+def caption_chat(cfg: Any, prompt: str | None) -> list[dict[str, str]]:
+    """The chat the collate builds a captioning prompt from: the user turn (`prompt`, else the
+    run's caption.instruction for sft runs, caption.prompt otherwise), then a placeholder
+    assistant turn the prompt stops before."""
+    c = cfg.caption
+    user = prompt if prompt is not None else (c.instruction if c.mode == "sft" else c.prompt)
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": "-"}]
+
+
 def _image_samples(
-    paths: list[str], user: str
+    paths: list[str], chat: list[dict[str, str]]
 ) -> tuple[list[dict[str, Any]], dict[int, dict[str, str]]]:
-    """Collate samples of image files (the chat the collate's prompt is built from; the
-    assistant turn is a placeholder the prompt stops before) and error rows of unreadable ones."""
+    """Collate samples of image files (with `caption_chat`'s chat) and error rows of
+    unreadable ones."""
     samples: list[dict[str, Any]] = []
     rows: dict[int, dict[str, str]] = {}
-    chat = [{"role": "user", "content": user}, {"role": "assistant", "content": "-"}]
     for i, path in enumerate(paths):
         try:
             samples.append({"image": to_pil(path), "messages": chat, "index": i, "refs": ["-"]})

@@ -49,6 +49,7 @@ from vltrain.inference.vlm_captioning import caption_target, prompt_inputs
 from vltrain.models.backbones import HF_KINDS
 from vltrain.stages.caption_hf_checks import HF_CAPTION_KINDS
 from vltrain.tools.generate import generation_prompt
+from vltrain.tools.generate_vlm_run import caption_chat
 from vltrain.tools.loading import load_trained, run_config_for
 
 __all__ = ["ImageInput", "TrainedRun", "load_run"]
@@ -218,9 +219,8 @@ class TrainedRun:
         """`generate` for the HF VLM kinds: the run's collate builds the prompts (the image,
         then the user turn) and the one decoder loop runs over the model, as `vltrain generate
         --checkpoint` does (`tools.generate_vlm_run`)."""
-        core, c = self._stage.core, self.cfg.caption  # type: ignore[attr-defined]
-        user = prompt if prompt is not None else (c.instruction if c.mode == "sft" else c.prompt)
-        turns = [{"role": "user", "content": user}, {"role": "assistant", "content": "-"}]
+        core = self._stage.core  # type: ignore[attr-defined]
+        turns = caption_chat(self.cfg, prompt)
         pad = core.tokenizer.pad_token_id if core.tokenizer.pad_token_id is not None else 0
         target = caption_target(self.model, pad)
         captions: list[str] = []
