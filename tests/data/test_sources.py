@@ -188,3 +188,34 @@ def test_decoded_images_are_shared_per_record_file_version(shapes_dir: Path, tmp
     assert DecodedImages.shared(tmp_path / "missing.jsonl", 1) is not DecodedImages.shared(
         tmp_path / "missing.jsonl", 1
     )
+
+
+def test_renamed_csv_columns_reach_every_reader_of_the_training_file(
+    shapes_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """data.image_column / data.text_column were dropped by the built-in model's tokenizer
+    texts, the scaling budget's and tune's record counts (a CSV with other column names was
+    refused with advice to set the keys already set); `vltrain data shard` takes them as
+    options."""
+    from vltrain.cli import main
+    from vltrain.config import load_config
+    from vltrain.data.contrastive_data import ContrastiveData
+    from vltrain.runs.tune.trial import TrialPlan
+    from vltrain.scaling.budget import _texts
+
+    recs = _copy_split(shapes_dir, tmp_path)
+    rows = [(r["image"], t) for r in recs for t in r["text"]]
+    _write_csv(tmp_path / "c.csv", rows, header=("img", "cap"))
+    over = [f"data.train={tmp_path / 'c.csv'}", "data.image_column=img", "data.text_column=cap"]
+    cfg = load_config("configs/clip.yaml", over)
+    texts = [t for r in recs for t in r["text"]]
+    assert ContrastiveData(cfg, native=False).training_texts() == texts
+    assert _texts(cfg) == texts
+    cfg.data.batch_size, cfg.optim.accum_steps = 2, 1
+    plan = TrialPlan({}, cfg, 1, "", "eval_R@1_mean", "maximize")
+    assert plan.steps_per_epoch(cfg) == len(recs) // 2  # records (images), not CSV rows
+    with pytest.raises(DataError, match="data.image_column"):  # negative control: no columns
+        read_records(tmp_path / "c.csv")
+    argv = ["data", "shard", str(tmp_path / "c.csv"), "--out", str(tmp_path / "wds")]
+    assert main([*argv, "--image-column", "img", "--text-column", "cap", "--shard-size", "4"]) == 0
+    assert "wrote 6 samples" in capsys.readouterr().out

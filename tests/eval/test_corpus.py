@@ -156,3 +156,22 @@ def test_scores_stay_fp32_inside_a_bf16_autocast() -> None:
         assert corpus.score_split(emb) == want
         # negative control: the same comparisons with bf16 scores tie (and lose)
         assert corpus.judged_negative_wins(q, d, qrels, judged) != fp32_wins
+
+
+def test_fractional_grades_are_relevant_with_their_own_gain(tmp_path: Path) -> None:
+    """int(float('0.5')) read a 0.5 grade as 0: judged non-relevant (and a hard negative)."""
+    (tmp_path / "queries.jsonl").write_text('{"_id": "a", "text": "x"}\n')
+    (tmp_path / "corpus.jsonl").write_text(
+        '{"_id": "d0", "text": "x"}\n{"_id": "d1", "text": "y"}\n{"_id": "d2", "text": "z"}\n'
+    )
+    (tmp_path / "qrels.tsv").write_text("a\td0\t0.5\na\td1\t1.5\na\td2\t0\n")
+    split = corpus.read_split_dir(tmp_path)
+    assert split.qrels == [{0: 0.5, 1: 1.5}] and split.judged_negatives == [[2]]
+    e = torch.eye(3)
+    m, _, _ = corpus.corpus_metrics(e[:1], e, split.qrels)  # d0 first, then d1 (ties by row)
+    assert m["nDCG@10"] == pytest.approx(_brute_ndcg((e[:1] @ e.T)[0], split.qrels[0]))
+    assert m["nDCG@10"] < 1.0  # the 1.5 doc belongs first
+    for bad in ("nan", "inf"):
+        (tmp_path / "qrels.tsv").write_text(f"a\td0\t1\na\td1\t{bad}\n")
+        with pytest.raises(DataError, match="is not a number"):
+            corpus.read_split_dir(tmp_path)

@@ -111,6 +111,12 @@ def test_metrics_equal_over_batch_sizes_and_in_training(
     in_training = _in_training(trained)  # at eval batch size 7
     assert {k: v for k, v in in_training.items() if k in by_batch[1]} == by_batch[1]
     assert set(by_batch[1]) - set(in_training) == set()
+    # model.matryoshka_dims: the in-training corpus evaluation scores each prefix as
+    # `vltrain eval --dims` does (it reported none, and best_metric=eval_d16_* crashed)
+    dims = _plain(eval_command(str(trained), *_split(mixed_pages), dims=(16, 32)))
+    prefixed = {k: v for k, v in dims.items() if k.startswith(("d16_", "d32_"))}
+    assert "d16_R@1" in prefixed and "d32_nDCG@10" in prefixed
+    assert {k: v for k, v in in_training.items() if k.startswith(("d16_", "d32_"))} == prefixed
     # qrels naming a document absent from the corpus: counted, warned about, left out
     qrels = tmp_path / "qrels.tsv"
     qrels.write_text(Path(_split(mixed_pages)[2]).read_text() + "q000000\tghost\t1\n")
@@ -200,3 +206,15 @@ def test_bf16_run_evaluates_as_in_training(
     got = {b: _plain(eval_command(str(run), *_split(mixed_pages), batch_size=b)) for b in (1, 7)}
     assert got[1] == got[7]
     assert {k: v for k, v in _in_training(run).items() if k in got[1]} == got[1]
+    # load_run embeds as evaluation does: under the run's bf16 autocast (it ran in fp32)
+    from vltrain import load_run
+
+    split = read_split_dir(mixed_pages / "val")
+    _, stage, model = load_trained(run)
+    with torch.no_grad(), stage.ctx.autocast():
+        want = stage.corpus.embed(model.encoder, split.queries, "query", 1)[0]
+    with torch.no_grad():  # negative control: the same forward in fp32
+        fp32 = stage.corpus.embed(model.encoder, split.queries, "query", 1)[0]
+    texts = [q["text"] for q in split.queries]
+    got_api = load_run(run).embed_texts(texts, role="query", batch_size=1)
+    assert torch.equal(got_api, want) and not torch.equal(fp32, want)

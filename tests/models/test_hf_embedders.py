@@ -294,6 +294,29 @@ def test_dual_tower_embeddings_match_hf_forward(kind: str, clip_dir: str, siglip
     assert batch["visual_tokens"].tolist() == [4, 4, 4]
 
 
+def test_siglip_text_length_must_be_the_padding_hf_uses(
+    siglip_dir: str, shapes_dir: Path, tmp_path: Path
+) -> None:
+    """SigLIP embeds a text as its last position: trained at a data.max_text_len other than
+    the length HF pads to (the tokenizer's model_max_length, else the text positions), the
+    embeddings transformers computes differ from the trained ones (0.6 apart, a reviewer's
+    run); refused at load."""
+    from tests.conftest import tiny_overrides
+    from vltrain.config.core import ConfigError
+    from vltrain.stages import load_run_config
+
+    base = tiny_overrides(shapes_dir, tmp_path / "r", **{"model.kind": "hf_siglip"})
+    base += [f"model.path={siglip_dir}", "objective.loss=siglip"]
+    with pytest.raises(ConfigError, match="set data.max_text_len=16"):
+        load_run_config(None, [*base, "data.max_text_len=12"])
+    load_run_config(None, [*base, "data.max_text_len=16"])  # control: HF's own length
+    tok = PreTrainedTokenizerFast.from_pretrained(siglip_dir)
+    texts = ["a red circle", "two small blue squares next to a large triangle"]
+    hf = tok(texts, padding="max_length", max_length=16, truncation=True, return_tensors="pt")
+    ours, _ = HFCollate(siglip_dir, "hf_siglip", max_text_len=16).text_batch(texts)
+    assert torch.equal(ours, hf["input_ids"])
+
+
 def test_wrong_kind_and_missing_dir_are_clear_errors(clip_dir: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="expects siglip"):
         HFSiglipEmbedder(clip_dir)

@@ -251,3 +251,28 @@ def test_acc_metrics() -> None:
         m = loss_fn(img, txt)[1]
         assert m["acc_i2t"].item() == 1.0 and m["acc_t2i"].item() == 1.0
     assert math.isfinite(InfoNCELoss(gather=False)(img, txt, neg)[0].item())
+
+
+@pytest.mark.parametrize("name", ["infonce", "siglip", "qwen3vl"])
+def test_matryoshka_dims_train_each_prefix(name: str) -> None:
+    """model.matryoshka_dims: the loss is the mean of the loss at full width and at each
+    re-normalised prefix (brute force below); the prefix's coordinates get the extra
+    gradient. Before, the dims were only evaluated (the export's card said "trained")."""
+    img, txt, neg = _feats(n=4, m=4)
+    loss_fn = build_loss(name, gather=False)
+    plain, _ = loss_fn(img, txt, neg)
+    loss_fn.matryoshka_dims = (2, 4)
+    loss, metrics = loss_fn(img, txt, neg)
+    cut = [
+        loss_fn.loss_from_features(
+            Features(*(F.normalize(t[:, :d], dim=-1) for t in (img, txt, neg)))
+        )[0]
+        for d in (2, 4)
+    ]
+    want = (plain + cut[0] + cut[1]) / 3
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    assert metrics["loss_d2"].item() == pytest.approx(cut[0].item(), rel=1e-6)
+    assert metrics["loss_full"].item() == pytest.approx(plain.item(), rel=1e-6)
+    g_full, g_mrl = _grads(plain, [img])[0], _grads(loss, [img])[0]
+    assert not torch.allclose(g_full[:, :2], g_mrl[:, :2])  # the prefixes train
+    torch.testing.assert_close(g_mrl[:, 4:], g_full[:, 4:] / 3)  # the rest: the full term only

@@ -20,13 +20,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--out", required=True, help="output folder (must hold no shards yet)")
     s.add_argument("--shard-size", type=int, default=1000, help="samples per shard")
+    s.add_argument(
+        "--image-column", default="image", help="image column of a CSV / parquet / datasets input"
+    )
+    s.add_argument(
+        "--text-column", default="text", help="caption column of a CSV / parquet / datasets input"
+    )
     s.set_defaults(fn=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from vltrain.data.shards import write_shards
 
-    report = write_shards(args.records, args.out, args.shard_size)
+    report = write_shards(
+        args.records,
+        args.out,
+        args.shard_size,
+        image_column=args.image_column,
+        text_column=args.text_column,
+    )
     print(f"wrote {report.samples} samples in {len(report.shards)} shards to {args.out}")
     if report.missing_images:
         print(

@@ -99,9 +99,12 @@ class ContrastiveData:
             )
         return ds
 
-    def eval_dataset(self, path: str | Path, hard_negatives: int = 10**6) -> ImageTextDataset:
+    def eval_dataset(
+        self, path: str | Path, hard_negatives: int = 10**6, merge_images: bool = False
+    ) -> ImageTextDataset:
         """Records of `path` as evaluation samples (every caption, fixed order), decoded the
-        way this backbone's batcher expects (native-size PIL images for HF backbones)."""
+        way this backbone's batcher expects (native-size PIL images for HF backbones);
+        `merge_images`: lines of the same image path are one sample (retrieval scoring)."""
         d = self.cfg.data
         return ImageTextDataset(
             path,
@@ -112,6 +115,7 @@ class ContrastiveData:
             native=self.native,
             image_column=d.image_column,
             text_column=d.text_column,
+            merge_images=merge_images,
         )
 
     def stream_loader(
@@ -154,7 +158,10 @@ class ContrastiveData:
             if corpus:
                 texts += [s["text"] for s in corpus.values() if isinstance(s["text"], str)]
         else:
-            texts = [t for r in read_records(train) for t in r["text"]]
+            d = self.cfg.data
+            texts = [
+                t for r in read_records(train, d.image_column, d.text_column) for t in r["text"]
+            ]
         return [t for t in texts if is_valid_text(t)]
 
     def training_words(self) -> list[str]:

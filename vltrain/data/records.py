@@ -32,7 +32,7 @@ from vltrain.data.images import (
     check_text,
 )
 from vltrain.data.rng import sample_generator
-from vltrain.data.sources import load_source_image, read_source
+from vltrain.data.sources import load_source_image, merge_repeated_images, read_source
 
 SampleKey = tuple[int, int, int]  # (epoch, batch_in_epoch, index)
 
@@ -86,10 +86,13 @@ class ImageTextDataset(Dataset):
         image_column: str = "image",
         text_column: str = "text",
         second_caption: bool = False,
+        merge_images: bool = False,
     ) -> None:
         if hard_negatives < 0:
             raise ValueError(f"hard_negatives must be >= 0, got {hard_negatives}")
         self.source = read_source(path, image_column, text_column)
+        if merge_images:  # one record per image path (`merge_repeated_images`)
+            self.source.records = merge_repeated_images(self.source.records)
         self.path = self.source.path
         self.image_size = image_size
         self.seed = seed

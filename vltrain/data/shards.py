@@ -388,9 +388,13 @@ def write_shards(
     out_dir: str | os.PathLike[str],
     shard_size: int,
     prefix: str = "shard",
+    image_column: str = "image",
+    text_column: str = "text",
 ) -> ShardReport:
-    """Write the records of a JSONL (or COCO captions) file as webdataset tars of
-    `shard_size` samples each, keys ``000000000`` ... in record order.
+    """Write the records of any source training reads as webdataset tars of `shard_size`
+    samples each, keys ``000000000`` ... in record order (`image_column` / `text_column`
+    name a CSV's, parquet's or datasets folder's columns, as data.image_column /
+    data.text_column do).
 
     A record whose image cannot be read (missing, or a path leaving the data folder) is
     written without an image member, so training counts it (reason ``missing``) instead of the
@@ -398,7 +402,7 @@ def write_shards(
     """
     if shard_size < 1:
         raise DataError(f"--shard-size must be >= 1, got {shard_size}")
-    source = read_source(records_path)
+    source = read_source(records_path, image_column, text_column)
     records = source.records
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

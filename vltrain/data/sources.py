@@ -94,7 +94,8 @@ def read_csv_records(
             raise DataError(
                 f"{path}:1: a captions CSV needs a header with columns {image_column!r} and "
                 f"'caption' (or {text_column!r}); found {header}. Set data.image_column / "
-                "data.text_column to use other names."
+                "data.text_column to use other names (`vltrain data shard`: --image-column / "
+                "--text-column)."
             )
         try:
             for row in reader:
@@ -113,6 +114,34 @@ def read_csv_records(
         except csv.Error as e:
             raise DataError(f"{path}:{reader.line_num}: not valid CSV ({e}).") from None
     return list(records.values())
+
+
+def merge_repeated_images(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per image path, in first-seen order: a file with one line per caption
+    (the same image on several lines) evaluates as the image with all its captions, as a CSV
+    does (each line its own image would tie the copies in image retrieval and count another
+    line's caption of the same image as a miss). Captions and negatives are concatenated in
+    file order; ``negative_kinds`` and ``caption_negatives`` stay where every merged line
+    has them. Records of a table (an int row, not a path) are left as they are."""
+    merged: dict[str, dict[str, Any]] = {}
+    out: list[dict[str, Any]] = []
+    for rec in records:
+        key = rec["image"]
+        first = merged.get(key) if isinstance(key, str) else None
+        if first is None:
+            rec = dict(rec)
+            if isinstance(key, str):
+                merged[key] = rec
+            out.append(rec)
+            continue
+        first["text"] = [*first["text"], *rec["text"]]
+        for extra in ("negative_kinds", "caption_negatives"):
+            if isinstance(first.get(extra), list) and isinstance(rec.get(extra), list):
+                first[extra] = [*first[extra], *rec[extra]]
+            else:
+                first.pop(extra, None)
+        first["negatives"] = [*first["negatives"], *rec["negatives"]]
+    return out
 
 
 def _hf_rows(source: str | os.PathLike[str], image_column: str, text_column: str) -> Any:
@@ -138,7 +167,8 @@ def _hf_rows(source: str | os.PathLike[str], image_column: str, text_column: str
     if missing:
         raise DataError(
             f"{source}: no column(s) {missing} (columns: {ds.column_names}); set "
-            "data.image_column / data.text_column"
+            "data.image_column / data.text_column (`vltrain data shard`: --image-column / "
+            "--text-column)"
         )
     if isinstance(ds.features[image_column], datasets.Image):
         ds = ds.cast_column(image_column, datasets.Image(decode=False))

@@ -225,7 +225,49 @@ def check_data_files(cfg: Config) -> None:
             raise ConfigError(f"'data.{key}': {p} is an empty folder")
         if (why := holds_no_records(p)) is not None:
             raise ConfigError(f"'data.{key}': {p} holds no records ({why})")
+        if (why := first_images_missing(p)) is not None:
+            raise ConfigError(f"'data.{key}': {p}: {why}")
     check_step_fits(cfg)
+
+
+def first_images_missing(p: Path, n: int = 8) -> str | None:
+    """Why no image of a JSONL file's (or captions folder's) first `n` image-text records
+    exists, else None: paths relative to the wrong folder are found before anything trains
+    (an evaluation set of such records failed at its first evaluation, the steps before it
+    lost). Reads `n` lines; other formats are left to their readers."""
+    from vltrain.data.images import BadSample
+    from vltrain.data.readers import resolve_image_path
+    from vltrain.data.sources import captions_file
+
+    if p.is_dir():
+        p = captions_file(p) if not (p / "state.json").is_file() else None  # type: ignore[assignment]
+    if p is None or p.suffix.lower() != ".jsonl":
+        return None
+    images = []
+    with p.open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                return None  # a structural error: the reader names its line
+            if not isinstance(rec, dict) or not isinstance(rec.get("image"), str):
+                return None
+            images.append(rec["image"])
+            if len(images) == n:
+                break
+    found = []
+    for rel in images:
+        with contextlib.suppress(BadSample):
+            found.append(resolve_image_path(p, rel).is_file())
+    if not images or any(found) or len(found) < len(images):  # a path_escape: counted later
+        return None
+    return (
+        f"none of the images of its first {len(images)} records exists (the first, "
+        f"{images[0]!r}, is not at {resolve_image_path(p, images[0])}); image paths are read "
+        "relative to the file's folder"
+    )
 
 
 def holds_no_records(p: Path) -> str | None:

@@ -86,7 +86,7 @@ class CorpusSplit:
     queries: list[Side]
     doc_ids: list[str]
     docs: list[Side]
-    qrels: list[dict[int, int]]  # per query: doc row -> grade (> 0 only)
+    qrels: list[dict[int, float]]  # per query: doc row -> grade (> 0 only)
     judged_negatives: list[list[int]]  # per query: doc rows judged non-relevant (grade 0)
     n_no_relevant: int  # queries in queries.jsonl without a relevant doc (left out)
     groups: list[str | None]  # per query: its "group" in queries.jsonl, None without one
@@ -99,8 +99,9 @@ def is_corpus_dir(path: str | os.PathLike[str]) -> bool:
     return bool(str(path)) and p.is_dir() and all((p / f).is_file() for f in FILES)
 
 
-def read_qrels(path: str | os.PathLike[str]) -> list[tuple[str, str, int]]:
-    """(query id, doc id, grade) rows of a BEIR qrels.tsv (header line optional)."""
+def read_qrels(path: str | os.PathLike[str]) -> list[tuple[str, str, float]]:
+    """(query id, doc id, grade) rows of a BEIR qrels.tsv (header line optional); grades are
+    numbers, > 0 relevant (fractional ones too: truncated to int they read as 0)."""
     try:
         lines = Path(path).read_text(encoding="utf-8-sig").splitlines()
     except UnicodeDecodeError as e:
@@ -115,7 +116,9 @@ def read_qrels(path: str | os.PathLike[str]) -> list[tuple[str, str, int]]:
         if len(parts) != 3:
             raise DataError(f"{path}:{lineno}: expected 'query-id corpus-id score'")
         try:
-            grade = int(float(parts[2]))
+            grade = float(parts[2])  # a fractional grade (0.5) is relevant, its own gain
+            if not math.isfinite(grade):
+                raise ValueError(grade)
         except ValueError:
             if lineno == 1:
                 continue  # the header
@@ -133,7 +136,7 @@ def read_split(
     q = read_corpus(queries)
     d = read_corpus(corpus)
     doc_row = {doc_id: i for i, doc_id in enumerate(d)}
-    grades: dict[str, dict[int, int]] = {}
+    grades: dict[str, dict[int, float]] = {}
     zeros: dict[str, list[int]] = {}
     missing: dict[str, list[str]] = {"queries": [], "docs": []}
     for qid, did, grade in read_qrels(qrels):
@@ -198,7 +201,7 @@ def read_split_dir(folder: str | os.PathLike[str]) -> CorpusSplit:
     return read_split(*(p / f for f in FILES))
 
 
-def graded_ndcg(top_ids: Tensor, qrels: list[dict[int, int]], k: int = TOP_LIST) -> Tensor:
+def graded_ndcg(top_ids: Tensor, qrels: list[dict[int, float]], k: int = TOP_LIST) -> Tensor:
     """(Q,) nDCG@k with linear gains from top ids (Q, L) and per-query graded qrels."""
     discount = 1.0 / torch.log2(torch.arange(2, k + 2, dtype=torch.float64))  # (k,)
     out = torch.zeros(len(qrels), dtype=torch.float64)
@@ -339,7 +342,8 @@ class CorpusEvaluator:
     gathered once, and every rank runs the same exact search, so no rank waits at a barrier on
     work only one rank does. `batch_size` per rank; sides decode at `image_size` (`native`:
     PIL images at their own size, for HF backbones); `model_kind` says which side modalities
-    the encoder takes (`check_side_modality`).
+    the encoder takes (`check_side_modality`); `matryoshka_dims`: also score the embeddings
+    truncated to these widths (``d<dim>_*``, `vltrain.eval.variants`).
     """
 
     def __init__(
@@ -350,9 +354,11 @@ class CorpusEvaluator:
         image_size: int,
         native: bool,
         model_kind: str,
+        matryoshka_dims: tuple[int, ...] = (),
     ) -> None:
         self.batcher, self.where, self.batch_size = batcher, where, batch_size
         self.image_size, self.native, self.model_kind = image_size, native, model_kind
+        self.matryoshka_dims = tuple(matryoshka_dims)
         self._splits: dict[str, CorpusSplit] = {}
 
     def split(self, folder: str | os.PathLike[str]) -> CorpusSplit:
@@ -433,6 +439,13 @@ class CorpusEvaluator:
         q_emb, q_rows, q_bad = self.embed(encoder, split.queries, "query")
         d_emb, d_rows, d_bad = self.embed(encoder, split.docs, "doc")
         encode_s = time.perf_counter() - t0
+        for rows, sides, role in ((q_rows, split.queries, "queries"), (d_rows, split.docs, "docs")):
+            if len(rows) == 0:  # every rank alike (gathered)
+                raise DataError(
+                    f"none of the {len(sides)} {role} of the evaluation corpus decodes (missing "
+                    "images, paths relative to the wrong folder, empty texts?): nothing to "
+                    "evaluate"
+                )
         doc_pos = {int(r): i for i, r in enumerate(d_rows.tolist())}  # corpus row -> emb row
         qrels, judged, keep = [], [], []
         for i, r in enumerate(q_rows.tolist()):
@@ -463,6 +476,10 @@ class CorpusEvaluator:
         emb = self.embed_split(encoder, split)
         ranks = ranks_path if self.where.is_main else None
         metrics = score_split(emb, ranks)
+        if self.matryoshka_dims:  # d<dim>_*: the truncated embeddings, scored the same way
+            from vltrain.eval.variants import variant_metrics  # imports this module
+
+            metrics.update(variant_metrics(emb, self.matryoshka_dims))
         metrics.update(missing_metrics(split))
         metrics["encode_s"] = emb.encode_s
         return metrics
@@ -474,7 +491,7 @@ class SplitEmbeddings:
 
     queries: Tensor  # (Q, E) the scorable queries, file order
     docs: Tensor  # (N, E) the documents that decoded, file order
-    qrels: list[dict[int, int]]  # per query: doc row -> grade (> 0)
+    qrels: list[dict[int, float]]  # per query: doc row -> grade (> 0)
     judged: list[list[int]]  # per query: doc rows judged non-relevant
     query_ids: list[str]
     doc_ids: list[str]

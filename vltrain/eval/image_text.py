@@ -27,6 +27,7 @@ from torch import Tensor
 
 from vltrain.core import distributed
 from vltrain.data.batches import to_device
+from vltrain.data.readers import DataError
 from vltrain.data.records import ImageTextDataset, split_bad
 from vltrain.data.samplers import EvalShardSampler
 from vltrain.data.synth import scene_key
@@ -57,7 +58,9 @@ METRICS = (
 
 class ImageTextEvaluator:
     """Sharded image<->text retrieval through a backbone's batcher; `batch_size` per rank;
-    ``matryoshka_dims``: also evaluate embeddings truncated to these widths (``d{dim}_*``)."""
+    ``matryoshka_dims``: also evaluate embeddings truncated to these widths (``d{dim}_*``);
+    `loss_chunk`: images per chunk of the eval loss, a number the world size does not change
+    (0: `batch_size` x world size)."""
 
     def __init__(
         self,
@@ -65,9 +68,11 @@ class ImageTextEvaluator:
         where: Placement,
         batch_size: int,
         matryoshka_dims: Sequence[int] = (),
+        loss_chunk: int = 0,
     ) -> None:
         self.batcher, self.where, self.batch_size = batcher, where, batch_size
         self.matryoshka_dims = tuple(matryoshka_dims)
+        self.loss_chunk = loss_chunk
 
     def evaluate(self, encoder: Encoder, ds: ImageTextDataset, loss: PairLoss) -> dict[str, float]:
         """Sharded embedding, gathered once; every rank then computes the same metrics."""
@@ -75,6 +80,12 @@ class ImageTextEvaluator:
         shard, shard_kind_hits, _ = self.embed_shard(encoder, ds, where.rank, where.world_size)
         g = {k: distributed.all_gather_no_grad(v) for k, v in shard.items()}
         img, idx, txt, owner = g["img"], g["idx"], g["txt"], g["owner"]
+        if img.shape[0] == 0:  # every rank alike (gathered)
+            raise DataError(
+                f"{ds.path}: none of its {len(ds)} evaluation records has an image that decodes "
+                "and a valid caption (missing files, paths relative to the wrong folder?): "
+                "nothing to evaluate"
+            )
         pos = torch.searchsorted(idx, owner)  # text -> row of its image in `img`
         metrics = image_text_retrieval(img, txt, pos)
         metrics["R@1_mean"] = 0.5 * (metrics["i2t_R@1"] + metrics["t2i_R@1"])
@@ -190,8 +201,8 @@ class ImageTextEvaluator:
         free."""
         first = torch.full((img.shape[0],), -1, dtype=torch.long)
         first.scatter_reduce_(0, pos, torch.arange(len(pos)), reduce="amin", include_self=False)
-        # chunks of the global eval batch, so the value does not depend on the world size
-        bs = self.batch_size * self.where.world_size
+        # fixed-size chunks, so the value does not depend on the world size
+        bs = self.loss_chunk or self.batch_size * self.where.world_size
         dev = self.where.device
         loss_sum = acc_sum = 0.0
         for s in range(0, img.shape[0], bs):

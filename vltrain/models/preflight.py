@@ -44,6 +44,8 @@ def check_backbone(cfg: Config) -> None:
             f"data.max_text_len={cfg.data.max_text_len} is longer than the text positions of "
             f"{m.path} (max_position_embeddings={positions}); set data.max_text_len<={positions}"
         )
+    if m.kind == "hf_siglip":
+        _check_siglip_length(cfg, positions)
     if m.lora_r:
         _check_lora_targets(cfg, hf)
     width = int(getattr(text, "hidden_size", 0) or 0)
@@ -51,6 +53,29 @@ def check_backbone(cfg: Config) -> None:
         raise ConfigError(
             f"'model.matryoshka_dims' {m.matryoshka_dims} go beyond the embedding width {width} "
             f"of {m.path}; keep every prefix <= {width}"
+        )
+
+
+def _check_siglip_length(cfg: Config, positions: int | None) -> None:
+    """SigLIP's text embedding is its last position's, of a text padded to the tokenizer's
+    length (HF's processors pad with padding="max_length" to model_max_length, 64 for the
+    released models): trained at another data.max_text_len, the embedding a user computes with
+    transformers or sentence-transformers is not the one trained and evaluated (up to 0.6
+    apart on a tiny model)."""
+    from transformers import AutoTokenizer
+
+    m = cfg.model
+    try:
+        tok = AutoTokenizer.from_pretrained(m.path, local_files_only=m.local_files_only)
+    except (OSError, ValueError):
+        return  # loading the model reports it
+    length = tok.model_max_length if tok.model_max_length < 10**6 else positions
+    if length and cfg.data.max_text_len != length:
+        raise ConfigError(
+            f"data.max_text_len={cfg.data.max_text_len} but {m.path} embeds a text as its last "
+            f"position, padded to {length} tokens (its tokenizer's model_max_length, as HF's "
+            f"processors pad): set data.max_text_len={length}, or the embeddings trained here "
+            "differ from the ones transformers computes"
         )
 
 

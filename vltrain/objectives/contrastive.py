@@ -116,6 +116,35 @@ def _candidates(f: Features) -> Tensor:
     return cols.float()
 
 
+def prefix_features(f: Features, dim: int) -> Features:
+    """Every embedding of `f` cut to its first `dim` features and re-normalised (a Matryoshka
+    prefix, as `VLMEmbedder.truncate`)."""
+
+    def cut(t: Tensor | None) -> Tensor | None:
+        return None if t is None else F.normalize(t[:, :dim], dim=-1)
+
+    return Features(cut(f.image), cut(f.text), cut(f.negatives), cut(f.pairs))  # type: ignore[arg-type]
+
+
+def matryoshka_loss(
+    loss_fn: Any, f: Features, dims: tuple[int, ...]
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Matryoshka representation learning (Kusupati et al. 2022): the mean of `loss_fn` over
+    the full embeddings and each prefix in `dims` (sentence-transformers' MatryoshkaLoss sums
+    them: the same gradient direction, a (len(dims) + 1)-fold scale); the full width's metrics,
+    plus ``loss_d<dim>`` per prefix. Without `dims`, `loss_fn(f)`."""
+    loss, metrics = loss_fn(f)
+    if not dims:
+        return loss, metrics
+    full = loss
+    for dim in dims:
+        part, _ = loss_fn(prefix_features(f, dim))
+        metrics[f"loss_d{dim}"] = part.detach()
+        loss = loss + part
+    metrics["loss_full"] = full.detach()
+    return loss / (len(dims) + 1), metrics
+
+
 class InfoNCELoss(nn.Module):
     """CLIP's symmetric InfoNCE with a learnable, clamped temperature.
 
@@ -146,6 +175,7 @@ class InfoNCELoss(nn.Module):
         self.gather = gather
         self.caption_contrast = caption_contrast
         self.rank, self.world_size = process_group(rank, world_size)
+        self.matryoshka_dims: tuple[int, ...] = ()  # prefixes trained too (`matryoshka_loss`)
 
     @classmethod
     def from_config(cls, o: Any) -> InfoNCELoss:
@@ -180,7 +210,7 @@ class InfoNCELoss(nn.Module):
         f = gather_features(
             image, text, negatives, self.gather, pairs, rank=self.rank, world_size=self.world_size
         )
-        return self.loss_from_features(f)
+        return matryoshka_loss(self.loss_from_features, f, self.matryoshka_dims)
 
     def loss_from_features(self, f: Features) -> tuple[Tensor, dict[str, Tensor]]:
         """The loss of already-gathered features (also used by GradCache)."""
@@ -242,6 +272,7 @@ class SigLIPLoss(nn.Module):
         self.max_log_scale = math.log(max_logit_scale)
         self.gather = gather
         self.rank, self.world_size = process_group(rank, world_size)
+        self.matryoshka_dims: tuple[int, ...] = ()  # prefixes trained too (`matryoshka_loss`)
 
     @classmethod
     def from_config(cls, o: Any) -> SigLIPLoss:
@@ -267,7 +298,7 @@ class SigLIPLoss(nn.Module):
         f = gather_features(
             image, text, negatives, self.gather, rank=self.rank, world_size=self.world_size
         )
-        return self.loss_from_features(f)
+        return matryoshka_loss(self.loss_from_features, f, self.matryoshka_dims)
 
     def loss_from_features(self, f: Features) -> tuple[Tensor, dict[str, Tensor]]:
         """The loss of already-gathered features (also used by GradCache)."""
@@ -324,6 +355,7 @@ class Qwen3VLLoss(nn.Module):
         self.negatives_per_query, self.duplicate_cosine = negatives_per_query, duplicate_cosine
         self.gather = gather
         self.rank, self.world_size = process_group(rank, world_size)
+        self.matryoshka_dims: tuple[int, ...] = ()  # prefixes trained too (`matryoshka_loss`)
 
     @classmethod
     def from_config(cls, o: Any) -> Qwen3VLLoss:
@@ -354,7 +386,7 @@ class Qwen3VLLoss(nn.Module):
         f = gather_features(
             image, text, negatives, self.gather, rank=self.rank, world_size=self.world_size
         )
-        return self.loss_from_features(f)
+        return matryoshka_loss(self.loss_from_features, f, self.matryoshka_dims)
 
     def loss_from_features(self, f: Features) -> tuple[Tensor, dict[str, Tensor]]:
         """The loss of already-gathered features (also used by GradCache)."""

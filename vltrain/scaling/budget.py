@@ -29,16 +29,17 @@ FLOP_KINDS = ("captioner", "dual_encoder", "vlm")
 
 def _texts(cfg: Config) -> list[str]:
     """The texts the stage trains its tokenizer on (the stages' own functions)."""
+    d = cfg.data
     if cfg.model.kind == "captioner":
         from vltrain.data.caption_data import read_caption_source, training_texts
 
-        d, c = cfg.data, cfg.caption
         source = read_caption_source(d.train, d.image_column, d.text_column)
-        return training_texts(source, c.prompt, c.instruction)
+        return training_texts(source, cfg.caption.prompt, cfg.caption.instruction)
     from vltrain.data.contrastive_data import is_valid_text
     from vltrain.data.records import read_records
 
-    return [t for r in read_records(cfg.data.train) for t in r["text"] if is_valid_text(t)]
+    records = read_records(d.train, d.image_column, d.text_column)
+    return [t for r in records for t in r["text"] if is_valid_text(t)]
 
 
 #: per process: (inputs of the tokenizer training) -> tokenizer, (..., tokenizer, max length)

@@ -101,9 +101,20 @@ class ContrastiveStage:
                 self.reading_tokens = self._prepare_reading_tokens(tok_dir)
         self.batcher = build_batcher(cfg, self.tokenizer)
         bs = d.eval_batch_size or d.batch_size
-        self.retrieval = ImageTextEvaluator(self.batcher, self.ctx, bs, cfg.model.matryoshka_dims)
+        # the eval loss's chunk: data.eval_batch_size when set (a per-process size: times the
+        # world size it changed the loss with the process count), else the global batch
+        chunk = d.eval_batch_size or d.batch_size * self.ctx.world_size
+        self.retrieval = ImageTextEvaluator(
+            self.batcher, self.ctx, bs, cfg.model.matryoshka_dims, chunk
+        )
         self.corpus = CorpusEvaluator(
-            self.batcher, self.ctx, bs, d.image_size, self.native, cfg.model.kind
+            self.batcher,
+            self.ctx,
+            bs,
+            d.image_size,
+            self.native,
+            cfg.model.kind,
+            tuple(cfg.model.matryoshka_dims),
         )
 
     def _prepare_reading_tokens(self, tok_dir: Path) -> list[int] | None:
@@ -137,6 +148,7 @@ class ContrastiveStage:
         # registry: objective.loss (infonce, siglip, qwen3vl); HF CLIP/SigLIP start at their own
         # scale
         loss = build_loss_from_config(objective_for(encoder, self.cfg.objective))
+        loss.matryoshka_dims = tuple(self.cfg.model.matryoshka_dims)  # trained, not only scored
         reading = None
         if self.cfg.objective.reading:
             assert self.tokenizer is not None  # the built-in towers (check_config)
@@ -216,7 +228,7 @@ class ContrastiveStage:
             ranks = self.out_dir / f"eval_ranks_{split}.jsonl"
             return self.corpus.evaluate(model.encoder, path, ranks_path=ranks)
         if split not in self._eval_sets:
-            self._eval_sets[split] = self.data.eval_dataset(path)
+            self._eval_sets[split] = self.data.eval_dataset(path, merge_images=True)
 
         def loss(image: Tensor, text: Tensor) -> tuple[Tensor, dict[str, Any]]:
             return model.loss.loss_from_features(Features(image, text, None))  # no gathering

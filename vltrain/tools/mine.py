@@ -64,10 +64,11 @@ def false_negative(score: float, pos: float, margin: float) -> bool:
 def _embed(
     stage: Any, model: Any, data: Path, batch_size: int
 ) -> tuple[list[dict], Tensor, list[int], Tensor, list[str], Tensor]:
-    """Image embeddings of good records, and embeddings of every caption (with its owner),
-    through the stage's evaluation path (the backbone's own batcher and image decoding)."""
-    ds = stage.data.eval_dataset(data, hard_negatives=0)
-    with torch.no_grad():
+    """The records merged per image path, embeddings of their good images and of every caption
+    (with its owner), through the stage's evaluation path (the backbone's own batcher and
+    image decoding)."""
+    ds = stage.data.eval_dataset(data, hard_negatives=0, merge_images=True)
+    with torch.no_grad(), stage.ctx.autocast():  # as the run's evaluation embeds
         shard, _, texts = stage.retrieval.embed_shard(model.encoder, ds, batch_size=batch_size)
     owners = [int(i) for i in shard["idx"]]
     return ds.records, shard["img"], owners, shard["txt"], texts, shard["owner"]
@@ -124,7 +125,9 @@ def mine_command(checkpoint: str, data: str, out: str, opts: MineOptions) -> dic
     """Mine negatives for every record of `data` and write `out` (same folder as `data`)."""
     check_output_path(out)
     check_not_input(out, [data])
-    if read_source(data).images is not None:
+    cfg, stage, model = load_trained(checkpoint)
+    source = read_source(data, cfg.data.image_column, cfg.data.text_column)
+    if source.images is not None:
         raise DataError(
             f"--data {data} keeps its images inside the table (parquet / datasets folder); "
             "mine writes JSONL records with image paths, so give a .jsonl, .json or .csv file"
@@ -135,18 +138,22 @@ def mine_command(checkpoint: str, data: str, out: str, opts: MineOptions) -> dic
             f"--out must be in the same folder as --data ({data_p.parent}) so the relative "
             "image paths stay valid"
         )
-    _, stage, model = load_trained(checkpoint)
-    records, img, owners, txt, texts, txt_owner = _embed(stage, model, data_p, opts.batch_size)
+    # lines of one image path are mined as one image (no caption of it becomes a negative)
+    images, img, owners, txt, texts, txt_owner = _embed(stage, model, data_p, opts.batch_size)
+    records = source.records
     if not owners or txt.shape[0] < 2:
         raise DataError(
-            f"--data {data}: {len(owners)} of its {len(records)} records have an image that "
-            f"decodes and {txt.shape[0]} captions: too few to mine negatives from; check the "
+            f"--data {data}: {len(owners)} of its {len(images)} images decode, with "
+            f"{txt.shape[0]} captions: too few to mine negatives from; check the "
             "image paths (relative to the file) and that it is UTF-8 JSONL"
         )
     mined = mine_negatives(img, owners, txt, texts, txt_owner, opts)
-    counts = [len(mined.get(i, [])) for i in range(len(records))]
+    image_of = {rec["image"]: i for i, rec in enumerate(images)}
+    per_line = [mined.get(image_of[rec["image"]], []) for rec in records]
+    counts = [len(m) for m in per_line]
     rows = (
-        json.dumps(mine_record(rec, mined.get(i, []), opts.append)) for i, rec in enumerate(records)
+        json.dumps(mine_record(rec, m, opts.append))
+        for rec, m in zip(records, per_line, strict=True)
     )
     atomic_write_lines(out_p, rows)
     full = sum(c == opts.k for c in counts)
@@ -224,7 +231,7 @@ def mine_pairs_command(
             judged.setdefault(qid, set()).add(row_of[did])
     _, stage, model = load_trained(checkpoint)
     ev, enc = stage.corpus, model.encoder
-    with torch.no_grad():
+    with torch.no_grad(), stage.ctx.autocast():
         q_emb, q_rows, _ = ev.embed(enc, [r["query"] for r in records], "query", opts.batch_size)
         p_emb, p_rows, _ = ev.embed(
             enc, [r["positives"][0] for r in records], "doc", opts.batch_size

@@ -157,7 +157,7 @@ class TrainedRun:
         bs = self._batch_size(batch_size)
         encoder, batcher = self.model.encoder, self._stage.batcher  # type: ignore[attr-defined]
         out = []
-        with torch.no_grad():
+        with torch.no_grad(), self._stage.ctx.autocast():  # as the run's evaluation embeds
             for start in range(0, len(sides), bs):
                 part = sides[start : start + bs]
                 instructions = [instruction or ""] * len(part)  # '' = the run's default

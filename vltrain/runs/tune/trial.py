@@ -86,7 +86,8 @@ class TrialPlan:
         if path not in self._n_records:
             from vltrain.data.records import read_records
 
-            self._n_records[path] = len(read_records(path))
+            d = cfg.data
+            self._n_records[path] = len(read_records(path, d.image_column, d.text_column))
         n = self._n_records[path]
         if self.tune.train_samples:
             n = min(n, self.tune.train_samples)
