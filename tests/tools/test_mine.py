@@ -63,6 +63,21 @@ def test_mine_cli_writes_negatives_for_every_record(shapes_dir: Path, tmp_path: 
         assert row["image"] == rec["image"] and len(row["negatives"]) == 3
         assert not set(row["negatives"]) & set(rec["text"])
     out.unlink()
+    # one line per caption: each line gets the image's negatives, never a caption of its own
+    # image from another line (each line was its own image: its siblings were mined)
+    flat = shapes_dir / "val_flat.jsonl"
+    flat.write_text(
+        "".join(json.dumps({"image": r["image"], "text": t}) + "\n" for r in src for t in r["text"])
+    )
+    argv = ["mine", "--checkpoint", str(run), "--data", str(flat), "--out", str(out), "--k", "3"]
+    assert main(argv) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    texts = {r["image"]: set(r["text"]) for r in src}
+    assert len(rows) == sum(len(r["text"]) for r in src)
+    assert all(len(row["negatives"]) == 3 for row in rows)
+    assert not any(set(row["negatives"]) & texts[row["image"]] for row in rows)
+    flat.unlink()
+    out.unlink()
     bad = main(
         [
             "mine",
