@@ -513,3 +513,35 @@ def test_sample_repeated_on_a_stream_names_the_shard_keys(tmp_path):
     found = _run(_cfg(f"data.train={tmp_path / 'shards'}", "data.batch_size=4"), recs)
     (rep,) = [f for f in found if f.check == "sample_repeated"]
     assert "data.shuffle_buffer" in rep.fix and "keys" in rep.fix
+
+
+def test_batch_norm_split_warns_when_processes_or_chunks_split_the_batch():
+    """The quickstart's tiny_cnn stem (BatchNorm) on 2 processes: the loss differed from one
+    process's at step 1 with no word from anyone; GroupNorm is the documented equality."""
+    import torch
+
+    from vltrain.diagnostics.data_checks import batch_norm_split
+    from vltrain.models.backbones import vision_options
+    from vltrain.models.presets import vision_config
+    from vltrain.models.vit import VisionTower
+
+    def build(cfg):
+        m = cfg.model
+        return VisionTower(vision_config(m.vision, **vision_options(m.vision_options)))
+
+    cfg = _cfg("data.batch_size=8", "model.vision=tiny_cnn")
+    tower = build(cfg)
+    assert any(isinstance(m, torch.nn.BatchNorm2d) for m in tower.modules())
+    f = batch_norm_split(cfg, tower, world=2)
+    assert [x.check for x in f] == ["batch_norm_split"] and "2 processes" in f[0].message
+    assert "stem_norm=group" in f[0].fix
+    assert batch_norm_split(cfg, tower, world=1) == []  # one process, no chunks
+    chunked = _cfg("data.batch_size=8", "model.vision=tiny_cnn", "objective.grad_cache_chunk=4")
+    assert "GradCache chunks of 4" in batch_norm_split(chunked, tower, world=1)[0].message
+    group = _cfg(
+        "data.batch_size=8", "model.vision=tiny_cnn", "model.vision_options={stem_norm: group}"
+    )
+    assert batch_norm_split(group, build(group), world=2) == []
+    tower.eval()
+    batch_norm_split(cfg, tower, world=2)
+    assert not tower.training  # the probe leaves the module's mode as it was

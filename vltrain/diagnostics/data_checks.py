@@ -8,6 +8,8 @@ import statistics
 from collections import Counter, deque
 from pathlib import Path
 
+from torch import nn
+
 from vltrain.config.schema import Config
 from vltrain.core.files import file_version
 from vltrain.data.shards import is_shard_source
@@ -285,3 +287,30 @@ def eval_overlap(cfg: Config) -> list[Finding]:
                 {"split": split, "shared": len(shared), "total": len(held)},
             ))  # fmt: skip
     return found
+
+
+def batch_norm_split(cfg: Config, module: nn.Module, world: int) -> list[Finding]:
+    """Training BatchNorm layers whose batch is split: each of `world` > 1 processes (or each
+    GradCache chunk) normalises its own part of the global batch, so the run trains another
+    function than one process on the whole batch (the 'same global batch, any world size'
+    equality does not hold: the quickstart tower's loss differed at step 1 on 2 processes)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    was = module.training
+    module.train()  # as the loop trains it (a frozen part's batch norms may stay in eval mode)
+    norms = [n for n, m in module.named_modules() if isinstance(m, _BatchNorm) and m.training]
+    module.train(was)
+    chunk = cfg.objective.grad_cache_chunk if cfg.stage == "contrastive" else 0
+    split = [f"{world} processes"] if world > 1 else []
+    split += [f"GradCache chunks of {chunk}"] if 0 < chunk < cfg.data.batch_size else []
+    if not norms or not split:
+        return []
+    return [Finding(
+        "warn", "batch_norm_split", 0,
+        f"{len(norms)} BatchNorm layer(s) ({norms[0]}, ...) normalise each part of the batch "
+        f"({' and '.join(split)}) with its own statistics: this trains another function than "
+        "one process on the whole batch, and results change with the world size",
+        "set model.vision_options.stem_norm=group (the built-in towers), or keep the world "
+        "size and chunking fixed",
+        {"layers": len(norms), "world_size": world, "grad_cache_chunk": chunk},
+    )]  # fmt: skip

@@ -21,7 +21,12 @@ from vltrain.core.files import atomic_write_lines
 from vltrain.diagnostics.card import write_run_card
 from vltrain.diagnostics.checks import CHECKS
 from vltrain.diagnostics.contrastive_checks import ChanceLoss, config_chance
-from vltrain.diagnostics.data_checks import BatchComposition, DataOrder, eval_overlap
+from vltrain.diagnostics.data_checks import (
+    BatchComposition,
+    DataOrder,
+    batch_norm_split,
+    eval_overlap,
+)
 from vltrain.diagnostics.probe import Probe
 from vltrain.diagnostics.record import Finding, StepRecord, severity_rank
 
@@ -107,7 +112,7 @@ class Doctor:
             probe.frozen_trainable,
             probe.unasked_parts,
         )
-        doc._emit(found + eval_overlap(cfg))
+        doc._emit(found + eval_overlap(cfg) + batch_norm_split(cfg, module, world))
         return doc
 
     def _emit(self, found: list[Finding]) -> None:
