@@ -401,6 +401,37 @@ def test_vlm_collate_and_embeddings(qwen2vl_dir: str) -> None:
         emb.encode_image({k: v for k, v in images.items() if k != "mm_token_type_ids"})
 
 
+def test_system_instruction_role_renders_qwen3vl_embeddings_layout(qwen2vl_dir: str) -> None:
+    """model.instruction_role=system: the instruction is a system message before the user turn
+    (Qwen3-VL-Embedding's own prompt: "Represent the user's input." as system, then the image
+    and text), where `user` puts it at the head of the user turn's text."""
+    kw = {"max_text_len": 16, "instruction_query": "Find it.", "instruction_doc": "Represent it."}
+    system = HFCollate(qwen2vl_dir, "vlm", instruction_role="system", **kw)
+    user = HFCollate(qwen2vl_dir, "vlm", **kw)
+    tok = system._load()["tok"]
+    image_token = system._load()["image_token"]
+
+    def chat(sys_text: str, *content: dict) -> str:
+        msgs = [{"role": "system", "content": [{"type": "text", "text": sys_text}]}]
+        msgs.append({"role": "user", "content": list(content)})
+        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+    ids, mask = system.text_batch(["a red circle"])
+    assert tok.decode(ids[0][mask[0].bool()]) == chat(
+        "Find it.", {"type": "text", "text": "a red circle"}
+    )
+    inputs, counts = system.image_batch(_images(1))
+    want = chat("Represent it.", {"type": "image"}).replace(
+        image_token, image_token * int(counts[0])
+    )
+    assert tok.decode(inputs["input_ids"][0]) == want
+    # negative control: the user layout renders another prompt (its own system default)
+    ids_user, _ = user.text_batch(["a red circle"])
+    assert "Find it.a red circle" in tok.decode(ids_user[0]) and not torch.equal(ids, ids_user)
+    with pytest.raises(ValueError, match="instruction_role"):
+        HFCollate(qwen2vl_dir, "vlm", instruction_role="assistant")
+
+
 @pytest.mark.parametrize("pooling", ["eos", "mean"])
 def test_left_and_right_padding_give_the_same_embedding(qwen2vl_dir: str, pooling: str) -> None:
     emb = VLMEmbedder(qwen2vl_dir, pooling=pooling).eval()

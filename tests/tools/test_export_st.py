@@ -10,6 +10,7 @@ bench/RESULTS.md."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import shutil
 from collections.abc import Iterator
@@ -155,8 +156,10 @@ def st_parity(run: Path, out: Path, root: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The instruction at the head of the user turn (the preset's is the system message:
+    `test_system_role_instruction_exports_with_the_system_message_kept`)."""
     root = tmp_path_factory.mktemp("st_export")
-    return root, train_tiny_run(root)
+    return root, train_tiny_run(root, extra={"model.instruction_role": "user"})
 
 
 @pytest.fixture(scope="module")
@@ -274,3 +277,31 @@ def test_a_copied_export_still_loads(exported: Path, tmp_path: Path) -> None:
     shutil.copytree(exported, moved)
     for f in moved.rglob("*.json"):
         assert str(exported) not in f.read_text(), f
+
+
+@pytest.mark.slow
+def test_system_role_instruction_exports_with_the_system_message_kept(tmp_path: Path) -> None:
+    """model.instruction_role=system (Qwen3-VL-Embedding's layout): the export keeps
+    sentence-transformers' prompt as the system message (`SYSTEM_KEPT`: texts stripped, the
+    system message untouched), and the consumer reproduces load_run where installed."""
+    from vltrain.tools.export_st import SYSTEM_KEPT
+
+    run = train_tiny_run(tmp_path, extra={"model.instruction_role": "system"})
+    out = tmp_path / "st"
+    assert main(["export", str(run), "--out", str(out), "--format", "sentence-transformers"]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok.chat_template.startswith(SYSTEM_KEPT)
+    sys_msg = [{"role": "system", "content": [{"type": "text", "text": "INSTR"}]}]
+    user = [{"role": "user", "content": [{"type": "text", "text": " q\n"}]}]
+    plain = [{"role": "user", "content": [{"type": "text", "text": "q"}]}]
+    got = tok.apply_chat_template(sys_msg + user, tokenize=False, add_generation_prompt=True)
+    want = transformers.AutoTokenizer.from_pretrained(tmp_path / "model").apply_chat_template(
+        sys_msg + plain, tokenize=False, add_generation_prompt=True
+    )
+    assert got == want and "INSTR" in got
+    if importlib.util.find_spec("sentence_transformers") is None:
+        return
+    res = st_parity(run, out, tmp_path)
+    for name, diff in res["rows"].items():
+        assert diff <= TOL, (name, diff)
+    assert res["control_other_instruction"] > 1e-3 and res["control_st_no_prompt"] > 1e-3

@@ -157,8 +157,16 @@ class ModelConfig:
     )
     instruction_query: str = option("", "vlm: instruction prefixed to the text side.")
     instruction_doc: str = option("", "vlm: instruction in the image-side prompt.")
+    instruction_role: str = option(
+        "user",
+        "vlm: where the instruction goes: user (at the head of the user turn's text) or system "
+        "(a system message before the user turn: Qwen3-VL-Embedding's own layout).",
+        choices=("user", "system"),
+    )
     matryoshka_dims: list[int] = option(
-        [], "vlm: also evaluate embeddings truncated to these dims (re-normalised)."
+        [],
+        "vlm: Matryoshka prefix sizes: the loss is the mean over the full embedding and each "
+        "prefix (re-normalised), and evaluation also scores each prefix (eval_d<dim>_*).",
     )
     lora_r: int = option(0, "HF backbones: LoRA rank through peft (0: full fine-tuning).", ge=0)
     lora_alpha: float = option(16.0, "LoRA alpha.", gt=0.0)

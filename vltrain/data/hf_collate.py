@@ -39,6 +39,8 @@ from vltrain.data.visual_tokens import PatchGrid, read_patch_grid, resize_for_bu
 
 # How each embedder kind pads text: SigLIP pools the last position, so it needs max_length.
 TEXT_PADDING = {"hf_clip": "longest", "hf_siglip": "max_length", "vlm": "longest"}
+#: where a VLM's instruction goes (`HFCollate._words`)
+INSTRUCTION_ROLES = ("user", "system")
 # VLM families by config.model_type: how many placeholder tokens one image takes.
 GRID_VLMS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 FIXED_VLMS = ("llava",)
@@ -70,6 +72,7 @@ class HFCollate:
         instruction_query: str = "",
         instruction_doc: str = "",
         local_files_only: bool = True,
+        instruction_role: str = "user",
     ) -> None:
         if kind not in TEXT_PADDING:
             raise KeyError(f"unknown embedder kind {kind!r}; known: {sorted(TEXT_PADDING)}")
@@ -77,12 +80,15 @@ class HFCollate:
             raise ValueError(f"max_text_len must be positive, got {max_text_len}")
         if max_visual_tokens is not None and max_visual_tokens <= 0:
             raise ValueError(f"data.max_visual_tokens must be positive, got {max_visual_tokens}")
+        if instruction_role not in INSTRUCTION_ROLES:
+            raise ValueError(f"instruction_role must be one of {INSTRUCTION_ROLES}")
         self.path, self.kind = str(path), kind
         self.max_text_len = max_text_len
         self.max_visual_tokens = max_visual_tokens
         self.instruction_query = instruction_query
         self.instruction_doc = instruction_doc
         self.local_files_only = local_files_only
+        self.instruction_role = instruction_role
         self._loaded: dict[str, Any] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -184,9 +190,9 @@ class HFCollate:
             )
             return enc["input_ids"], enc["attention_mask"]
         instr = self._instructions(len(texts), instructions, role)
+        words, systems = self._words(instr, [self._clip_text(tok, t) for t in texts])
         prompts = [
-            self._chat(tok, None, i + self._clip_text(tok, t))
-            for i, t in zip(instr, texts, strict=True)
+            self._chat(tok, None, w, system) for w, system in zip(words, systems, strict=True)
         ]
         enc = tok(prompts, padding="longest", add_special_tokens=False, return_tensors="pt")
         return enc["input_ids"], enc["attention_mask"]
@@ -206,27 +212,27 @@ class HFCollate:
         pils = [to_pil(im) for im in images]
         if texts is not None and self.kind != "vlm":
             raise ValueError(f"{self.kind} encodes images or texts, not image+text inputs")
-        words = None
+        words = systems = None
         if self.kind == "vlm":
             tok = st["tok"]
             instr = self._instructions(len(pils), instructions, role)
             extra = [self._clip_text(tok, t) for t in texts] if texts else [""] * len(pils)
-            words = [i + t for i, t in zip(instr, extra, strict=True)]
+            words, systems = self._words(instr, extra)
         if self.kind != "vlm":
             pix = st["ip"](images=pils, return_tensors="pt")["pixel_values"]  # (B, 3, S, S)
             v = st["config"].vision_config
             n = (v.image_size // v.patch_size) ** 2
             return pix, torch.full((len(pils),), n, dtype=torch.long)
         if st["grid"] is not None:
-            return self._grid_images(st, pils, words)
+            return self._grid_images(st, pils, words, systems)
         pix = st["ip"](images=pils, return_tensors="pt")["pixel_values"]  # (B, 3, S, S)
         counts = [st["fixed_tokens"]] * len(pils)
-        inputs = self._image_prompts(st, counts, words)
+        inputs = self._image_prompts(st, counts, words, systems)
         inputs["pixel_values"] = pix
         return inputs, torch.tensor(counts, dtype=torch.long)
 
     def _grid_images(
-        self, st: dict[str, Any], pils: list[Image.Image], words: list[str]
+        self, st: dict[str, Any], pils: list[Image.Image], words: list[str], systems: list[str]
     ) -> tuple[Any, Tensor]:
         g: PatchGrid = st["grid"]
         kw: dict[str, Any] = {}
@@ -241,21 +247,29 @@ class HFCollate:
         out = st["ip"](images=pils, return_tensors="pt", **kw)
         grid_thw = out["image_grid_thw"]  # (B, 3) patches, before merging
         counts = [int(t.prod()) // g.merge_size**2 for t in grid_thw]
-        inputs = self._image_prompts(st, counts, words)
+        inputs = self._image_prompts(st, counts, words, systems)
         inputs["mm_token_type_ids"] = (inputs["input_ids"] == st["image_token_id"]).to(torch.int)
         inputs["pixel_values"] = out["pixel_values"]  # (sum patches, C * t * p * p)
         inputs["image_grid_thw"] = grid_thw
         return inputs, torch.tensor(counts, dtype=torch.long)
 
+    def _words(self, instr: list[str], texts: list[str]) -> tuple[list[str], list[str]]:
+        """Per row, the user turn's text and the system message: the instruction heads the
+        text (`instruction_role` user) or is the system message (system: Qwen3-VL-Embedding's
+        layout, "Represent the user's input." by default there)."""
+        if self.instruction_role == "system":
+            return texts, instr
+        return [i + t for i, t in zip(instr, texts, strict=True)], [""] * len(texts)
+
     def _image_prompts(
-        self, st: dict[str, Any], counts: list[int], words: list[str]
+        self, st: dict[str, Any], counts: list[int], words: list[str], systems: list[str]
     ) -> dict[str, Tensor]:
-        """Chat-template prompts (image, then the row's words) with the image placeholder
-        repeated to each image's count."""
+        """Chat-template prompts (image, then the row's words; its system message) with the
+        image placeholder repeated to each image's count."""
         tok, image_token = st["tok"], st["image_token"]
         prompts = []
-        for n, text in zip(counts, words, strict=True):
-            base = self._chat(tok, image_token, text)
+        for n, text, system in zip(counts, words, systems, strict=True):
+            base = self._chat(tok, image_token, text, system)
             if base.count(image_token) != 1:
                 raise ValueError(
                     f"{self.path}: the chat template rendered {base.count(image_token)} image "
@@ -266,16 +280,20 @@ class HFCollate:
         return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
     @staticmethod
-    def _chat(tok: Any, image_token: str | None, text: str) -> str:
+    def _chat(tok: Any, image_token: str | None, text: str, system: str = "") -> str:
         content: list[dict[str, str]] = [{"type": "image"}] if image_token else []
         if text:
             content.append({"type": "text", "text": text})
-        msgs: list[dict[str, Any]] = [{"role": "user", "content": content}]
+        head: list[dict[str, Any]] = (
+            [{"role": "system", "content": [{"type": "text", "text": system}]}] if system else []
+        )
+        msgs = [*head, {"role": "user", "content": content}]
         out = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         if image_token and image_token not in out:
             # a text-only template (a causal LM's, as model.kind=llava runs keep): the image is
             # a "<image>\n" line before the text, the LLaVA-1.5 convention the llava kind uses
-            msgs = [{"role": "user", "content": f"{image_token}\n{text}"}]
+            head = [{"role": "system", "content": system}] if system else []
+            msgs = [*head, {"role": "user", "content": f"{image_token}\n{text}"}]
             out = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         return out
 

@@ -170,6 +170,7 @@ def build_batcher(cfg: Config, tokenizer: TextTokenizer | None) -> Any:
         m.instruction_query,
         m.instruction_doc,
         m.local_files_only,
+        m.instruction_role,
     )
 
 
@@ -207,13 +208,32 @@ def build_captioner(cfg: Config, tokenizer: TextTokenizer) -> Captioner:
             pad_id=tokenizer.pad_id,
             dropout=m.dropout,
             text_dims={k: v for k, v in (("layers", m.text_layers), ("width", m.text_width)) if v},
-            vision_dims={
-                **{k: v for k, v in (("layers", m.vision_layers), ("width", m.vision_width)) if v},
-                **vision_options(m.vision_options),
-            },
+            vision_dims=captioner_vision_dims(cfg),
         )
     except ValueError as e:  # connector options and sizes are user config
         raise ConfigError(f"model.connector / model.connector_options: {e}") from None
+
+
+def captioner_vision_dims(cfg: Config) -> dict[str, Any]:
+    """The captioner's vision tower over its preset: model.vision_layers / _width (0: the
+    preset's) and model.vision_options."""
+    m = cfg.model
+    dims = {k: v for k, v in (("layers", m.vision_layers), ("width", m.vision_width)) if v}
+    return {**dims, **vision_options(m.vision_options)}
+
+
+def check_captioner_vision(cfg: Config) -> None:
+    """The caption stages' load-time check of the vision tower: it builds (a value it refuses
+    is a ConfigError naming the key, before any tokenizer trains) and has features to caption
+    from."""
+    m = cfg.model
+    if m.vision_options.get("pool") == "none":
+        raise ConfigError(
+            "model.vision_options.pool: none leaves the vision tower without features to "
+            "caption from (it is the word-pair head's tower, stage contrastive); use cls, "
+            "flatten or max"
+        )
+    vision_config(m.vision, dropout=m.dropout, **captioner_vision_dims(cfg))
 
 
 def load_initial_weights(model: Captioner, ckpt: Path) -> None:

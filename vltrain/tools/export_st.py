@@ -8,8 +8,9 @@ template), then ``Pooling`` (``lasttoken`` for ``model.pooling: eos``, ``mean``)
 ``Normalize``. The run's instructions are the prompts ``query`` and ``document``
 (`encode_query` / `encode_document` apply them); sentence-transformers injects a prompt as the
 system message, and the exported chat template renders that system message where vltrain trained
-the instruction (at the start of the user turn's text, after the image), so the tokens the model
-sees equal vltrain's. ``model.matryoshka_dims`` are listed in the model card and in
+the instruction (`model.instruction_role`: at the start of the user turn's text, after the image;
+or as the system message itself, with the model's own template), so the tokens the model sees
+equal vltrain's. ``model.matryoshka_dims`` are listed in the model card and in
 ``vltrain_export.json``: load with ``truncate_dim=d`` and encode with
 ``normalize_embeddings=True`` for vltrain's re-normalised prefix.
 
@@ -55,17 +56,20 @@ _FORWARD = {"method": "forward", "method_output_name": "last_hidden_state"}
 # stripped of surrounding whitespace (vltrain strips every text it reads: training, evaluation,
 # `load_run`), and a leading system message (how sentence-transformers passes a prompt) becomes
 # its head, or a text after the image when the turn has none, as vltrain's collate builds its
-# prompts (`vltrain.data.hf_collate.HFCollate`). The rest of the conversation is unchanged.
-SYSTEM_TO_USER = (
+# prompts (`vltrain.data.hf_collate.HFCollate`); with `model.instruction_role: system` the
+# system message stays where it is (`SYSTEM_KEPT`). The rest of the conversation is unchanged.
+_PREFIX = (
     "{%- set sys = namespace(text='', on=false) -%}\n"
     "{%- set rest = messages -%}\n"
+    "{%- set ns = namespace(msgs=[]) -%}\n"
     "{%- if messages and messages[0]['role'] == 'system' -%}\n"
+    "{%- if TO_USER -%}\n"
     "{%- set sys.on = true -%}\n"
     "{%- set sys.text = messages[0]['content'] if messages[0]['content'] is string else "
     "messages[0]['content'] | map(attribute='text') | join('') -%}\n"
+    "{%- else -%}{%- set ns.msgs = [messages[0]] -%}{%- endif -%}\n"
     "{%- set rest = messages[1:] -%}\n"
     "{%- endif -%}\n"
-    "{%- set ns = namespace(msgs=[]) -%}\n"
     "{%- for m in rest -%}\n"
     "{%- if loop.first and m['role'] == 'user' -%}\n"
     "{%- set items = [{'type': 'text', 'text': m['content']}] if m['content'] is string "
@@ -84,6 +88,8 @@ SYSTEM_TO_USER = (
     "{%- endfor -%}\n"
     "{%- set messages = ns.msgs -%}\n"
 )
+SYSTEM_TO_USER = _PREFIX.replace("TO_USER", "true")
+SYSTEM_KEPT = _PREFIX.replace("TO_USER", "false")
 
 
 def check_expressible(kind: str) -> None:
@@ -101,14 +107,14 @@ def check_expressible(kind: str) -> None:
     )
 
 
-def wrap_chat_template(template: Any) -> str:
-    """The model's chat template with `SYSTEM_TO_USER` in front of it."""
+def wrap_chat_template(template: Any, system_to_user: bool = True) -> str:
+    """The model's chat template with `SYSTEM_TO_USER` (`SYSTEM_KEPT`) in front of it."""
     if not isinstance(template, str) or not template:
         raise ConfigError(
             f"--format {FORMAT}: the model's tokenizer has no single chat template "
             f"({type(template).__name__}); vltrain's VLM prompts are built with one"
         )
-    return SYSTEM_TO_USER + template
+    return (SYSTEM_TO_USER if system_to_user else SYSTEM_KEPT) + template
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -116,13 +122,15 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _set_chat_template(out: Path) -> None:
-    """One chat template, the wrapped one, in chat_template.jinja (the tokenizer's and the
-    processor's copies elsewhere are removed so neither shadows it)."""
+def _set_chat_template(out: Path, wrap: bool) -> None:
+    """One chat template in chat_template.jinja, wrapped: `SYSTEM_TO_USER` for instructions
+    trained in the user turn (`wrap`), `SYSTEM_KEPT` for instructions trained as the system
+    message (sentence-transformers' prompt is that message); the tokenizer's and the
+    processor's copies elsewhere are removed so neither shadows it."""
     from transformers import AutoTokenizer
 
     template = AutoTokenizer.from_pretrained(out, local_files_only=True).chat_template
-    (out / "chat_template.jinja").write_text(wrap_chat_template(template), encoding="utf-8")
+    (out / "chat_template.jinja").write_text(wrap_chat_template(template, wrap), encoding="utf-8")
     (out / "chat_template.json").unlink(missing_ok=True)
     for name in ("tokenizer_config.json", "processor_config.json"):
         p = out / name
@@ -250,7 +258,7 @@ def export_sentence_transformers(
     out.mkdir(parents=True, exist_ok=True)
     encoder = model.encoder
     encoder.save_pretrained(out)  # LoRA merged into a copy; processor files copied
-    _set_chat_template(out)
+    _set_chat_template(out, wrap=cfg.model.instruction_role == "user")
     if cfg.data.max_visual_tokens:
         _cap_visual_tokens(out, int(cfg.data.max_visual_tokens))
     write_st_files(out, cfg, int(encoder.embed_dim), str(source))
