@@ -175,3 +175,24 @@ def test_fractional_grades_are_relevant_with_their_own_gain(tmp_path: Path) -> N
         (tmp_path / "qrels.tsv").write_text(f"a\td0\t1\na\td1\t{bad}\n")
         with pytest.raises(DataError, match="is not a number"):
             corpus.read_split_dir(tmp_path)
+
+
+def test_corpus_input_mistakes_name_what_is_wrong(tmp_path: Path) -> None:
+    """A duplicate query id was called a "document id"; a split folder given as --queries was
+    "does not exist"; a folder missing only qrels.tsv listed every file."""
+    from vltrain.config.core import ConfigError
+    from vltrain.stages import load_run_config
+    from vltrain.tools.eval import eval_command
+
+    (tmp_path / "queries.jsonl").write_text(
+        '{"_id": "a", "text": "x"}\n{"_id": "a", "text": "y"}\n'
+    )
+    (tmp_path / "corpus.jsonl").write_text('{"_id": "d0", "text": "x"}\n')
+    (tmp_path / "qrels.tsv").write_text("a\td0\t1\n")
+    with pytest.raises(DataError, match=r"queries\.jsonl: id 'a' appears twice"):
+        corpus.read_split_dir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="is a folder; name its file"):
+        eval_command("RUN", str(tmp_path), str(tmp_path), str(tmp_path))
+    (tmp_path / "qrels.tsv").unlink()
+    with pytest.raises(ConfigError, match=r"lacks qrels\.tsv beside its queries\.jsonl"):
+        load_run_config(None, [f"data.eval={tmp_path}"])

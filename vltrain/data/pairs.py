@@ -170,7 +170,7 @@ def read_corpus(path: str | os.PathLike[str]) -> dict[str, Side]:
     out: dict[str, Side] = {}
     for row in read_jsonl(path, parse):
         if row["_id"] in out:
-            raise DataError(f"{path}: document id {row['_id']!r} appears twice")
+            raise DataError(f"{path}: id {row['_id']!r} appears twice (ids must be unique)")
         out[row["_id"]] = row["side"]
     return out
 

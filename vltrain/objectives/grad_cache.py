@@ -81,7 +81,8 @@ def grad_cache(
 
     `encoders[s]` maps one chunk of side `s` (a tensor, a dict, or a tuple unpacked as
     arguments) to embeddings (rows, E); `chunks[s]` lists side s's chunks in row order.
-    `loss_fn` receives one (rows, E) tensor per side and returns (loss, metrics); it may hold
+    `loss_fn` receives one list, a (rows, E) tensor per side, and returns (loss, metrics) (e.g.
+    ``lambda views: loss(*views)``); it may hold
     parameters and gather across ranks. Gradients accumulate into ``.grad`` like ``backward``.
     `replay_rng=False` exists for tests: without it dropout differs between the two passes.
     `orders[s]` (from `length_sorted_chunks`): side s's chunks hold rows ``orders[s]`` of the

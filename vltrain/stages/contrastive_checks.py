@@ -128,6 +128,8 @@ def check_config(cfg: Config) -> None:
         )
     if m.kind == "dual_encoder":
         _check_tower(cfg)
+        # builds both towers on the meta device: a value model.vision_options or
+        # model.text_options holds that the tower refuses is a ConfigError here
         preflight.check_memory(cfg)
     _check_shards(cfg)
     _check_pairs(cfg)
@@ -197,9 +199,16 @@ def _check_pairs(cfg: Config) -> None:
         path = getattr(cfg.data, key)
         if path and Path(path).is_dir() and not corpus.is_corpus_dir(path):
             if not is_record_folder(Path(path)):
+                have = [f for f in corpus.FILES if (Path(path) / f).is_file()]
+                lacks = [f for f in corpus.FILES if f not in have]
                 raise ConfigError(
-                    f"data.{key}={path} is a folder but lacks {', '.join(corpus.FILES)} (a BEIR "
-                    f"split), a captions file ({', '.join(CAPTION_FILES)}) or a datasets folder"
+                    f"data.{key}={path} is a folder but lacks "
+                    + (
+                        f"{', '.join(lacks)} beside its {', '.join(have)} (a BEIR split)"
+                        if have
+                        else f"{', '.join(corpus.FILES)} (a BEIR split), a captions file "
+                        f"({', '.join(CAPTION_FILES)}) or a datasets folder"
+                    )
                 )
         if path and is_pair_file(path):
             raise ConfigError(

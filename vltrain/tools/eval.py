@@ -21,7 +21,13 @@ from vltrain.config.core import ConfigError
 from vltrain.core import distributed
 from vltrain.core.files import atomic_write_text, check_not_input, check_output_path
 from vltrain.engine.runtime import RunContext, resolve_device
-from vltrain.eval.corpus import missing_metrics, missing_warning, read_split, score_split
+from vltrain.eval.corpus import (
+    FILES,
+    missing_metrics,
+    missing_warning,
+    read_split,
+    score_split,
+)
 from vltrain.eval.variants import check_dims, variant_metrics
 from vltrain.tools.loading import load_trained
 
@@ -43,6 +49,11 @@ def eval_command(
     `dims`: also ``d<dim>_*`` per Matryoshka prefix; `int8`: also ``int8_*``. Sharded over the
     ranks under torchrun (rank 0 writes `out` and `ranks`; every rank returns the metrics)."""
     for name, path in (("--queries", queries), ("--corpus", corpus), ("--qrels", qrels)):
+        if Path(path).is_dir():
+            raise FileNotFoundError(
+                f"{name} {path} is a folder; name its file (e.g. {Path(path) / FILES[0]}, "
+                f"{Path(path) / FILES[1]}, {Path(path) / FILES[2]})"
+            )
         if not Path(path).is_file():
             raise FileNotFoundError(f"{name} {path} does not exist")
     inputs = [queries, corpus, qrels]
