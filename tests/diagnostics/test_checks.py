@@ -545,3 +545,21 @@ def test_batch_norm_split_warns_when_processes_or_chunks_split_the_batch():
     tower.eval()
     batch_norm_split(cfg, tower, world=2)
     assert not tower.training  # the probe leaves the module's mode as it was
+
+
+def test_train_duplicates_finds_a_file_repeated_in_itself(tmp_path):
+    """`cat train.jsonl train.jsonl`: every record twice, and the doctor said nothing (its
+    sample_repeated check counts indices, which differ)."""
+    from vltrain.diagnostics.data_checks import train_duplicates
+
+    for i in range(20):
+        (tmp_path / f"{i}.png").write_bytes(b"\x89PNG-%d" % i)
+    rows = [json.dumps({"image": f"{i}.png", "text": f"caption {i}"}) for i in range(20)]
+    (tmp_path / "once.jsonl").write_text("\n".join(rows) + "\n")
+    (tmp_path / "twice.jsonl").write_text("\n".join(rows + rows) + "\n")
+    f = train_duplicates(_cfg(f"data.train={tmp_path}/twice.jsonl"))
+    assert [x.check for x in f] == ["train_duplicates"] and f[0].evidence["repeats"] == 20
+    assert train_duplicates(_cfg(f"data.train={tmp_path}/once.jsonl")) == []
+    one = rows + rows[:1]  # a single repeat in 21 records: under the 5% floor
+    (tmp_path / "one.jsonl").write_text("\n".join(one) + "\n")
+    assert train_duplicates(_cfg(f"data.train={tmp_path}/one.jsonl")) == []

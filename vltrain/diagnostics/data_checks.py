@@ -215,11 +215,15 @@ class DataOrder:
 
 #: (resolved path, size, mtime_ns, limit) of a record file -> its fingerprints, so that the
 #: stages of one pipeline process (and the report after them) hash a dataset's images once
-_FINGERPRINTS: dict[tuple[str, int | None, int | None, int], frozenset[str]] = {}
+_FINGERPRINTS: dict[tuple[str, int | None, int | None, int], tuple[frozenset[str], int]] = {}
 
 
 CHAT_FIELDS = ("prompt", "completion", "messages", "conversations")
 """Record fields besides ``text`` that hold a record's text (chat and drafter records)."""
+
+
+#: the fraction of repeated training records `train_duplicates` warns at
+DUPLICATE_WARN = 0.05
 
 
 def record_fingerprints(path: str, limit: int = 50_000) -> frozenset[str]:
@@ -228,22 +232,28 @@ def record_fingerprints(path: str, limit: int = 50_000) -> frozenset[str]:
 
     Kept per process while the record file's size and modification time stay the same (an
     image rewritten in place under an unchanged record file is not hashed again)."""
+    return _fingerprinted(path, limit)[0]
+
+
+def _fingerprinted(path: str, limit: int) -> tuple[frozenset[str], int]:
+    """(`record_fingerprints`, how many records were fingerprinted), kept per file version."""
     p = Path(path)
     if not p.is_file() or p.suffix != ".jsonl":
-        return frozenset()
+        return frozenset(), 0
     key = (*file_version(p), limit)
     if key not in _FINGERPRINTS:
         if len(_FINGERPRINTS) >= 16:
             _FINGERPRINTS.pop(next(iter(_FINGERPRINTS)))
-        _FINGERPRINTS[key] = frozenset(_fingerprints(p, limit))
+        prints, total = _fingerprints(p, limit)
+        _FINGERPRINTS[key] = (frozenset(prints), total)
     return _FINGERPRINTS[key]
 
 
-def _fingerprints(p: Path, limit: int) -> set[str]:
+def _fingerprints(p: Path, limit: int) -> tuple[set[str], int]:
     from vltrain.data.images import BadSample
     from vltrain.data.readers import resolve_image_path
 
-    out = set()
+    out, total = set(), 0
     with p.open(encoding="utf-8", errors="replace") as f:  # bad lines are the loader's to count
         for i, line in enumerate(f):
             if i >= limit or not line.strip():
@@ -264,7 +274,27 @@ def _fingerprints(p: Path, limit: int) -> set[str]:
             # chat and drafter records: their turns, prompt and answer are the text
             texts += [json.dumps(rec[k], sort_keys=True) for k in CHAT_FIELDS if k in rec]
             out.add(key + "|" + "|".join(sorted(" ".join(str(t).lower().split()) for t in texts)))
-    return out
+            total += 1
+    return out, total
+
+
+def train_duplicates(cfg: Config) -> list[Finding]:
+    """Training records that repeat another (same image bytes and text): each is seen that many
+    times per epoch, and an epoch-based schedule counts them twice (a file concatenated with
+    itself trained silently)."""
+    if not cfg.data.train:
+        return []
+    prints, total = _fingerprinted(cfg.data.train, 50_000)
+    repeats = total - len(prints)
+    if total == 0 or repeats / total < DUPLICATE_WARN:
+        return []
+    return [Finding(
+        "warn", "train_duplicates", 0,
+        f"{repeats} of the first {total} data.train records ({repeats / total:.0%}) repeat "
+        "another record (same image bytes and text): they train that many times per epoch",
+        "deduplicate data.train (vltrain data curate), or repeat records on purpose only",
+        {"repeats": repeats, "records": total},
+    )]  # fmt: skip
 
 
 def eval_overlap(cfg: Config) -> list[Finding]:

@@ -26,6 +26,7 @@ from vltrain.diagnostics.data_checks import (
     DataOrder,
     batch_norm_split,
     eval_overlap,
+    train_duplicates,
 )
 from vltrain.diagnostics.probe import Probe
 from vltrain.diagnostics.record import Finding, StepRecord, severity_rank
@@ -112,7 +113,8 @@ class Doctor:
             probe.frozen_trainable,
             probe.unasked_parts,
         )
-        doc._emit(found + eval_overlap(cfg) + batch_norm_split(cfg, module, world))
+        data = eval_overlap(cfg) + train_duplicates(cfg)
+        doc._emit(found + data + batch_norm_split(cfg, module, world))
         return doc
 
     def _emit(self, found: list[Finding]) -> None:
