@@ -128,3 +128,22 @@ def test_a_stray_model_file_at_a_run_top_never_wins_over_its_checkpoints(tmp_pat
     export.mkdir()
     save_model(nn.Linear(4, 4), str(export / "model.safetensors"))
     assert checkpoint.resolve_checkpoint(export) == export
+
+
+def test_sharded_checkpoint_in_one_process_is_quiet(tmp_path, recwarn) -> None:
+    """A sharded (DCP) checkpoint saved and loaded in one process (fsdp at one rank, a 2 -> 1
+    resume, export) is meant: DCP's "torch.distributed is disabled" warning printed twice per
+    resume."""
+    import torch
+
+    from vltrain.core.checkpoint import load_shards, save_shards
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    save_shards(model, opt, tmp_path / "shards")
+    other = torch.nn.Linear(3, 2)
+    load_shards(other, torch.optim.AdamW(other.parameters()), tmp_path / "shards")
+    assert torch.equal(other.weight, model.weight)
+    assert not [w for w in recwarn if "torch.distributed is disabled" in str(w.message)]

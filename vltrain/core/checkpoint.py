@@ -17,6 +17,7 @@ import pickle
 import random
 import re
 import shutil
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -524,13 +525,24 @@ def _weight_files(folder: Path) -> list[list[Any]]:
 # every command's start
 
 
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """Silence DCP's "torch.distributed is disabled ... single process" warning: loading or
+    saving a sharded checkpoint in one process (fsdp at one rank, a resume on fewer ranks,
+    `vltrain export`) is meant (a resume printed it twice)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def save_shards(module: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
     """Every rank writes its shards of the weights and the optimizer state (FQN keys)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(module, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
+    with _quiet_single_process():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
 
 
 def load_shards(module: nn.Module, optimizer: torch.optim.Optimizer | None, folder: Path) -> None:
@@ -546,12 +558,14 @@ def load_shards(module: nn.Module, optimizer: torch.optim.Optimizer | None, fold
 
     if optimizer is None:
         state = {"model": get_model_state_dict(module)}
-        dcp.load(state, checkpoint_id=str(folder))
+        with _quiet_single_process():
+            dcp.load(state, checkpoint_id=str(folder))
         set_model_state_dict(module, state["model"])
         return
     model_sd, optim_sd = get_state_dict(module, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(folder))
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(
         module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
