@@ -190,6 +190,12 @@ case("max_bad_fraction_above_one", "data.max_bad_fraction")(
 case("warmup_longer_than_run", "optim.warmup_steps")(
     lambda c: c.train("optim.warmup_steps=50", "train.max_steps=2")
 )
+case("allow_changes_unknown_key", "did you mean optim.lr?")(
+    lambda c: c.train("train.allow_changes=[optim.lrr]")
+)
+case("allow_changes_misspelt_key", "did you mean train.max_steps?")(
+    lambda c: c.train("train.allow_changes=[train.max_step]")
+)
 
 # ---- data files and shapes --------------------------------------------------------------
 
@@ -564,6 +570,40 @@ case("connector_option_unknown", "connector_options")(
         "model.connector_options={bogus: 1}", config=str(REPO / "configs" / "caption_pretrain.yaml")
     )
 )
+# a value the tower refuses (not only an unknown field): refused at the config check, not
+# as a traceback once the tokenizer had trained
+case("vision_option_bad_choice", "model.vision_options: stem_norm must be one of ['batch',")(
+    lambda c: c.train("model.vision_options={stem_norm: layer}")
+)
+case("text_option_bad_value", "model.text_options, model.text_layers, model.text_width): pool")(
+    lambda c: c.train("model.text_options={pool: avg}")
+)
+case("vision_width_not_divisible_by_heads", "width 130 must be divisible by heads")(
+    lambda c: c.train("model.vision_width=130")
+)
+case("caption_vision_option_bad_choice", "model.vision_options: pool must be one of")(
+    lambda c: c.train(
+        "model.vision_options={pool: mean}", config=str(REPO / "configs" / "caption_pretrain.yaml")
+    )
+)
+
+
+def test_tower_option_values_fail_at_the_config_check() -> None:
+    """A value a tower refuses fails the stage's config check (`load_run_config`), which runs
+    before any tokenizer trains: the caption stage removes a refused new run's folder, so the
+    cases above cannot see that its tokenizer had trained before the error."""
+    from vltrain.config import ConfigError
+    from vltrain.stages import load_run_config
+
+    caption = str(REPO / "configs" / "caption_pretrain.yaml")
+    bad = {
+        caption: ("model.vision_options={pool: mean}", r"^model\.vision_options: pool must be"),
+        CLIP: ("model.text_options={pool: avg}", r"model\.text_options, .*: pool must be"),
+    }
+    for config, (override, message) in bad.items():
+        with pytest.raises(ConfigError, match=message):
+            load_run_config(config, [override])
+    load_run_config(caption, ["model.vision_options={pool: max}"])  # negative control
 
 
 @case("bad_data_in_a_folder_holding_the_users_files", "bad.jsonl:2")

@@ -69,6 +69,22 @@ def test_cross_field_rules() -> None:
         load_config(None, ["train.max_steps=10", "optim.warmup_steps=20"])
 
 
+def test_allow_changes_entries_are_config_keys() -> None:
+    """An entry that is no key allowed nothing, silently (the resume then said only that the
+    misspelt key's value differed)."""
+    for entry, hint in (("optim.lrr", "optim.lr"), ("train.max_step", "train.max_steps")):
+        with pytest.raises(
+            ConfigError, match=rf"entry '{entry}' is neither.*did you mean {hint}\?"
+        ):
+            load_config(None, [f"train.allow_changes=[{entry}]"])
+    with pytest.raises(ConfigError, match="entry 'optim' is neither a config key"):
+        load_config(None, ["train.allow_changes=[optim]"])  # a section, not a key
+    # negative control: keys, a mapping's sub-keys (how a resume names their changes) and
+    # global_batch are accepted
+    ok = "[train.max_steps, model.vision_options, optim.lr_scale.vision, global_batch]"
+    assert len(load_config(None, [f"train.allow_changes={ok}"]).train.allow_changes) == 4
+
+
 def test_yaml_scientific_notation_without_dot_is_a_float() -> None:
     assert load_config(None, ["optim.lr=5e-4"]).optim.lr == pytest.approx(5e-4)
 

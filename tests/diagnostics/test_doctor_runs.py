@@ -157,6 +157,25 @@ def _metric_run(path: Path, value: float, **config: object) -> Path:
     return path
 
 
+def test_report_of_a_tune_study_shows_its_trials_table(tmp_path: Path) -> None:
+    """A study folder holds trials.csv and one run per trial; the report used to look for
+    trials.csv inside each trial run, so the table never showed."""
+    study = tmp_path / "s1"
+    for n, value in enumerate((0.50, 0.60)):
+        _metric_run(study / f"trial_{n:04d}", value, **{"optim.lr": 0.001 * (n + 1)})
+    trials = "number,state,value,params.optim.lr\n0,COMPLETE,0.5,0.001\n1,PRUNED,0.6,0.002\n"
+    (study / "trials.csv").write_text(trials)
+    (study / "summary.json").write_text(json.dumps({"best": {"number": 0}}))
+    html = build_report([str(study)])
+    assert "<h2>tune study s1: trials</h2>" in html
+    assert '<tr class="best"><td>0</td><td>COMPLETE</td><td>0.5</td>' in html
+    assert "<td>1</td><td>PRUNED</td>" in html and "params.optim.lr" in html
+    assert "<h2>trial_0000</h2>" in html and "<h2>trial_0001</h2>" in html  # its runs follow
+    # negative control: the same runs given one by one are not a study
+    runs = [str(study / "trial_0000"), str(study / "trial_0001")]
+    assert "tune study" not in build_report(runs) and "PRUNED" not in build_report(runs)
+
+
 def verdicts(runs: list[Path]) -> dict[str, str]:
     """{variant: the ablation's verdict, up to its first colon or parenthesis}."""
     _, rows = ablation([RunData(p) for p in runs])

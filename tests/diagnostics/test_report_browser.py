@@ -92,7 +92,15 @@ def _wide_run(path: Path, seed: int) -> Path:
         for s in range(10, 40)
     ]  # fmt: skip
     (path / "doctor.jsonl").write_text("".join(json.dumps(r) + "\n" for r in blips))
-    params = [f"params_optim.option_{i}" for i in range(14)]
+    return path
+
+
+def _wide_study(path: Path) -> Path:
+    """A tune study folder: two wide runs as its trials, and a trials table of 14 tuned
+    parameters."""
+    for seed in (0, 1):
+        _wide_run(path / f"trial_{seed:04d}", seed)
+    params = [f"params.optim.option_{i}" for i in range(14)]
     trials = [",".join(["number", "value", *params])]
     trials += [",".join([str(t), str(1 / (t + 7)), *[str(t / (i + 3)) for i in range(14)]])
                for t in range(5)]  # fmt: skip
@@ -101,12 +109,12 @@ def _wide_run(path: Path, seed: int) -> Path:
 
 
 def test_report_fits_a_1280_px_window(tmp_path):
-    runs = [str(_wide_run(tmp_path / f"seed{s}", s)) for s in (0, 1)]
-    page = write_report(runs, tmp_path / "report.html")
+    page = write_report([str(_wide_study(tmp_path / "study"))], tmp_path / "report.html")
     html = page.read_text()
     assert scroll_width(page, tmp_path) <= WINDOW
     assert html.count("<td>info</td><td>30</td>") == 2  # the 30 blips: one row per run, counted
     assert "0.3333333" not in html and "<td>0.04348</td>" in html  # rounded to 4 digits
+    assert "params.optim.option_13" in html  # the study's trials table is on the page
     # negative control: without the tables' scrolling boxes the same page is far too wide
     unboxed = tmp_path / "unboxed.html"
     unboxed.write_text(html.replace('<div class="scroll">', "<div>"))

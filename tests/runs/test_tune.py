@@ -15,6 +15,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -362,3 +363,68 @@ def test_a_trial_takes_the_tune_budget_not_the_base_epochs(
     trial_cfg = search.plan.config({"optim.lr": 1e-3}, tmp_path / "trial")
     assert trial_cfg.train.epochs == 0 and not trial_cfg.train.save_every_epoch
     assert resolve_budget(trial_cfg).train.max_steps == trial_cfg.train.max_steps
+
+
+def _open(cfg: Path, name: str, world_size: int) -> optuna.Study:
+    """Create or resume study `name` as a search on `world_size` processes opens it."""
+    import dataclasses
+
+    from vltrain.runs.tune.search import Search
+
+    search = Search(str(cfg), study=name)
+    search._prepare()
+    search.ctx = dataclasses.replace(search.ctx, world_size=world_size)
+    search._open_study()
+    return search.study
+
+
+def test_a_resume_on_another_process_count_is_refused(shapes_dir: Path, tmp_path: Path) -> None:
+    """Another process count is another global batch: a 1-process study resumed under
+    torchrun with 2 was accepted and every new trial was pruned at its first evaluation
+    (eval_loss near chance against the 1-process median)."""
+    cfg = _write_config(tmp_path / "t.yaml", shapes_dir, tmp_path / "runs", enqueue=[])
+    assert _open(cfg, "w", 1).user_attrs["vltrain"]["world_size"] == 1
+    refused = r"study 'w' ran its trials on 1 process and this run has 2 processes: .*global batch"
+    with pytest.raises(TuneError, match=refused + r".*resume on 1 process .*new --study$"):
+        _open(cfg, "w", 2)
+    _open(cfg, "w", 1)  # negative control: the same process count resumes
+    # under torchrun every rank stops with the refusal: none waits on rank 0 or dies of it
+    # (torchrun may end rank 1 before it prints its line once rank 0 has exited: >= 1 line)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += ["-m", "vltrain", "tune", str(cfg), "--study", "w"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in res.stderr.splitlines() if "vltrain: error:" in line]
+    assert res.returncode != 0 and 1 <= len(errors) <= 2, res.stderr[-3000:]
+    assert all(re.match("vltrain: error: " + refused, line) for line in errors)
+    assert "[rank1]" not in res.stderr and "[rank0]" not in res.stderr  # no rank's traceback
+    assert not (tmp_path / "runs" / "w" / "trial_0000").exists()
+
+
+def test_a_study_without_a_process_count_still_resumes(shapes_dir: Path, tmp_path: Path) -> None:
+    """Studies created before the process count was recorded resume on any (unchecked)."""
+    cfg = _write_config(tmp_path / "t.yaml", shapes_dir, tmp_path / "runs", enqueue=[])
+    study = _open(cfg, "old", 1)
+    record = study.user_attrs["vltrain"]
+    del record["world_size"]
+    study.set_user_attr("vltrain", record)
+    assert "world_size" not in _open(cfg, "old", 2).user_attrs["vltrain"]
+    # negative control: a changed space is still refused for such a study
+    space = {"optim.lr": {"type": "categorical", "choices": [1.0e-3, 5.0e-3]}}
+    cfg = _write_config(tmp_path / "t.yaml", shapes_dir, tmp_path / "runs", enqueue=[], space=space)
+    with pytest.raises(TuneError, match="different space"):
+        _open(cfg, "old", 1)
+
+
+def test_an_option_error_prints_the_usage_with_the_config(capsys: pytest.CaptureFixture) -> None:
+    """`--trials 0` after the config is parsed by a second parser, whose own usage line lacked
+    the `config` positional."""
+    for argv in (["tune", "c.yaml", "--trials", "0"], ["tune", "--trials", "0", "c.yaml"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "--trials: must be an integer >= 1" in err
+        usage = err.splitlines()[0]
+        assert usage.startswith("usage: vltrain tune [-h]") and usage.endswith(
+            " config [overrides ...]"
+        )

@@ -9,12 +9,13 @@ from vltrain.cli.options import path_arg
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from vltrain.runs.tune.command import DESCRIPTION as TUNE_DESCRIPTION
-    from vltrain.runs.tune.command import add_tune_options
+    from vltrain.runs.tune.command import USAGE, add_tune_options
 
     tu = sub.add_parser(
         "tune",
         help="hyperparameter search with Optuna (resumable, pruned)",
         description=TUNE_DESCRIPTION,
+        usage=USAGE,
     )
     add_tune_options(tu)
     tu.add_argument(

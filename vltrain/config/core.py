@@ -78,10 +78,25 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _unknown_key(key: str, valid: list[str]) -> ConfigError:
+def value_keys(cls: type, prefix: str = "") -> dict[str, Any]:
+    """Every dotted key that holds a value (not a section), with its type."""
+    out: dict[str, Any] = {}
+    for name, tp in _hints(cls).items():
+        if dataclasses.is_dataclass(tp):
+            out.update(value_keys(tp, f"{prefix}{name}."))
+        else:
+            out[prefix + name] = tp
+    return out
+
+
+def did_you_mean(key: str, valid: list[str]) -> str:
+    """The suffix an unknown key's error ends with: the closest valid key, or where to look."""
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    hint = f"; did you mean {close[0]}?" if close else " (see docs/config.md for every key)"
-    return ConfigError(f"unknown config key '{key}'{hint}")
+    return f"; did you mean {close[0]}?" if close else " (see docs/config.md for every key)"
+
+
+def _unknown_key(key: str, valid: list[str]) -> ConfigError:
+    return ConfigError(f"unknown config key '{key}'{did_you_mean(key, valid)}")
 
 
 def set_dotted(tree: dict, key: str, value: Any) -> None:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,11 +18,13 @@ from vltrain.config.core import (
     ConfigError,
     build,
     deep_merge,
+    did_you_mean,
     load_yaml,
     option,
     parse_overrides,
     section,
     to_dict,
+    value_keys,
 )
 
 
@@ -862,6 +865,20 @@ def _check_epochs(cfg: Config) -> None:
 CHECKPOINT_SIGNALS = ("SIGUSR1", "SIGUSR2")
 
 
+def _check_allow_changes(entries: list[str]) -> None:
+    """Each `train.allow_changes` entry is a config key (a mapping's, e.g. optim.lr_scale, with
+    its sub-keys) or global_batch: a misspelt one allows nothing, and the resume refused the
+    change with no word on why the entry did not count."""
+    keys = value_keys(Config)
+    mappings = tuple(f"{k}." for k, tp in keys.items() if typing.get_origin(tp) is dict)
+    for entry in entries:
+        if entry != "global_batch" and entry not in keys and not entry.startswith(mappings):
+            raise ConfigError(
+                f"'train.allow_changes' entry {entry!r} is neither a config key nor "
+                f"global_batch{did_you_mean(entry, [*keys, 'global_batch'])}"
+            )
+
+
 def validate_cross_fields(cfg: Config) -> None:
     """Rules that involve more than one field."""
     if not cfg.run.out_dir.strip():
@@ -889,6 +906,7 @@ def validate_cross_fields(cfg: Config) -> None:
             f"'train.checkpoint_on' takes signal names from {list(CHECKPOINT_SIGNALS)}, got "
             f"{bad}; SIGTERM and SIGINT always save and stop"
         )
+    _check_allow_changes(cfg.train.allow_changes)
     for key, scale in cfg.optim.lr_scale.items():
         if scale < 0:
             raise ConfigError(f"'optim.lr_scale.{key}' must be >= 0, got {scale}")

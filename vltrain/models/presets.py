@@ -11,8 +11,9 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
+from vltrain.config.core import ConfigError
 from vltrain.models.text import TextTowerConfig
-from vltrain.models.vit import VisionTowerConfig
+from vltrain.models.vit import NORMS, POOLS, STEMS, VisionTowerConfig
 
 VISION_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"image_size": 64, "patch_size": 8, "width": 128, "layers": 2, "heads": 4},
@@ -39,6 +40,9 @@ TEXT_PRESETS: dict[str, dict[str, Any]] = {
     "base": {"context_length": 77, "width": 512, "layers": 12, "heads": 8},
 }
 
+#: vision tower fields that take one of a few names (VisionTowerConfig checks the same)
+VISION_CHOICES: dict[str, tuple[str, ...]] = {"stem": STEMS, "stem_norm": NORMS, "pool": POOLS}
+
 # Projection size a dual encoder of this text preset usually uses.
 EMBED_DIMS: dict[str, int] = {"tiny": 128, "small": 256, "base": 512}
 
@@ -52,11 +56,34 @@ def _lookup(table: dict[str, dict[str, Any]], kind: str, name: str) -> dict[str,
 
 
 def vision_config(name: str, **overrides: Any) -> VisionTowerConfig:
-    """The ``VisionTowerConfig`` of preset ``name`` with ``overrides`` applied."""
-    return VisionTowerConfig(**{**_lookup(VISION_PRESETS, "vision", name), **overrides})
+    """The ``VisionTowerConfig`` of preset ``name`` with ``overrides`` applied; a value the
+    tower refuses is a ConfigError (a ValueError) naming the config keys that set it."""
+    for field, allowed in VISION_CHOICES.items():  # only model.vision_options sets these
+        if field in overrides and overrides[field] not in allowed:
+            raise ConfigError(
+                f"model.vision_options: {field} must be one of {list(allowed)}, got "
+                f"{overrides[field]!r}"
+            )
+    dims = {**_lookup(VISION_PRESETS, "vision", name), **overrides}
+    return _tower(VisionTowerConfig, "vision", name, dims)
 
 
 def text_config(name: str, vocab_size: int, **overrides: Any) -> TextTowerConfig:
-    """The ``TextTowerConfig`` of preset ``name`` for a tokenizer with ``vocab_size`` ids."""
-    dims = {**_lookup(TEXT_PRESETS, "text", name), **overrides}
-    return TextTowerConfig(vocab_size=vocab_size, **dims)
+    """The ``TextTowerConfig`` of preset ``name`` for a tokenizer with ``vocab_size`` ids; a
+    value the tower refuses is a ConfigError, as in `vision_config`."""
+    dims = {**_lookup(TEXT_PRESETS, "text", name), **overrides, "vocab_size": vocab_size}
+    return _tower(TextTowerConfig, "text", name, dims)
+
+
+def _tower(make: type, side: str, name: str, dims: dict[str, Any]) -> Any:
+    """``make(**dims)``; its ValueError becomes a ConfigError naming the keys a user sets. The
+    config check builds the towers (`preflight.check_memory`) and passes a ConfigError on, so
+    a bad option fails at load instead of as a traceback after the tokenizer trained."""
+    try:
+        return make(**dims)
+    except ValueError as e:
+        reason = str(e).removeprefix(f"{make.__name__}: ")
+        raise ConfigError(
+            f"the {side} tower (model.{side}={name!r} with model.{side}_options, "
+            f"model.{side}_layers, model.{side}_width): {reason}"
+        ) from None

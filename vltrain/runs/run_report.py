@@ -3,8 +3,9 @@
 Per run: a card (commit and dirty state, machine, versions, time, CPU/GPU-hours), curves (loss
 raw and smoothed with doctor findings marked, eval metrics, LR, grad norm, throughput), loss vs
 batch length per bucket, the per-checkpoint eval table (best marked), test metrics (retrieval,
-caption, drafter: whatever the stage reports), bad-sample counts, a tune study's trials, and the
-doctor's findings. Across runs: the config diff and an ablation table (baseline = first run).
+caption, drafter: whatever the stage reports), bad-sample counts, and the doctor's findings.
+Across runs: a tune study's trials table (a study folder given), the config diff and an
+ablation table (baseline = first run).
 """
 
 from __future__ import annotations
@@ -275,12 +276,25 @@ def _extras(run: RunData) -> str:
         if bad
         else "<p>bad samples: none</p>"
     )
-    trials = run.path / "trials.csv"
-    if trials.is_file():
-        rows = list(csv.reader(trials.read_text().splitlines()))
-        if rows:
-            parts.append("<h4>tune trials</h4>" + table(rows[0], rows[1:]))
     return "".join(parts)
+
+
+def study_trials(folder: Path) -> str:
+    """A tune study folder's trials table (its trials.csv, the best trial highlighted); '' for
+    any other path. The study's trial runs are its sub-runs (`expand_runs`), reported each."""
+    trials = folder / "trials.csv"
+    if (folder / "config.yaml").is_file() or not trials.is_file():
+        return ""
+    rows = list(csv.reader(trials.read_text().splitlines()))
+    if not rows:
+        return ""
+    best = (_json(folder / "summary.json").get("best") or {}).get("number")
+    marked = [i for i, row in enumerate(rows[1:]) if row and row[0] == str(best)]
+    return (
+        f"<h2>tune study {escape(folder.name)}: trials</h2><p>{escape(str(folder))}</p>"
+        + table(rows[0], rows[1:], marked)
+        + ("<p>best trial highlighted</p>" if marked else "")
+    )
 
 
 def config_diff(runs: list[RunData]) -> tuple[list[str], list[list[Any]]]:
@@ -343,7 +357,7 @@ def ablation(runs: list[RunData]) -> tuple[list[str], list[list[Any]]]:
 def build_report(paths: list[str], title: str = "vltrain report") -> str:
     """The report page as one HTML string."""
     runs = [RunData(p) for p in expand_runs(paths)]
-    body = [f"<h1>{escape(title)}</h1>"]
+    body = [f"<h1>{escape(title)}</h1>", *filter(None, (study_trials(Path(p)) for p in paths))]
     if len(runs) > 1:
         header, rows = config_diff(runs)
         body += ["<h2>config diff</h2>", table(header, rows) if rows else "<p>identical</p>"]

@@ -44,7 +44,7 @@ from vltrain.engine.runtime import RunContext
 from vltrain.engine.task import StepOutput
 from vltrain.eval.captions import CaptionEvaluator, metric_names
 from vltrain.inference.captioning import decode_captions
-from vltrain.models.backbones import build_captioner, load_initial_weights, load_vision_tower
+from vltrain.models import backbones
 from vltrain.models.connectors import CONNECTORS, check_connector_options
 from vltrain.stages.caption_hf import HF_CAPTION_KINDS, HFCaptionCore, check_hf_caption_config
 
@@ -91,12 +91,7 @@ def check_captioner_config(cfg: Config, stage: str, used: tuple[str, ...] = CAPT
             raise ConfigError(f"'model.freeze' entry {part!r} is not one of {list(PARTS)}")
     if set(PARTS) <= set(m.freeze):
         raise ConfigError("'model.freeze' freezes every part of the model: nothing would train")
-    if m.vision_options.get("pool") == "none":
-        raise ConfigError(
-            "model.vision_options.pool: none leaves the vision tower without features to "
-            "caption from (it is the word-pair head's tower, stage contrastive); use cls, "
-            "flatten or max"
-        )
+    backbones.check_captioner_vision(cfg)
 
 
 class CaptionCore:
@@ -135,11 +130,11 @@ class CaptionCore:
         )
 
     def build_model(self) -> nn.Module:
-        model = build_captioner(self.cfg, self.tokenizer)
+        model = backbones.build_captioner(self.cfg, self.tokenizer)
         if self.init_ckpt is not None:
-            load_initial_weights(model, self.init_ckpt)
+            backbones.load_initial_weights(model, self.init_ckpt)
         elif self.cfg.model.vision_init_from:
-            load_vision_tower(model, self.cfg.model.vision_init_from)
+            backbones.load_vision_tower(model, self.cfg.model.vision_init_from)
         model.freeze(self.cfg.model.freeze)
         return model
 

@@ -12,6 +12,9 @@ DESCRIPTION = (
     "resumes a killed search. Writes trials.csv/.md, plots and best.yaml (the base config with "
     "the best parameters, for `vltrain train`). See docs/tuning.md."
 )
+#: one usage line for both parsers below: the re-parse of the trailing arguments knows no
+#: `config` positional, and argparse would print its usage without it
+USAGE = "%(prog)s [-h] [--trials N] [--storage URL] [--study NAME] config [overrides ...]"
 
 
 def _trials(text: str) -> int:
@@ -31,22 +34,27 @@ def add_tune_options(p: argparse.ArgumentParser) -> None:
         "--trials",
         type=_trials,
         default=None,
+        metavar="N",
         help="trials to finish in the study (overrides tune.trials)",
     )
     p.add_argument(
         "--storage",
         default=None,
+        metavar="URL",
         help="'journal', 'journal:PATH', a SQLAlchemy URL or env:VAR "
         "(default: SQLite in the study dir; overrides tune.storage)",
     )
     p.add_argument(
-        "--study", default=None, help="study name; reuse it to resume (overrides tune.study)"
+        "--study",
+        default=None,
+        metavar="NAME",
+        help="study name; reuse it to resume (overrides tune.study)",
     )
 
 
 def parse_rest(args: argparse.Namespace) -> dict[str, Any]:
     """Split the trailing arguments into options and dotted overrides."""
-    p = argparse.ArgumentParser(prog="vltrain tune", add_help=False)
+    p = argparse.ArgumentParser(prog="vltrain tune", usage=USAGE, add_help=False)
     add_tune_options(p)
     p.add_argument("overrides", nargs="*")
     rest = p.parse_intermixed_args(args.rest)

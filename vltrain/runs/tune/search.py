@@ -190,17 +190,32 @@ class Search:
                 self.study.enqueue_trial(params)
 
     def _check_compatible(self) -> None:
-        """A resumed study must search the same space for the same objective."""
+        """A resumed study must search the same space for the same objective, on as many
+        processes: the global batch (data.batch_size x processes x optim.accum_steps) sets a
+        trial's steps and metrics, so trials of two process counts do not compare (the
+        pruner would judge one against the other's median). A study recorded before the
+        process count was (no `world_size`) resumes without that check."""
         want = {
             "space": {s.key: s.describe() for s in self.specs},
             "metric": self.metric,
             "direction": self.direction,
+            "world_size": self.ctx.world_size,
         }
         have = self.study.user_attrs.get("vltrain")
         if have is None:
             self.study.set_user_attr("vltrain", want)
-        elif have != want:
-            diff = sorted(k for k in want if want[k] != have.get(k))
+            return
+        before = have.get("world_size", want["world_size"])
+        if before != want["world_size"]:
+            raise TuneError(
+                f"study '{self.name}' ran its trials on {_processes(before)} and this run has "
+                f"{_processes(want['world_size'])}: the global batch (data.batch_size x "
+                "processes x optim.accum_steps), and with it each trial's steps and metrics, "
+                f"would not compare with its finished trials'; resume {_launch(before)}, or "
+                "start a new --study"
+            )
+        diff = sorted(k for k in want if k in have and want[k] != have[k])
+        if diff:
             raise TuneError(
                 f"study '{self.name}' was created with a different {', '.join(diff)} "
                 f"({have}); use a new --study name, or restore the original "
@@ -349,11 +364,19 @@ class Search:
         self._prepare()
         summary: dict[str, Any] = {}
         if self.ctx.is_main:
-            self._open_study()
+            try:
+                self._open_study()
+            except ConfigError as e:  # e.g. a resume on another process count
+                distributed.broadcast_object(e)  # every rank stops with it, none hangs
+                raise
+            distributed.broadcast_object(None)
             self._print_header()
             self._run_main()
             summary = write_results(self, time.time() - t0)
         else:
+            refused = distributed.broadcast_object(None)
+            if refused is not None:
+                raise refused
             self._run_follower()
         if self.fatal is not None:
             raise self.fatal
@@ -384,6 +407,17 @@ class Search:
         if self.dead:
             lines.append(f"  marked failed (their worker died): trials {self.dead}")
         print("\n".join(lines), flush=True)
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" + ("es" if n != 1 else "")
+
+
+def _launch(n: int) -> str:
+    """How to start a search on `n` processes again."""
+    if n == 1:
+        return "on 1 process (without torchrun)"
+    return f"on {n} processes (e.g. torchrun --nproc_per_node={n} on one machine)"
 
 
 def _fmt(v: Any) -> str:

@@ -17,7 +17,7 @@ import difflib
 import itertools
 from typing import Any
 
-from vltrain.config.core import ConfigError, all_keys, set_dotted
+from vltrain.config.core import ConfigError, did_you_mean, set_dotted, value_keys
 from vltrain.config.schema import Config
 
 TYPES = ("float", "int", "categorical")
@@ -70,13 +70,6 @@ class ParamSpec:
             return f"one of {list(self.choices)}"
         extra = (" log" if self.log else "") + (f" step {self.step}" if self.step else "")
         return f"{self.type} [{self.low}, {self.high}]{extra}"
-
-
-def _leaf_keys() -> list[str]:
-    """Every dotted config key that holds a value (not a section)."""
-    keys = all_keys(Config)
-    sections = {k.rsplit(".", 1)[0] for k in keys if "." in k}
-    return [k for k in keys if k not in sections]
 
 
 def _flatten(space: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -169,7 +162,7 @@ def parse_space(space: dict[str, Any]) -> list[ParamSpec]:
             "tune.space: {optim.lr: {type: float, low: 1.0e-5, high: 5.0e-4, "
             "log: true}}"
         )
-    leaves = _leaf_keys()
+    leaves = list(value_keys(Config))
     specs = []
     for key, spec in _flatten(space).items():
         if key.startswith("tune."):
@@ -179,9 +172,7 @@ def parse_space(space: dict[str, Any]) -> list[ParamSpec]:
         if key in RESERVED:
             raise ConfigError(f"tune.space cannot search '{key}': {RESERVED[key]}")
         if key not in leaves:
-            close = difflib.get_close_matches(key, leaves, n=1, cutoff=0.5)
-            hint = f"; did you mean {close[0]}?" if close else " (see docs/config.md)"
-            raise ConfigError(f"tune.space: unknown config key '{key}'{hint}")
+            raise ConfigError(f"tune.space: unknown config key '{key}'{did_you_mean(key, leaves)}")
         specs.append(_parse_one(key, spec))
     return specs
 
