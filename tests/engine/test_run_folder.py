@@ -284,3 +284,22 @@ def test_every_rank_reads_the_run_folder_before_rank_0_rewrites_it(
 
     loop.Trainer(_cfg(shapes_dir, tmp_path / "run"), stage=ContrastiveStage)
     assert order[:4] == ["plan", "barrier", "write", "barrier"]
+
+
+def test_resume_on_another_world_size_with_the_same_global_batch_needs_no_allow(
+    shapes_dir: Path, tmp_path: Path
+) -> None:
+    """2 ranks x 2 resumed as 1 rank x 4 (or back): the global batch and the data order are
+    the same, and the resume needed train.allow_changes=[data.batch_size] anyway."""
+    from vltrain.engine import run_dir
+
+    run = tmp_path / "run"
+    train(_cfg(shapes_dir, run, **{"train.max_steps": 2, "data.batch_size": 4}))
+    saved = run / "config.yaml"
+    half = load_config(saved, ["train.resume=true", "data.batch_size=2", "train.max_steps=4"])
+    half.train.allow_changes = ["train.max_steps"]
+    plan = run_dir.plan_run(half, world_size=2)
+    assert plan.changed == ["data.batch_size", "train.max_steps"]
+    assert any("data.batch_size changed 4 -> 2" in m for m in plan.messages)
+    with pytest.raises(ConfigError, match="data.batch_size: 4 -> 2"):  # another global batch
+        run_dir.plan_run(half, world_size=1)

@@ -6,8 +6,9 @@ Decided before anything is written (every rank reads, rank 0 writes afterwards):
   deletes that run's checkpoints, tokenizer, metrics and summary first;
 - ``train.resume=true`` needs a checkpoint that loads (newer ones that do not are skipped and
   named), and a config equal to the run's saved config.yaml except for harmless keys and the
-  keys listed in ``train.allow_changes`` (each change is logged); another global batch needs
-  ``global_batch`` in that list; resuming a finished run is a no-op that says so;
+  keys listed in ``train.allow_changes`` (each change is logged; ``data.batch_size`` may change
+  freely when the world size changes with it and the global batch stays); another global batch
+  needs ``global_batch`` in that list; resuming a finished run is a no-op that says so;
 - a folder a live process trains in (its ``train.lock`` names the host and pid) is refused;
   the lock of a dead process on this host is taken over, with a message.
 """
@@ -376,6 +377,11 @@ def _plan_resume(cfg: Config, out: Path, world_size: int) -> RunPlan:
     saved = yaml.safe_load(saved_path.read_text()) or {}
     changes = config_changes(saved, to_dict(cfg))
     allowed = set(cfg.train.allow_changes)
+    state = checkpoint.load_trainer_state(ckpt)
+    old_global = saved.get("data", {}).get("batch_size", 0) * int(state.get("world_size", 1))
+    new_global = cfg.data.batch_size * world_size
+    if "data.batch_size" in changes and old_global == new_global:
+        allowed.add("data.batch_size")  # another world size, the same global batch and order
     blocked = {
         k: v
         for k, v in changes.items()
@@ -389,9 +395,6 @@ def _plan_resume(cfg: Config, out: Path, world_size: int) -> RunPlan:
             f"explicitly with train.allow_changes=[{', '.join(blocked)}]"
         )
     _check_data_version(cfg, out)
-    state = checkpoint.load_trainer_state(ckpt)
-    old_global = saved.get("data", {}).get("batch_size", 0) * int(state.get("world_size", 1))
-    new_global = cfg.data.batch_size * world_size
     if old_global != new_global and "global_batch" not in allowed:
         raise ConfigError(
             f"resuming {out} with a global batch of {new_global} (data.batch_size "
