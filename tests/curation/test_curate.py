@@ -47,6 +47,17 @@ def test_curate_finds_planted_copies_and_keeps_witnesses(planted: Path, tmp_path
             assert r["duplicate_of"] in kept_ids  # the witness is in the output
     leaks = [x["id"] for x in recs if x.get("planted", {}).get("kind") == "leak"]
     assert leaks and all(by_id[i]["reason"].startswith("leak_") for i in leaks)  # 0 FN
+    # every leak names the eval record it leaked from, whose caption holds the n-gram
+    evals = {
+        json.loads(x)["id"]: json.loads(x)
+        for x in (planted / "test.jsonl").read_text().splitlines()
+    }
+    ngram = [r for r in removed if r["reason"] == "leak_caption_ngram"]
+    assert ngram  # the check below is not vacuous
+    for r in ngram:
+        source = evals[r["duplicate_of"].split(":", 1)[1]]
+        assert r["duplicate_source"] == "eval"
+        assert any(r["detail"] in " ".join(t.lower().split()) for t in source["text"])
     exact = [x["id"] for x in recs if x.get("planted", {}).get("kind") in ("exact", "resized")]
     assert exact and all(by_id[i]["reason"].startswith("dup_") for i in exact)
     image_dups = [r for r in removed if r["reason"] in ("dup_exact_image", "dup_near_image")]

@@ -281,15 +281,15 @@ class EvalSets:
 
     def __init__(self, paths: list[Path], opts: CurateOptions, bands: int, rows: int) -> None:
         self.paths = paths
-        grams: set[str] = set()
+        grams: dict[str, int] = {}  # n-gram -> the first eval record holding it
+        row = 0
         for path in paths:
             for _, _, rec in iter_lines(path):
                 for t in rec["text"]:
                     toks = words(t) if isinstance(t, str) else []
-                    grams.update(
-                        " ".join(toks[i : i + opts.leak_n])
-                        for i in range(len(toks) - opts.leak_n + 1)
-                    )
+                    for i in range(len(toks) - opts.leak_n + 1):
+                        grams.setdefault(" ".join(toks[i : i + opts.leak_n]), row)
+                row += 1
         self.grams = grams
         self.bloom = BloomFilter(max(1, len(grams)), opts.bloom_fp_rate, opts.seed)
         self.bloom.update(sorted(grams))
@@ -308,7 +308,8 @@ class EvalSets:
     def match(self, f: Features) -> Decision:
         verified = [g for g in f.bloom_hits if g in self.grams]  # exact check of every hit
         if verified:
-            return Decision("leak_caption_ngram", None, 1.0, "eval", detail=verified[0])
+            gram = verified[0]
+            return Decision("leak_caption_ngram", self.grams[gram], 1.0, "eval", detail=gram)
         for t in f.normalized:
             if t in self.normalized:
                 return Decision("leak_caption_exact", self.normalized[t], 1.0, "eval")
