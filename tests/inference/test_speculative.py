@@ -58,6 +58,10 @@ def test_hf_greedy_is_lossless(hf_target, budget, shape, monkeypatch) -> None:
     monkeypatch.setattr(speculative, "_draft", spec_helpers.oracle_draft(ref, first, V, 0.7))
     out, stats = speculative.speculative_generate(hf_target, drafter, inputs, 24, **kw)
     assert out == ref and stats.tau > 1.5  # long accepted paths exercise the compaction
+    # tokens_per_round: what the rounds added to the output (the first token is the prefill's);
+    # tau also counts tokens accepted past EOS / the limit, so it is never below it
+    assert sum(map(sum, stats.kept)) == sum(len(o) - 1 for o in out)
+    assert stats.tokens_per_round <= stats.tau
 
 
 def test_an_unknown_tree_shape_is_refused(hf_target) -> None:

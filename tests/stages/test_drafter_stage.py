@@ -283,6 +283,7 @@ def test_decoding_tau_in_training_runs_native_and_equals_hf_decoding(
         )
         tau = sum(map(sum, stats.accepted)) / stats.rounds
         assert m[f"eval_tau_decode{name}"] == pytest.approx(tau, abs=1e-9), name
+        assert m[f"eval_kept_decode{name}"] == pytest.approx(stats.tokens_per_round, abs=1e-9)
 
 
 def test_loss_mask_matches_the_chat_template(lm) -> None:

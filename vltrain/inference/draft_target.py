@@ -231,7 +231,8 @@ class DraftTarget:
 
     def decode_tau(self, drafter: Any, base: Any, rank: int, world_size: int) -> dict[str, float]:
         """tau of real speculative decoding of this rank's share of the first eval prompts
-        (``tau_decode``; ``tau_decode_tree`` with ``drafter.eval_tree_budget``), all-reduced."""
+        (``tau_decode``; ``tau_decode_tree`` with ``drafter.eval_tree_budget``) and the tokens
+        a round added to the output (``kept_decode``, ``kept_decode_tree``), all-reduced."""
         d = self.cfg.drafter
         n = min(d.eval_prompts, len(base))
         mine = list(range(n))[rank::world_size]
@@ -239,7 +240,7 @@ class DraftTarget:
         for name, budget in (("", 0), ("_tree", d.eval_tree_budget)):
             if name and not budget:
                 continue
-            acc = torch.zeros(2, dtype=torch.float64)
+            acc = torch.zeros(3, dtype=torch.float64)
             if mine:
                 prompts = self.prompts(base, mine)
                 _, stats = speculative_generate(
@@ -249,9 +250,12 @@ class DraftTarget:
                     max_new_tokens=self._room(d.eval_max_new_tokens, prompts),
                     tree_budget=budget,
                 )
-                acc += torch.tensor([sum(map(sum, stats.accepted)), stats.rounds])
+                kept = sum(map(sum, stats.kept))
+                acc += torch.tensor([sum(map(sum, stats.accepted)), stats.rounds, kept])
             acc = distributed.all_reduce_sum(acc.to(self.device)).cpu()
             out[f"tau_decode{name}"] = float(acc[0] / acc[1].clamp(min=1))
+            # tokens each round added to the output (tau_decode counts past EOS / the limit)
+            out[f"kept_decode{name}"] = float(acc[2] / acc[1].clamp(min=1))
         if isinstance(self.decode_target, NativeTarget):
             self.decode_target.release()  # ~2 copies of the target's weights until next eval
         if n:  # what `vltrain generate --spec auto` predicts from (drafter.json "eval")

@@ -165,7 +165,8 @@ def measure_costs(
     phases: dict[str, list[dict[str, float]]] = {way: [] for way in ways}
     for rep in range(reps + 1):  # pass 0: the warm-up (packing, allocations)
         n = most if rep else min(block, most)
-        steps += [_greedy_step(target, inputs, n)] if rep else []
+        step = _greedy_step(target, inputs, n)  # pass 0 warms it up too (it ran cold: 316 ms
+        steps += [step] if rep else []  # against ~150 warm, a reviewer's "chain 5.5x")
         for way, budget in ways.items():
             _, st = speculative_generate(
                 target, drafter, inputs, max_new_tokens=n, tree_budget=budget, timed=True

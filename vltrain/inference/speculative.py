@@ -20,7 +20,10 @@ Greedy output equals the target's own greedy decoding token for token (lossless)
 the target's own samples.
 
 tau (``SpecStats.tau``) = mean over rounds of accepted draft tokens + 1, the convention of DFlash
-and DDTree; ``tokens_per_round`` counts what was emitted after EOS / length cuts.
+and DDTree (a round that accepts past an EOS or the length limit counts those tokens too);
+``SpecStats.tokens_per_round`` counts what was emitted, after those cuts: what the speed-up
+follows (on short outputs, such as captions, the two differ by a third and can rank a chain
+above a tree that emits more).
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ class SpecStats:
 
     accepted: list[list[int]] = field(default_factory=list)
     """Per row, per round: accepted draft tokens + 1."""
+    kept: list[list[int]] = field(default_factory=list)
+    """Per row, per round: the tokens the round added to the output (cut at EOS / the limit)."""
     anchors: list[list[int]] = field(default_factory=list)
     """Per row, per round: position of the round's root (the block anchor)."""
     target_calls: int = 0
@@ -91,12 +96,18 @@ class SpecStats:
         """Mean acceptance length over all rounds of all rows."""
         return sum(map(sum, self.accepted)) / max(self.rounds, 1)
 
+    @property
+    def tokens_per_round(self) -> float:
+        """Mean tokens a round added to the output, after EOS / length cuts."""
+        return sum(map(sum, self.kept)) / max(self.rounds, 1)
+
     def row_tau(self) -> list[float]:
         return [sum(a) / max(len(a), 1) for a in self.accepted]
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "tau": self.tau,
+            "tokens_per_round": self.tokens_per_round,
             "rounds": self.rounds,
             "target_calls": self.target_calls,
             "row_tau": self.row_tau(),
@@ -252,6 +263,7 @@ def speculative_generate(
     stats = SpecStats(target_calls=1)
     b = logits.shape[0]
     stats.accepted, stats.anchors = [[] for _ in range(b)], [[] for _ in range(b)]
+    stats.kept = [[] for _ in range(b)]
     root = _pick(logits, sample, temperature, generator)  # (B,)
     dcache = DraftContextCache()  # the drafter projects each context row once
     lazy = not sample and drafter.cfg.draft_vocab > 0  # the head on walked nodes only
@@ -291,7 +303,9 @@ def speculative_generate(
             nxt.append(bonus)
             stats.accepted[i].append(len(path))
             stats.anchors[i].append(int(anchor[j]))
+            n_out = len(rows.out[i])
             _emit(rows, i, [int(fed[j, n]) for n in path[1:]] + [bonus], stops, max_new_tokens)
+            stats.kept[i].append(len(rows.out[i]) - n_out)
         laps.lap("walk")
         cache, ctx = _compact(target, cache, n_old, ctx, new_ctx, paths)
         root = torch.tensor(nxt, dtype=torch.long, device=root.device)

@@ -431,7 +431,7 @@ def _with_measured(target: dict, config: dict) -> dict:
     return {**target, "eval": measured} if measured else target
 
 
-def check_verifier(target: dict, model: Any, where: str) -> None:
+def check_verifier(target: dict, model: Any, where: str, option: str = "--model") -> None:
     """Refuse an imported drafter whose verifier is not the HF ``model`` it is to draft for
     (architecture, vocabulary size, layer count where the checkpoint names them)."""
     verifier = target.get("verifier")
@@ -450,8 +450,8 @@ def check_verifier(target: dict, model: Any, where: str) -> None:
         diff.append(f"{verifier['layers']} layers (the model has {layers})")
     if diff:
         raise ConfigError(
-            f"the drafter {where} was made for another verifier: {'; '.join(diff)}; pass the "
-            "--model it names"
+            f"the drafter {where} was made for another verifier: {'; '.join(diff)}; set "
+            f"{option} to the model it names"
         )
 
 

@@ -83,7 +83,7 @@ def drafter_to_continue(path: str | Path, dcfg: DrafterConfig, target: Any = Non
     if target is not None:
         hf = getattr(target.model, "model", None)  # the HF model of an HF target
         if hasattr(hf, "config") and hasattr(hf, "get_output_embeddings"):
-            dflash_format.check_verifier(meta, hf, where)
+            dflash_format.check_verifier(meta, hf, where, "model.target")
         check_target_config(meta, target.config_sha256, where)
     mine, theirs = dcfg.to_dict(), drafter.cfg.to_dict()
     diff = [

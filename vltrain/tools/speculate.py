@@ -63,7 +63,9 @@ def pick_spec(
     budget = args.tree_budget or own or DEFAULT_TREE_BUDGET
     if asked != "auto":
         return asked, budget if asked == "tree" else 0
-    tau_chain = float(measured.get("tau_decode") or 0.0)
+    # the speed follows the tokens a round emits: the measured rate after EOS / length cuts
+    # where the run recorded it (tau counts accepted tokens past them: drafter.json before it)
+    tau_chain = float(measured.get("kept_decode") or measured.get("tau_decode") or 0.0)
     if tau_chain <= 0:
         way = "tree" if args.tree_budget else "chain"
         print(
@@ -74,7 +76,8 @@ def pick_spec(
             file=sys.stderr,
         )
         return way, args.tree_budget
-    tau_tree = float(measured.get("tau_decode_tree") or 0.0) if budget == own else 0.0
+    tree_rate = measured.get("kept_decode_tree") or measured.get("tau_decode_tree") or 0.0
+    tau_tree = float(tree_rate) if budget == own else 0.0
     batch = len(inputs["input_ids"])
     tree = budget if tau_tree > 0 else 0
     key = spec_cost.machine_key(
@@ -105,6 +108,8 @@ def report(stats: list[SpecStats], seconds: float, tokens: int, path: str, spec:
     out = {
         **({"spec": spec} if spec else {}),
         "tau": sum(map(sum, acc)) / max(rounds, 1),
+        # what the output gained per round (tau counts tokens accepted past EOS / the limit)
+        "tokens_per_round": sum(sum(map(sum, s.kept)) for s in stats) / max(rounds, 1),
         "rounds": rounds,
         "target_calls": sum(s.target_calls for s in stats),
         "new_tokens": tokens,
