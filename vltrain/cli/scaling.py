@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 from vltrain.cli.options import int_list, non_negative_int, positive_float, positive_int
@@ -159,7 +160,7 @@ def run_fit(args: argparse.Namespace) -> int:
     for k, (lo, hi) in result.ci.items():
         print(f"  {k}: [{lo:.4g}, {hi:.4g}]")
     for w in result.warnings:
-        print(f"warning: {w}")
+        print(f"warning: {w}", file=sys.stderr)
     if args.predict:
         print(
             f"at C = {args.predict:.4g}: approach 3 N_opt = {out['N_opt']:.4g}, "
@@ -173,6 +174,11 @@ def run_fit(args: argparse.Namespace) -> int:
         print(
             f"prediction ({out['predicted_by']}): N_opt = {out['N_opt_predicted']:.4g}, "
             f"D_opt = {out['D_opt_predicted']:.4g}"
+            + (
+                ""
+                if out["prediction_identified"]
+                else " (not identified by these runs: see the warnings)"
+            )
         )
         if path.is_dir() and (path / "sweep.json").is_file():
             from vltrain.runs.sweep import predicted_config
