@@ -11,7 +11,8 @@ the predicted speed-up over greedy decoding on the same forward is
 
 with tau the drafter's measured tokens per round (its ``kept_decode`` / ``kept_decode_tree``
 from the run's evaluation, else ``tau_decode`` / ``tau_decode_tree``) and ``step`` and
-``round`` measured here at the batch the command decodes, by real greedy decoding and real rounds of each way of the first batch of prompts, interleaved
+``round`` measured here at the batch the command decodes, by real greedy decoding and real
+rounds of each way of the first batch of prompts, interleaved
 (`measure_costs`; every part of a round included), once per machine, target, forward,
 drafter, batch and tree budget, cached in a small JSON file in the user's cache dir
 (`cache_path`). Left out: the prefill (the same for every way) and a batch's unequal rows (a
