@@ -103,19 +103,19 @@ def pick_spec(
 
 def report(stats: list[SpecStats], seconds: float, tokens: int, path: str, spec: str = "") -> None:
     """Acceptance statistics as JSON on stderr, or into ``path``."""
-    acc = [a for s in stats for a in s.accepted]
-    rounds = sum(len(a) for a in acc)
+    rows = [r for s in stats for r in zip(s.accepted, s.kept, strict=True)]
+    every = SpecStats([a for a, _ in rows], [k for _, k in rows])  # the batches' rows as one run
     out = {
         **({"spec": spec} if spec else {}),
-        "tau": sum(map(sum, acc)) / max(rounds, 1),
+        "tau": every.tau,
         # what the output gained per round (tau counts tokens accepted past EOS / the limit)
-        "tokens_per_round": sum(sum(map(sum, s.kept)) for s in stats) / max(rounds, 1),
-        "rounds": rounds,
+        "tokens_per_round": every.tokens_per_round,
+        "rounds": every.rounds,
         "target_calls": sum(s.target_calls for s in stats),
         "new_tokens": tokens,
         "seconds": round(seconds, 3),
         "tokens_per_s": tokens / max(seconds, 1e-9),
-        "row_tau": [t for s in stats for t in s.row_tau()],
+        "row_tau": every.row_tau(),
     }
     text = json.dumps(out)
     if path:
